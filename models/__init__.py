@@ -1,0 +1,154 @@
+"""Model families: resolving `--model`, detecting the family from model_index.json, built-in tiny presets.
+
+A family module (e.g. ``models/cogvideox.py``) owns everything specific to one diffusers pipeline:
+request defaults and validation, prompt encoding, the stage-2 denoising loop and the stage-3 decode.
+Adding a family means adding one module and one line to ``FAMILIES``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from utils import UserError
+
+from . import cogvideox
+
+FAMILIES = {family.NAME: family for family in (cogvideox,)}
+
+PRESETS: dict[str, Any] = {name: family for family in FAMILIES.values() for name in family.PRESETS}
+
+CACHE_ENV = "TPU_VIDEO_CACHE"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a pipeline's components come from.
+
+    `ref` is what the user typed (recorded as `model_id`); `location` is what `from_pretrained` gets
+    (a local folder or a hub id); `index` is the pipeline's model_index.json.
+    """
+
+    ref: str
+    location: str
+    index: dict[str, Any]
+    preset_defaults: dict[str, Any] = field(default_factory=dict)
+
+    def load_config(self, component: str) -> dict[str, Any]:
+        """A component's config.json as a dict, without loading any weights."""
+        return component_class(self, component).load_config(self.location, subfolder=component)
+
+    def load(self, component: str, dtype=None):
+        """`from_pretrained` of one component, with the class named in model_index.json."""
+        cls = component_class(self, component)
+        kwargs = {}
+        if dtype is not None:
+            # diffusers still calls it torch_dtype; transformers 5 renamed it to dtype.
+            kwargs["torch_dtype" if cls.__module__.startswith("diffusers") else "dtype"] = dtype
+        try:
+            return cls.from_pretrained(self.location, subfolder=component, **kwargs)
+        except OSError as err:
+            raise UserError(f"cannot load {component!r} of {self.ref!r}: {err}") from None
+
+
+def component_class(source: ModelSource, component: str):
+    entry = source.index.get(component)
+    if not isinstance(entry, list) or len(entry) != 2 or entry[1] is None:
+        raise UserError(f"model_index.json of {source.ref!r} has no {component!r} component")
+    library, class_name = entry
+    return getattr(importlib.import_module(library), class_name)
+
+
+def resolve_model(model: str) -> tuple[ModelSource, Any]:
+    """Turn `--model` (preset name, local diffusers folder or hub id) into a source and its family module."""
+    if model in PRESETS:
+        family = PRESETS[model]
+        location = str(materialize_preset(model))
+        defaults = family.PRESETS[model].defaults
+    elif os.path.isdir(model):
+        location, defaults = model, {}
+    elif model.startswith(("/", ".", "~")) or model.count("/") > 1:  # a path, not an "org/name" hub id
+        raise UserError(f"--model {model!r}: no such folder")
+    else:
+        location, defaults = model, {}
+    index = _read_model_index(model, location)
+    family = detect_family(index, model)
+    return ModelSource(ref=model, location=location, index=index, preset_defaults=defaults), family
+
+
+def resolve_model_for_config(config: dict[str, Any], model_override: str | None = None) -> tuple[ModelSource, Any]:
+    """The model a later stage uses: the config's `model_id` unless overridden, and of the config's family."""
+    source, family = resolve_model(model_override or config["model_id"])
+    if family.NAME != config["model_family"]:
+        raise UserError(
+            f"--model {source.ref!r} is a {family.NAME} model but the stage files are from {config['model_family']}"
+        )
+    return source, family
+
+
+def _read_model_index(model: str, location: str) -> dict[str, Any]:
+    if os.path.isdir(location):
+        path = Path(location) / "model_index.json"
+        if not path.is_file():
+            raise UserError(f"--model {model!r}: {path} is missing (not a diffusers pipeline folder)")
+        return json.loads(path.read_text())
+    from diffusers import DiffusionPipeline
+
+    try:
+        return DiffusionPipeline.load_config(location)
+    except Exception as err:  # the hub client raises many types; any of them means "cannot fetch"
+        raise UserError(
+            f"--model {model!r}: cannot read model_index.json from the hub ({type(err).__name__})"
+        ) from None
+
+
+def detect_family(index: dict[str, Any], model: str):
+    """The family whose diffusers pipeline class is named in model_index.json."""
+    pipeline_class = index.get("_class_name")
+    for family in FAMILIES.values():
+        if pipeline_class in family.PIPELINE_CLASSES:
+            return family
+    supported = ", ".join(cls for family in FAMILIES.values() for cls in family.PIPELINE_CLASSES)
+    raise UserError(f"--model {model!r} is a {pipeline_class!r} pipeline; supported: {supported}")
+
+
+def family_by_name(name: str):
+    if name not in FAMILIES:
+        raise UserError(f"unknown model family {name!r} (known: {', '.join(FAMILIES)})")
+    return FAMILIES[name]
+
+
+def materialize_preset(name: str) -> Path:
+    """Save a preset's tiny random components once (save_pretrained) and return the folder.
+
+    Presets then load through the same `from_pretrained` path as real models. The folder name carries a
+    hash of the component configs, so a changed preset never reuses a stale folder.
+    """
+    pipe = PRESETS[name].PRESETS[name].build()
+    configs = {key: dict(getattr(pipe, key).config) for key in ("transformer", "vae", "scheduler")}
+    configs["text_encoder"] = pipe.text_encoder.config.to_dict()
+    # Keys starting with "_" are bookkeeping (some are unordered sets), not part of the model.
+    configs = {name: {k: v for k, v in c.items() if not k.startswith("_")} for name, c in configs.items()}
+    digest = hashlib.sha256(json.dumps(configs, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tpu-video") / "presets"
+    target = root / f"{name}-{digest}"
+    if (target / "model_index.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}-"))
+    try:
+        pipe.save_pretrained(staging)
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "model_index.json").is_file():  # not merely another process winning the race
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

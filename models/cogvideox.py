@@ -1,0 +1,456 @@
+"""CogVideoX 1.0 and 1.5 (diffusers `CogVideoXPipeline`): defaults, validation, the three stage bodies.
+
+The math stays in diffusers: prompt encoding, initial noise, rotary embeddings, the scheduler and the
+VAE post-processing are the pipeline's own methods, called on a pipeline object that holds only the
+components a stage has loaded. What is ours is the cut into stages and the transformer call, which
+stage 2 hands to a runtime (torchax on a JAX device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from utils import UserError, step_progress
+
+NAME = "cogvideox"
+PIPELINE_CLASSES = ("CogVideoXPipeline",)
+
+# Documented per-variant defaults (model cards). The pipeline's own fallback (transformer
+# sample_height x 8) would give 2400x2400 for CogVideoX1.5, whose config says sample_height=300.
+VARIANT_DEFAULTS = {
+    "1.0": {"height": 480, "width": 720, "num_frames": 49, "fps": 8},
+    "1.5": {"height": 768, "width": 1360, "num_frames": 81, "fps": 16},
+}
+COMMON_DEFAULTS = {"num_inference_steps": 50, "guidance_scale": 6.0}
+
+LATENTS_LAYOUT = "BCFHW"
+
+
+def variant(transformer_config: dict[str, Any]) -> str:
+    """CogVideoX 1.5 patches time (patch_size_t); 1.0 does not."""
+    return "1.0" if transformer_config.get("patch_size_t") is None else "1.5"
+
+
+def request_defaults(source) -> dict[str, Any]:
+    config = source.load_config("transformer")
+    defaults = {**VARIANT_DEFAULTS[variant(config)], **COMMON_DEFAULTS, **source.preset_defaults}
+    return {**defaults, "variant": variant(config)}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How pixels map to latents and tokens for one model."""
+
+    spatial: int  # VAE downsampling of height and width
+    temporal: int  # VAE downsampling of frames
+    patch: int
+    patch_t: int | None
+    text_tokens: int
+
+    @classmethod
+    def of(cls, source) -> Geometry:
+        transformer = source.load_config("transformer")
+        vae = source.load_config("vae")
+        return cls(
+            spatial=2 ** (len(vae["block_out_channels"]) - 1),
+            temporal=vae["temporal_compression_ratio"],
+            patch=transformer["patch_size"],
+            patch_t=transformer.get("patch_size_t"),
+            text_tokens=transformer["max_text_seq_length"],
+        )
+
+
+def validate_request(source, request: dict[str, Any]) -> None:
+    """Reject what the VAE, the patching or the positional embeddings cannot take, before loading weights."""
+    geometry = Geometry.of(source)
+    size_step = geometry.spatial * geometry.patch
+    for key in ("height", "width"):
+        value = request[key]
+        if value <= 0 or value % size_step:
+            raise UserError(
+                f"--{key} {value} must be a positive multiple of {size_step} "
+                f"(VAE downsampling {geometry.spatial} x patch size {geometry.patch})"
+            )
+    frames = request["num_frames"]
+    if frames < 1 or (frames - 1) % geometry.temporal:
+        raise UserError(
+            f"--num_frames {frames} must be {geometry.temporal}k+1 (e.g. 49 or 81): "
+            f"the VAE compresses time by {geometry.temporal} after the first frame"
+        )
+    transformer = source.load_config("transformer")
+    if transformer.get("use_learned_positional_embeddings"):
+        expected = (
+            transformer["sample_height"] * geometry.spatial,
+            transformer["sample_width"] * geometry.spatial,
+            transformer["sample_frames"],
+        )
+        if (request["height"], request["width"], frames) != expected:
+            raise UserError(
+                "this model has learned positional embeddings and only takes "
+                f"--height {expected[0]} --width {expected[1]} --num_frames {expected[2]}"
+            )
+    if request["num_inference_steps"] < 1:
+        raise UserError(f"--num_inference_steps {request['num_inference_steps']} must be at least 1")
+    if request["guidance_scale"] < 0:
+        raise UserError(f"--guidance_scale {request['guidance_scale']} must not be negative")
+    if request["fps"] <= 0:
+        raise UserError(f"--fps {request['fps']} must be positive")
+
+
+def _pipeline(**components):
+    """A CogVideoXPipeline holding only the given components, so its helper methods can be reused."""
+    from diffusers import CogVideoXPipeline
+
+    parts = dict.fromkeys(("tokenizer", "text_encoder", "vae", "transformer", "scheduler"))
+    parts.update(components)
+    return CogVideoXPipeline(**parts)
+
+
+# Stage 1 -------------------------------------------------------------------------------------------
+
+
+def encode_prompts(source, request: dict[str, Any], dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    """T5 embeddings of the prompt and negative prompt, padded to the transformer's text length."""
+    text_encoder = source.load("text_encoder", dtype=dtype).to(device).eval()
+    pipe = _pipeline(tokenizer=source.load("tokenizer"), text_encoder=text_encoder)
+    with torch.no_grad():
+        prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(
+            request["prompt"],
+            request["negative_prompt"],
+            do_classifier_free_guidance=True,  # always encode the negative: stage 2 may turn CFG on
+            max_sequence_length=Geometry.of(source).text_tokens,
+            device=device,
+            dtype=dtype,
+        )
+    return {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds}
+
+
+# Stage 2 -------------------------------------------------------------------------------------------
+
+
+def rotary_attention_processor():
+    """diffusers' CogVideoXAttnProcessor2_0 with the rotary embedding applied by concatenation.
+
+    The stock processor writes the rotated video tokens back in place (`query[:, :, T:] = ...`). Under
+    jit on XLA:CPU that scatter gives wrong results (1e-2 relative error at batch 1 with no sharding,
+    and under `dp` sharding at batch 2; batch 2 unsharded is fine). Building the tensor with torch.cat
+    is the same math and compiles correctly everywhere. tests/test_cogvideox_patches.py proves the two
+    processors agree in eager PyTorch.
+    """
+    from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    class CatRotaryCogVideoXAttnProcessor(CogVideoXAttnProcessor2_0):
+        def __call__(self, attn, hidden_states, encoder_hidden_states, attention_mask=None, image_rotary_emb=None):
+            if attention_mask is not None:  # CogVideoX never passes one; keep the stock path for it
+                return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+            text_len = encoder_hidden_states.size(1)
+            hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+            batch_size = hidden_states.shape[0]
+
+            def heads(projection, norm):
+                tensor = projection(hidden_states)
+                tensor = tensor.view(batch_size, -1, attn.heads, tensor.shape[-1] // attn.heads).transpose(1, 2)
+                return norm(tensor) if norm is not None else tensor
+
+            query, key, value = heads(attn.to_q, attn.norm_q), heads(attn.to_k, attn.norm_k), heads(attn.to_v, None)
+            if image_rotary_emb is not None:
+
+                def rotate(tensor):
+                    rotated = apply_rotary_emb(tensor[:, :, text_len:], image_rotary_emb)
+                    return torch.cat([tensor[:, :, :text_len], rotated], dim=2)
+
+                query = rotate(query)
+                if not attn.is_cross_attention:
+                    key = rotate(key)
+
+            hidden_states = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
+            )
+            hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * query.shape[-1])
+            hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+            encoder_hidden_states, hidden_states = hidden_states.split(
+                [text_len, hidden_states.size(1) - text_len], dim=1
+            )
+            return hidden_states, encoder_hidden_states
+
+    return CatRotaryCogVideoXAttnProcessor()
+
+
+def make_jit_safe(transformer: torch.nn.Module) -> torch.nn.Module:
+    """The one place CogVideoX's transformer is adapted for jit (see rotary_attention_processor)."""
+    transformer.set_attn_processor(rotary_attention_processor())
+    return transformer
+
+
+class GuidedTransformer(torch.nn.Module):
+    """One denoiser evaluation: the transformer on [uncond, cond] and the CFG combination, as one graph.
+
+    Mirrors CogVideoXPipeline.__call__'s loop body; the guidance scale is a tensor so dynamic CFG
+    would not recompile.
+    """
+
+    def __init__(self, transformer: torch.nn.Module, do_cfg: bool) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.do_cfg = do_cfg
+
+    def forward(self, latents, timestep, prompt_embeds, image_rotary_emb, guidance_scale):
+        latent_model_input = torch.cat([latents] * 2) if self.do_cfg else latents
+        noise_pred = self.transformer(
+            hidden_states=latent_model_input,
+            encoder_hidden_states=prompt_embeds,
+            timestep=timestep.expand(latent_model_input.shape[0]),
+            image_rotary_emb=image_rotary_emb,
+            return_dict=False,
+        )[0]
+        noise_pred = noise_pred.float()
+        if self.do_cfg:
+            noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
+            noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
+        return noise_pred
+
+
+def denoise(source, request: dict[str, Any], embeds: dict[str, torch.Tensor], dtype: torch.dtype, runtime, timer):
+    """Run the pipeline's denoising loop with the transformer on `runtime`; return latents (B, C, F, H, W).
+
+    The scheduler stays in PyTorch on the host (its step has Python branches on tensor values and draws
+    noise from the CPU generator), exactly as the pipeline runs it.
+    """
+    from diffusers import CogVideoXDPMScheduler
+    from diffusers.pipelines.cogvideo.pipeline_cogvideox import retrieve_timesteps
+
+    geometry = Geometry.of(source)
+    with timer.phase("load"):
+        transformer = make_jit_safe(source.load("transformer", dtype=dtype).eval())
+        scheduler = source.load("scheduler")
+    pipe = _pipeline(transformer=transformer, scheduler=scheduler)
+    pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal = geometry.spatial, geometry.temporal
+
+    do_cfg = request["guidance_scale"] > 1.0
+    prompt_embeds = embeds["prompt_embeds"].to(dtype)
+    if do_cfg:
+        prompt_embeds = torch.cat([embeds["negative_prompt_embeds"].to(dtype), prompt_embeds])
+
+    height, width, num_frames = request["height"], request["width"], request["num_frames"]
+    generator = torch.Generator("cpu").manual_seed(request["seed"])
+    timesteps, _ = retrieve_timesteps(scheduler, request["num_inference_steps"], "cpu")
+    # CogVideoX 1.5 pads the latent frames to a multiple of patch_size_t and drops the pad after denoising.
+    latent_frames = (num_frames - 1) // geometry.temporal + 1
+    pad_frames = 0
+    if geometry.patch_t is not None and latent_frames % geometry.patch_t:
+        pad_frames = geometry.patch_t - latent_frames % geometry.patch_t
+    latents = pipe.prepare_latents(
+        1,
+        transformer.config.in_channels,
+        num_frames + pad_frames * geometry.temporal,
+        height,
+        width,
+        prompt_embeds.dtype,
+        "cpu",
+        generator,
+    )
+    extra_step_kwargs = pipe.prepare_extra_step_kwargs(generator, 0.0)
+    image_rotary_emb = None
+    if transformer.config.use_rotary_positional_embeddings:
+        image_rotary_emb = pipe._prepare_rotary_positional_embeddings(height, width, latents.size(1), "cpu")
+
+    with timer.phase("place"):
+        denoiser = runtime.compile(GuidedTransformer(transformer, do_cfg))
+        static_inputs = runtime.to_device(
+            (prompt_embeds, image_rotary_emb, torch.tensor(request["guidance_scale"], dtype=torch.float32))
+        )
+
+    is_dpm = isinstance(scheduler, CogVideoXDPMScheduler)
+    old_pred_original_sample = None
+    for i, t in step_progress(timesteps, timer):
+        model_input = runtime.to_device((scheduler.scale_model_input(latents, t), t.reshape(1)))
+        device_embeds, device_rotary, guidance = static_inputs
+        noise_pred = runtime.to_host(denoiser(*model_input, device_embeds, device_rotary, guidance))
+        if is_dpm:
+            latents, old_pred_original_sample = scheduler.step(
+                noise_pred,
+                old_pred_original_sample,
+                t,
+                timesteps[i - 1] if i > 0 else None,
+                latents,
+                **extra_step_kwargs,
+                return_dict=False,
+            )
+        else:
+            latents = scheduler.step(noise_pred, t, latents, **extra_step_kwargs, return_dict=False)[0]
+        latents = latents.to(prompt_embeds.dtype)
+
+    latents = latents[:, pad_frames:].permute(0, 2, 1, 3, 4).contiguous()
+    info = {
+        "latents_layout": LATENTS_LAYOUT,
+        "latents_scaled_by_vae_scaling_factor": True,
+        "dropped_pad_latent_frames": pad_frames,
+        "scheduler": type(scheduler).__name__,
+        "classifier_free_guidance": do_cfg,
+    }
+    return latents, info
+
+
+# Stage 3 -------------------------------------------------------------------------------------------
+
+
+class Decoder(torch.nn.Module):
+    """VAE decode of diffusion-space latents (B, C, F, H, W) to pixels in [-1, 1], as one graph."""
+
+    def __init__(self, vae: torch.nn.Module) -> None:
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, latents):
+        # Same expression as CogVideoXPipeline.decode_latents, so the rounding matches too.
+        latents = 1 / self.vae.config.scaling_factor * latents
+        return self.vae.decode(latents, return_dict=False)[0]
+
+
+def decode(source, latents: torch.Tensor, dtype: torch.dtype, runtime, timer, tiling: bool = False):
+    """Decode stage-2 latents to video frames, float32 in [0, 1], shaped (F, H, W, 3)."""
+    from diffusers.video_processor import VideoProcessor
+
+    with timer.phase("load"):
+        vae = source.load("vae", dtype=dtype).eval()
+    if tiling:
+        vae.enable_tiling()
+    with timer.phase("place"):
+        decoder = runtime.compile(Decoder(vae))
+        device_latents = runtime.to_device(latents.to(dtype))
+    with timer.phase("decode"), torch.no_grad():
+        video = runtime.to_host(decoder(device_latents))
+    processor = VideoProcessor(vae_scale_factor=Geometry.of(source).spatial)
+    frames = processor.postprocess_video(video=video.float(), output_type="np")
+    return torch.from_numpy(frames[0])
+
+
+# Tiny presets --------------------------------------------------------------------------------------
+
+
+def tiny_tokenizer():
+    """A T5 (Unigram) tokenizer built in code: special tokens, a few words and single characters."""
+    from transformers import T5Tokenizer
+
+    words = [
+        "a",
+        "the",
+        "of",
+        "and",
+        "in",
+        "on",
+        "with",
+        "is",
+        "playing",
+        "panda",
+        "guitar",
+        "forest",
+        "cat",
+        "dog",
+        "video",
+        "red",
+        "blue",
+    ]
+    characters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()"
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    vocab += [("\u2581" + word, -1.0) for word in words] + [(char, -3.0) for char in characters]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def build_tiny(version: str, seed: int = 0):
+    """Random tiny CogVideoX components (as in diffusers' own pipeline tests), deterministic per seed."""
+    from diffusers import (
+        AutoencoderKLCogVideoX,
+        CogVideoXDDIMScheduler,
+        CogVideoXDPMScheduler,
+        CogVideoXTransformer3DModel,
+    )
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(seed)
+    text_encoder = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer),
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+    torch.manual_seed(seed + 1)
+    version_kwargs = (
+        {"patch_size_t": 2, "patch_bias": False, "use_rotary_positional_embeddings": True}
+        if version == "1.5"
+        else {"patch_size_t": None, "use_rotary_positional_embeddings": False}
+    )
+    transformer = CogVideoXTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=8,
+        text_embed_dim=32,
+        num_layers=2,
+        sample_width=12,
+        sample_height=8,
+        sample_frames=9,
+        patch_size=2,
+        temporal_compression_ratio=4,
+        max_text_seq_length=32,
+        **version_kwargs,
+    )
+    torch.manual_seed(seed + 2)
+    vae = AutoencoderKLCogVideoX(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("CogVideoXDownBlock3D",) * 4,
+        up_block_types=("CogVideoXUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
+        scaling_factor=0.7,
+    )
+    # The real checkpoints' scheduler settings: 1.5 and 5b use DPM, 2b uses DDIM.
+    scheduler_cls = CogVideoXDPMScheduler if version == "1.5" else CogVideoXDDIMScheduler
+    scheduler = scheduler_cls(
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        prediction_type="v_prediction",
+        rescale_betas_zero_snr=True,
+        timestep_spacing="trailing",
+        clip_sample=False,
+        set_alpha_to_one=True,
+        snr_shift_scale=1.0,
+    )
+    pipe = _pipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
+    )
+    return pipe
+
+
+@dataclass(frozen=True)
+class Preset:
+    version: str
+    defaults: dict[str, Any]
+
+    def build(self):
+        return build_tiny(self.version)
+
+
+TINY_DEFAULTS = {"height": 64, "width": 96, "num_frames": 9, "fps": 8, "num_inference_steps": 8}
+PRESETS = {
+    "tiny-cogvideox": Preset("1.5", TINY_DEFAULTS),
+    "tiny-cogvideox1.0": Preset("1.0", TINY_DEFAULTS),
+}

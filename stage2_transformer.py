@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""Stage 2: denoise with the stock diffusers transformer running on a JAX device through torchax.
+
+Reads stage1_embeddings.safetensors + generation_config.json, runs the family's scheduler loop with
+classifier-free guidance, and writes stage2_latents.safetensors (tensor `latents`, layout B,C,F,H,W,
+still multiplied by the VAE scaling factor) plus a `stage2` section in the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import models
+from utils import (
+    DEFAULT_OUTPUT_DIR,
+    STAGE2_FILE,
+    Timer,
+    UserError,
+    add_request_arguments,
+    apply_request_overrides,
+    ensure_writable_dir,
+    library_versions,
+    log,
+    parse_dtype,
+    read_config,
+    read_tensors,
+    request_flags,
+    run_cli,
+    write_config,
+    write_tensors,
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--input_dir", default=DEFAULT_OUTPUT_DIR, help="folder with stage 1's files (default: %(default)s)"
+    )
+    parser.add_argument("--output_dir", help="where to write the latents and config (default: --input_dir)")
+    parser.add_argument("--model", help="override the model recorded by stage 1 (same family only)")
+    parser.add_argument("--dtype", help="bf16, fp16 or fp32 for the transformer (default: stage 1's dtype)")
+    add_request_arguments(parser, for_later_stage=True)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    input_dir = Path(args.input_dir)
+    output_dir = Path(args.output_dir or args.input_dir)
+    timer = Timer()
+
+    config = read_config(input_dir, needs="stage1")
+    source, family = models.resolve_model_for_config(config, args.model)
+    overrides = apply_request_overrides(config, request_flags(args))
+    if args.model:
+        overrides.update(apply_request_overrides(config, {"model_id": args.model}))
+    dtype_name = args.dtype or config["dtype"]
+    dtype = parse_dtype(dtype_name)
+    family.validate_request(source, config)
+    embeddings = read_tensors(input_dir, config["stage1"])
+    ensure_writable_dir(output_dir)
+
+    from torchax_runtime import (
+        TorchaxRuntime,  # JAX is imported only once the inputs are known good
+    )
+
+    runtime = TorchaxRuntime()
+    log(f"{family.NAME} transformer on {runtime.device_description}, {dtype_name}, overrides: {overrides or 'none'}")
+    latents, info = family.denoise(source, config, embeddings, dtype, runtime, timer)
+    if not latents.isfinite().all():
+        raise UserError("the final latents contain NaN or Inf; not writing them")
+    with timer.phase("save"):
+        record = write_tensors(output_dir / STAGE2_FILE, {"latents": latents})
+
+    config["stage2"] = {
+        **record,
+        **info,
+        "backend": runtime.name,
+        **runtime.device_description,
+        "dtype": dtype_name,
+        "overrides": overrides,
+        "seconds": timer.seconds,
+        "step_seconds": timer.step_seconds,
+        "versions": library_versions("torch", "jax", "jaxlib", "torchax", "diffusers"),
+    }
+    write_config(output_dir, config)
+    log(f"wrote {output_dir / STAGE2_FILE}: latents {tuple(latents.shape)} ({info['latents_layout']})")
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,21 @@
+"""Test setup: 8 virtual CPU devices (set before JAX is imported) and a private preset cache."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def preset_cache(tmp_path_factory):
+    """Presets are materialized once per test session, in a temp folder (inherited by subprocesses)."""
+    path = tmp_path_factory.mktemp("preset-cache")
+    os.environ["TPU_VIDEO_CACHE"] = str(path)
+    return path

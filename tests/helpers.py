@@ -1,0 +1,53 @@
+"""Shared test helpers: running a stage in-process or as a real subprocess, and comparing tensors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def relative_error(actual, expected) -> float:
+    """||actual - expected|| / ||expected|| over the whole tensor, in float64."""
+    actual = torch.as_tensor(actual).double()
+    expected = torch.as_tensor(expected).double()
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+def run_stage(module, argv: list[str]) -> None:
+    """Run a stage's main() in this process exactly as its `__main__` block does."""
+    from utils import run_cli
+
+    run_cli(lambda: module.main([str(arg) for arg in argv]))
+
+
+def expect_user_error(capsys, module, argv: list[str], message: str) -> str:
+    """Assert the stage exits with status 2 and one `error:` line containing `message`."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_stage(module, argv)
+    assert exit_info.value.code == 2
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err_lines) == 1, err_lines
+    assert message in err_lines[0], err_lines[0]
+    return err_lines[0]
+
+
+def run_script(script: str, argv: list[str], extra_pythonpath: Path | None = None, **kwargs):
+    """Run a stage script as a real subprocess (the user's command line)."""
+    env = dict(os.environ)
+    if extra_pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(extra_pythonpath), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *[str(arg) for arg in argv]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        **kwargs,
+    )

@@ -1,0 +1,279 @@
+"""The stage-file contract (safetensors + generation_config.json), user errors, logging and timing.
+
+Imported by all three stages, so it must not import JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "generation_config.json"
+STAGE1_FILE = "stage1_embeddings.safetensors"
+STAGE2_FILE = "stage2_latents.safetensors"
+VIDEO_FILE = "output_video.mp4"
+DEFAULT_OUTPUT_DIR = "./stage_outputs"
+
+# The generation request: top-level keys of generation_config.json that later stages may override.
+REQUEST_KEYS = (
+    "height",
+    "width",
+    "num_frames",
+    "fps",
+    "num_inference_steps",
+    "guidance_scale",
+    "seed",
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+_START = time.monotonic()
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad flag, missing or wrong file); reported as one `error:` line, exit 2."""
+
+
+def run_cli(main: Callable[[], None]) -> None:
+    """Run a stage's main(): user errors become one `error:` line and exit status 2; bugs keep their traceback."""
+    try:
+        main()
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def log(message: str) -> None:
+    """Plain log line prefixed with seconds since the process started."""
+    print(f"[{time.monotonic() - _START:7.1f}s] {message}", flush=True)
+
+
+class Timer:
+    """Collects named wall-clock phases ({"load": 1.2, "denoise": 30.5}) and per-step seconds."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.step_seconds: list[float] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - start, 4)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise UserError(f"--dtype {name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def library_versions(*names: str) -> dict[str, str]:
+    """Versions of the installed distributions that shaped a stage's output."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in names:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write through a temp file in the same folder and rename, so a crash never leaves a half file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Keep the real extension last: ffmpeg picks the container from it.
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=f".tmp{path.suffix}")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def ensure_writable_dir(directory: Path) -> None:
+    """Create the output folder, or fail with a user error before any heavy work."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create output folder {directory}: {err.strerror}") from None
+    if not os.access(directory, os.W_OK):
+        raise UserError(f"output folder {directory} is not writable")
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Save tensors (in their own dtype) atomically; return the config record describing the file."""
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    _atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
+    return {
+        "file": path.name,
+        "sha256": sha256_file(path),
+        "tensors": {name: {"shape": list(t.shape), "dtype": dtype_name(t.dtype)} for name, t in tensors.items()},
+    }
+
+
+def read_tensors(directory: Path, record: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Load a stage file described by `record`, verifying its checksum, names, shapes and dtypes."""
+    path = directory / record["file"]
+    if not path.is_file():
+        raise UserError(f"{path} is missing")
+    if sha256_file(path) != record["sha256"]:
+        raise UserError(f"{path} does not match the sha256 recorded in {CONFIG_FILE} (truncated or changed copy?)")
+    tensors = load_file(str(path))
+    for name, spec in record["tensors"].items():
+        if name not in tensors:
+            raise UserError(f"{path} has no tensor {name!r}")
+        found = {"shape": list(tensors[name].shape), "dtype": dtype_name(tensors[name].dtype)}
+        if found != spec:
+            raise UserError(f"{path}: tensor {name!r} is {found}, {CONFIG_FILE} says {spec}")
+    return tensors
+
+
+def read_config(directory: Path, needs: str | None = None) -> dict[str, Any]:
+    """Read generation_config.json; `needs` names a stage section that must be present (e.g. "stage1")."""
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        hint = " (run stage1_text_encoder.py first)" if needs else ""
+        raise UserError(f"{path} is missing{hint}")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON: {err}") from None
+    version = config.get("format_version")
+    if version != FORMAT_VERSION:
+        raise UserError(f"{path} has format_version {version!r}; this tool reads format_version {FORMAT_VERSION}")
+    if needs and needs not in config:
+        raise UserError(f"{path} has no {needs!r} section (run the {needs} script first)")
+    return config
+
+
+def write_config(directory: Path, config: dict[str, Any]) -> None:
+    text = json.dumps(config, indent=2, sort_keys=False) + "\n"
+    _atomic_write(directory / CONFIG_FILE, lambda tmp: tmp.write_text(text))
+
+
+def add_request_arguments(parser, *, for_later_stage: bool) -> None:
+    """The generation-request flags. In stage 1 an omitted flag takes the family default; in a later
+    stage it keeps the value from generation_config.json (and a given one is recorded as an override)."""
+    where = "default: from generation_config.json" if for_later_stage else "default: the model family's"
+    group = parser.add_argument_group("generation request", f"({where})")
+    group.add_argument("--height", type=int, help="video height in pixels")
+    group.add_argument("--width", type=int, help="video width in pixels")
+    group.add_argument("--num_frames", type=int, help="number of frames (4k+1 for CogVideoX)")
+    group.add_argument("--fps", type=int, help="frames per second of the mp4")
+    group.add_argument("--num_inference_steps", type=int, help="denoising steps")
+    group.add_argument("--guidance_scale", type=float, help="classifier-free guidance scale (<= 1 turns CFG off)")
+    group.add_argument(
+        "--seed",
+        type=int,
+        help="seed of the CPU generator that draws the initial noise" + ("" if for_later_stage else " (default: 42)"),
+    )
+
+
+def request_flags(args) -> dict[str, Any]:
+    return {key: getattr(args, key) for key in REQUEST_KEYS}
+
+
+def apply_request_overrides(config: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
+    """Set request keys given on a later stage's command line; return {key: [old, new]} for the record."""
+    overrides = {}
+    for key, value in flags.items():
+        if value is not None and config.get(key) != value:
+            overrides[key] = [config.get(key), value]
+            config[key] = value
+    return overrides
+
+
+def step_progress(steps, timer: Timer, desc: str = "denoise"):
+    """Yield (index, step) under a tqdm bar showing the last step's seconds, the running mean and ETA.
+
+    A step's time runs from one yield to the next, so it includes the device sync the caller does when
+    it pulls the step's result back to the host.
+    """
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(steps), desc=desc, unit="step", dynamic_ncols=True)
+    with timer.phase(desc):
+        for index, step in enumerate(steps):
+            start = time.perf_counter()
+            yield index, step
+            timer.step_seconds.append(round(time.perf_counter() - start, 4))
+            mean = sum(timer.step_seconds) / len(timer.step_seconds)
+            bar.set_postfix_str(f"step {timer.step_seconds[-1]:.3f}s avg {mean:.3f}s")
+            bar.update()
+    bar.close()
+
+
+def write_mp4(path: Path, frames, fps: int) -> None:
+    """Encode uint8 frames (F, H, W, 3) as H.264 mp4 with imageio-ffmpeg, atomically."""
+    import imageio_ffmpeg
+
+    _, height, width, _ = frames.shape
+
+    def write(tmp: Path) -> None:
+        writer = imageio_ffmpeg.write_frames(
+            str(tmp),
+            (width, height),
+            fps=fps,
+            codec="libx264",
+            pix_fmt_out="yuv420p",
+            macro_block_size=1,
+            quality=8,
+            ffmpeg_log_level="error",
+        )
+        writer.send(None)
+        for frame in frames:
+            writer.send(frame.tobytes())
+        writer.close()
+
+    _atomic_write(path, write)
+
+
+class TorchRuntime:
+    """Runs modules eagerly in PyTorch on one device (CPU or CUDA); the no-JAX backend of stage 3."""
+
+    name = "torch"
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def compile(self, module: torch.nn.Module):
+        return module.to(self.device)
+
+    def to_device(self, tree):
+        return torch.utils._pytree.tree_map(lambda t: t.to(self.device) if torch.is_tensor(t) else t, tree)
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to("cpu")

@@ -191,7 +191,7 @@ def add_request_arguments(parser, *, for_later_stage: bool) -> None:
     group = parser.add_argument_group("generation request", f"({where})")
     group.add_argument("--height", type=int, help="video height in pixels")
     group.add_argument("--width", type=int, help="video width in pixels")
-    group.add_argument("--num_frames", type=int, help="number of frames (4k+1 for CogVideoX)")
+    group.add_argument("--num_frames", type=int, help="number of frames (8n+1 for CogVideoX)")
     group.add_argument("--fps", type=int, help="frames per second of the mp4")
     group.add_argument("--num_inference_steps", type=int, help="denoising steps")
     group.add_argument("--guidance_scale", type=float, help="classifier-free guidance scale (<= 1 turns CFG off)")

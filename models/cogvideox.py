@@ -75,10 +75,13 @@ def validate_request(source, request: dict[str, Any]) -> None:
                 f"(VAE downsampling {geometry.spatial} x patch size {geometry.patch})"
             )
     frames = request["num_frames"]
-    if frames < 1 or (frames - 1) % geometry.temporal:
+    # The VAE turns k latent frames into 4(k-1)+1 frames only when k is odd (an even k decodes to 4k),
+    # so the frame counts that round-trip are 8n+1; (F-1)/4+1 is the latent frame count.
+    frame_step = 2 * geometry.temporal
+    if frames < 1 or (frames - 1) % frame_step:
         raise UserError(
-            f"--num_frames {frames} must be {geometry.temporal}k+1 (e.g. 49 or 81): "
-            f"the VAE compresses time by {geometry.temporal} after the first frame"
+            f"--num_frames {frames} must be {frame_step}n+1 (e.g. 49 or 81): the VAE compresses time by "
+            f"{geometry.temporal} and decodes only an odd number of latent frames back to that count"
         )
     transformer = source.load_config("transformer")
     if transformer.get("use_learned_positional_embeddings"):

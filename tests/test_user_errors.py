@@ -1,0 +1,92 @@
+"""Invalid requests fail before heavy work with exit status 2 and one `error:` line naming the problem."""
+
+import json
+
+import pytest
+
+import stage1_text_encoder
+import stage2_transformer
+import stage3_vae_decoder
+from helpers import expect_user_error, run_script, run_stage
+from utils import CONFIG_FILE, STAGE1_FILE
+
+TINY = ["--model", "tiny-cogvideox", "--prompt", "a cat", "--num_inference_steps", "1"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--height", "72"], "--height 72 must be a positive multiple of 16"),
+        (["--width", "0"], "--width 0 must be a positive multiple of 16"),
+        (["--num_frames", "10"], "--num_frames 10 must be 8n+1"),
+        (["--num_inference_steps", "0"], "--num_inference_steps 0 must be at least 1"),
+        (["--dtype", "int8"], "--dtype 'int8' is not one of bf16, fp16, fp32"),
+        (["--model", "./no/such/folder"], "--model './no/such/folder': no such folder"),
+    ],
+)
+def test_stage1_rejects_bad_requests(capsys, tmp_path, flags, message):
+    expect_user_error(capsys, stage1_text_encoder, [*TINY, "--output_dir", tmp_path, *flags], message)
+    assert not (tmp_path / CONFIG_FILE).exists()
+
+
+def test_stage1_rejects_a_folder_of_another_pipeline(capsys, tmp_path):
+    other = tmp_path / "other-model"
+    other.mkdir()
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    expect_user_error(
+        capsys, stage1_text_encoder, ["--model", other, "--prompt", "x"], "is a 'StableDiffusionPipeline' pipeline"
+    )
+
+
+def test_stage1_rejects_a_folder_without_model_index(capsys, tmp_path):
+    expect_user_error(
+        capsys, stage1_text_encoder, ["--model", tmp_path, "--prompt", "x"], "model_index.json is missing"
+    )
+
+
+def test_stage2_without_stage1_files(capsys, tmp_path):
+    expect_user_error(capsys, stage2_transformer, ["--input_dir", tmp_path], "run stage1_text_encoder.py first")
+
+
+@pytest.fixture
+def stage1_dir(tmp_path):
+    run_stage(stage1_text_encoder, [*TINY, "--output_dir", tmp_path, "--dtype", "fp32"])
+    return tmp_path
+
+
+def test_stage2_with_missing_embeddings_file(capsys, stage1_dir):
+    (stage1_dir / STAGE1_FILE).unlink()
+    expect_user_error(capsys, stage2_transformer, ["--input_dir", stage1_dir], f"{STAGE1_FILE} is missing")
+
+
+def test_stage2_with_changed_embeddings_file(capsys, stage1_dir):
+    path = stage1_dir / STAGE1_FILE
+    path.write_bytes(path.read_bytes()[:-8])
+    expect_user_error(capsys, stage2_transformer, ["--input_dir", stage1_dir], "does not match the sha256")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num_frames", "8"], "--num_frames 8 must be 8n+1"),
+        (["--height", "40"], "--height 40 must be a positive multiple of 16"),
+        (["--model", "tiny-cogvideox1.0", "--guidance_scale", "-1"], "--guidance_scale -1.0 must not be negative"),
+    ],
+)
+def test_stage2_rejects_bad_overrides(capsys, stage1_dir, flags, message):
+    expect_user_error(capsys, stage2_transformer, ["--input_dir", stage1_dir, *flags], message)
+
+
+def test_stage3_before_stage2(capsys, stage1_dir):
+    expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", stage1_dir], "has no 'stage2' section")
+
+
+def test_stage3_rejects_bad_fps(capsys, stage1_dir):
+    run_stage(stage2_transformer, ["--input_dir", stage1_dir])
+    expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", stage1_dir, "--fps", "0"], "--fps 0 must be positive")
+
+
+def test_error_exit_status_through_the_real_command_line(tmp_path):
+    result = run_script("stage1_text_encoder.py", [*TINY, "--output_dir", tmp_path, "--num_frames", "13"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --num_frames 13 must be 8n+1")

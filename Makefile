@@ -1,0 +1,36 @@
+# Fresh machine: Python 3.11 + pip + the local torch 2.13.0 CPU wheel. Everything else comes from PyPI.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+OUT ?= stage_outputs
+MODEL ?= tiny-cogvideox
+PROMPT ?= A panda playing a guitar in a bamboo forest
+
+.PHONY: install demo test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first and pinned, so pip takes the local CPU build instead of a CUDA one from the index.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[cpu,dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/python stage1_text_encoder.py --model $(MODEL) --prompt "$(PROMPT)" --output_dir $(OUT)
+	$(BIN)/python stage2_transformer.py --input_dir $(OUT)
+	$(BIN)/python stage3_vae_decoder.py --input_dir $(OUT)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(OUT)/*.safetensors $(OUT)/*.json $(OUT)/*.mp4

@@ -9,6 +9,7 @@ still multiplied by the VAE scaling factor) plus a `stage2` section in the confi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import models
@@ -40,8 +41,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output_dir", help="where to write the latents and config (default: --input_dir)")
     parser.add_argument("--model", help="override the model recorded by stage 1 (same family only)")
     parser.add_argument("--dtype", help="bf16, fp16 or fp32 for the transformer (default: stage 1's dtype)")
+    attention = parser.add_argument_group("attention")
+    attention.add_argument(
+        "--attention",
+        choices=("auto", "splash", "xla"),
+        default="auto",
+        help="Splash kernel (interpret mode off TPU) or torchax's XLA lowering; auto: Splash on TPU (default: auto)",
+    )
+    for name in ("block_q", "block_kv", "block_kv_compute"):
+        attention.add_argument(f"--{name}", type=int, help="Splash tile size, a multiple of 128 (default: per family)")
     add_request_arguments(parser, for_later_stage=True)
     return parser.parse_args(argv)
+
+
+def splash_config(args, family, platform: str):
+    from splash_attention import SplashConfig
+
+    blocks = dict(family.SPLASH_BLOCK_SIZES)
+    blocks.update({name: getattr(args, name) for name in blocks if getattr(args, name) is not None})
+    try:
+        return SplashConfig(**blocks, interpret=platform != "tpu")
+    except ValueError as err:
+        raise UserError(f"--{err}") from None
 
 
 def main(argv=None) -> None:
@@ -61,13 +82,17 @@ def main(argv=None) -> None:
     embeddings = read_tensors(input_dir, config["stage1"])
     ensure_writable_dir(output_dir)
 
-    from torchax_runtime import (
-        TorchaxRuntime,  # JAX is imported only once the inputs are known good
-    )
+    # JAX is imported only once the inputs are known good.
+    from splash_attention import attention_backend, resolve_backend
+    from torchax_runtime import TorchaxRuntime
 
     runtime = TorchaxRuntime()
-    log(f"{family.NAME} transformer on {runtime.device_description}, {dtype_name}, overrides: {overrides or 'none'}")
-    latents, info = family.denoise(source, config, embeddings, dtype, runtime, timer)
+    attention = resolve_backend(args.attention)
+    splash = splash_config(args, family, runtime.device_description["platform"])
+    log(f"{family.NAME} transformer on {runtime.device_description}, {dtype_name}, attention {attention}")
+    log(f"request overrides: {overrides or 'none'}")
+    with attention_backend(runtime.env, attention, splash):
+        latents, info = family.denoise(source, config, embeddings, dtype, runtime, timer)
     if not latents.isfinite().all():
         raise UserError("the final latents contain NaN or Inf; not writing them")
     with timer.phase("save"):
@@ -79,6 +104,8 @@ def main(argv=None) -> None:
         "backend": runtime.name,
         **runtime.device_description,
         "dtype": dtype_name,
+        "attention": attention,
+        **({"splash": dataclasses.asdict(splash)} if attention == "splash" else {}),
         "overrides": overrides,
         "seconds": timer.seconds,
         "step_seconds": timer.step_seconds,

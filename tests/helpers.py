@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def relative_error(actual, expected) -> float:
     """||actual - expected|| / ||expected|| over the whole tensor, in float64."""
-    actual = torch.as_tensor(actual).double()
-    expected = torch.as_tensor(expected).double()
+    actual = torch.as_tensor(np.array(actual, dtype=np.float64))
+    expected = torch.as_tensor(np.array(expected, dtype=np.float64))
     return ((actual - expected).norm() / expected.norm()).item()
 
 

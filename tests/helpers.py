@@ -14,10 +14,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _float64(values) -> torch.Tensor:
+    if torch.is_tensor(values):
+        return values.detach().to("cpu", torch.float64)
+    return torch.from_numpy(np.array(values, dtype=np.float64))
+
+
 def relative_error(actual, expected) -> float:
     """||actual - expected|| / ||expected|| over the whole tensor, in float64."""
-    actual = torch.as_tensor(np.array(actual, dtype=np.float64))
-    expected = torch.as_tensor(np.array(expected, dtype=np.float64))
+    actual, expected = _float64(actual), _float64(expected)
     return ((actual - expected).norm() / expected.norm()).item()
 
 

@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Exactness of key masking in Splash attention over a padding sweep, printed as JSON lines.
+
+For each fraction of padded keys: the relative error (vs float64 exact masked attention) of
+  - zero_kv: padded K and V set to zero, no mask (the reference notes' approach),
+  - splash_segment_ids: our backend (splash_attention.splash_attention, segment-id masking).
+With --time (meant for a TPU): median seconds of masked vs unmasked Splash at the same shape, and the ratio.
+
+    python benchmarks/attention_exactness.py               # CPU: Pallas interpret mode, errors only
+    python benchmarks/attention_exactness.py --time --seq 16384 --heads 16 --head_dim 128   # on a TPU VM
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from splash_attention import SplashConfig, splash_attention  # noqa: E402
+
+
+def exact_attention(q, k, v, key_valid):
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    scores = np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    scores = np.where(key_valid[:, None, None, :], scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("bhqk,bhkd->bhqd", weights / weights.sum(-1, keepdims=True), v)
+
+
+def relative_error(actual, expected) -> float:
+    return float(np.linalg.norm(np.asarray(actual, np.float64) - expected) / np.linalg.norm(expected))
+
+
+def median_seconds(fn, *args, repeats=5) -> float:
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--head_dim", type=int, default=64)
+    parser.add_argument("--padding", default="0,0.1,0.4,0.6,0.9,0.99", help="comma-separated padded fractions")
+    parser.add_argument("--time", action="store_true", help="also time masked vs unmasked Splash (TPU)")
+    args = parser.parse_args()
+
+    on_tpu = jax.devices()[0].platform == "tpu"
+    config = SplashConfig(block_q=512, block_kv=512, block_kv_compute=512 if on_tpu else 128, interpret=not on_tpu)
+    rng = np.random.default_rng(0)
+    shape = (1, args.heads, args.seq, args.head_dim)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(3))
+    attend = jax.jit(lambda q, k, v, m: splash_attention(q, k, v, m, config=config))
+    for fraction in (float(f) for f in args.padding.split(",")):
+        valid = int(round(args.seq * (1 - fraction)))
+        key_valid = np.arange(args.seq)[None, :] < valid
+        expected = exact_attention(q, k, v, key_valid)
+        zeroed = exact_attention(
+            q, k * key_valid[:, None, :, None], v * key_valid[:, None, :, None], np.ones_like(key_valid)
+        )
+        ours = attend(q, k, v, jnp.asarray(key_valid))
+        row = {
+            "padded_fraction": fraction,
+            "valid_keys": valid,
+            "keys": args.seq,
+            "zero_kv_error": relative_error(zeroed, expected),
+            "splash_segment_ids_error": relative_error(ours, expected),
+            "platform": jax.devices()[0].platform,
+        }
+        if args.time:
+            unmasked = jax.jit(lambda q, k, v: splash_attention(q, k, v, None, config=config))
+            masked_s = median_seconds(attend, q, k, v, jnp.asarray(key_valid))
+            unmasked_s = median_seconds(unmasked, q, k, v)
+            row.update(masked_seconds=masked_s, unmasked_seconds=unmasked_s, masked_over_unmasked=masked_s / unmasked_s)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -54,9 +54,9 @@ def main(argv=None) -> None:
     timer = Timer()
 
     source, family = models.resolve_model(args.model)
-    request = {**family.request_defaults(source), "seed": DEFAULT_SEED}
+    request = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "dtype": args.dtype}
+    request.update(family.request_defaults(source), seed=DEFAULT_SEED)
     request.update({key: value for key, value in request_flags(args).items() if value is not None})
-    request.update(prompt=args.prompt, negative_prompt=args.negative_prompt, dtype=args.dtype)
     family.validate_request(source, request)
     ensure_writable_dir(output_dir)
     log(f"{family.NAME} from {args.model}: encoding prompt on {args.device} in {args.dtype}")
@@ -70,8 +70,7 @@ def main(argv=None) -> None:
         "format_version": FORMAT_VERSION,
         "model_family": family.NAME,
         "model_id": args.model,
-        **{key: request[key] for key in ("prompt", "negative_prompt")},
-        **{key: value for key, value in request.items() if key not in ("prompt", "negative_prompt")},
+        **request,
         "stage1": {
             **record,
             "device": args.device,

@@ -69,9 +69,8 @@ def component_class(source: ModelSource, component: str):
 def resolve_model(model: str) -> tuple[ModelSource, Any]:
     """Turn `--model` (preset name, local diffusers folder or hub id) into a source and its family module."""
     if model in PRESETS:
-        family = PRESETS[model]
         location = str(materialize_preset(model))
-        defaults = family.PRESETS[model].defaults
+        defaults = PRESETS[model].PRESETS[model].defaults
     elif os.path.isdir(model):
         location, defaults = model, {}
     elif model.startswith(("/", ".", "~")) or model.count("/") > 1:  # a path, not an "org/name" hub id

@@ -38,9 +38,8 @@ def variant(transformer_config: dict[str, Any]) -> str:
 
 
 def request_defaults(source) -> dict[str, Any]:
-    config = source.load_config("transformer")
-    defaults = {**VARIANT_DEFAULTS[variant(config)], **COMMON_DEFAULTS, **source.preset_defaults}
-    return {**defaults, "variant": variant(config)}
+    version = variant(source.load_config("transformer"))
+    return {**VARIANT_DEFAULTS[version], **COMMON_DEFAULTS, **source.preset_defaults, "variant": version}
 
 
 @dataclass(frozen=True)

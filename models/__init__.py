@@ -7,6 +7,7 @@ Adding a family means adding one module and one line to ``FAMILIES``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -42,8 +43,8 @@ class ModelSource:
     preset_defaults: dict[str, Any] = field(default_factory=dict)
 
     def load_config(self, component: str) -> dict[str, Any]:
-        """A component's config.json as a dict, without loading any weights."""
-        return component_class(self, component).load_config(self.location, subfolder=component)
+        """A component's config.json as a dict, without loading any weights (read once per process)."""
+        return dict(_cached_config(component_class(self, component), self.location, component))
 
     def load(self, component: str, dtype=None):
         """`from_pretrained` of one component, with the class named in model_index.json."""
@@ -56,6 +57,12 @@ class ModelSource:
             return cls.from_pretrained(self.location, subfolder=component, **kwargs)
         except OSError as err:
             raise UserError(f"cannot load {component!r} of {self.ref!r}: {err}") from None
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_config(cls, location: str, component: str) -> dict[str, Any]:
+    # Validation, geometry and defaults all read the same few config files; read each once.
+    return cls.load_config(location, subfolder=component)
 
 
 def component_class(source: ModelSource, component: str):

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import torch
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 LANE = 128  # TPU lane width: block sizes are multiples of it
 BACKENDS = ("auto", "splash", "xla")
@@ -30,12 +32,19 @@ BACKENDS = ("auto", "splash", "xla")
 
 @dataclass(frozen=True)
 class SplashConfig:
-    """Tile sizes (upper bounds: a short sequence uses one tile of its own padded length)."""
+    """Tile sizes (upper bounds: a short sequence uses one tile of its own padded length) and options.
+
+    `local_window` w lets query i see keys i-w..i+w only (self-attention). `k_smoothing` subtracts the
+    mean of the valid keys from every key: each query's scores shift by one constant, which softmax
+    ignores, so the result is unchanged in exact arithmetic while scores are centred (better bf16 range).
+    """
 
     block_q: int = 3328
     block_kv: int = 2816
     block_kv_compute: int = 256
     interpret: bool = False
+    local_window: int | None = None
+    k_smoothing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_kv", "block_kv_compute"):
@@ -44,6 +53,8 @@ class SplashConfig:
                 raise ValueError(f"{name} {value} must be a positive multiple of {LANE}")
         if self.block_kv % self.block_kv_compute:
             raise ValueError(f"block_kv_compute {self.block_kv_compute} must divide block_kv {self.block_kv}")
+        if self.local_window is not None and self.local_window < 0:
+            raise ValueError(f"local_window {self.local_window} must be >= 0")
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -61,31 +72,106 @@ def tile_sizes(config: SplashConfig, q_len: int, kv_len: int) -> splash_kernel.B
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(heads: int, q_len: int, kv_len: int, blocks: splash_kernel.BlockSizes, interpret: bool):
-    """The kernel for one shape, built once. Its mask tables must be concrete arrays, not tracers of
-    whichever jit happened to build it first, or the cached kernel would leak them into the next trace."""
-    mask = splash_mask.MultiHeadMask([splash_mask.FullMask((q_len, kv_len))] * heads)
+def _kernel(
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    blocks: splash_kernel.BlockSizes,
+    interpret: bool,
+    local_window: int | None,
+    head_shards: int,
+    q_seq_shards: int,
+):
+    """The kernel for one (global) shape, built once. Its mask tables must be concrete arrays, not
+    tracers of whichever jit happened to build it first, or the cached kernel would leak them into the
+    next trace."""
+    shape = (q_len, kv_len)
+    if local_window is None:
+        head_mask = splash_mask.FullMask(shape)
+    else:
+        head_mask = splash_mask.LocalMask(shape, (local_window, local_window), offset=0, shard_count=q_seq_shards)
     with jax.ensure_compile_time_eval():
         return splash_kernel.make_splash_mha(
-            mask, block_sizes=blocks, head_shards=1, q_seq_shards=1, interpret=interpret
+            splash_mask.MultiHeadMask([head_mask] * heads),
+            block_sizes=blocks,
+            head_shards=head_shards,
+            q_seq_shards=q_seq_shards,
+            interpret=interpret,
         )
 
 
-def splash_attention(query, key, value, key_valid=None, *, scale: float | None = None, config: SplashConfig):
+def _smooth_keys(key, key_valid):
+    """Keys minus the mean of the valid keys (per batch row and head); masked keys set to zero."""
+    valid = key_valid[:, None, :, None]
+    count = jnp.maximum(key_valid.sum(axis=1), 1)[:, None, None, None]
+    mean = jnp.where(valid, key.astype(jnp.float32), 0.0).sum(axis=2, keepdims=True) / count
+    return jnp.where(valid, key - mean.astype(key.dtype), jnp.zeros_like(key))
+
+
+def _mesh_axes(mesh: Mesh | None, batch: int, heads: int) -> tuple[str | None, str | None, int]:
+    """Mesh axes for batch and heads (None where the axis does not divide them: that dimension is then
+    computed whole on every device of the axis) and the number of query-sequence shards."""
+    if mesh is None:
+        return None, None, 1
+    batch_axis = "dp" if batch % mesh.shape["dp"] == 0 else None
+    head_axis = "tp" if heads % mesh.shape["tp"] == 0 else None
+    return batch_axis, head_axis, mesh.shape["sp"]
+
+
+def _rows_with_a_key(key_valid, q_len: int, window: int | None):
+    """(B, Sq): whether query i can see any valid key (within its window, if any). The kernel's softmax
+    is undefined for the others; PyTorch returns zeros there, and so do we."""
+    if window is None:
+        return jnp.broadcast_to(key_valid.any(axis=1)[:, None], (key_valid.shape[0], q_len))
+    counts = jnp.pad(jnp.cumsum(key_valid.astype(jnp.int32), axis=1), ((0, 0), (1, 0)))
+    positions = jnp.arange(q_len)
+    last = jnp.minimum(positions + window + 1, key_valid.shape[1])
+    first = jnp.maximum(positions - window, 0)
+    return (counts[:, last] - counts[:, first]) > 0
+
+
+def splash_attention(
+    query,
+    key,
+    value,
+    key_valid=None,
+    *,
+    query_valid=None,
+    scale: float | None = None,
+    config: SplashConfig,
+    mesh: Mesh | None = None,
+):
     """Exact masked attention. query (B, H, Sq, D), key/value (B, H, Skv, D), key_valid (B, Skv) bool or None.
 
-    A batch row with no valid key at all returns zeros (PyTorch's SDPA does the same for such rows).
+    With a mesh, runs under shard_map: batch on `dp`, heads on `tp`, query sequence on `sp` (keys and
+    values whole on every device). Query rows that are invalid (`query_valid` False) or have no valid
+    key at all return zeros, as PyTorch's SDPA does for fully masked rows.
     """
     batch, heads, q_len, head_dim = query.shape
     kv_len = key.shape[2]
-    blocks = tile_sizes(config, q_len, kv_len)
-    q_pad, kv_pad = _round_up(q_len, blocks.block_q), _round_up(kv_len, blocks.block_kv)
-    kernel = _kernel(heads, q_pad, kv_pad, blocks, config.interpret)
+    if config.local_window is not None and q_len != kv_len:
+        raise ValueError(f"a local window needs self-attention; got {q_len} queries and {kv_len} keys")
+    batch_axis, head_axis, q_shards = _mesh_axes(mesh, batch, heads)
+    blocks = tile_sizes(config, -(-q_len // q_shards), kv_len)
+    q_pad, kv_pad = _round_up(q_len, blocks.block_q * q_shards), _round_up(kv_len, blocks.block_kv)
+    head_shards = mesh.shape["tp"] if head_axis else 1
+    if config.local_window is None:
+        # A full mask is the same on every shard, so each device gets a kernel for its local shape.
+        # (Building one global kernel with q_seq_shards > 1 fails for a mask without partial blocks in
+        # jax 0.10.2: process_mask concatenates an empty mask_next list.)
+        kernel = _kernel(heads // head_shards, q_pad // q_shards, kv_pad, blocks, config.interpret, None, 1, 1)
+        kernel_layout = P(None, None)
+    else:
+        kernel = _kernel(heads, q_pad, kv_pad, blocks, config.interpret, config.local_window, head_shards, q_shards)
+        kernel_layout = P(head_axis, "sp")
 
     if key_valid is None:
         key_valid = jnp.ones((batch, kv_len), dtype=bool)
     key_valid = jnp.broadcast_to(key_valid.astype(bool), (batch, kv_len))
+    if config.k_smoothing:
+        key = _smooth_keys(key, key_valid)
     kv_segments = jnp.pad(jnp.where(key_valid, 0, 1), ((0, 0), (0, kv_pad - kv_len)), constant_values=1)
+    kv_segments = kv_segments.astype(jnp.int32)
     q_segments = jnp.zeros((batch, q_pad), dtype=jnp.int32)
 
     # Splash does not scale scores itself; scaling q first is the same product.
@@ -95,31 +181,71 @@ def splash_attention(query, key, value, key_valid=None, *, scale: float | None =
     def pad(tensor, length):
         return jnp.pad(tensor, ((0, 0), (0, 0), (0, length - tensor.shape[2]), (0, 0)))
 
-    def one_row(q, k, v, q_seg, kv_seg):
-        return kernel(q, k, v, segment_ids=splash_kernel.SegmentIds(q=q_seg, kv=kv_seg.astype(jnp.int32)))
+    def attend(kernel, q, k, v, q_seg, kv_seg):
+        def one_row(q, k, v, q_seg, kv_seg):
+            return kernel(q, k, v, segment_ids=splash_kernel.SegmentIds(q=q_seg, kv=kv_seg))
 
-    out = jax.vmap(one_row)(pad(query, q_pad), pad(key, kv_pad), pad(value, kv_pad), q_segments, kv_segments)
+        return jax.vmap(one_row)(q, k, v, q_seg, kv_seg)
+
+    if mesh is not None and mesh.size > 1:
+        q_spec = P(batch_axis, head_axis, "sp", None)
+        kv_spec = P(batch_axis, head_axis, None, None)
+        kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, kernel_layout))
+        attend = jax.shard_map(
+            attend,
+            mesh=mesh,
+            in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, P(batch_axis, "sp"), P(batch_axis, None)),
+            out_specs=q_spec,
+            check_vma=False,
+        )
+    out = attend(kernel, pad(query, q_pad), pad(key, kv_pad), pad(value, kv_pad), q_segments, kv_segments)
     out = out[:, :, :q_len].astype(query.dtype)
-    has_key = key_valid.any(axis=1)[:, None, None, None]
-    return jnp.where(has_key, out, jnp.zeros_like(out))
+    keep = _rows_with_a_key(key_valid, q_len, config.local_window)[:, None, :, None]
+    if query_valid is not None:
+        keep = keep & jnp.broadcast_to(query_valid, (batch, q_len))[:, None, :, None]
+    return jnp.where(keep, out, jnp.zeros_like(out))
 
 
-def key_valid_from_mask(attn_mask, batch: int, kv_len: int):
-    """A per-key validity vector (B, Skv) from a boolean mask broadcastable as (B, 1, 1, Skv)."""
+def _raise_if_inexact(inexact) -> None:
+    if inexact:
+        raise ValueError(
+            "splash attention got a dense attention mask that is not (valid query) x (valid key); "
+            "only key-padding masks and their outer-product form can be computed exactly"
+        )
+
+
+def masks_from_attn_mask(attn_mask, batch: int, q_len: int, kv_len: int):
+    """(key_valid (B, Skv), query_valid (B, Sq) or None) from a boolean SDPA mask.
+
+    Accepts (B, Skv), (B, 1, 1, Skv) and the dense (B, 1, Sq, Skv) form `valid_q & valid_k` that
+    HunyuanVideo-1.5 builds. The dense form is reduced with `any` over each axis (XLA fuses the
+    reductions, so no second S x S array appears); a dense mask that is not such an outer product
+    cannot be expressed and raises, through a host callback of one scalar when traced.
+    """
     if attn_mask is None:
-        return None
+        return None, None
     if attn_mask.dtype != jnp.bool_:
-        raise ValueError(f"splash attention takes boolean key masks; got {attn_mask.dtype}")
+        raise ValueError(f"splash attention takes boolean masks; got {attn_mask.dtype}")
     if attn_mask.ndim == 2:
-        return jnp.broadcast_to(attn_mask, (batch, kv_len))
-    if attn_mask.ndim == 4 and attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1:
-        return jnp.broadcast_to(attn_mask[:, 0, 0, :], (batch, kv_len))
-    raise ValueError(
-        f"splash attention takes key-padding masks shaped (B, Skv) or (B, 1, 1, Skv); got {tuple(attn_mask.shape)}"
-    )
+        return jnp.broadcast_to(attn_mask, (batch, kv_len)), None
+    if attn_mask.ndim != 4 or attn_mask.shape[1] != 1:
+        raise ValueError(
+            "splash attention takes masks shaped (B, Skv), (B, 1, 1, Skv) or (B, 1, Sq, Skv); "
+            f"got {tuple(attn_mask.shape)}"
+        )
+    if attn_mask.shape[2] == 1:
+        return jnp.broadcast_to(attn_mask[:, 0, 0, :], (batch, kv_len)), None
+    dense = jnp.broadcast_to(attn_mask[:, 0], (batch, q_len, kv_len))
+    key_valid, query_valid = dense.any(axis=1), dense.any(axis=2)
+    inexact = (dense != (query_valid[:, :, None] & key_valid[:, None, :])).any()
+    if isinstance(inexact, jax.core.Tracer):
+        jax.debug.callback(_raise_if_inexact, inexact)
+    else:
+        _raise_if_inexact(bool(inexact))
+    return key_valid, query_valid
 
 
-def make_sdpa(config: SplashConfig):
+def make_sdpa(config: SplashConfig, mesh: Mesh | None = None):
     """A torch-level `scaled_dot_product_attention` (diffusers' keyword names) that calls Splash."""
     from torchax.interop import call_jax
 
@@ -130,8 +256,8 @@ def make_sdpa(config: SplashConfig):
             raise ValueError("splash attention supports neither dropout, is_causal nor enable_gqa")
 
         def jax_attention(q, k, v, mask):
-            key_valid = key_valid_from_mask(mask, q.shape[0], k.shape[2])
-            return splash_attention(q, k, v, key_valid, scale=scale, config=config)
+            key_valid, query_valid = masks_from_attn_mask(mask, q.shape[0], q.shape[2], k.shape[2])
+            return splash_attention(q, k, v, key_valid, query_valid=query_valid, scale=scale, config=config, mesh=mesh)
 
         return call_jax(jax_attention, query, key, value, attn_mask)
 
@@ -148,7 +274,7 @@ def resolve_backend(requested: str) -> str:
 
 
 @contextlib.contextmanager
-def attention_backend(env, backend: str, config: SplashConfig):
+def attention_backend(env, backend: str, config: SplashConfig, mesh: Mesh | None = None):
     """Within the block, SDPA in the torchax environment `env` runs `backend` ("splash" or "xla").
 
     torchax's public `override_op_definition` has no undo, so the previous entry of the private op
@@ -157,7 +283,7 @@ def attention_backend(env, backend: str, config: SplashConfig):
     op = torch.nn.functional.scaled_dot_product_attention
     previous = env._ops.get(op)
     if backend == "splash":
-        env.override_op_definition(op, make_sdpa(config))
+        env.override_op_definition(op, make_sdpa(config, mesh))
     try:
         yield
     finally:

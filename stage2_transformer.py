@@ -50,6 +50,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     for name in ("block_q", "block_kv", "block_kv_compute"):
         attention.add_argument(f"--{name}", type=int, help="Splash tile size, a multiple of 128 (default: per family)")
+    attention.add_argument(
+        "--local_window", type=int, help="Splash: each token attends to tokens within this distance (default: off)"
+    )
+    attention.add_argument(
+        "--k_smoothing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Splash: subtract the mean of the valid keys (exact; centres scores for bf16) (default: off)",
+    )
+    mesh = parser.add_argument_group("device mesh (product must equal the device count)")
+    mesh.add_argument("--dp", type=int, help="data parallel: the CFG branches (default: 2 with CFG if it fits, else 1)")
+    mesh.add_argument("--sp", type=int, help="sequence parallel: query tokens in attention (default: 1)")
+    mesh.add_argument("--tp", type=int, help="tensor parallel: heads and MLP columns (default: the remaining devices)")
+    mesh.add_argument(
+        "--tp_mode",
+        choices=("megatron", "replicated_out"),
+        default="megatron",
+        help="megatron: attention-out and MLP-out row-parallel; replicated_out: those stay replicated "
+        "(more memory; see README) (default: %(default)s)",
+    )
     add_request_arguments(parser, for_later_stage=True)
     return parser.parse_args(argv)
 
@@ -60,7 +80,9 @@ def splash_config(args, family, platform: str):
     blocks = dict(family.SPLASH_BLOCK_SIZES)
     blocks.update({name: getattr(args, name) for name in blocks if getattr(args, name) is not None})
     try:
-        return SplashConfig(**blocks, interpret=platform != "tpu")
+        return SplashConfig(
+            **blocks, interpret=platform != "tpu", local_window=args.local_window, k_smoothing=args.k_smoothing
+        )
     except ValueError as err:
         raise UserError(f"--{err}") from None
 
@@ -83,16 +105,27 @@ def main(argv=None) -> None:
     ensure_writable_dir(output_dir)
 
     # JAX is imported only once the inputs are known good.
+    import jax
+
+    import sharding
     from splash_attention import attention_backend, resolve_backend
     from torchax_runtime import TorchaxRuntime
 
-    runtime = TorchaxRuntime()
+    mesh_shape = sharding.choose_mesh_shape(
+        jax.device_count(),
+        args.dp,
+        args.sp,
+        args.tp,
+        cfg=config["guidance_scale"] > 1.0,
+        heads=family.attention_heads(source),
+    )
+    runtime = TorchaxRuntime(sharding.make_mesh(mesh_shape))
     attention = resolve_backend(args.attention)
     splash = splash_config(args, family, runtime.device_description["platform"])
     log(f"{family.NAME} transformer on {runtime.device_description}, {dtype_name}, attention {attention}")
     log(f"request overrides: {overrides or 'none'}")
-    with attention_backend(runtime.env, attention, splash):
-        latents, info = family.denoise(source, config, embeddings, dtype, runtime, timer)
+    with attention_backend(runtime.env, attention, splash, runtime.mesh):
+        latents, info = family.denoise(source, config, embeddings, dtype, runtime, timer, tp_mode=args.tp_mode)
     if not latents.isfinite().all():
         raise UserError("the final latents contain NaN or Inf; not writing them")
     with timer.phase("save"):
@@ -104,6 +137,8 @@ def main(argv=None) -> None:
         "backend": runtime.name,
         **runtime.device_description,
         "dtype": dtype_name,
+        "tp_mode": args.tp_mode,
+        "placement": runtime.placement,
         "attention": attention,
         **({"splash": dataclasses.asdict(splash)} if attention == "splash" else {}),
         "overrides": overrides,

@@ -1,8 +1,9 @@
-"""Running stock PyTorch modules on a JAX device through torchax: the one place that sets up its environment.
+"""Running stock PyTorch modules on JAX devices through torchax: the one place that sets up its environment.
 
-Stage 2 (and stage 3's `--backend torchax`) hand modules to `TorchaxRuntime.compile`, which moves the
-weights to the JAX device and returns the module's forward under `jax.jit`. Attention is torchax's
-lowering of `torch.nn.functional.scaled_dot_product_attention`.
+Stage 2 (and stage 3's `--backend torchax`) hand modules to `TorchaxRuntime.compile`, which places the
+weights on the runtime's mesh by a rule table (sharding.py) and returns the module's forward under
+`jax.jit`. Attention is torchax's lowering of `torch.nn.functional.scaled_dot_product_attention`
+unless splash_attention.attention_backend overrides it.
 """
 
 from __future__ import annotations
@@ -10,34 +11,48 @@ from __future__ import annotations
 import jax
 import numpy as np
 import torch
+from jax.sharding import Mesh, PartitionSpec
 
+import sharding
 from torchax_compat import import_torchax
 
 torchax = import_torchax()
 
+REPLICATED_TABLE = sharding.RuleTable("replicated", ((r".*", sharding.REPLICATED),))
+
 
 class TorchaxRuntime:
-    """Moves modules and tensors to the default JAX device and jits module forwards."""
+    """Places modules and tensors on a JAX device mesh and jits module forwards."""
 
     name = "torchax"
 
-    def __init__(self) -> None:
+    def __init__(self, mesh: Mesh | None = None) -> None:
         self.env = torchax.default_env()
+        self.mesh = mesh if mesh is not None else sharding.make_mesh(sharding.MeshShape())
+        self.placement: dict[str, object] = {}
 
     @property
     def device_description(self) -> dict[str, object]:
-        devices = jax.devices()
-        return {"platform": devices[0].platform, "device_kind": devices[0].device_kind, "device_count": len(devices)}
+        devices = self.mesh.devices.flatten()
+        return {
+            "platform": devices[0].platform,
+            "device_kind": devices[0].device_kind,
+            "device_count": len(devices),
+            "mesh": dict(self.mesh.shape),
+        }
 
-    def compile(self, module: torch.nn.Module):
-        """The module's weights on the JAX device, its forward jitted (traced on first call)."""
-        with self.env:
-            module.to("jax")
+    def compile(self, module: torch.nn.Module, rules: sharding.RuleTable | None = None):
+        """The module's weights placed on the mesh by `rules` (default: replicated), its forward jitted."""
+        self.placement = sharding.place_module(module, rules or REPLICATED_TABLE, self.mesh, self.env)
         return torchax.compile(module)
 
-    def to_device(self, tree):
-        with self.env:
-            return torch.utils._pytree.tree_map(lambda t: t.to("jax") if torch.is_tensor(t) else t, tree)
+    def to_device(self, tree, spec: PartitionSpec = sharding.REPLICATED):
+        """The CPU tensors in `tree` as torchax tensors laid out as `spec` on the mesh."""
+        return sharding.place(tree, self.mesh, spec, self.env)
+
+    def constrain(self, tensor: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+        """Inside a compiled forward: pin an activation's layout (e.g. the CFG batch on `dp`)."""
+        return sharding.constrain(tensor, self.mesh, spec)
 
     def to_host(self, tensor) -> torch.Tensor:
         """A CPU torch tensor; blocks until the device has computed it."""

@@ -49,10 +49,7 @@ class ModelSource:
     def load(self, component: str, dtype=None):
         """`from_pretrained` of one component, with the class named in model_index.json."""
         cls = component_class(self, component)
-        kwargs = {}
-        if dtype is not None:
-            # diffusers still calls it torch_dtype; transformers 5 renamed it to dtype.
-            kwargs["torch_dtype" if cls.__module__.startswith("diffusers") else "dtype"] = dtype
+        kwargs = {} if dtype is None else {"dtype": dtype}  # diffusers 0.42 and transformers 5 both say dtype
         try:
             return cls.from_pretrained(self.location, subfolder=component, **kwargs)
         except OSError as err:

@@ -191,20 +191,50 @@ def make_jit_safe(transformer: torch.nn.Module) -> torch.nn.Module:
     return transformer
 
 
+# Activation layouts on the mesh (mesh axis per dimension): the CFG batch on dp, video tokens on sp
+# between blocks. Plain tuples, so stages 1 and 3 can import this module without JAX.
+BATCH = ("dp",)
+BLOCK_INPUTS = {"hidden_states": ("dp", "sp", None), "encoder_hidden_states": ("dp", None, None)}
+
+
+def attention_heads(source) -> int:
+    return source.load_config("transformer")["num_attention_heads"]
+
+
+def transformer_rules(tp_mode: str):
+    import sharding
+
+    return sharding.cogvideox_transformer_rules(tp_mode)
+
+
+def constrain_block_inputs(blocks, constrain, specs: dict[str, tuple]) -> None:
+    """Pin the layout of each block's keyword inputs, so XLA does not pick a different one per block."""
+
+    def hook(module, args, kwargs):
+        return args, {name: constrain(value, specs[name]) if name in specs else value for name, value in kwargs.items()}
+
+    for block in blocks:
+        block.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 class GuidedTransformer(torch.nn.Module):
     """One denoiser evaluation: the transformer on [uncond, cond] and the CFG combination, as one graph.
 
     Mirrors CogVideoXPipeline.__call__'s loop body; the guidance scale is a tensor so dynamic CFG
-    would not recompile.
+    would not recompile. `constrain(tensor, spec)` pins activation layouts on the runtime's mesh.
     """
 
-    def __init__(self, transformer: torch.nn.Module, do_cfg: bool) -> None:
+    def __init__(self, transformer: torch.nn.Module, do_cfg: bool, constrain=None) -> None:
         super().__init__()
         self.transformer = transformer
         self.do_cfg = do_cfg
+        self.constrain = constrain or (lambda tensor, spec: tensor)
+        if constrain is not None:
+            constrain_block_inputs(transformer.transformer_blocks, constrain, BLOCK_INPUTS)
 
     def forward(self, latents, timestep, prompt_embeds, image_rotary_emb, guidance_scale):
         latent_model_input = torch.cat([latents] * 2) if self.do_cfg else latents
+        latent_model_input = self.constrain(latent_model_input, BATCH)
         noise_pred = self.transformer(
             hidden_states=latent_model_input,
             encoder_hidden_states=prompt_embeds,
@@ -219,7 +249,15 @@ class GuidedTransformer(torch.nn.Module):
         return noise_pred
 
 
-def denoise(source, request: dict[str, Any], embeds: dict[str, torch.Tensor], dtype: torch.dtype, runtime, timer):
+def denoise(
+    source,
+    request: dict[str, Any],
+    embeds: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    runtime,
+    timer,
+    tp_mode: str = "megatron",
+):
     """Run the pipeline's denoising loop with the transformer on `runtime`; return latents (B, C, F, H, W).
 
     The scheduler stays in PyTorch on the host (its step has Python branches on tensor values and draws
@@ -264,9 +302,12 @@ def denoise(source, request: dict[str, Any], embeds: dict[str, torch.Tensor], dt
         image_rotary_emb = pipe._prepare_rotary_positional_embeddings(height, width, latents.size(1), "cpu")
 
     with timer.phase("place"):
-        denoiser = runtime.compile(GuidedTransformer(transformer, do_cfg))
-        static_inputs = runtime.to_device(
-            (prompt_embeds, image_rotary_emb, torch.tensor(request["guidance_scale"], dtype=torch.float32))
+        guided = GuidedTransformer(transformer, do_cfg, runtime.constrain)
+        denoiser = runtime.compile(guided, transformer_rules(tp_mode).nested("transformer."))
+        static_inputs = (
+            runtime.to_device(prompt_embeds, BATCH),
+            runtime.to_device(image_rotary_emb),
+            runtime.to_device(torch.tensor(request["guidance_scale"], dtype=torch.float32)),
         )
 
     is_dpm = isinstance(scheduler, CogVideoXDPMScheduler)
@@ -398,7 +439,7 @@ def build_tiny(version: str, seed: int = 0):
         else {"patch_size_t": None, "use_rotary_positional_embeddings": False}
     )
     transformer = CogVideoXTransformer3DModel(
-        num_attention_heads=2,
+        num_attention_heads=8,  # divisible by every tp of an 8-device mesh
         attention_head_dim=16,
         in_channels=4,
         out_channels=4,

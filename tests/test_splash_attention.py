@@ -11,19 +11,26 @@ import numpy as np
 import pytest
 import torch
 
+import sharding
 from helpers import relative_error
-from splash_attention import SplashConfig, attention_backend, splash_attention, tile_sizes
+from splash_attention import SplashConfig, attention_backend, masks_from_attn_mask, splash_attention, tile_sizes
 
 SMALL_TILES = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
 
 
-def reference_attention(q, k, v, key_valid, scale=None):
+def reference_attention(q, k, v, key_valid, scale=None, query_valid=None, window=None):
     """Exact masked softmax attention in float64; rows with no valid key give zeros."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
     scores = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
     valid = np.ones((q.shape[0], k.shape[2]), bool) if key_valid is None else np.asarray(key_valid)
-    scores = np.where(valid[:, None, None, :], scores, -np.inf)
+    allowed = np.broadcast_to(valid[:, None, None, :], scores.shape)
+    if query_valid is not None:
+        allowed = allowed & np.asarray(query_valid)[:, None, :, None]
+    if window is not None:
+        positions_q, positions_k = np.arange(q.shape[2])[:, None], np.arange(k.shape[2])[None, :]
+        allowed = allowed & (np.abs(positions_q - positions_k) <= window)
+    scores = np.where(allowed, scores, -np.inf)
     top = np.max(scores, axis=-1, keepdims=True)
     weights = np.exp(scores - np.where(np.isfinite(top), top, 0))
     weights = weights / np.maximum(weights.sum(-1, keepdims=True), 1e-300)
@@ -172,7 +179,14 @@ def test_cogvideox_stage2_with_splash_matches_xla(tmp_path, monkeypatch, capsys)
         assert config["stage2"]["attention"] == backend
         latents[backend] = read_tensors(out, config["stage2"])["latents"]
         assert bool(calls) == (backend == "splash")  # traced once per attention layer, splash run only
-    assert config["stage2"]["splash"] == {"block_q": 3328, "block_kv": 2816, "block_kv_compute": 256, "interpret": True}
+    assert config["stage2"]["splash"] == {
+        "block_q": 3328,
+        "block_kv": 2816,
+        "block_kv_compute": 256,
+        "interpret": True,
+        "local_window": None,
+        "k_smoothing": False,
+    }
     assert relative_error(latents["splash"], latents["xla"]) <= 1e-5
 
     from helpers import expect_user_error
@@ -183,3 +197,87 @@ def test_cogvideox_stage2_with_splash_matches_xla(tmp_path, monkeypatch, capsys)
         ["--input_dir", tmp_path, "--block_kv", "200"],
         "--block_kv 200 must be a positive multiple of 128",
     )
+
+
+# Dense masks, K-smoothing, local windows ------------------------------------------------------------
+
+
+def hunyuan_style_mask(valid_counts, length):
+    """The dense (B, 1, S, S) mask HunyuanVideo-1.5 passes: valid_i & valid_j."""
+    valid = key_mask(len(valid_counts), length, valid_counts)
+    return valid[:, None, :, None] & valid[:, None, None, :], valid
+
+
+def test_dense_outer_product_mask_vs_float64():
+    q, k, v = random_qkv(2, 2, 200, 200, 64, seed=6)
+    dense, valid = hunyuan_style_mask([200, 130], 200)
+
+    def attend(q, k, v, mask):
+        key_valid, query_valid = masks_from_attn_mask(mask, 2, 200, 200)
+        return splash_attention(q, k, v, key_valid, query_valid=query_valid, config=SMALL_TILES)
+
+    out = np.asarray(jax.jit(attend)(q, k, v, jnp.asarray(dense)))
+    expected = reference_attention(q, k, v, valid, query_valid=valid)
+    assert relative_error(out, expected) <= 1e-5
+    assert np.all(out[1, :, 130:] == 0)  # fully masked query rows are zero, as in PyTorch
+
+
+def test_dense_mask_that_is_not_key_padding_raises():
+    causal = np.tril(np.ones((64, 64), bool))[None, None]
+    with pytest.raises(ValueError, match="not \\(valid query\\) x \\(valid key\\)"):
+        masks_from_attn_mask(jnp.asarray(causal), 1, 64, 64)  # concrete: checked on the spot
+    with pytest.raises(Exception, match="only key-padding masks and their outer-product form"):
+        jax.block_until_ready(jax.jit(lambda m: masks_from_attn_mask(m, 1, 64, 64)[0])(jnp.asarray(causal)))
+    dense, _ = hunyuan_style_mask([40], 64)
+    jax.block_until_ready(jax.jit(lambda m: masks_from_attn_mask(m, 1, 64, 64)[0])(jnp.asarray(dense)))
+
+
+@pytest.mark.parametrize("k_smoothing", [False, True], ids=["plain", "k-smoothing"])
+def test_k_smoothing_keeps_masked_attention_exact(k_smoothing):
+    q, k, v = random_qkv(2, 2, 256, 300, 64, seed=7)
+    k = k + 4.0  # a large common key component, the case smoothing exists for
+    mask = key_mask(2, 300, [300, 70])
+    config = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True, k_smoothing=k_smoothing)
+    out = run_splash(q, k, v, mask, config=config)
+    assert relative_error(out, reference_attention(q, k, v, mask)) <= 1e-5
+
+
+@pytest.mark.parametrize("valid_counts", [[300, 300], [300, 170]], ids=["no-padding", "padding"])
+def test_local_window_vs_float64(valid_counts):
+    q, k, v = random_qkv(2, 2, 300, 300, 64, seed=8)
+    mask = key_mask(2, 300, valid_counts)
+    config = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True, local_window=50)
+    out = run_splash(q, k, v, mask, config=config)
+    assert relative_error(out, reference_attention(q, k, v, mask, window=50)) <= 1e-5
+
+
+# Sharded over the mesh ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh", [(2, 1, 4), (1, 2, 4), (2, 2, 2)], ids=lambda m: "dp{}-sp{}-tp{}".format(*m))
+@pytest.mark.parametrize(
+    "heads, window", [(8, None), (6, None), (8, 40)], ids=["heads-split", "heads-replicated", "local-window"]
+)
+def test_sharded_equals_unsharded(mesh, heads, window):
+    """8 heads split over tp; 6 heads (tp=4 cannot split them) computed whole on every tp device."""
+    mesh = sharding.make_mesh(sharding.MeshShape(*mesh))
+    q, k, v = random_qkv(2, heads, 300, 300, 64, seed=9)
+    mask = key_mask(2, 300, [300, 111])
+    config = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True, local_window=window)
+    single = run_splash(q, k, v, mask, config=config)
+    sharded = run_splash(q, k, v, mask, config=config, mesh=mesh)
+    assert relative_error(sharded, single) <= 1e-6
+    assert relative_error(sharded, reference_attention(q, k, v, mask, window=window)) <= 1e-5
+
+
+def test_k_smoothing_centres_valid_keys_only():
+    from splash_attention import _smooth_keys
+
+    _, k, _ = random_qkv(2, 2, 1, 50, 8, seed=10)
+    valid = key_mask(2, 50, [50, 20])
+    smoothed = np.asarray(_smooth_keys(jnp.asarray(k + 3.0), jnp.asarray(valid)))
+    np.testing.assert_allclose(smoothed[1, :, :20].mean(axis=1), 0, atol=1e-5)
+    np.testing.assert_allclose(
+        smoothed[1, :, :20], (k + 3.0)[1, :, :20] - (k + 3.0)[1, :, :20].mean(1, keepdims=True), atol=1e-5
+    )
+    assert np.all(smoothed[1, :, 20:] == 0)

@@ -1,0 +1,253 @@
+"""The dp/sp/tp device mesh, per-model weight rule tables, and placing weights and activations on it.
+
+Mesh axes, outermost first: `dp` (the two classifier-free-guidance branches, or more batch), `sp`
+(the query sequence inside attention, and the token axis between blocks), `tp` (attention heads and
+MLP columns). `tp` is innermost so its traffic stays between neighbouring chips.
+
+A rule table is an ordered list of (regex, PartitionSpec) over parameter names; the first match wins.
+`P()` marks a weight as deliberately replicated. Every parameter must match a rule and every rule must
+match a parameter, so a renamed layer cannot silently fall back to replication.
+
+Weights use the Megatron layout: column-parallel inputs (q/k/v, MLP in: torch's (out, in) weight split
+on `out`) and row-parallel outputs (attention out, MLP out: split on `in`), which costs one all-reduce
+after attention and one after the MLP per block. `--tp_mode replicated_out` keeps the row-parallel
+outputs replicated instead: more memory, and under XLA's partitioner no fewer collectives
+(benchmarks/collectives.py measures both).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from utils import UserError, log
+
+AXES = ("dp", "sp", "tp")
+TP_MODES = ("megatron", "replicated_out")
+P = PartitionSpec
+REPLICATED = P()
+COLUMN = P("tp", None)  # torch Linear weight (out, in): output features split
+COLUMN_BIAS = P("tp")
+ROW = P(None, "tp")  # input features split; the partial sums are all-reduced
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    dp: int = 1
+    sp: int = 1
+    tp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.sp * self.tp
+
+    def as_dict(self) -> dict[str, int]:
+        return {"dp": self.dp, "sp": self.sp, "tp": self.tp}
+
+
+def choose_mesh_shape(
+    device_count: int,
+    dp: int | None = None,
+    sp: int | None = None,
+    tp: int | None = None,
+    *,
+    cfg: bool = True,
+    heads: int | None = None,
+) -> MeshShape:
+    """The mesh for `--dp/--sp/--tp`; unset axes default to dp=2 under CFG (if it fits), sp=1, tp=the rest.
+
+    Raises UserError (before any weight is loaded) when the product is not the device count or
+    `tp` cannot split the attention heads.
+    """
+    for name, value in (("dp", dp), ("sp", sp), ("tp", tp)):
+        if value is not None and value < 1:
+            raise UserError(f"--{name} must be at least 1, got {value}")
+    sp = sp or 1
+    if dp is None:
+        rest = device_count // (sp * (tp or 1))
+        dp = 2 if cfg and rest >= 2 and rest % 2 == 0 else 1
+    if tp is None:
+        tp = max(device_count // (dp * sp), 1)
+    shape = MeshShape(dp, sp, tp)
+    if shape.size != device_count:
+        raise UserError(
+            f"--dp {dp} x --sp {sp} x --tp {tp} = {shape.size} devices, but {device_count} are available; "
+            "their product must equal the device count"
+        )
+    if heads is not None and heads % tp:
+        raise UserError(f"--tp {tp} does not divide the transformer's {heads} attention heads")
+    return shape
+
+
+def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    return Mesh(np.array(devices[: shape.size]).reshape(shape.dp, shape.sp, shape.tp), AXES)
+
+
+def fit_spec(spec: PartitionSpec | tuple, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+    """`spec` (a PartitionSpec or a tuple of axis names) with each mesh axis dropped from a dimension it
+    does not divide; that dimension is then replicated."""
+    fitted = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=False):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = math.prod(mesh.shape[name] for name in names)
+        fitted.append(axes if names and dim % size == 0 else None)
+    return P(*fitted)
+
+
+# Rule tables ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RuleTable:
+    name: str
+    rules: tuple[tuple[str, PartitionSpec], ...]
+
+    def nested(self, prefix: str) -> RuleTable:
+        """The same rules for the model mounted as submodule `prefix` (e.g. "transformer.")."""
+        return RuleTable(self.name, tuple((re.escape(prefix) + pattern, spec) for pattern, spec in self.rules))
+
+    def spec_for(self, param_name: str) -> tuple[int, PartitionSpec] | None:
+        for index, (pattern, spec) in enumerate(self.rules):
+            if re.fullmatch(pattern, param_name):
+                return index, spec
+        return None
+
+    def assign(self, names: Sequence[str]) -> dict[str, PartitionSpec]:
+        """Each parameter's spec; raises ValueError on an unmatched parameter or an unused rule."""
+        specs, used = {}, set()
+        unmatched = []
+        for name in names:
+            found = self.spec_for(name)
+            if found is None:
+                unmatched.append(name)
+                continue
+            used.add(found[0])
+            specs[name] = found[1]
+        unused = [pattern for index, (pattern, _) in enumerate(self.rules) if index not in used]
+        if unmatched or unused:
+            raise ValueError(
+                f"rule table {self.name!r} does not fit the model: "
+                f"parameters without a rule {unmatched[:5]}{'...' if len(unmatched) > 5 else ''}, "
+                f"rules that match nothing {unused}"
+            )
+        return specs
+
+
+def _check_tp_mode(tp_mode: str) -> None:
+    if tp_mode not in TP_MODES:
+        raise ValueError(f"tp_mode {tp_mode!r} is not one of {TP_MODES}")
+
+
+def cogvideox_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
+    """CogVideoXTransformer3DModel (1.0 and 1.5). Norms, AdaLN modulations, embeddings and the output
+    projection are small next to the blocks and stay replicated, so nothing outside attention and MLP
+    needs a collective."""
+    _check_tp_mode(tp_mode)
+    row, row_bias = (ROW, REPLICATED) if tp_mode == "megatron" else (REPLICATED, REPLICATED)
+    block = r"transformer_blocks\.\d+\."
+    return RuleTable(
+        f"cogvideox-transformer/{tp_mode}",
+        (
+            (block + r"attn1\.to_[qkv]\.weight", COLUMN),
+            (block + r"attn1\.to_[qkv]\.bias", COLUMN_BIAS),
+            (block + r"attn1\.to_out\.0\.weight", row),
+            (block + r"attn1\.to_out\.0\.bias", row_bias),
+            (block + r"ff\.net\.0\.proj\.weight", COLUMN),
+            (block + r"ff\.net\.0\.proj\.bias", COLUMN_BIAS),
+            (block + r"ff\.net\.2\.weight", row),
+            (block + r"ff\.net\.2\.bias", row_bias),
+            (block + r"attn1\.norm_[qk]\.(weight|bias)", REPLICATED),  # per-head-dim LayerNorm
+            (block + r"norm[12]\.(linear|norm)\.(weight|bias)", REPLICATED),  # AdaLN: modulation and norm
+            (r"patch_embed\..*", REPLICATED),
+            (r"time_embedding\..*", REPLICATED),
+            (r"(norm_final|norm_out\.(linear|norm))\.(weight|bias)", REPLICATED),
+            (r"proj_out\.(weight|bias)", REPLICATED),
+        ),
+    )
+
+
+def vae_rules(name: str) -> RuleTable:
+    """VAEs: every weight replicated (convolutions are small; the activations are what is large)."""
+    return RuleTable(f"{name}-vae", ((r".*", REPLICATED),))
+
+
+# Placement -----------------------------------------------------------------------------------------
+
+
+def _host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor without copying (bf16 through its bits)."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.uint16).numpy().view(jax.numpy.bfloat16)
+    return tensor.numpy()
+
+
+def _place_array(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """Each device receives only its own slice, so no full extra copy is made on the way."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> dict[str, object]:
+    """Replace the module's CPU weights, one at a time, by torchax tensors sharded by `table`.
+
+    Each CPU tensor is released as soon as its device copy exists, so host memory stays near one copy
+    of the weights. Buffers are replicated. Returns counts and per-device bytes for the log and config.
+    """
+    from torchax.tensor import Tensor
+
+    names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
+    specs = table.assign(names)
+    stats = {"rule_table": table.name, "sharded": 0, "replicated": 0, "buffers": 0, "bytes_per_device": 0}
+    for kind, store in (("param", "_parameters"), ("buffer", "_buffers")):
+        for owner_name, owner in module.named_modules():
+            for leaf, value in list(getattr(owner, store).items()):
+                if value is None or not isinstance(value, torch.Tensor):
+                    continue
+                full_name = f"{owner_name}.{leaf}" if owner_name else leaf
+                spec = specs.get(full_name, REPLICATED) if kind == "param" else REPLICATED
+                spec = fit_spec(spec, value.shape, mesh)
+                array = _place_array(_host_array(value), NamedSharding(mesh, spec))
+                getattr(owner, store)[leaf] = Tensor(array, env)
+                del value
+                shard_bytes = array.addressable_shards[0].data.nbytes
+                stats["bytes_per_device"] += shard_bytes
+                if kind == "buffer":
+                    stats["buffers"] += 1
+                elif any(axis is not None for axis in spec):
+                    stats["sharded"] += 1
+                else:
+                    stats["replicated"] += 1
+    log(
+        f"placed {table.name}: {stats['sharded']} sharded, {stats['replicated']} replicated parameters, "
+        f"{stats['buffers']} buffers, {stats['bytes_per_device'] / 2**20:.1f} MiB per device"
+    )
+    return stats
+
+
+def place(tree, mesh: Mesh, spec: PartitionSpec, env):
+    """torchax tensors for the CPU tensors in `tree`, each laid out as `spec` (axes it cannot divide dropped)."""
+    from torchax.tensor import Tensor
+
+    def one(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        sharding = NamedSharding(mesh, fit_spec(spec, value.shape, mesh))
+        return Tensor(_place_array(_host_array(value.contiguous()), sharding), env)
+
+    return torch.utils._pytree.tree_map(one, tree)
+
+
+def constrain(tensor: torch.Tensor, mesh: Mesh, spec: PartitionSpec) -> torch.Tensor:
+    """A sharding constraint on a traced torchax tensor (axes that do not divide it are dropped)."""
+    from torchax.interop import call_jax
+
+    sharding = NamedSharding(mesh, fit_spec(spec, tensor.shape, mesh))
+    return call_jax(jax.lax.with_sharding_constraint, tensor, sharding)

@@ -1,0 +1,210 @@
+"""The dp/sp/tp mesh, the weight rule tables, and sharded stage 2 against the single-device run.
+
+Sharded-vs-unsharded tolerance: 1e-5 relative (fp32). Only the reduction order changes (partial sums
+all-reduced across tp, attention split over sp), which moves fp32 results by ~1e-7 per step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import models
+import sharding
+import stage1_text_encoder
+import stage2_transformer
+from helpers import expect_user_error, relative_error, run_stage
+from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, RuleTable, choose_mesh_shape
+from splash_attention import SplashConfig, attention_backend
+from torchax_runtime import TorchaxRuntime
+from utils import Timer, UserError, read_config, read_tensors
+
+TOLERANCE = 1e-5
+MESHES = [(1, 1, 8), (2, 1, 4), (1, 2, 4), (2, 2, 2)]
+
+
+def build_preset(name: str):
+    return models.PRESETS[name].PRESETS[name].build()
+
+
+# Mesh shape ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags, cfg, expected",
+    [
+        ({}, True, (2, 1, 4)),
+        ({}, False, (1, 1, 8)),
+        ({"sp": 2}, True, (2, 2, 2)),
+        ({"tp": 8}, True, (1, 1, 8)),
+        ({"dp": 1, "sp": 8}, True, (1, 8, 1)),
+    ],
+)
+def test_mesh_defaults(flags, cfg, expected):
+    assert choose_mesh_shape(8, **flags, cfg=cfg, heads=8) == MeshShape(*expected)
+
+
+def test_single_device_mesh_is_trivial():
+    assert choose_mesh_shape(1, cfg=True, heads=48) == MeshShape(1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "flags, heads, message",
+    [
+        ({"dp": 3}, 8, "must equal the device count"),
+        ({"dp": 2, "sp": 2, "tp": 4}, 8, "= 16 devices, but 8 are available"),
+        ({"tp": 8}, 6, "--tp 8 does not divide the transformer's 6 attention heads"),
+        ({"sp": 0}, 8, "--sp must be at least 1"),
+    ],
+)
+def test_mesh_errors(flags, heads, message):
+    with pytest.raises(UserError, match=message):
+        choose_mesh_shape(8, **flags, cfg=True, heads=heads)
+
+
+# Rule tables ---------------------------------------------------------------------------------------
+
+
+def real_cogvideox15_transformer():
+    """CogVideoX1.5-5B's transformer at its published config, on the meta device (no memory, no download)."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    with torch.device("meta"):
+        return CogVideoXTransformer3DModel(
+            num_attention_heads=48,
+            attention_head_dim=64,
+            in_channels=16,
+            out_channels=16,
+            time_embed_dim=512,
+            text_embed_dim=4096,
+            num_layers=42,
+            sample_width=300,
+            sample_height=300,
+            sample_frames=81,
+            patch_size=2,
+            patch_size_t=2,
+            patch_bias=False,
+            temporal_compression_ratio=4,
+            max_text_seq_length=226,
+            use_rotary_positional_embeddings=True,
+        )
+
+
+def expected_cogvideox_spec(name: str, tp_mode: str):
+    """The intended layout, written independently of the regex table."""
+    if ".attn1.to_q." in name or ".attn1.to_k." in name or ".attn1.to_v." in name or ".ff.net.0.proj." in name:
+        return COLUMN if name.endswith("weight") else COLUMN_BIAS
+    if (".attn1.to_out.0." in name or ".ff.net.2." in name) and tp_mode == "megatron":
+        return ROW if name.endswith("weight") else REPLICATED
+    return REPLICATED
+
+
+@pytest.mark.parametrize("tp_mode", sharding.TP_MODES)
+@pytest.mark.parametrize("model", ["tiny-cogvideox", "tiny-cogvideox1.0", "real-1.5-5b"])
+def test_cogvideox_rule_table_matches_every_parameter_as_intended(model, tp_mode):
+    if model == "real-1.5-5b":
+        transformer = real_cogvideox15_transformer()
+    else:
+        transformer = build_preset(model).transformer
+    names = [name for name, _ in transformer.named_parameters()]
+    specs = sharding.cogvideox_transformer_rules(tp_mode).assign(names)
+    assert specs == {name: expected_cogvideox_spec(name, tp_mode) for name in names}
+    sharded = [name for name, spec in specs.items() if spec != REPLICATED]
+    per_block = 10 if tp_mode == "megatron" else 8
+    assert len(sharded) == per_block * transformer.config.num_layers
+
+
+def test_rule_table_rejects_unmatched_parameters_and_unused_rules():
+    table = RuleTable("t", ((r"a\.weight", COLUMN), (r"gone\.weight", REPLICATED)))
+    with pytest.raises(ValueError, match=r"without a rule \['b\.weight'\], rules that match nothing \['gone"):
+        table.assign(["a.weight", "b.weight"])
+
+
+def test_cogvideox_table_does_not_fit_another_model():
+    vae = build_preset("tiny-cogvideox").vae
+    with pytest.raises(ValueError, match="rules that match nothing"):
+        sharding.cogvideox_transformer_rules().assign([name for name, _ in vae.named_parameters()])
+
+
+def test_place_module_shards_each_weight_by_its_rule():
+    transformer = build_preset("tiny-cogvideox").transformer
+    runtime = TorchaxRuntime(sharding.make_mesh(MeshShape(2, 1, 4)))
+    reference = {name: param.detach().clone() for name, param in transformer.named_parameters()}
+    runtime.compile(transformer, sharding.cogvideox_transformer_rules())
+    params = dict(transformer.named_parameters())
+    to_q, to_out = (
+        params["transformer_blocks.0.attn1.to_q.weight"],
+        params["transformer_blocks.0.attn1.to_out.0.weight"],
+    )
+    assert to_q.jax().addressable_shards[0].data.shape == (128 // 4, 128)
+    assert to_out.jax().addressable_shards[0].data.shape == (128, 128 // 4)
+    assert all(runtime.to_host(params[name]).equal(value) for name, value in reference.items())
+    assert runtime.placement["sharded"] == 20 and runtime.placement["replicated"] == 44
+
+
+# Sharded stage 2 -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stage1_outputs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("stage1")
+    run_stage(
+        stage1_text_encoder,
+        ["--model", "tiny-cogvideox", "--prompt", "a cat", "--output_dir", out, "--dtype", "fp32"]
+        + ["--num_inference_steps", 3, "--seed", 3],
+    )
+    return out
+
+
+def denoise_on(stage1_dir, mesh_shape: MeshShape, attention: str = "xla"):
+    config = read_config(stage1_dir, needs="stage1")
+    source, family = models.resolve_model_for_config(config, None)
+    embeds = read_tensors(stage1_dir, config["stage1"])
+    runtime = TorchaxRuntime(sharding.make_mesh(mesh_shape))
+    splash = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
+    with attention_backend(runtime.env, attention, splash, runtime.mesh):
+        latents, _ = family.denoise(source, config, embeds, torch.float32, runtime, Timer())
+    return latents
+
+
+@pytest.fixture(scope="module")
+def unsharded(stage1_outputs):
+    return {attention: denoise_on(stage1_outputs, MeshShape(), attention) for attention in ("xla", "splash")}
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "dp{}-sp{}-tp{}".format(*m))
+def test_sharded_stage2_equals_single_device(stage1_outputs, unsharded, mesh):
+    latents = denoise_on(stage1_outputs, MeshShape(*mesh))
+    assert relative_error(latents, unsharded["xla"]) <= TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [(2, 1, 4), (1, 2, 4), (2, 2, 2)], ids=lambda m: "dp{}-sp{}-tp{}".format(*m))
+def test_sharded_splash_stage2_equals_single_device(stage1_outputs, unsharded, mesh):
+    latents = denoise_on(stage1_outputs, MeshShape(*mesh), attention="splash")
+    assert relative_error(latents, unsharded["splash"]) <= TOLERANCE
+    assert relative_error(latents, unsharded["xla"]) <= TOLERANCE
+
+
+def test_stage2_records_mesh_and_placement(stage1_outputs, tmp_path):
+    run_stage(stage2_transformer, ["--input_dir", stage1_outputs, "--output_dir", tmp_path, "--sp", 2])
+    stage2 = json.loads((tmp_path / "generation_config.json").read_text())["stage2"]
+    assert stage2["mesh"] == {"dp": 2, "sp": 2, "tp": 2}
+    assert stage2["tp_mode"] == "megatron"
+    assert stage2["placement"]["sharded"] == 20
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dp", 3], "--dp 3 x --sp 1 x --tp 2 = 6 devices, but 8 are available"),
+        (["--dp", 1, "--tp", 8, "--sp", 2], "= 16 devices"),
+    ],
+)
+def test_stage2_mesh_errors_come_before_loading(capsys, stage1_outputs, tmp_path, flags, message):
+    expect_user_error(
+        capsys, stage2_transformer, ["--input_dir", stage1_outputs, "--output_dir", tmp_path, *flags], message
+    )
+    assert not (tmp_path / "stage2_latents.safetensors").exists()

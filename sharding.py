@@ -174,6 +174,46 @@ def cogvideox_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
     )
 
 
+def hunyuanvideo15_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
+    """HunyuanVideo15Transformer3DModel: double-stream blocks (image stream `to_*`/`ff`, text stream
+    `add_*`/`to_add_out`/`ff_context`) and the token refiner's blocks get the Megatron layout.
+    Replicated: AdaLN modulations (their outputs are needed whole by every device), q/k RMS norms over
+    the head dim, the ByT5 mapper, embedders and the final layers."""
+    _check_tp_mode(tp_mode)
+    row, row_bias = (ROW, REPLICATED) if tp_mode == "megatron" else (REPLICATED, REPLICATED)
+    block = r"transformer_blocks\.\d+\."
+    refiner = r"context_embedder\.token_refiner\.refiner_blocks\.\d+\."
+    return RuleTable(
+        f"hunyuanvideo15-transformer/{tp_mode}",
+        (
+            (block + r"attn\.(to_[qkv]|add_[qkv]_proj)\.weight", COLUMN),
+            (block + r"attn\.(to_[qkv]|add_[qkv]_proj)\.bias", COLUMN_BIAS),
+            (block + r"attn\.(to_out\.0|to_add_out)\.weight", row),
+            (block + r"attn\.(to_out\.0|to_add_out)\.bias", row_bias),
+            (block + r"(ff|ff_context)\.net\.0\.proj\.weight", COLUMN),
+            (block + r"(ff|ff_context)\.net\.0\.proj\.bias", COLUMN_BIAS),
+            (block + r"(ff|ff_context)\.net\.2\.weight", row),
+            (block + r"(ff|ff_context)\.net\.2\.bias", row_bias),
+            (block + r"attn\.norm_(added_)?[qk]\.weight", REPLICATED),
+            (block + r"norm1(_context)?\.linear\.(weight|bias)", REPLICATED),
+            (refiner + r"attn\.to_[qkv]\.weight", COLUMN),
+            (refiner + r"attn\.to_[qkv]\.bias", COLUMN_BIAS),
+            (refiner + r"attn\.to_out\.0\.weight", row),
+            (refiner + r"attn\.to_out\.0\.bias", row_bias),
+            (refiner + r"ff\.net\.0\.proj\.weight", COLUMN),
+            (refiner + r"ff\.net\.0\.proj\.bias", COLUMN_BIAS),
+            (refiner + r"ff\.net\.2\.weight", row),
+            (refiner + r"ff\.net\.2\.bias", row_bias),
+            (refiner + r"(norm1|norm2|norm_out\.linear)\.(weight|bias)", REPLICATED),
+            (r"context_embedder\.(time_text_embed|proj_in)\..*", REPLICATED),
+            (r"context_embedder_2\..*", REPLICATED),  # ByT5 mapper
+            (r"(x_embedder|image_embedder|time_embed)\..*", REPLICATED),
+            (r"cond_type_embed\.weight", REPLICATED),
+            (r"(norm_out\.linear|proj_out)\.(weight|bias)", REPLICATED),
+        ),
+    )
+
+
 def vae_rules(name: str) -> RuleTable:
     """VAEs: every weight replicated (convolutions are small; the activations are what is large)."""
     return RuleTable(f"{name}-vae", ((r".*", REPLICATED),))

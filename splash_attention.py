@@ -8,6 +8,7 @@ the valid keys. Zeroing padded K/V instead (the reference notes' approach) leave
 score 0 in the denominator: 28% relative error at 40% padding (../shared/PITFALLS.md). Segment ids
 have no such term; tests/test_splash_attention.py holds them to 1e-5 of a float64 reference.
 
+With a mesh the kernel runs under shard_map: batch on `dp`, heads on `tp`, query sequence on `sp`.
 On TPU the kernel is compiled by Mosaic; elsewhere it runs in Pallas interpret mode (slow, for tests).
 """
 

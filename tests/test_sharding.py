@@ -116,6 +116,53 @@ def test_cogvideox_rule_table_matches_every_parameter_as_intended(model, tp_mode
     assert len(sharded) == per_block * transformer.config.num_layers
 
 
+def hunyuanvideo15_transformer(real: bool):
+    """HunyuanVideo-1.5's transformer: the published 480p/720p t2v config on the meta device, or a tiny one."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    if real:
+        with torch.device("meta"):
+            return HunyuanVideo15Transformer3DModel(task_type="t2v")
+    return HunyuanVideo15Transformer3DModel(
+        in_channels=9,
+        out_channels=4,
+        num_attention_heads=8,
+        attention_head_dim=8,
+        num_layers=2,
+        num_refiner_layers=1,
+        text_embed_dim=16,
+        text_embed_2_dim=8,
+        image_embed_dim=12,
+        rope_axes_dim=(2, 2, 4),
+        task_type="t2v",
+    )
+
+
+def expected_hunyuan_spec(name: str, tp_mode: str):
+    stream_in = (".to_q.", ".to_k.", ".to_v.", ".add_q_proj.", ".add_k_proj.", ".add_v_proj.", ".net.0.proj.")
+    stream_out = (".to_out.0.", ".to_add_out.", ".net.2.")
+    in_block = name.startswith("transformer_blocks.") or ".refiner_blocks." in name
+    if in_block and any(part in name for part in stream_in):
+        return COLUMN if name.endswith("weight") else COLUMN_BIAS
+    if in_block and any(part in name for part in stream_out) and tp_mode == "megatron":
+        return ROW if name.endswith("weight") else REPLICATED
+    return REPLICATED
+
+
+@pytest.mark.parametrize("tp_mode", sharding.TP_MODES)
+@pytest.mark.parametrize("real", [False, True], ids=["tiny", "real-720p-t2v"])
+def test_hunyuanvideo15_rule_table_matches_every_parameter_as_intended(real, tp_mode):
+    transformer = hunyuanvideo15_transformer(real)
+    names = [name for name, _ in transformer.named_parameters()]
+    specs = sharding.hunyuanvideo15_transformer_rules(tp_mode).assign(names)
+    assert specs == {name: expected_hunyuan_spec(name, tp_mode) for name in names}
+    # q/k/v and MLP-in weights+biases of both streams, plus the out weights in megatron mode
+    per_block, per_refiner = (20, 10) if tp_mode == "megatron" else (16, 8)
+    config = transformer.config
+    expected = per_block * config.num_layers + per_refiner * config.num_refiner_layers
+    assert sum(spec != REPLICATED for spec in specs.values()) == expected
+
+
 def test_rule_table_rejects_unmatched_parameters_and_unused_rules():
     table = RuleTable("t", ((r"a\.weight", COLUMN), (r"gone\.weight", REPLICATED)))
     with pytest.raises(ValueError, match=r"without a rule \['b\.weight'\], rules that match nothing \['gone"):

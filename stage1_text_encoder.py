@@ -18,6 +18,7 @@ from utils import (
     Timer,
     add_request_arguments,
     ensure_writable_dir,
+    filter_harmless_warnings,
     library_versions,
     log,
     parse_dtype,
@@ -49,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    filter_harmless_warnings()
     dtype = parse_dtype(args.dtype)
     output_dir = Path(args.output_dir)
     timer = Timer()
@@ -75,7 +77,7 @@ def main(argv=None) -> None:
             **record,
             "device": args.device,
             "dtype": args.dtype,
-            "seconds": timer.seconds,
+            "seconds": timer.finish(),
             "versions": library_versions("torch", "transformers", "diffusers"),
         },
     }

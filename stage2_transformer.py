@@ -16,11 +16,13 @@ import models
 from utils import (
     DEFAULT_OUTPUT_DIR,
     STAGE2_FILE,
+    CompileCache,
     Timer,
     UserError,
     add_request_arguments,
     apply_request_overrides,
     ensure_writable_dir,
+    filter_harmless_warnings,
     library_versions,
     log,
     parse_dtype,
@@ -59,6 +61,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=False,
         help="Splash: subtract the mean of the valid keys (exact; centres scores for bf16) (default: off)",
     )
+    runtime = parser.add_argument_group("runtime")
+    runtime.add_argument(
+        "--warmup_steps",
+        type=int,
+        default=2,
+        help="denoiser calls before the timed loop, to compile; results discarded (default: %(default)s)",
+    )
+    runtime.add_argument(
+        "--no_compile_cache",
+        action="store_true",
+        help="do not use the persistent JAX compilation cache (folder: $JAX_COMPILATION_CACHE_DIR, "
+        "else ~/.cache/tpu-video/jax-compilation-cache)",
+    )
+    runtime.add_argument("--profile", metavar="DIR", help="write a JAX profiler trace of the first 3 timed steps")
     mesh = parser.add_argument_group("device mesh (product must equal the device count)")
     mesh.add_argument("--dp", type=int, help="data parallel: the CFG branches (default: 2 with CFG if it fits, else 1)")
     mesh.add_argument("--sp", type=int, help="sequence parallel: query tokens in attention (default: 1)")
@@ -89,6 +105,9 @@ def splash_config(args, family, platform: str):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    filter_harmless_warnings()
+    if args.warmup_steps < 0:
+        raise UserError(f"--warmup_steps {args.warmup_steps} must be >= 0")
     input_dir = Path(args.input_dir)
     output_dir = Path(args.output_dir or args.input_dir)
     timer = Timer()
@@ -111,6 +130,7 @@ def main(argv=None) -> None:
     from splash_attention import attention_backend, resolve_backend
     from torchax_runtime import TorchaxRuntime
 
+    compile_cache = CompileCache(enabled=not args.no_compile_cache)
     mesh_shape = sharding.choose_mesh_shape(
         jax.device_count(),
         args.dp,
@@ -119,13 +139,15 @@ def main(argv=None) -> None:
         cfg=config["guidance_scale"] > 1.0,
         heads=family.attention_heads(source),
     )
-    runtime = TorchaxRuntime(sharding.make_mesh(mesh_shape))
+    runtime = TorchaxRuntime(sharding.make_mesh(mesh_shape), profile_dir=args.profile)
     attention = resolve_backend(args.attention)
     splash = splash_config(args, family, runtime.device_description["platform"])
     log(f"{family.NAME} transformer on {runtime.device_description}, {dtype_name}, attention {attention}")
     log(f"request overrides: {overrides or 'none'}")
     with attention_backend(runtime.env, attention, splash, runtime.mesh):
-        latents, info = family.denoise(source, config, embeddings, dtype, runtime, timer, tp_mode=args.tp_mode)
+        latents, info = family.denoise(
+            source, config, embeddings, dtype, runtime, timer, tp_mode=args.tp_mode, warmup_steps=args.warmup_steps
+        )
     if not latents.isfinite().all():
         raise UserError("the final latents contain NaN or Inf; not writing them")
     with timer.phase("save"):
@@ -142,7 +164,9 @@ def main(argv=None) -> None:
         "attention": attention,
         **({"splash": dataclasses.asdict(splash)} if attention == "splash" else {}),
         "overrides": overrides,
-        "seconds": timer.seconds,
+        "warmup_steps": args.warmup_steps,
+        "compile_cache": compile_cache.report(),
+        "seconds": timer.finish(),
         "step_seconds": timer.step_seconds,
         "versions": library_versions("torch", "jax", "jaxlib", "torchax", "diffusers"),
     }

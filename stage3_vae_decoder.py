@@ -17,11 +17,13 @@ import models
 from utils import (
     DEFAULT_OUTPUT_DIR,
     VIDEO_FILE,
+    CompileCache,
     Timer,
     TorchRuntime,
     UserError,
     apply_request_overrides,
     ensure_writable_dir,
+    filter_harmless_warnings,
     library_versions,
     log,
     parse_dtype,
@@ -30,6 +32,7 @@ from utils import (
     run_cli,
     write_config,
     write_mp4,
+    write_preview_png,
 )
 
 
@@ -48,19 +51,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--tiling", action="store_true", help="decode in spatial tiles (diffusers' VAE tiling) to save memory"
     )
+    parser.add_argument(
+        "--preview_frames",
+        type=int,
+        default=8,
+        help="frames in the preview PNG grid, 0 for none (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--no_compile_cache", action="store_true", help="torchax: do not use the persistent JAX compilation cache"
+    )
     return parser.parse_args(argv)
 
 
-def make_runtime(backend: str, device: str):
-    if backend == "torch":
-        return TorchRuntime(device)
-    from torchax_runtime import TorchaxRuntime
-
-    return TorchaxRuntime()
+def preview_name(video_name: str) -> str:
+    return str(Path(video_name).with_suffix("")) + "_preview.png"
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    filter_harmless_warnings()
+    if args.preview_frames < 0:
+        raise UserError(f"--preview_frames {args.preview_frames} must be >= 0")
     input_dir = Path(args.input_dir)
     output_dir = Path(args.output_dir or args.input_dir)
     timer = Timer()
@@ -77,16 +88,28 @@ def main(argv=None) -> None:
     latents = read_tensors(input_dir, config["stage2"])["latents"]
     ensure_writable_dir(output_dir)
 
-    runtime = make_runtime(args.backend, args.device)
+    compile_cache = None
+    if args.backend == "torch":
+        runtime = TorchRuntime(args.device)
+    else:
+        from torchax_runtime import TorchaxRuntime
+
+        compile_cache = CompileCache(enabled=not args.no_compile_cache)
+        runtime = TorchaxRuntime()
     log(f"decoding latents {tuple(latents.shape)} with the {family.NAME} VAE on {args.backend}, {dtype_name}")
     frames = family.decode(source, latents, dtype, runtime, timer, tiling=args.tiling)
     pixels = (frames.numpy() * 255).round().astype(np.uint8)
     with timer.phase("save"):
         write_mp4(output_dir / args.output_name, pixels, config["fps"])
+        preview = None
+        if args.preview_frames:
+            preview = preview_name(args.output_name)
+            rows, columns = write_preview_png(output_dir / preview, pixels, count=args.preview_frames)
 
     count, height, width, _ = pixels.shape
     config["stage3"] = {
         "file": args.output_name,
+        **({"preview": preview, "preview_grid": [rows, columns]} if preview else {}),
         "latents_sha256": config["stage2"]["sha256"],
         "frames": count,
         "height": height,
@@ -97,7 +120,8 @@ def main(argv=None) -> None:
         "dtype": dtype_name,
         "tiling": args.tiling,
         "overrides": overrides,
-        "seconds": timer.seconds,
+        **({"compile_cache": compile_cache.report()} if compile_cache else {}),
+        "seconds": timer.finish(),
         "versions": library_versions("torch", "diffusers", "imageio-ffmpeg"),
     }
     write_config(output_dir, config)

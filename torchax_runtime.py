@@ -26,10 +26,15 @@ class TorchaxRuntime:
 
     name = "torchax"
 
-    def __init__(self, mesh: Mesh | None = None) -> None:
+    def __init__(self, mesh: Mesh | None = None, profile_dir: str | None = None) -> None:
         self.env = torchax.default_env()
         self.mesh = mesh if mesh is not None else sharding.make_mesh(sharding.MeshShape())
         self.placement: dict[str, object] = {}
+        self.profile_dir = profile_dir
+
+    def profile_trace(self):
+        """A JAX profiler trace context writing to `profile_dir` (view with TensorBoard/XProf), or None."""
+        return jax.profiler.trace(self.profile_dir) if self.profile_dir else None
 
     @property
     def device_description(self) -> dict[str, object]:

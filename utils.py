@@ -60,12 +60,44 @@ def log(message: str) -> None:
     print(f"[{time.monotonic() - _START:7.1f}s] {message}", flush=True)
 
 
+# Library warnings known to be harmless here, by exact message start. Nothing else is hidden.
+HARMLESS_WARNINGS = (
+    # jax without x64 narrows torch's int64 tensors (timesteps, token ids) to int32; values stay small.
+    (UserWarning, "Explicitly requested dtype int64 requested in astype is not available"),
+    # JAX warns on any fork; imageio-ffmpeg's subprocess forks and immediately execs ffmpeg.
+    (RuntimeWarning, "os.fork() was called. os.fork() is incompatible with multithreaded code"),
+)
+
+
+def filter_harmless_warnings() -> None:
+    import re
+    import warnings
+
+    for category, message in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category)
+
+
 class Timer:
     """Collects named wall-clock phases ({"load": 1.2, "denoise": 30.5}) and per-step seconds."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.step_seconds: list[float] = []
+        self._start = time.perf_counter()
+
+    def finish(self) -> dict[str, float]:
+        """Add the stage's `total` and print the phases as a small table; returns the phases."""
+        total = time.perf_counter() - self._start
+        self.seconds["other"] = round(max(total - sum(self.seconds.values()), 0.0), 4)  # imports, setup, checks
+        self.seconds["total"] = round(total, 4)
+        width = max(len(name) for name in self.seconds)
+        log("timing (seconds):")
+        for name, seconds in self.seconds.items():
+            print(f"    {name:<{width}}  {seconds:9.3f}", flush=True)
+        if self.step_seconds:
+            steps = sorted(self.step_seconds)
+            print(f"    {'median step':<{width}}  {steps[len(steps) // 2]:9.3f}", flush=True)
+        return self.seconds
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -219,24 +251,100 @@ def apply_request_overrides(config: dict[str, Any], flags: dict[str, Any]) -> di
     return overrides
 
 
-def step_progress(steps, timer: Timer, desc: str = "denoise"):
+def step_progress(steps, timer: Timer, desc: str = "denoise", trace=None, trace_steps: int = 3):
     """Yield (index, step) under a tqdm bar showing the last step's seconds, the running mean and ETA.
 
     A step's time runs from one yield to the next, so it includes the device sync the caller does when
-    it pulls the step's result back to the host.
+    it pulls the step's result back to the host. `trace` (a context manager, e.g. a profiler trace) is
+    held open around the first `trace_steps` steps.
     """
     from tqdm import tqdm
 
+    tracing = contextlib.ExitStack()
     bar = tqdm(total=len(steps), desc=desc, unit="step", dynamic_ncols=True)
-    with timer.phase(desc):
+    with timer.phase(desc), tracing:
         for index, step in enumerate(steps):
+            if index == 0 and trace is not None:
+                tracing.enter_context(trace)
             start = time.perf_counter()
             yield index, step
             timer.step_seconds.append(round(time.perf_counter() - start, 4))
+            if index + 1 == trace_steps:
+                tracing.close()
             mean = sum(timer.step_seconds) / len(timer.step_seconds)
             bar.set_postfix_str(f"step {timer.step_seconds[-1]:.3f}s avg {mean:.3f}s")
             bar.update()
     bar.close()
+
+
+def write_preview_png(path: Path, frames, count: int = 8, columns: int = 4) -> tuple[int, int]:
+    """Save `count` evenly spaced frames of uint8 video (F, H, W, 3) as one grid image, atomically.
+
+    Returns the grid's (rows, columns)."""
+    import numpy as np
+    from PIL import Image
+
+    total, height, width, _ = frames.shape
+    picks = np.unique(np.linspace(0, total - 1, min(count, total)).round().astype(int))
+    columns = min(columns, len(picks))
+    rows = -(-len(picks) // columns)
+    grid = np.zeros((rows * height, columns * width, 3), dtype=np.uint8)
+    for cell, index in enumerate(picks):
+        row, column = divmod(cell, columns)
+        grid[row * height : (row + 1) * height, column * width : (column + 1) * width] = frames[index]
+    _atomic_write(path, lambda tmp: Image.fromarray(grid).save(tmp, format="PNG"))
+    return rows, columns
+
+
+def compile_cache_dir() -> Path:
+    """JAX_COMPILATION_CACHE_DIR, else a folder in this tool's per-user cache."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    root = os.environ.get("TPU_VIDEO_CACHE") or Path.home() / ".cache" / "tpu-video"
+    return Path(root) / "jax-compilation-cache"
+
+
+class CompileCache:
+    """The persistent JAX compilation cache, on for every compile in this process, counting hits and misses.
+
+    Imports JAX, so only the JAX-side stages call it. Compiles of any size are cached: the defaults
+    skip entries that compiled in under a second, which is most of what a CPU test run compiles.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        import jax
+        from jax.experimental.compilation_cache import compilation_cache
+
+        self.enabled = enabled
+        self.directory = compile_cache_dir()
+        self.hits = self.misses = 0
+        if enabled:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            jax.config.update("jax_compilation_cache_dir", str(self.directory))
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+            jax.monitoring.register_event_listener(self._count)
+        else:
+            jax.config.update("jax_enable_compilation_cache", False)
+        # JAX settles its cache state at the first compile, and `import torchax` already compiles
+        # (with $JAX_COMPILATION_CACHE_DIR if set): start over so the settings above take effect.
+        compilation_cache.reset_cache()
+
+    def _count(self, event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            self.hits += 1
+        elif event == "/jax/compilation_cache/cache_misses":
+            self.misses += 1
+
+    def report(self) -> dict[str, object]:
+        """Stop counting; a summary for the config (the folder is logged, not recorded: configs hold no
+        host paths)."""
+        if self.enabled:
+            import jax
+
+            jax.monitoring.unregister_event_listener(self._count)
+            log(f"compile cache {self.directory}: {self.hits} hits, {self.misses} misses")
+        return {"enabled": self.enabled, "hits": self.hits, "misses": self.misses}
 
 
 def write_mp4(path: Path, frames, fps: int) -> None:
@@ -271,6 +379,9 @@ class TorchRuntime:
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = torch.device(device)
+
+    def profile_trace(self):
+        return None
 
     def compile(self, module: torch.nn.Module):
         return module.to(self.device)

@@ -257,6 +257,7 @@ def denoise(
     runtime,
     timer,
     tp_mode: str = "megatron",
+    warmup_steps: int = 0,
 ):
     """Run the pipeline's denoising loop with the transformer on `runtime`; return latents (B, C, F, H, W).
 
@@ -310,12 +311,20 @@ def denoise(
             runtime.to_device(torch.tensor(request["guidance_scale"], dtype=torch.float32)),
         )
 
+    def predict_noise(latents, t):
+        """One denoiser evaluation; the real loop and the warmup both run exactly this."""
+        model_input = runtime.to_device((scheduler.scale_model_input(latents, t), t.reshape(1)))
+        return runtime.to_host(denoiser(*model_input, *static_inputs))  # to_host waits for the device
+
+    if warmup_steps:
+        with timer.phase("compile"):  # the first call traces and compiles; results are discarded
+            for _ in range(warmup_steps):
+                predict_noise(latents, timesteps[0])
+
     is_dpm = isinstance(scheduler, CogVideoXDPMScheduler)
     old_pred_original_sample = None
-    for i, t in step_progress(timesteps, timer):
-        model_input = runtime.to_device((scheduler.scale_model_input(latents, t), t.reshape(1)))
-        device_embeds, device_rotary, guidance = static_inputs
-        noise_pred = runtime.to_host(denoiser(*model_input, device_embeds, device_rotary, guidance))
+    for i, t in step_progress(timesteps, timer, trace=runtime.profile_trace()):
+        noise_pred = predict_noise(latents, t)
         if is_dpm:
             latents, old_pred_original_sample = scheduler.step(
                 noise_pred,

@@ -44,9 +44,15 @@ def expect_user_error(capsys, module, argv: list[str], message: str) -> str:
     return err_lines[0]
 
 
-def run_script(script: str, argv: list[str], extra_pythonpath: Path | None = None, **kwargs):
+def run_script(
+    script: str,
+    argv: list[str],
+    extra_pythonpath: Path | None = None,
+    env_overrides: dict[str, str] | None = None,
+    **kwargs,
+):
     """Run a stage script as a real subprocess (the user's command line)."""
-    env = dict(os.environ)
+    env = {**os.environ, **(env_overrides or {})}
     if extra_pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join([str(extra_pythonpath), env.get("PYTHONPATH", "")])
     return subprocess.run(

@@ -1,0 +1,115 @@
+"""Runtime behaviour of the stages: warmup, the persistent compilation cache, timing records, previews."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+import stage1_text_encoder
+import stage2_transformer
+import stage3_vae_decoder
+from helpers import run_script, run_stage
+from utils import STAGE2_FILE, read_config, read_tensors
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def stage1_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("stage1")
+    run_stage(
+        stage1_text_encoder,
+        ["--model", "tiny-cogvideox", "--prompt", "a red cat", "--output_dir", out, "--dtype", "fp32"]
+        + ["--num_inference_steps", STEPS],
+    )
+    return out
+
+
+def stage2_latents(stage1_dir, out, *flags):
+    run_stage(stage2_transformer, ["--input_dir", stage1_dir, "--output_dir", out, *flags])
+    config = read_config(out, needs="stage2")
+    return read_tensors(out, config["stage2"])["latents"], config["stage2"]
+
+
+def test_warmup_does_not_change_the_result(stage1_dir, tmp_path):
+    cold, cold_info = stage2_latents(stage1_dir, tmp_path / "cold", "--warmup_steps", 0)
+    warm, warm_info = stage2_latents(stage1_dir, tmp_path / "warm", "--warmup_steps", 3)
+    assert torch.equal(cold, warm)
+    assert "compile" not in cold_info["seconds"] and warm_info["seconds"]["compile"] > 0
+    assert warm_info["warmup_steps"] == 3
+
+
+def test_stage2_timing_section_is_complete(stage1_dir, tmp_path):
+    _, info = stage2_latents(stage1_dir, tmp_path)
+    seconds = info["seconds"]
+    assert list(seconds) == ["load", "place", "compile", "denoise", "save", "other", "total"]
+    assert all(isinstance(value, float) and value >= 0 for value in seconds.values())
+    assert seconds["total"] >= sum(value for name, value in seconds.items() if name != "total") - 1e-3
+    assert len(info["step_seconds"]) == STEPS and all(step > 0 for step in info["step_seconds"])
+    assert info["sha256"] and info["mesh"] == {"dp": 2, "sp": 1, "tp": 4}
+    assert {"platform", "device_kind", "device_count", "backend", "versions"} <= set(info)
+    assert {"torch", "jax", "torchax", "diffusers"} <= set(info["versions"])
+
+
+def test_profile_writes_a_trace(stage1_dir, tmp_path):
+    stage2_latents(stage1_dir, tmp_path / "out", "--profile", tmp_path / "trace", "--warmup_steps", 1)
+    assert list((tmp_path / "trace").rglob("*.xplane.pb"))
+
+
+@pytest.mark.slow
+def test_compile_cache_is_filled_then_hit_across_processes(stage1_dir, tmp_path):
+    """Two fresh processes with the same shapes: the first compiles and stores, the second loads."""
+    cache = tmp_path / "cache"
+    env = {"JAX_COMPILATION_CACHE_DIR": str(cache)}
+    runs = []
+    for name in ("first", "second"):
+        result = run_script(
+            "stage2_transformer.py",
+            ["--input_dir", stage1_dir, "--output_dir", tmp_path / name, "--warmup_steps", 1],
+            env_overrides=env,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stderr
+        runs.append(json.loads((tmp_path / name / "generation_config.json").read_text())["stage2"]["compile_cache"])
+        if name == "first":
+            assert any(path.is_file() for path in cache.rglob("*")), "the first run stored nothing"
+    assert runs[0]["enabled"] and runs[0]["misses"] > 0 and runs[0]["hits"] == 0
+    assert runs[1]["hits"] > 0 and runs[1]["misses"] == 0
+    assert f"{runs[1]['hits']} hits, 0 misses" in result.stdout
+
+    result = run_script(
+        "stage2_transformer.py",
+        ["--input_dir", stage1_dir, "--output_dir", tmp_path / "off", "--no_compile_cache"],
+        env_overrides={"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "unused")},
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    # JAX may create the folder named by the variable at import; nothing may be stored in it.
+    assert not [path for path in (tmp_path / "unused").rglob("*") if path.is_file()]
+    off = json.loads((tmp_path / "off" / "generation_config.json").read_text())["stage2"]["compile_cache"]
+    assert off == {"enabled": False, "hits": 0, "misses": 0}
+
+
+@pytest.mark.parametrize("count, grid", [(8, (2, 4)), (3, (1, 3)), (20, (3, 4))])
+def test_preview_png_is_a_grid_of_evenly_spaced_frames(stage1_dir, tmp_path, count, grid):
+    run_stage(stage2_transformer, ["--input_dir", stage1_dir, "--output_dir", tmp_path])
+    run_stage(stage3_vae_decoder, ["--input_dir", tmp_path, "--preview_frames", count])
+    stage3 = read_config(tmp_path)["stage3"]
+    rows, columns = grid
+    frames = min(count, stage3["frames"])  # 9 frames: asking for 20 gives all 9
+    assert stage3["preview_grid"] == [rows, columns] and rows * columns >= frames > (rows - 1) * columns
+    with Image.open(tmp_path / stage3["preview"]) as image:
+        assert image.size == (columns * stage3["width"], rows * stage3["height"])
+        assert image.mode == "RGB"
+
+
+def test_no_preview_when_disabled(stage1_dir, tmp_path):
+    run_stage(stage2_transformer, ["--input_dir", stage1_dir, "--output_dir", tmp_path])
+    run_stage(stage3_vae_decoder, ["--input_dir", tmp_path, "--preview_frames", 0])
+    assert "preview" not in read_config(tmp_path)["stage3"]
+    assert not list(tmp_path.glob("*.png"))
+    assert os.path.exists(tmp_path / STAGE2_FILE)

@@ -16,12 +16,14 @@ from utils import (
     FORMAT_VERSION,
     STAGE1_FILE,
     Timer,
+    UserError,
     add_request_arguments,
     ensure_writable_dir,
     filter_harmless_warnings,
     library_versions,
     log,
     parse_dtype,
+    read_config,
     request_flags,
     run_cli,
     write_config,
@@ -48,6 +50,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def earlier_sections(output_dir: Path) -> dict:
+    """Stage 2/3 sections of an existing config in the folder, kept (a stage never deletes another's
+    section); their recorded input checksums tell later stages whether they are stale."""
+    try:
+        previous = read_config(output_dir)
+    except UserError:
+        return {}
+    return {key: value for key, value in previous.items() if key in ("stage2", "stage3")}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     filter_harmless_warnings()
@@ -69,6 +81,7 @@ def main(argv=None) -> None:
         record = write_tensors(output_dir / STAGE1_FILE, embeddings)
 
     config = {
+        **earlier_sections(output_dir),
         "format_version": FORMAT_VERSION,
         "model_family": family.NAME,
         "model_id": args.model,

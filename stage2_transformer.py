@@ -14,9 +14,12 @@ from pathlib import Path
 
 import models
 from utils import (
+    CHECKPOINT_FILE,
     DEFAULT_OUTPUT_DIR,
+    REQUEST_KEYS,
     STAGE2_FILE,
     CompileCache,
+    DenoiseGuard,
     Timer,
     UserError,
     add_request_arguments,
@@ -74,6 +77,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="do not use the persistent JAX compilation cache (folder: $JAX_COMPILATION_CACHE_DIR, "
         "else ~/.cache/tpu-video/jax-compilation-cache)",
     )
+    runtime.add_argument(
+        "--checkpoint_every",
+        type=int,
+        default=0,
+        metavar="N",
+        help=f"save the loop state to {CHECKPOINT_FILE} every N steps (SIGTERM always saves one) (default: off)",
+    )
+    runtime.add_argument(
+        "--resume", action="store_true", help=f"continue from {CHECKPOINT_FILE} in --output_dir (same request)"
+    )
     runtime.add_argument("--profile", metavar="DIR", help="write a JAX profiler trace of the first 3 timed steps")
     mesh = parser.add_argument_group("device mesh (product must equal the device count)")
     mesh.add_argument("--dp", type=int, help="data parallel: the CFG branches (default: 2 with CFG if it fits, else 1)")
@@ -122,6 +135,13 @@ def main(argv=None) -> None:
     family.validate_request(source, config)
     embeddings = read_tensors(input_dir, config["stage1"])
     ensure_writable_dir(output_dir)
+    fingerprint = {key: config.get(key) for key in ("model_id", *REQUEST_KEYS)}
+    guard = DenoiseGuard(
+        output_dir,
+        {**fingerprint, "dtype": dtype_name, "stage1_sha256": config["stage1"]["sha256"]},
+        every=args.checkpoint_every,
+        resume=args.resume,
+    )
 
     # JAX is imported only once the inputs are known good.
     import jax
@@ -144,9 +164,17 @@ def main(argv=None) -> None:
     splash = splash_config(args, family, runtime.device_description["platform"])
     log(f"{family.NAME} transformer on {runtime.device_description}, {dtype_name}, attention {attention}")
     log(f"request overrides: {overrides or 'none'}")
-    with attention_backend(runtime.env, attention, splash, runtime.mesh):
+    with attention_backend(runtime.env, attention, splash, runtime.mesh), guard.install_stop_handler():
         latents, info = family.denoise(
-            source, config, embeddings, dtype, runtime, timer, tp_mode=args.tp_mode, warmup_steps=args.warmup_steps
+            source,
+            config,
+            embeddings,
+            dtype,
+            runtime,
+            timer,
+            tp_mode=args.tp_mode,
+            warmup_steps=args.warmup_steps,
+            guard=guard,
         )
     if not latents.isfinite().all():
         raise UserError("the final latents contain NaN or Inf; not writing them")
@@ -155,6 +183,9 @@ def main(argv=None) -> None:
 
     config["stage2"] = {
         **record,
+        "stage1_sha256": config["stage1"]["sha256"],
+        "request": fingerprint,
+        "resumed": args.resume,
         **info,
         "backend": runtime.name,
         **runtime.device_description,
@@ -171,6 +202,7 @@ def main(argv=None) -> None:
         "versions": library_versions("torch", "jax", "jaxlib", "torchax", "diffusers"),
     }
     write_config(output_dir, config)
+    guard.finished()
     log(f"wrote {output_dir / STAGE2_FILE}: latents {tuple(latents.shape)} ({info['latents_layout']})")
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 import models
 from utils import (
+    CONFIG_FILE,
     DEFAULT_OUTPUT_DIR,
     VIDEO_FILE,
     CompileCache,
@@ -81,6 +82,15 @@ def main(argv=None) -> None:
     overrides = apply_request_overrides(config, {"fps": args.fps})
     if config["fps"] <= 0:
         raise UserError(f"--fps {config['fps']} must be positive")
+    stage2 = config["stage2"]
+    changed = [key for key, value in stage2.get("request", {}).items() if config.get(key) != value]
+    if stage2.get("stage1_sha256") != config["stage1"]["sha256"]:
+        changed.insert(0, "embeddings")
+    if changed:
+        raise UserError(
+            f"{input_dir / CONFIG_FILE}: the stage2 section is stale, stage 1 was rerun since "
+            f"({', '.join(changed)} changed); rerun stage 2"
+        )
     if not config["stage2"].get("latents_scaled_by_vae_scaling_factor"):
         raise UserError(f"{input_dir}: stage 2 did not record the latents' scaling; rerun stage 2")
     dtype_name = args.dtype or config["dtype"]

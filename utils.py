@@ -46,13 +46,24 @@ class UserError(Exception):
     """A problem the user can fix (bad flag, missing or wrong file); reported as one `error:` line, exit 2."""
 
 
+class Stopped(Exception):
+    """The run was asked to stop (SIGTERM, e.g. a preemption notice) and saved what it had."""
+
+
+STOPPED_EXIT_STATUS = 143  # 128 + SIGTERM, what a shell reports for a terminated process
+
+
 def run_cli(main: Callable[[], None]) -> None:
-    """Run a stage's main(): user errors become one `error:` line and exit status 2; bugs keep their traceback."""
+    """Run a stage's main(): user errors become one `error:` line and exit status 2; a requested stop one
+    `stopped:` line and status 143; bugs keep their traceback."""
     try:
         main()
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Stopped as stop:
+        print(f"stopped: {stop}", file=sys.stderr, flush=True)
+        sys.exit(STOPPED_EXIT_STATUS)
 
 
 def log(message: str) -> None:
@@ -207,6 +218,11 @@ def read_config(directory: Path, needs: str | None = None) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         raise UserError(f"{path} is not valid JSON: {err}") from None
     version = config.get("format_version")
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise UserError(
+            f"{path} was written by a newer version of this tool (format_version {version}, this one reads "
+            f"{FORMAT_VERSION}); upgrade to read it"
+        )
     if version != FORMAT_VERSION:
         raise UserError(f"{path} has format_version {version!r}; this tool reads format_version {FORMAT_VERSION}")
     if needs and needs not in config:
@@ -391,3 +407,81 @@ class TorchRuntime:
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to("cpu")
+
+
+CHECKPOINT_FILE = "stage2_checkpoint.safetensors"
+
+
+class DenoiseGuard:
+    """Watches a denoising loop: NaN/Inf checks after every step, checkpoints every N steps and on SIGTERM,
+    and the state to resume from.
+
+    A checkpoint holds the loop's tensors (latents and any scheduler carry), the CPU generator's state
+    and the next step index, plus a fingerprint of the request and the stage-1 file, so a checkpoint
+    cannot be resumed into a different run. Written atomically; removed once the final latents are saved.
+    """
+
+    def __init__(self, directory: Path, fingerprint: dict[str, Any], every: int = 0, resume: bool = False) -> None:
+        if every < 0:
+            raise UserError(f"--checkpoint_every {every} must be >= 0")
+        self.path = directory / CHECKPOINT_FILE
+        self.fingerprint = json.dumps(fingerprint, sort_keys=True)
+        self.every = every
+        self.stop_requested = False
+        self.restored: tuple[int, dict[str, torch.Tensor]] | None = self._load() if resume else None
+
+    def _load(self) -> tuple[int, dict[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        if not self.path.is_file():
+            raise UserError(f"--resume: there is no checkpoint {self.path}")
+        try:
+            with safe_open(str(self.path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        except Exception as err:  # safetensors raises several types for a damaged file
+            raise UserError(f"--resume: {self.path} cannot be read ({err})") from None
+        if metadata.get("fingerprint") != self.fingerprint:
+            raise UserError(
+                f"--resume: {self.path} belongs to a different request or stage-1 file; "
+                "rerun without --resume to start over"
+            )
+        return int(metadata["next_step"]), tensors
+
+    def install_stop_handler(self):
+        """Within the block SIGTERM only sets a flag; the loop saves and stops after the current step."""
+        import signal
+
+        def request_stop(signum, frame):
+            self.stop_requested = True
+
+        @contextlib.contextmanager
+        def handler():
+            previous = signal.signal(signal.SIGTERM, request_stop)
+            try:
+                yield
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+
+        return handler()
+
+    def save(self, next_step: int, tensors: dict[str, torch.Tensor]) -> None:
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items() if t is not None}
+        metadata = {"next_step": str(next_step), "fingerprint": self.fingerprint}
+        _atomic_write(self.path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+    def after_step(self, index: int, total: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Call with the loop state after step `index` (0-based) of `total`; `tensors["latents"]` is checked."""
+        if not tensors["latents"].isfinite().all():
+            raise UserError(f"step {index + 1} of {total} produced NaN or Inf latents; nothing was written")
+        done = index + 1
+        if self.stop_requested:
+            self.save(done, tensors)
+            raise Stopped(
+                f"SIGTERM after step {done} of {total}; saved {self.path}. Continue with the same command plus --resume"
+            )
+        if self.every and done % self.every == 0 and done < total:
+            self.save(done, tensors)
+
+    def finished(self) -> None:
+        self.path.unlink(missing_ok=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from utils import UserError, step_progress
+from utils import UserError, log, step_progress
 
 NAME = "cogvideox"
 PIPELINE_CLASSES = ("CogVideoXPipeline",)
@@ -258,6 +258,7 @@ def denoise(
     timer,
     tp_mode: str = "megatron",
     warmup_steps: int = 0,
+    guard=None,
 ):
     """Run the pipeline's denoising loop with the transformer on `runtime`; return latents (B, C, F, H, W).
 
@@ -323,7 +324,16 @@ def denoise(
 
     is_dpm = isinstance(scheduler, CogVideoXDPMScheduler)
     old_pred_original_sample = None
-    for i, t in step_progress(timesteps, timer, trace=runtime.profile_trace()):
+    start = 0
+    if guard is not None and guard.restored is not None:  # --resume: the loop state after step `start`
+        start, state = guard.restored
+        latents = state["latents"]
+        old_pred_original_sample = state.get("old_pred_original_sample")
+        generator.set_state(state["generator_state"])
+        log(f"resuming after step {start} of {len(timesteps)}")
+
+    steps = list(enumerate(timesteps))[start:]
+    for _, (i, t) in step_progress(steps, timer, trace=runtime.profile_trace()):
         noise_pred = predict_noise(latents, t)
         if is_dpm:
             latents, old_pred_original_sample = scheduler.step(
@@ -338,6 +348,11 @@ def denoise(
         else:
             latents = scheduler.step(noise_pred, t, latents, **extra_step_kwargs, return_dict=False)[0]
         latents = latents.to(prompt_embeds.dtype)
+        if guard is not None:
+            state = {"latents": latents, "generator_state": generator.get_state()}
+            if old_pred_original_sample is not None:
+                state["old_pred_original_sample"] = old_pred_original_sample
+            guard.after_step(i, len(timesteps), state)
 
     latents = latents[:, pad_frames:].permute(0, 2, 1, 3, 4).contiguous()
     info = {

@@ -63,3 +63,13 @@ def run_script(
         text=True,
         **kwargs,
     )
+
+
+def read_mp4(path):
+    """(metadata, frames as flat uint8 arrays) decoded back from an mp4 file with ffmpeg."""
+    import imageio_ffmpeg
+
+    reader = imageio_ffmpeg.read_frames(str(path))
+    meta = next(reader)
+    frames = [np.frombuffer(frame, dtype=np.uint8) for frame in reader]
+    return meta, frames

@@ -3,11 +3,10 @@ three stages as subprocesses with `--model <folder>`, and the mp4 read back."""
 
 import json
 
-import imageio_ffmpeg
 import numpy as np
 import pytest
 
-from helpers import run_script
+from helpers import read_mp4, run_script
 from models import cogvideox
 from utils import CONFIG_FILE, VIDEO_FILE
 
@@ -19,13 +18,6 @@ def saved_model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-cogvideox-saved")
     cogvideox.build_tiny("1.5", seed=3).save_pretrained(folder)
     return folder
-
-
-def read_mp4(path):
-    reader = imageio_ffmpeg.read_frames(str(path))
-    meta = next(reader)
-    frames = [np.frombuffer(frame, dtype=np.uint8) for frame in reader]
-    return meta, frames
 
 
 @pytest.mark.slow

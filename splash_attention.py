@@ -218,10 +218,11 @@ def _raise_if_inexact(inexact) -> None:
 def masks_from_attn_mask(attn_mask, batch: int, q_len: int, kv_len: int):
     """(key_valid (B, Skv), query_valid (B, Sq) or None) from a boolean SDPA mask.
 
-    Accepts (B, Skv), (B, 1, 1, Skv) and the dense (B, 1, Sq, Skv) form `valid_q & valid_k` that
-    HunyuanVideo-1.5 builds. The dense form is reduced with `any` over each axis (XLA fuses the
-    reductions, so no second S x S array appears); a dense mask that is not such an outer product
-    cannot be expressed and raises, through a host callback of one scalar when traced.
+    Accepts (B, Skv), (B, 1, 1, Skv) and the dense (B, H or 1, Sq, Skv) form `valid_q & valid_k` that
+    HunyuanVideo-1.5 builds (per head in its token refiner). The dense form is reduced with `any` over
+    each axis (XLA fuses the reductions, so no second S x S array appears); a dense mask that is not
+    such an outer product cannot be expressed and raises, through a host callback of one scalar when
+    traced.
     """
     if attn_mask is None:
         return None, None
@@ -229,16 +230,16 @@ def masks_from_attn_mask(attn_mask, batch: int, q_len: int, kv_len: int):
         raise ValueError(f"splash attention takes boolean masks; got {attn_mask.dtype}")
     if attn_mask.ndim == 2:
         return jnp.broadcast_to(attn_mask, (batch, kv_len)), None
-    if attn_mask.ndim != 4 or attn_mask.shape[1] != 1:
+    if attn_mask.ndim != 4:
         raise ValueError(
-            "splash attention takes masks shaped (B, Skv), (B, 1, 1, Skv) or (B, 1, Sq, Skv); "
+            "splash attention takes masks shaped (B, Skv), (B, 1, 1, Skv) or (B, H or 1, Sq, Skv); "
             f"got {tuple(attn_mask.shape)}"
         )
-    if attn_mask.shape[2] == 1:
+    if attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1:
         return jnp.broadcast_to(attn_mask[:, 0, 0, :], (batch, kv_len)), None
-    dense = jnp.broadcast_to(attn_mask[:, 0], (batch, q_len, kv_len))
-    key_valid, query_valid = dense.any(axis=1), dense.any(axis=2)
-    inexact = (dense != (query_valid[:, :, None] & key_valid[:, None, :])).any()
+    dense = jnp.broadcast_to(attn_mask, (batch, attn_mask.shape[1], q_len, kv_len))
+    key_valid, query_valid = dense.any(axis=(1, 2)), dense.any(axis=(1, 3))
+    inexact = (dense != (query_valid[:, None, :, None] & key_valid[:, None, None, :])).any()
     if isinstance(inexact, jax.core.Tracer):
         jax.debug.callback(_raise_if_inexact, inexact)
     else:
@@ -246,17 +247,36 @@ def masks_from_attn_mask(attn_mask, batch: int, q_len: int, kv_len: int):
     return key_valid, query_valid
 
 
-def make_sdpa(config: SplashConfig, mesh: Mesh | None = None):
-    """A torch-level `scaled_dot_product_attention` (diffusers' keyword names) that calls Splash."""
+def xla_attention(query, key, value, attn_mask=None, *, scale: float | None = None):
+    """Softmax attention as plain XLA ops, for any boolean or additive mask. Rows with no allowed key
+    give zeros, as PyTorch's SDPA does (torchax's own lowering gives NaN there, which HunyuanVideo-1.5's
+    fully masked padding rows would spread to every token in the next block)."""
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = jnp.einsum("bhqd,bhkd->bhqk", query, key, preferred_element_type=jnp.float32) * scale
+    if attn_mask is not None and attn_mask.dtype == jnp.bool_:
+        scores = jnp.where(attn_mask, scores, -jnp.inf)
+    elif attn_mask is not None:
+        scores = scores + attn_mask.astype(jnp.float32)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = weights.sum(axis=-1, keepdims=True)
+    out = jnp.einsum("bhqk,bhkd->bhqd", weights, value.astype(jnp.float32)) / jnp.where(total > 0, total, 1.0)
+    return out.astype(query.dtype)
+
+
+def make_sdpa(backend: str, config: SplashConfig, mesh: Mesh | None = None):
+    """A torch-level `scaled_dot_product_attention` (diffusers' keyword names) running `backend`."""
     from torchax.interop import call_jax
 
     def scaled_dot_product_attention(
         query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
     ):
         if dropout_p or is_causal or enable_gqa:
-            raise ValueError("splash attention supports neither dropout, is_causal nor enable_gqa")
+            raise ValueError(f"{backend} attention supports neither dropout, is_causal nor enable_gqa")
 
         def jax_attention(q, k, v, mask):
+            if backend == "xla":
+                return xla_attention(q, k, v, mask, scale=scale)
             key_valid, query_valid = masks_from_attn_mask(mask, q.shape[0], q.shape[2], k.shape[2])
             return splash_attention(q, k, v, key_valid, query_valid=query_valid, scale=scale, config=config, mesh=mesh)
 
@@ -266,7 +286,7 @@ def make_sdpa(config: SplashConfig, mesh: Mesh | None = None):
 
 
 def resolve_backend(requested: str) -> str:
-    """`auto` is Splash on TPU and torchax's XLA lowering elsewhere."""
+    """`auto` is Splash on TPU and plain XLA attention elsewhere."""
     if requested not in BACKENDS:
         raise ValueError(f"attention backend {requested!r} is not one of {BACKENDS}")
     if requested == "auto":
@@ -276,15 +296,15 @@ def resolve_backend(requested: str) -> str:
 
 @contextlib.contextmanager
 def attention_backend(env, backend: str, config: SplashConfig, mesh: Mesh | None = None):
-    """Within the block, SDPA in the torchax environment `env` runs `backend` ("splash" or "xla").
+    """Within the block, SDPA in the torchax environment `env` runs `backend`: "splash" (the kernel) or
+    "xla" (`xla_attention`).
 
     torchax's public `override_op_definition` has no undo, so the previous entry of the private op
     table is put back on exit; that keeps tests and repeated in-process runs independent.
     """
     op = torch.nn.functional.scaled_dot_product_attention
     previous = env._ops.get(op)
-    if backend == "splash":
-        env.override_op_definition(op, make_sdpa(config, mesh))
+    env.override_op_definition(op, make_sdpa(backend, config, mesh))
     try:
         yield
     finally:

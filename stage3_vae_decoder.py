@@ -126,7 +126,7 @@ def main(argv=None) -> None:
         "width": width,
         "fps": config["fps"],
         "backend": args.backend,
-        "device": args.device if args.backend == "torch" else "jax",
+        **({"device": args.device} if args.backend == "torch" else runtime.device_description),
         "dtype": dtype_name,
         "tiling": args.tiling,
         "overrides": overrides,

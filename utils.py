@@ -74,7 +74,7 @@ def log(message: str) -> None:
 # Library warnings known to be harmless here, by exact message start. Nothing else is hidden.
 HARMLESS_WARNINGS = (
     # jax without x64 narrows torch's int64 tensors (timesteps, token ids) to int32; values stay small.
-    (UserWarning, "Explicitly requested dtype int64 requested in astype is not available"),
+    (UserWarning, "Explicitly requested dtype int64 requested in "),
     # JAX warns on any fork; imageio-ffmpeg's subprocess forks and immediately execs ffmpeg.
     (RuntimeWarning, "os.fork() was called. os.fork() is incompatible with multithreaded code"),
 )

@@ -19,3 +19,11 @@ def preset_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("preset-cache")
     os.environ["TPU_VIDEO_CACHE"] = str(path)
     return path
+
+
+@pytest.fixture(autouse=True)
+def harmless_warnings_filtered():
+    """The stages' own warning filter (utils.HARMLESS_WARNINGS), also for tests that call library code directly."""
+    from utils import filter_harmless_warnings
+
+    filter_harmless_warnings()

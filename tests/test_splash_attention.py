@@ -281,3 +281,30 @@ def test_k_smoothing_centres_valid_keys_only():
         smoothed[1, :, :20], (k + 3.0)[1, :, :20] - (k + 3.0)[1, :, :20].mean(1, keepdims=True), atol=1e-5
     )
     assert np.all(smoothed[1, :, 20:] == 0)
+
+
+# The XLA backend -----------------------------------------------------------------------------------
+
+
+def test_xla_attention_takes_any_mask_exactly_and_zeroes_fully_masked_rows():
+    from splash_attention import xla_attention
+
+    q, k, v = random_qkv(2, 2, 40, 50, 16, seed=11)
+    rng = np.random.default_rng(12)
+    mask = rng.random((2, 2, 40, 50)) > 0.3  # arbitrary per-head pattern
+    mask[1, :, 7] = False  # a fully masked query row
+    out = np.asarray(jax.jit(xla_attention)(q, k, v, jnp.asarray(mask)))
+    scores = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k.astype(np.float64)) / 4.0
+    scores = np.where(mask, scores, -np.inf)
+    weights = np.exp(scores - np.max(np.where(mask, scores, -1e300), axis=-1, keepdims=True))
+    weights = np.where(mask, weights, 0)
+    expected = np.einsum("bhqk,bhkd->bhqd", weights / np.maximum(weights.sum(-1, keepdims=True), 1e-300), v)
+    assert relative_error(out, expected) <= 1e-5
+    assert np.all(out[1, :, 7] == 0)
+
+    bias = rng.standard_normal((1, 1, 40, 50)).astype(np.float32)  # additive float mask
+    out = np.asarray(jax.jit(xla_attention)(q, k, v, jnp.asarray(bias)))
+    scores = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k.astype(np.float64)) / 4.0 + bias
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = np.einsum("bhqk,bhkd->bhqd", weights / weights.sum(-1, keepdims=True), v)
+    assert relative_error(out, expected) <= 1e-5

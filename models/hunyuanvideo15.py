@@ -7,6 +7,10 @@ Two spots of `HunyuanVideo15Transformer3DModel.forward` cannot be traced by jax.
   indexes with boolean masks, whose result shape depends on the values. A stable argsort of the
   concatenated validity mask gives the same order with static shapes, and a gather applies it.
 
+The VAE's attention builds its frame-causal mask with a Python loop over every token (64 s to trace
+at 2048 tokens, ../shared/PITFALLS.md); `frame_causal_mask` builds the identical mask from a
+comparison of frame indices.
+
 `traceable_forward` is the stock forward with only those two spots rewritten (same submodules, same
 order of operations); tests/test_hunyuanvideo15_patches.py holds it equal to the stock forward in eager
 PyTorch. Attention then receives the dense (B, 1, S, S) `valid_i & valid_j` mask, which the Splash
@@ -113,3 +117,21 @@ def make_jit_safe(transformer: torch.nn.Module) -> torch.nn.Module:
     """The one place HunyuanVideo-1.5's transformer is adapted for jit (see the module docstring)."""
     transformer.forward = types.MethodType(traceable_forward, transformer)
     return transformer
+
+
+def frame_causal_mask(n_frame: int, n_hw: int, dtype, device, batch_size: int | None = None) -> torch.Tensor:
+    """AutoencoderKLHunyuanVideo15's `prepare_causal_attention_mask` without the per-token loop: token i
+    sees every token of its own and earlier frames (0), nothing later (-inf)."""
+    frame = torch.arange(n_frame * n_hw, device=device) // n_hw
+    mask = torch.where(frame[None, :] <= frame[:, None], 0.0, float("-inf")).to(dtype)
+    if batch_size is not None:
+        mask = mask.unsqueeze(0).expand(batch_size, -1, -1)
+    return mask
+
+
+def make_vae_jit_safe(vae: torch.nn.Module) -> torch.nn.Module:
+    """The one place HunyuanVideo-1.5's VAE is adapted for jit: every attention block gets `frame_causal_mask`."""
+    for module in vae.modules():
+        if hasattr(module, "prepare_causal_attention_mask"):
+            module.prepare_causal_attention_mask = frame_causal_mask
+    return vae

@@ -122,3 +122,52 @@ def test_jitted_sharded_forward_matches_stock_eager(attention, mesh):
         got = runtime.to_host(compiled(**runtime.to_device(inputs())))
     assert torch.isfinite(got).all()
     assert relative_error(got, expected) <= 1e-5
+
+
+# VAE -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_frame, n_hw, batch", [(1, 1, None), (3, 4, None), (5, 6, 2)])
+def test_frame_causal_mask_equals_the_loop(n_frame, n_hw, batch):
+    from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15AttnBlock
+
+    expected = HunyuanVideo15AttnBlock.prepare_causal_attention_mask(n_frame, n_hw, torch.float32, "cpu", batch)
+    got = hunyuanvideo15.frame_causal_mask(n_frame, n_hw, torch.float32, "cpu", batch)
+    assert got.shape == expected.shape and torch.equal(got, expected)
+
+
+def tiny_vae():
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    torch.manual_seed(3)
+    return AutoencoderKLHunyuanVideo15(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+    ).eval()
+
+
+def test_vae_decode_with_the_patch_equals_stock_and_runs_under_torchax():
+    latents = torch.randn(1, 4, 3, 4, 6, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = tiny_vae().decode(latents, return_dict=False)[0]
+        patched = hunyuanvideo15.make_vae_jit_safe(tiny_vae())
+        assert torch.equal(patched.decode(latents, return_dict=False)[0], expected)
+
+    runtime = TorchaxRuntime()
+    decode = runtime.compile(Decode(hunyuanvideo15.make_vae_jit_safe(tiny_vae())))
+    got = runtime.to_host(decode(runtime.to_device(latents)))
+    assert relative_error(got, expected) <= 1e-5
+
+
+class Decode(torch.nn.Module):
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, latents):
+        return self.vae.decode(latents, return_dict=False)[0]

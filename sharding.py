@@ -214,9 +214,8 @@ def hunyuanvideo15_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
     )
 
 
-def vae_rules(name: str) -> RuleTable:
-    """VAEs: every weight replicated (convolutions are small; the activations are what is large)."""
-    return RuleTable(f"{name}-vae", ((r".*", REPLICATED),))
+# VAEs and other small modules: convolution weights are small next to their activations.
+REPLICATED_TABLE = RuleTable("replicated", ((r".*", REPLICATED),))
 
 
 # Placement -----------------------------------------------------------------------------------------

@@ -102,10 +102,14 @@ def main(argv=None) -> None:
     if args.backend == "torch":
         runtime = TorchRuntime(args.device)
     else:
-        from torchax_runtime import TorchaxRuntime
+        import jax
 
         compile_cache = CompileCache(enabled=not args.no_compile_cache)
-        runtime = TorchaxRuntime()
+        import sharding
+        from torchax_runtime import TorchaxRuntime
+
+        # The VAE's weights are replicated; its activations are split along width over all devices.
+        runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=jax.device_count())))
     log(f"decoding latents {tuple(latents.shape)} with the {family.NAME} VAE on {args.backend}, {dtype_name}")
     frames = family.decode(source, latents, dtype, runtime, timer, tiling=args.tiling)
     pixels = (frames.numpy() * 255).round().astype(np.uint8)

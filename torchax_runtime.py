@@ -18,8 +18,6 @@ from torchax_compat import import_torchax
 
 torchax = import_torchax()
 
-REPLICATED_TABLE = sharding.RuleTable("replicated", ((r".*", sharding.REPLICATED),))
-
 
 class TorchaxRuntime:
     """Places modules and tensors on a JAX device mesh and jits module forwards."""
@@ -48,7 +46,7 @@ class TorchaxRuntime:
 
     def compile(self, module: torch.nn.Module, rules: sharding.RuleTable | None = None):
         """The module's weights placed on the mesh by `rules` (default: replicated), its forward jitted."""
-        self.placement = sharding.place_module(module, rules or REPLICATED_TABLE, self.mesh, self.env)
+        self.placement = sharding.place_module(module, rules or sharding.REPLICATED_TABLE, self.mesh, self.env)
         return torchax.compile(module)
 
     def to_device(self, tree, spec: PartitionSpec = sharding.REPLICATED):

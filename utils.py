@@ -399,10 +399,11 @@ class TorchRuntime:
     def profile_trace(self):
         return None
 
-    def compile(self, module: torch.nn.Module):
+    def compile(self, module: torch.nn.Module, rules=None):
+        """`rules` (a sharding table) means nothing on one torch device."""
         return module.to(self.device)
 
-    def to_device(self, tree):
+    def to_device(self, tree, spec=None):
         return torch.utils._pytree.tree_map(lambda t: t.to(self.device) if torch.is_tensor(t) else t, tree)
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:

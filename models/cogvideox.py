@@ -195,6 +195,7 @@ def make_jit_safe(transformer: torch.nn.Module) -> torch.nn.Module:
 # between blocks. Plain tuples, so stages 1 and 3 can import this module without JAX.
 BATCH = ("dp",)
 BLOCK_INPUTS = {"hidden_states": ("dp", "sp", None), "encoder_hidden_states": ("dp", None, None)}
+LATENTS_WIDTH_SPLIT = (None, None, None, None, "sp")  # stage 3: (B, C, F, H, W) split along width
 
 
 def attention_heads(source) -> int:
@@ -390,8 +391,8 @@ def decode(source, latents: torch.Tensor, dtype: torch.dtype, runtime, timer, ti
     if tiling:
         vae.enable_tiling()
     with timer.phase("place"):
-        decoder = runtime.compile(Decoder(vae))
-        device_latents = runtime.to_device(latents.to(dtype))
+        decoder = runtime.compile(Decoder(vae))  # weights replicated
+        device_latents = runtime.to_device(latents.to(dtype), LATENTS_WIDTH_SPLIT)
     with timer.phase("decode"), torch.no_grad():
         video = runtime.to_host(decoder(device_latents))
     processor = VideoProcessor(vae_scale_factor=Geometry.of(source).spatial)

@@ -89,14 +89,20 @@ def test_staged_latents_and_frames_vs_pipeline(tmp_path, reference_pipelines, pr
     assert relative_error(frames, expected_frames) <= TOLERANCE
 
 
-def test_torchax_decode_matches_torch_decode(tmp_path):
-    """Stage 3's two backends decode the same latents to the same frames (fp32, same tolerance)."""
+@pytest.mark.parametrize("width_split", [1, 8], ids=["one-device", "width-over-8-devices"])
+def test_torchax_decode_matches_torch_decode(width_split):
+    """Stage 3's two backends decode the same latents to the same frames (fp32, same tolerance), also
+    with the activations split along width over 8 devices as stage 3 does (latent width 16)."""
+    import sharding
     from torchax_runtime import TorchaxRuntime
 
     source, family = models.resolve_model("tiny-cogvideox")
-    latents = torch.randn(1, 4, 3, 8, 12, generator=torch.Generator().manual_seed(0))
+    latents = torch.randn(1, 4, 3, 8, 16, generator=torch.Generator().manual_seed(0))
     on_torch = family.decode(source, latents, torch.float32, TorchRuntime("cpu"), Timer())
-    on_torchax = family.decode(source, latents, torch.float32, TorchaxRuntime(), Timer())
+    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=width_split)))
+    placed = runtime.to_device(latents, cogvideox.LATENTS_WIDTH_SPLIT).jax()
+    assert placed.addressable_shards[0].data.shape[-1] == 16 // width_split
+    on_torchax = family.decode(source, latents, torch.float32, runtime, Timer())
     assert relative_error(on_torchax, on_torch) <= TOLERANCE
 
 

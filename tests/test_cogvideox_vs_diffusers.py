@@ -28,7 +28,7 @@ REQUEST = {"height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 4,
 def reference_pipelines():
     """The presets' own saved components, loaded back as a stock diffusers pipeline in fp32."""
     return {
-        preset: CogVideoXPipeline.from_pretrained(models.materialize_preset(preset), torch_dtype=torch.float32)
+        preset: CogVideoXPipeline.from_pretrained(models.materialize_preset(preset), dtype=torch.float32)
         for preset in ("tiny-cogvideox", "tiny-cogvideox1.0")
     }
 

@@ -141,29 +141,34 @@ class RuleTable:
         return specs
 
 
-def _check_tp_mode(tp_mode: str) -> None:
+def megatron_rules(prefix: str, attn_in: str, attn_out: str, mlp: str, tp_mode: str) -> tuple:
+    """The eight rules of one Megatron block: q/k/v (`attn_in`) and MLP-in column-parallel, attention-out
+    (`attn_out`) and MLP-out row-parallel (replicated under tp_mode "replicated_out"). Patterns are regexes
+    after `prefix`; `mlp` names the FeedForward module(s) (diffusers' `net.0.proj` in, `net.2` out)."""
     if tp_mode not in TP_MODES:
         raise ValueError(f"tp_mode {tp_mode!r} is not one of {TP_MODES}")
+    row, row_bias = (ROW, REPLICATED) if tp_mode == "megatron" else (REPLICATED, REPLICATED)
+    return (
+        (prefix + attn_in + r"\.weight", COLUMN),
+        (prefix + attn_in + r"\.bias", COLUMN_BIAS),
+        (prefix + attn_out + r"\.weight", row),
+        (prefix + attn_out + r"\.bias", row_bias),
+        (prefix + mlp + r"\.net\.0\.proj\.weight", COLUMN),
+        (prefix + mlp + r"\.net\.0\.proj\.bias", COLUMN_BIAS),
+        (prefix + mlp + r"\.net\.2\.weight", row),
+        (prefix + mlp + r"\.net\.2\.bias", row_bias),
+    )
 
 
 def cogvideox_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
     """CogVideoXTransformer3DModel (1.0 and 1.5). Norms, AdaLN modulations, embeddings and the output
     projection are small next to the blocks and stay replicated, so nothing outside attention and MLP
     needs a collective."""
-    _check_tp_mode(tp_mode)
-    row, row_bias = (ROW, REPLICATED) if tp_mode == "megatron" else (REPLICATED, REPLICATED)
     block = r"transformer_blocks\.\d+\."
     return RuleTable(
         f"cogvideox-transformer/{tp_mode}",
-        (
-            (block + r"attn1\.to_[qkv]\.weight", COLUMN),
-            (block + r"attn1\.to_[qkv]\.bias", COLUMN_BIAS),
-            (block + r"attn1\.to_out\.0\.weight", row),
-            (block + r"attn1\.to_out\.0\.bias", row_bias),
-            (block + r"ff\.net\.0\.proj\.weight", COLUMN),
-            (block + r"ff\.net\.0\.proj\.bias", COLUMN_BIAS),
-            (block + r"ff\.net\.2\.weight", row),
-            (block + r"ff\.net\.2\.bias", row_bias),
+        megatron_rules(block, r"attn1\.to_[qkv]", r"attn1\.to_out\.0", "ff", tp_mode)
+        + (
             (block + r"attn1\.norm_[qk]\.(weight|bias)", REPLICATED),  # per-head-dim LayerNorm
             (block + r"norm[12]\.(linear|norm)\.(weight|bias)", REPLICATED),  # AdaLN: modulation and norm
             (r"patch_embed\..*", REPLICATED),
@@ -179,31 +184,17 @@ def hunyuanvideo15_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
     `add_*`/`to_add_out`/`ff_context`) and the token refiner's blocks get the Megatron layout.
     Replicated: AdaLN modulations (their outputs are needed whole by every device), q/k RMS norms over
     the head dim, the ByT5 mapper, embedders and the final layers."""
-    _check_tp_mode(tp_mode)
-    row, row_bias = (ROW, REPLICATED) if tp_mode == "megatron" else (REPLICATED, REPLICATED)
     block = r"transformer_blocks\.\d+\."
     refiner = r"context_embedder\.token_refiner\.refiner_blocks\.\d+\."
     return RuleTable(
         f"hunyuanvideo15-transformer/{tp_mode}",
-        (
-            (block + r"attn\.(to_[qkv]|add_[qkv]_proj)\.weight", COLUMN),
-            (block + r"attn\.(to_[qkv]|add_[qkv]_proj)\.bias", COLUMN_BIAS),
-            (block + r"attn\.(to_out\.0|to_add_out)\.weight", row),
-            (block + r"attn\.(to_out\.0|to_add_out)\.bias", row_bias),
-            (block + r"(ff|ff_context)\.net\.0\.proj\.weight", COLUMN),
-            (block + r"(ff|ff_context)\.net\.0\.proj\.bias", COLUMN_BIAS),
-            (block + r"(ff|ff_context)\.net\.2\.weight", row),
-            (block + r"(ff|ff_context)\.net\.2\.bias", row_bias),
+        megatron_rules(
+            block, r"attn\.(to_[qkv]|add_[qkv]_proj)", r"attn\.(to_out\.0|to_add_out)", "(ff|ff_context)", tp_mode
+        )
+        + megatron_rules(refiner, r"attn\.to_[qkv]", r"attn\.to_out\.0", "ff", tp_mode)
+        + (
             (block + r"attn\.norm_(added_)?[qk]\.weight", REPLICATED),
             (block + r"norm1(_context)?\.linear\.(weight|bias)", REPLICATED),
-            (refiner + r"attn\.to_[qkv]\.weight", COLUMN),
-            (refiner + r"attn\.to_[qkv]\.bias", COLUMN_BIAS),
-            (refiner + r"attn\.to_out\.0\.weight", row),
-            (refiner + r"attn\.to_out\.0\.bias", row_bias),
-            (refiner + r"ff\.net\.0\.proj\.weight", COLUMN),
-            (refiner + r"ff\.net\.0\.proj\.bias", COLUMN_BIAS),
-            (refiner + r"ff\.net\.2\.weight", row),
-            (refiner + r"ff\.net\.2\.bias", row_bias),
             (refiner + r"(norm1|norm2|norm_out\.linear)\.(weight|bias)", REPLICATED),
             (r"context_embedder\.(time_text_embed|proj_in)\..*", REPLICATED),
             (r"context_embedder_2\..*", REPLICATED),  # ByT5 mapper

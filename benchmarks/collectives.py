@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sharding  # noqa: E402
+from models.cogvideox import COGVIDEOX15_5B_TRANSFORMER, make_jit_safe  # noqa: E402
 from splash_attention import SplashConfig, attention_backend  # noqa: E402
 from torchax_compat import import_torchax  # noqa: E402
 
@@ -61,26 +62,7 @@ def cogvideox15_5b():
     from diffusers import CogVideoXTransformer3DModel
 
     with torch.device("meta"):
-        model = CogVideoXTransformer3DModel(
-            num_attention_heads=48,
-            attention_head_dim=64,
-            in_channels=16,
-            out_channels=16,
-            time_embed_dim=512,
-            text_embed_dim=4096,
-            num_layers=1,
-            sample_width=300,
-            sample_height=300,
-            sample_frames=81,
-            patch_size=2,
-            patch_size_t=2,
-            patch_bias=False,
-            temporal_compression_ratio=4,
-            max_text_seq_length=226,
-            use_rotary_positional_embeddings=True,
-        )
-    from models.cogvideox import make_jit_safe
-
+        model = CogVideoXTransformer3DModel(**{**COGVIDEOX15_5B_TRANSFORMER, "num_layers": 1})
     return make_jit_safe(model)
 
 

@@ -29,7 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-TEXT_TOKENS = 226
+from models.cogvideox import COGVIDEOX15_5B_TRANSFORMER  # noqa: E402
+
+TEXT_TOKENS = COGVIDEOX15_5B_TRANSFORMER["max_text_seq_length"]
 LATENT_SHAPE = (1, 4, 16, 20, 32)  # B, F, C, H, W (CogVideoX's transformer layout)
 STEP_MODEL = {"num_layers": 4, "num_attention_heads": 8, "attention_head_dim": 64}
 MEMORY_MODEL = {"num_layers": 16, "num_attention_heads": 16, "attention_head_dim": 64}
@@ -39,24 +41,12 @@ def build_transformer(num_layers: int, num_attention_heads: int, attention_head_
     from diffusers import CogVideoXTransformer3DModel
 
     torch.manual_seed(0)
-    return CogVideoXTransformer3DModel(
-        num_attention_heads=num_attention_heads,
-        attention_head_dim=attention_head_dim,
-        in_channels=16,
-        out_channels=16,
-        time_embed_dim=512,
-        text_embed_dim=4096,
-        num_layers=num_layers,
-        sample_width=300,
-        sample_height=300,
-        sample_frames=81,
-        patch_size=2,
-        patch_size_t=2,
-        patch_bias=False,
-        temporal_compression_ratio=4,
-        max_text_seq_length=TEXT_TOKENS,
-        use_rotary_positional_embeddings=True,
-    ).eval()
+    shape = {
+        "num_layers": num_layers,
+        "num_attention_heads": num_attention_heads,
+        "attention_head_dim": attention_head_dim,
+    }
+    return CogVideoXTransformer3DModel(**{**COGVIDEOX15_5B_TRANSFORMER, **shape}).eval()
 
 
 def inputs(transformer):

@@ -135,3 +135,23 @@ def make_vae_jit_safe(vae: torch.nn.Module) -> torch.nn.Module:
         if hasattr(module, "prepare_causal_attention_mask"):
             module.prepare_causal_attention_mask = frame_causal_mask
     return vae
+
+
+def build_tiny_transformer(seed: int = 0) -> torch.nn.Module:
+    """A random tiny HunyuanVideo15Transformer3DModel (t2v): 8 heads x 8, 2 blocks, 1 refiner block."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    torch.manual_seed(seed)
+    return HunyuanVideo15Transformer3DModel(
+        in_channels=9,
+        out_channels=4,
+        num_attention_heads=8,
+        attention_head_dim=8,
+        num_layers=2,
+        num_refiner_layers=1,
+        text_embed_dim=16,
+        text_embed_2_dim=8,
+        image_embed_dim=12,
+        rope_axes_dim=(2, 2, 4),
+        task_type="t2v",
+    ).eval()

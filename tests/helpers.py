@@ -73,3 +73,12 @@ def read_mp4(path):
     meta = next(reader)
     frames = [np.frombuffer(frame, dtype=np.uint8) for frame in reader]
     return meta, frames
+
+
+def tiny_stage1(out: Path, *flags) -> Path:
+    """Stage 1 in this process on the tiny CogVideoX preset (fp32), into `out`; returns `out`."""
+    import stage1_text_encoder
+
+    argv = ["--model", "tiny-cogvideox", "--prompt", "a red cat", "--output_dir", out, "--dtype", "fp32", *flags]
+    run_stage(stage1_text_encoder, argv)
+    return out

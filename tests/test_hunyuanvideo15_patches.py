@@ -19,22 +19,7 @@ TEXT, BYT5, IMAGE = 12, 6, 5
 
 
 def tiny_transformer():
-    from diffusers import HunyuanVideo15Transformer3DModel
-
-    torch.manual_seed(0)
-    return HunyuanVideo15Transformer3DModel(
-        in_channels=9,
-        out_channels=4,
-        num_attention_heads=8,
-        attention_head_dim=8,
-        num_layers=2,
-        num_refiner_layers=1,
-        text_embed_dim=16,
-        text_embed_2_dim=8,
-        image_embed_dim=12,
-        rope_axes_dim=(2, 2, 4),
-        task_type="t2v",
-    ).eval()
+    return hunyuanvideo15.build_tiny_transformer(seed=0)
 
 
 class Sample(torch.nn.Module):

@@ -9,10 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
-import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
-from helpers import run_script, run_stage
+from helpers import run_script, run_stage, tiny_stage1
 from utils import STAGE2_FILE, read_config, read_tensors
 
 STEPS = 3
@@ -20,13 +19,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def stage1_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("stage1")
-    run_stage(
-        stage1_text_encoder,
-        ["--model", "tiny-cogvideox", "--prompt", "a red cat", "--output_dir", out, "--dtype", "fp32"]
-        + ["--num_inference_steps", STEPS],
-    )
-    return out
+    return tiny_stage1(tmp_path_factory.mktemp("stage1"), "--num_inference_steps", STEPS)
 
 
 def stage2_latents(stage1_dir, out, *flags):

@@ -13,9 +13,9 @@ import torch
 
 import models
 import sharding
-import stage1_text_encoder
 import stage2_transformer
-from helpers import expect_user_error, relative_error, run_stage
+from helpers import expect_user_error, relative_error, run_stage, tiny_stage1
+from models import cogvideox, hunyuanvideo15
 from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, RuleTable, choose_mesh_shape
 from splash_attention import SplashConfig, attention_backend
 from torchax_runtime import TorchaxRuntime
@@ -72,24 +72,7 @@ def real_cogvideox15_transformer():
     from diffusers import CogVideoXTransformer3DModel
 
     with torch.device("meta"):
-        return CogVideoXTransformer3DModel(
-            num_attention_heads=48,
-            attention_head_dim=64,
-            in_channels=16,
-            out_channels=16,
-            time_embed_dim=512,
-            text_embed_dim=4096,
-            num_layers=42,
-            sample_width=300,
-            sample_height=300,
-            sample_frames=81,
-            patch_size=2,
-            patch_size_t=2,
-            patch_bias=False,
-            temporal_compression_ratio=4,
-            max_text_seq_length=226,
-            use_rotary_positional_embeddings=True,
-        )
+        return CogVideoXTransformer3DModel(**cogvideox.COGVIDEOX15_5B_TRANSFORMER)
 
 
 def expected_cogvideox_spec(name: str, tp_mode: str):
@@ -123,19 +106,7 @@ def hunyuanvideo15_transformer(real: bool):
     if real:
         with torch.device("meta"):
             return HunyuanVideo15Transformer3DModel(task_type="t2v")
-    return HunyuanVideo15Transformer3DModel(
-        in_channels=9,
-        out_channels=4,
-        num_attention_heads=8,
-        attention_head_dim=8,
-        num_layers=2,
-        num_refiner_layers=1,
-        text_embed_dim=16,
-        text_embed_2_dim=8,
-        image_embed_dim=12,
-        rope_axes_dim=(2, 2, 4),
-        task_type="t2v",
-    )
+    return hunyuanvideo15.build_tiny_transformer()
 
 
 def expected_hunyuan_spec(name: str, tp_mode: str):
@@ -196,13 +167,7 @@ def test_place_module_shards_each_weight_by_its_rule():
 
 @pytest.fixture(scope="module")
 def stage1_outputs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("stage1")
-    run_stage(
-        stage1_text_encoder,
-        ["--model", "tiny-cogvideox", "--prompt", "a cat", "--output_dir", out, "--dtype", "fp32"]
-        + ["--num_inference_steps", 3, "--seed", 3],
-    )
-    return out
+    return tiny_stage1(tmp_path_factory.mktemp("stage1"), "--num_inference_steps", 3, "--seed", 3)
 
 
 def denoise_on(stage1_dir, mesh_shape: MeshShape, attention: str = "xla"):

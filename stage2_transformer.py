@@ -158,7 +158,7 @@ def main(argv=None) -> None:
         args.dp,
         args.sp,
         args.tp,
-        cfg=config["guidance_scale"] > 1.0,
+        cfg=family.cfg_enabled(config["guidance_scale"]),
         heads=family.attention_heads(source),
     )
     runtime = TorchaxRuntime(sharding.make_mesh(mesh_shape), profile_dir=args.profile)

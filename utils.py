@@ -35,6 +35,7 @@ REQUEST_KEYS = (
     "num_inference_steps",
     "guidance_scale",
     "seed",
+    "flow_shift",
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -242,10 +243,21 @@ def add_request_arguments(parser, *, for_later_stage: bool) -> None:
     group = parser.add_argument_group("generation request", f"({where})")
     group.add_argument("--height", type=int, help="video height in pixels")
     group.add_argument("--width", type=int, help="video width in pixels")
-    group.add_argument("--num_frames", type=int, help="number of frames (8n+1 for CogVideoX)")
+    group.add_argument(
+        "--num_frames", type=int, help="number of frames (8n+1 for CogVideoX, 4n+1 for HunyuanVideo-1.5)"
+    )
     group.add_argument("--fps", type=int, help="frames per second of the mp4")
     group.add_argument("--num_inference_steps", type=int, help="denoising steps")
-    group.add_argument("--guidance_scale", type=float, help="classifier-free guidance scale (<= 1 turns CFG off)")
+    group.add_argument(
+        "--guidance_scale",
+        type=float,
+        help="classifier-free guidance scale (CogVideoX: <= 1 turns CFG off; HunyuanVideo-1.5: 1)",
+    )
+    group.add_argument(
+        "--flow_shift",
+        type=float,
+        help="flow-matching timestep shift (HunyuanVideo-1.5 only; 5.0 at 480p, 9.0 at 720p)",
+    )
     group.add_argument(
         "--seed",
         type=int,

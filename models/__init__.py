@@ -20,9 +20,9 @@ from typing import Any
 
 from utils import UserError
 
-from . import cogvideox
+from . import cogvideox, hunyuanvideo15
 
-FAMILIES = {family.NAME: family for family in (cogvideox,)}
+FAMILIES = {family.NAME: family for family in (cogvideox, hunyuanvideo15)}
 
 PRESETS: dict[str, Any] = {name: family for family in FAMILIES.values() for name in family.PRESETS}
 
@@ -45,6 +45,9 @@ class ModelSource:
     def load_config(self, component: str) -> dict[str, Any]:
         """A component's config.json as a dict, without loading any weights (read once per process)."""
         return dict(_cached_config(component_class(self, component), self.location, component))
+
+    def component_class(self, component: str):
+        return component_class(self, component)
 
     def load(self, component: str, dtype=None):
         """`from_pretrained` of one component, with the class named in model_index.json."""
@@ -135,8 +138,11 @@ def materialize_preset(name: str) -> Path:
     hash of the component configs, so a changed preset never reuses a stale folder.
     """
     pipe = PRESETS[name].PRESETS[name].build()
-    configs = {key: dict(getattr(pipe, key).config) for key in ("transformer", "vae", "scheduler")}
-    configs["text_encoder"] = pipe.text_encoder.config.to_dict()
+    configs = {}
+    for key, component in pipe.components.items():
+        config = getattr(component, "config", None)  # tokenizers have none; they are fixed by the code
+        if config is not None:
+            configs[key] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     # Keys starting with "_" are bookkeeping (some are unordered sets), not part of the model.
     configs = {name: {k: v for k, v in c.items() if not k.startswith("_")} for name, c in configs.items()}
     digest = hashlib.sha256(json.dumps(configs, sort_keys=True, default=str).encode()).hexdigest()[:12]

@@ -123,6 +123,8 @@ def validate_request(source, request: dict[str, Any]) -> None:
         raise UserError(f"--guidance_scale {request['guidance_scale']} must not be negative")
     if request["fps"] <= 0:
         raise UserError(f"--fps {request['fps']} must be positive")
+    if request.get("flow_shift") is not None:
+        raise UserError("--flow_shift applies to flow-matching models (HunyuanVideo-1.5), not CogVideoX")
 
 
 def _pipeline(**components):
@@ -218,6 +220,11 @@ BLOCK_INPUTS = {"hidden_states": ("dp", "sp", None), "encoder_hidden_states": ("
 LATENTS_WIDTH_SPLIT = (None, None, None, None, "sp")  # stage 3: (B, C, F, H, W) split along width
 
 
+def cfg_enabled(guidance_scale: float) -> bool:
+    """CogVideoXPipeline runs the unconditional branch only for a guidance scale above 1."""
+    return guidance_scale > 1.0
+
+
 def attention_heads(source) -> int:
     return source.load_config("transformer")["num_attention_heads"]
 
@@ -296,7 +303,7 @@ def denoise(
     pipe = _pipeline(transformer=transformer, scheduler=scheduler)
     pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal = geometry.spatial, geometry.temporal
 
-    do_cfg = request["guidance_scale"] > 1.0
+    do_cfg = cfg_enabled(request["guidance_scale"])
     prompt_embeds = embeds["prompt_embeds"].to(dtype)
     if do_cfg:
         prompt_embeds = torch.cat([embeds["negative_prompt_embeds"].to(dtype), prompt_embeds])

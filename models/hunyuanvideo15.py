@@ -19,11 +19,32 @@ override reduces to per-key and per-query vectors.
 
 from __future__ import annotations
 
+import math
 import types
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from utils import UserError, log, step_progress
+
 NAME = "hunyuanvideo15"
+PIPELINE_CLASSES = ("HunyuanVideo15Pipeline",)
+LATENTS_LAYOUT = "BCFHW"
+# Not yet measured on a TPU: Splash's own defaults.
+SPLASH_BLOCK_SIZES = {"block_q": 512, "block_kv": 512, "block_kv_compute": 512}
+
+# The pipeline's documented text-to-video defaults; the transformer's `target_size` says 480p or 720p.
+RESOLUTION_DEFAULTS = {
+    640: {"height": 480, "width": 848, "flow_shift": 5.0},
+    960: {"height": 720, "width": 1280, "flow_shift": 9.0},
+}
+COMMON_DEFAULTS = {"num_frames": 121, "fps": 24, "num_inference_steps": 50, "guidance_scale": 6.0}
+
+# Activation layouts (mesh axis per dimension), as plain tuples so stages 1 and 3 need no JAX.
+BATCH = ("dp",)
+LATENTS_WIDTH_SPLIT = (None, None, None, None, "sp")
+PROMPT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
 
 
 def reorder_text_tokens(states: list[torch.Tensor], masks: list[torch.Tensor]):
@@ -155,3 +176,343 @@ def build_tiny_transformer(seed: int = 0) -> torch.nn.Module:
         rope_axes_dim=(2, 2, 4),
         task_type="t2v",
     ).eval()
+
+
+# Requests ------------------------------------------------------------------------------------------
+
+
+def request_defaults(source) -> dict[str, Any]:
+    target = source.load_config("transformer").get("target_size", 640)
+    resolution = RESOLUTION_DEFAULTS.get(target, RESOLUTION_DEFAULTS[640])
+    guidance = source.load_config("guider").get("guidance_scale", COMMON_DEFAULTS["guidance_scale"])
+    return {**COMMON_DEFAULTS, **resolution, "guidance_scale": guidance, **source.preset_defaults}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    spatial: int
+    temporal: int
+    latent_channels: int
+    scaling_factor: float
+
+    @classmethod
+    def of(cls, source) -> Geometry:
+        vae = source.load_config("vae")
+        return cls(
+            spatial=vae["spatial_compression_ratio"],
+            temporal=vae["temporal_compression_ratio"],
+            latent_channels=vae["latent_channels"],
+            scaling_factor=vae["scaling_factor"],
+        )
+
+
+def validate_request(source, request: dict[str, Any]) -> None:
+    geometry = Geometry.of(source)
+    for key in ("height", "width"):
+        if request[key] <= 0 or request[key] % geometry.spatial:
+            raise UserError(f"--{key} {request[key]} must be a positive multiple of {geometry.spatial}")
+    frames = request["num_frames"]
+    if frames < 1 or (frames - 1) % geometry.temporal:
+        raise UserError(f"--num_frames {frames} must be {geometry.temporal}n+1 (e.g. 121)")
+    if request["num_inference_steps"] < 1:
+        raise UserError(f"--num_inference_steps {request['num_inference_steps']} must be at least 1")
+    if request["guidance_scale"] < 0:
+        raise UserError(f"--guidance_scale {request['guidance_scale']} must not be negative")
+    if request["fps"] <= 0:
+        raise UserError(f"--fps {request['fps']} must be positive")
+    if request.get("flow_shift", 1.0) <= 0:
+        raise UserError(f"--flow_shift {request['flow_shift']} must be positive")
+
+
+def _pipeline(source=None, **components):
+    """A HunyuanVideo15Pipeline holding only the given components, so its helper methods can be reused.
+
+    Its constructor reads the VAE's config, so without a real VAE it gets one built from `source`'s VAE
+    config on the meta device (no weights, no memory)."""
+    from diffusers import HunyuanVideo15Pipeline
+
+    names = ("text_encoder", "tokenizer", "transformer", "vae", "scheduler", "text_encoder_2", "tokenizer_2", "guider")
+    if "vae" not in components:
+        cls = source.component_class("vae")
+        with torch.device("meta"):
+            components["vae"] = cls.from_config(source.load_config("vae"))
+    return HunyuanVideo15Pipeline(**{**dict.fromkeys(names), **components})
+
+
+# Stage 1 -------------------------------------------------------------------------------------------
+
+
+def encode_prompts(source, request: dict[str, Any], dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    """Both encoders through the pipeline's own `encode_prompt` (Qwen2.5-VL with its chat template and
+    crop; ByT5 on the quoted text only), for the prompt and the negative prompt, masks included."""
+    pipe = _pipeline(
+        source,
+        tokenizer=source.load("tokenizer"),
+        text_encoder=source.load("text_encoder", dtype=dtype).eval().to(device),
+        tokenizer_2=source.load("tokenizer_2"),
+        text_encoder_2=source.load("text_encoder_2", dtype=dtype).eval().to(device),
+    )
+    tensors = {}
+    with torch.no_grad():
+        for prefix, text in (("", request["prompt"]), ("negative_", request["negative_prompt"])):
+            encoded = pipe.encode_prompt(prompt=text, device=torch.device(device), dtype=dtype, batch_size=1)
+            tensors.update({prefix + key: value for key, value in zip(PROMPT_KEYS, encoded, strict=True)})
+    return tensors
+
+
+# Stage 2 -------------------------------------------------------------------------------------------
+
+
+def attention_heads(source) -> int:
+    return source.load_config("transformer")["num_attention_heads"]
+
+
+def transformer_rules(tp_mode: str):
+    import sharding
+
+    return sharding.hunyuanvideo15_transformer_rules(tp_mode)
+
+
+def cfg_enabled(guidance_scale: float) -> bool:
+    """The pipeline's guider runs the unconditional branch unless the scale is 1 (its default formulation)."""
+    return not math.isclose(guidance_scale, 1.0)
+
+
+class GuidedTransformer(torch.nn.Module):
+    """One denoiser evaluation: [cond, uncond] as one batch of 2 (on `dp`) and the guider's combination,
+    where the pipeline runs the two branches one after the other at batch 1."""
+
+    def __init__(self, transformer: torch.nn.Module, guider, do_cfg: bool, constrain=None) -> None:
+        super().__init__()
+        self.transformer = make_jit_safe(transformer)
+        self.guider = guider
+        self.do_cfg = do_cfg
+        self.constrain = constrain or (lambda tensor, spec: tensor)
+
+    def forward(self, latents, timestep, text, text_mask, text_2, text_mask_2, image_embeds):
+        cond = torch.zeros_like(latents)
+        model_input = torch.cat([latents, cond, torch.zeros_like(latents[:, :1])], dim=1)
+        if self.do_cfg:
+            model_input = torch.cat([model_input] * 2)
+        model_input = self.constrain(model_input, BATCH)
+        batch = model_input.shape[0]
+        noise_pred = self.transformer(
+            hidden_states=model_input,
+            image_embeds=image_embeds.expand(batch, -1, -1),
+            timestep=timestep.expand(batch).to(model_input.dtype),
+            encoder_hidden_states=text,
+            encoder_attention_mask=text_mask,
+            encoder_hidden_states_2=text_2,
+            encoder_attention_mask_2=text_mask_2,
+            return_dict=False,
+        )[0]
+        if not self.do_cfg:
+            return noise_pred
+        pred_cond, pred_uncond = noise_pred.chunk(2)
+        return self.guider.forward(pred_cond, pred_uncond).pred  # the guider's own combination
+
+
+def denoise(
+    source,
+    request: dict[str, Any],
+    embeds: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    runtime,
+    timer,
+    tp_mode: str = "megatron",
+    warmup_steps: int = 0,
+    guard=None,
+):
+    """The pipeline's flow-matching loop with the transformer on `runtime`; latents (B, C, F, H, W)."""
+    import numpy as np
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import retrieve_timesteps
+
+    geometry = Geometry.of(source)
+    with timer.phase("load"):
+        transformer = source.load("transformer", dtype=dtype).eval()
+        scheduler = source.load("scheduler")
+        guider = source.load("guider")
+    scheduler.register_to_config(shift=request["flow_shift"])
+    guider.guidance_scale = request["guidance_scale"]
+    do_cfg = cfg_enabled(request["guidance_scale"])
+    pipe = _pipeline(source, transformer=transformer, scheduler=scheduler)
+
+    def batch(prefix_order):
+        return [torch.cat([embeds[prefix + key] for prefix in prefix_order]) for key in PROMPT_KEYS]
+
+    text_inputs = batch(("", "negative_") if do_cfg else ("",))
+    text_inputs = [t.to(dtype) for t in text_inputs]
+    generator = torch.Generator("cpu").manual_seed(request["seed"])
+    steps = request["num_inference_steps"]
+    sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]
+    timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", sigmas=sigmas)
+    latents = pipe.prepare_latents(
+        1, geometry.latent_channels, request["height"], request["width"], request["num_frames"], dtype, "cpu", generator
+    )
+    image_embeds = torch.zeros(1, pipe.vision_num_semantic_tokens, transformer.config.image_embed_dim, dtype=dtype)
+
+    with timer.phase("place"):
+        guided = GuidedTransformer(transformer, guider, do_cfg, runtime.constrain)
+        denoiser = runtime.compile(guided, transformer_rules(tp_mode).nested("transformer."))
+        static_inputs = (*(runtime.to_device(t, BATCH) for t in text_inputs), runtime.to_device(image_embeds))
+
+    def predict_noise(latents, t):
+        model_input = runtime.to_device((latents, t.reshape(1)))
+        return runtime.to_host(denoiser(*model_input, *static_inputs))
+
+    if warmup_steps:
+        with timer.phase("compile"):
+            for _ in range(warmup_steps):
+                predict_noise(latents, timesteps[0])
+
+    start = 0
+    if guard is not None and guard.restored is not None:
+        start, state = guard.restored
+        latents = state["latents"]
+        generator.set_state(state["generator_state"])
+        log(f"resuming after step {start} of {len(timesteps)}")
+    scheduler.set_begin_index(start)
+
+    for _, (i, t) in step_progress(list(enumerate(timesteps))[start:], timer, trace=runtime.profile_trace()):
+        noise_pred = predict_noise(latents, t)
+        latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        if guard is not None:
+            guard.after_step(i, len(timesteps), {"latents": latents, "generator_state": generator.get_state()})
+
+    info = {
+        "latents_layout": LATENTS_LAYOUT,
+        "latents_scaled_by_vae_scaling_factor": True,
+        "scheduler": type(scheduler).__name__,
+        "flow_shift": request["flow_shift"],
+        "classifier_free_guidance": do_cfg,
+    }
+    return latents, info
+
+
+# Stage 3 -------------------------------------------------------------------------------------------
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self, vae: torch.nn.Module) -> None:
+        super().__init__()
+        self.vae = make_vae_jit_safe(vae)
+
+    def forward(self, latents):
+        # The pipeline's own expression: the scaling factor undone before decoding.
+        latents = latents.to(self.vae.dtype) / self.vae.config.scaling_factor
+        return self.vae.decode(latents, return_dict=False)[0]
+
+
+def decode(source, latents: torch.Tensor, dtype: torch.dtype, runtime, timer, tiling: bool = False):
+    """Decode stage-2 latents to video frames, float32 in [0, 1], shaped (F, H, W, 3)."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    with timer.phase("load"):
+        vae = source.load("vae", dtype=dtype).eval()
+    if tiling:
+        vae.enable_tiling()
+    with timer.phase("place"):
+        decoder = runtime.compile(Decoder(vae))
+        device_latents = runtime.to_device(latents.to(dtype), LATENTS_WIDTH_SPLIT)
+    with timer.phase("decode"), torch.no_grad():
+        video = runtime.to_host(decoder(device_latents))
+    processor = HunyuanVideo15ImageProcessor(vae_scale_factor=Geometry.of(source).spatial)
+    frames = processor.postprocess_video(video.float(), output_type="np")
+    return torch.from_numpy(frames[0])
+
+
+# Tiny preset ---------------------------------------------------------------------------------------
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_qwen_tokenizer():
+    """A byte-level Qwen2 tokenizer built in code (every byte a token, no merges) with Qwen's chat format."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {char: index for index, char in enumerate(bytes_to_unicode().values())}
+    for token in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny(seed: int = 0):
+    """Random tiny HunyuanVideo-1.5 components, deterministic per seed."""
+    from diffusers import AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    tokenizer = tiny_qwen_tokenizer()
+    torch.manual_seed(seed)
+    text_encoder = Qwen2_5_VLTextModel(
+        Qwen2_5_VLTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=3,  # the pipeline reads hidden state -3
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]},
+            max_position_embeddings=2048,
+            bos_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.pad_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    tokenizer_2 = ByT5Tokenizer()
+    torch.manual_seed(seed + 1)
+    text_encoder_2 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer_2),
+            d_model=8,
+            d_kv=4,
+            d_ff=16,
+            num_layers=1,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+        )
+    )
+    transformer = build_tiny_transformer(seed + 2)
+    torch.manual_seed(seed + 3)
+    vae = AutoencoderKLHunyuanVideo15(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
+    guider = ClassifierFreeGuidance(guidance_scale=6.0)
+    return _pipeline(
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        vae=vae,
+        scheduler=scheduler,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        guider=guider,
+    )
+
+
+@dataclass(frozen=True)
+class Preset:
+    defaults: dict[str, Any]
+
+    def build(self):
+        return build_tiny()
+
+
+PRESETS = {
+    "tiny-hunyuanvideo15": Preset(
+        {"height": 32, "width": 48, "num_frames": 5, "fps": 24, "num_inference_steps": 4, "flow_shift": 5.0}
+    )
+}

@@ -43,3 +43,33 @@ def test_three_stages_from_a_saved_folder_make_the_requested_mp4(saved_model, tm
     assert config["stage2"]["tensors"]["latents"] == {"shape": [1, 4, 5, 6, 10], "dtype": "bfloat16"}
     assert config["stage3"]["frames"] == 17 and config["stage3"]["backend"] == "torch"
     assert all(key in config for key in ("stage1", "stage2", "stage3"))
+
+
+@pytest.mark.slow
+def test_hunyuanvideo15_from_a_saved_folder_through_the_cli(tmp_path):
+    """The same path for HunyuanVideo-1.5: both text encoders and tokenizers, guider and VAE saved and
+    loaded back by class name from model_index.json."""
+    from models import hunyuanvideo15
+
+    folder = tmp_path / "tiny-hunyuanvideo15-saved"
+    hunyuanvideo15.build_tiny(seed=5).save_pretrained(folder)
+    out = tmp_path / "stage_outputs"
+    request = ["--height", "48", "--width", "64", "--num_frames", "9", "--num_inference_steps", "2", "--fps", "12"]
+    steps = [
+        (
+            "stage1_text_encoder.py",
+            ["--model", folder, "--prompt", 'a sign saying "hi"', "--output_dir", out, *request],
+        ),
+        ("stage2_transformer.py", ["--input_dir", out, "--flow_shift", "7"]),
+        ("stage3_vae_decoder.py", ["--input_dir", out]),
+    ]
+    for script, argv in steps:
+        result = run_script(script, argv)
+        assert result.returncode == 0, f"{script} failed:\n{result.stderr[-3000:]}"
+
+    meta, frames = read_mp4(out / VIDEO_FILE)
+    assert tuple(meta["size"]) == (64, 48) and meta["fps"] == 12
+    assert len(frames) == 9 and np.std(np.stack(frames)) > 1.0
+    config = json.loads((out / CONFIG_FILE).read_text())
+    assert config["model_family"] == "hunyuanvideo15" and config["flow_shift"] == 7.0
+    assert config["stage2"]["tensors"]["latents"] == {"shape": [1, 4, 3, 6, 8], "dtype": "bfloat16"}

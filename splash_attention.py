@@ -28,6 +28,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 LANE = 128  # TPU lane width: block sizes are multiples of it
+# Dense (.., Sq, Skv) masks are reduced and checked only up to this size (HunyuanVideo-1.5's token
+# refiner: 1000 x 1000); at video lengths (~112k tokens) the S x S work itself is the problem.
+DENSE_MASK_LIMIT = 4096 * 4096
 BACKENDS = ("auto", "splash", "xla")
 
 
@@ -237,6 +240,11 @@ def masks_from_attn_mask(attn_mask, batch: int, q_len: int, kv_len: int):
         )
     if attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1:
         return jnp.broadcast_to(attn_mask[:, 0, 0, :], (batch, kv_len)), None
+    if q_len * kv_len > DENSE_MASK_LIMIT:
+        raise ValueError(
+            f"splash attention refuses a dense {q_len} x {kv_len} attention mask (limit {DENSE_MASK_LIMIT} "
+            "entries): pass the per-key mask, shaped (B, Skv) or (B, 1, 1, Skv)"
+        )
     dense = jnp.broadcast_to(attn_mask, (batch, attn_mask.shape[1], q_len, kv_len))
     key_valid, query_valid = dense.any(axis=(1, 2)), dense.any(axis=(1, 3))
     inexact = (dense != (query_valid[:, None, :, None] & key_valid[:, None, None, :])).any()

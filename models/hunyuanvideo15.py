@@ -11,6 +11,12 @@ The VAE's attention builds its frame-causal mask with a Python loop over every t
 at 2048 tokens, ../shared/PITFALLS.md); `frame_causal_mask` builds the identical mask from a
 comparison of frame indices.
 
+Attention: the stock processor expands the text mask to a dense (B, 1, S, S) `valid_i & valid_j` mask
+for every block, S x S work at S ~ 112k tokens (720p). `key_mask_attention_processor` passes the
+per-key mask (B, 1, 1, S) instead. Padded text queries then attend to the valid keys rather than to
+nothing; no valid token ever reads a padded one (they are masked as keys), so the video output is
+unchanged, which the tests check.
+
 `traceable_forward` is the stock forward with only those two spots rewritten (same submodules, same
 order of operations); tests/test_hunyuanvideo15_patches.py holds it equal to the stock forward in eager
 PyTorch. Attention then receives the dense (B, 1, S, S) `valid_i & valid_j` mask, which the Splash
@@ -134,9 +140,64 @@ def traceable_forward(
     return Transformer2DModelOutput(sample=hidden_states)
 
 
+def key_mask_attention_processor():
+    """HunyuanVideo15AttnProcessor2_0 (diffusers 0.42.1) passing a per-key mask instead of the dense one."""
+    import torch.nn.functional as F
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
+
+    class KeyMaskHunyuanVideo15AttnProcessor(HunyuanVideo15AttnProcessor2_0):
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+            query = attn.norm_q(attn.to_q(hidden_states).unflatten(2, (attn.heads, -1)))
+            key = attn.norm_k(attn.to_k(hidden_states).unflatten(2, (attn.heads, -1)))
+            value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+            if image_rotary_emb is not None:
+                query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+                key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+            if encoder_hidden_states is not None:
+                encoder_query = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+                encoder_key = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+                encoder_value = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+                if attn.norm_added_q is not None:
+                    encoder_query = attn.norm_added_q(encoder_query)
+                if attn.norm_added_k is not None:
+                    encoder_key = attn.norm_added_k(encoder_key)
+                query = torch.cat([query, encoder_query], dim=1)
+                key = torch.cat([key, encoder_key], dim=1)
+                value = torch.cat([value, encoder_value], dim=1)
+
+            # The only change: video tokens are always valid keys, text tokens per the mask; no S x S mask.
+            seq_len = query.shape[1]
+            key_valid = F.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True).bool()
+            hidden_states = dispatch_attention_fn(
+                query,
+                key,
+                value,
+                attn_mask=key_valid[:, None, None, :],
+                dropout_p=0.0,
+                is_causal=False,
+                backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            )
+            hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+            if encoder_hidden_states is not None:
+                text_len = encoder_hidden_states.shape[1]
+                hidden_states, encoder_hidden_states = hidden_states[:, :-text_len], hidden_states[:, -text_len:]
+                if getattr(attn, "to_out", None) is not None:
+                    hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+                if getattr(attn, "to_add_out", None) is not None:
+                    encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+            return hidden_states, encoder_hidden_states
+
+    return KeyMaskHunyuanVideo15AttnProcessor()
+
+
 def make_jit_safe(transformer: torch.nn.Module) -> torch.nn.Module:
     """The one place HunyuanVideo-1.5's transformer is adapted for jit (see the module docstring)."""
     transformer.forward = types.MethodType(traceable_forward, transformer)
+    for block in transformer.transformer_blocks:
+        block.attn.set_processor(key_mask_attention_processor())
     return transformer
 
 

@@ -84,6 +84,24 @@ def test_traceable_forward_equals_stock_forward_in_eager_pytorch():
     assert torch.equal(got, expected)
 
 
+def test_blocks_pass_per_key_masks_never_dense_ones(monkeypatch):
+    """The joint attention of every block gets a (B, 1, 1, S) mask; only the short text refiner is dense."""
+    shapes = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args, attn_mask=None, **kwargs):
+        shapes.append(tuple(attn_mask.shape) if attn_mask is not None else None)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    with torch.no_grad():
+        hunyuanvideo15.make_jit_safe(tiny_transformer())(**inputs(), return_dict=False)
+    joint = 3 * 4 * 6 + TEXT + BYT5 + IMAGE
+    joint_shapes = [shape for shape in shapes if shape and shape[-1] == joint]
+    assert len(joint_shapes) == 2 and all(shape == (2, 1, 1, joint) for shape in joint_shapes)
+    assert all(shape[-1] == TEXT for shape in shapes if shape and shape[-1] != joint)
+
+
 def test_stock_forward_cannot_be_traced():
     """The reason for the patch; fails (and the patch can go) once diffusers makes the forward traceable."""
     runtime = TorchaxRuntime()

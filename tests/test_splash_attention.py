@@ -232,6 +232,15 @@ def test_dense_mask_that_is_not_key_padding_raises():
     jax.block_until_ready(jax.jit(lambda m: masks_from_attn_mask(m, 1, 64, 64)[0])(jnp.asarray(dense)))
 
 
+def test_large_dense_masks_are_refused_not_approximated():
+    from splash_attention import DENSE_MASK_LIMIT
+
+    side = int(DENSE_MASK_LIMIT**0.5) + 1
+    mask = jax.ShapeDtypeStruct((1, 1, side, side), jnp.bool_)
+    with pytest.raises(ValueError, match="refuses a dense .* pass the per-key mask"):
+        jax.eval_shape(lambda m: masks_from_attn_mask(m, 1, side, side), mask)
+
+
 @pytest.mark.parametrize("k_smoothing", [False, True], ids=["plain", "k-smoothing"])
 def test_k_smoothing_keeps_masked_attention_exact(k_smoothing):
     q, k, v = random_qkv(2, 2, 256, 300, 64, seed=7)

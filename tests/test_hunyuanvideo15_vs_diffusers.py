@@ -97,3 +97,23 @@ def test_splash_on_a_2x1x4_mesh_vs_pipeline(tmp_path, reference):
     staged, config = staged_latents(tmp_path, prompt, 6.0, "--attention", "splash", "--dp", 2, "--tp", 4)
     assert config["stage2"]["attention"] == "splash" and config["stage2"]["mesh"] == {"dp": 2, "sp": 1, "tp": 4}
     assert relative_error(staged, run_pipeline(reference, prompt, 6.0, "latent")) <= TOLERANCE
+
+
+@pytest.mark.parametrize("target_size, expected", [(640, (480, 848, 5.0)), (960, (720, 1280, 9.0))])
+def test_resolution_defaults_follow_the_transformer_target_size(tmp_path, target_size, expected):
+    """480p and 720p checkpoints differ in the transformer's target_size; defaults and flow shift follow."""
+    import json
+
+    from models import ModelSource, hunyuanvideo15
+
+    files = {"transformer": ("config.json", {"target_size": target_size}), "guider": ("guider_config.json", {})}
+    for component, (name, config) in files.items():
+        (tmp_path / component).mkdir()
+        (tmp_path / component / name).write_text(json.dumps(config))
+    index = {
+        "transformer": ["diffusers", "HunyuanVideo15Transformer3DModel"],
+        "guider": ["diffusers", "ClassifierFreeGuidance"],
+    }
+    defaults = hunyuanvideo15.request_defaults(ModelSource(ref="x", location=str(tmp_path), index=index))
+    assert (defaults["height"], defaults["width"], defaults["flow_shift"]) == expected
+    assert (defaults["num_frames"], defaults["fps"], defaults["guidance_scale"]) == (121, 24, 6.0)  # 6.0: fallback

@@ -29,6 +29,20 @@ def test_stage1_rejects_bad_requests(capsys, tmp_path, flags, message):
     assert not (tmp_path / CONFIG_FILE).exists()
 
 
+@pytest.mark.parametrize(
+    ("model", "flags", "message"),
+    [
+        ("tiny-hunyuanvideo15", ["--num_frames", "6"], "--num_frames 6 must be 4n+1"),
+        ("tiny-hunyuanvideo15", ["--height", "20"], "--height 20 must be a positive multiple of 8"),
+        ("tiny-hunyuanvideo15", ["--flow_shift", "0"], "--flow_shift 0.0 must be positive"),
+        ("tiny-cogvideox", ["--flow_shift", "3"], "--flow_shift applies to flow-matching models"),
+    ],
+)
+def test_family_specific_request_errors(capsys, tmp_path, model, flags, message):
+    argv = ["--model", model, "--prompt", "x", "--output_dir", tmp_path, *flags]
+    expect_user_error(capsys, stage1_text_encoder, argv, message)
+
+
 def test_stage1_rejects_a_folder_of_another_pipeline(capsys, tmp_path):
     other = tmp_path / "other-model"
     other.mkdir()

@@ -283,6 +283,9 @@ def validate_request(source, request: dict[str, Any]) -> None:
         raise UserError(f"--fps {request['fps']} must be positive")
     if request.get("flow_shift", 1.0) <= 0:
         raise UserError(f"--flow_shift {request['flow_shift']} must be positive")
+    guider = source.load_config("guider")
+    if (guider.get("start", 0.0), guider.get("stop", 1.0)) != (0.0, 1.0):
+        raise UserError("this model's guider limits CFG to part of the schedule (start/stop); not supported yet")
 
 
 def _pipeline(source=None, **components):
@@ -351,8 +354,8 @@ class GuidedTransformer(torch.nn.Module):
         self.constrain = constrain or (lambda tensor, spec: tensor)
 
     def forward(self, latents, timestep, text, text_mask, text_2, text_mask_2, image_embeds):
-        cond = torch.zeros_like(latents)
-        model_input = torch.cat([latents, cond, torch.zeros_like(latents[:, :1])], dim=1)
+        # Text-to-video: zero condition latents and a zero mask channel (prepare_cond_latents_and_mask).
+        model_input = torch.cat([latents, torch.zeros_like(latents), torch.zeros_like(latents[:, :1])], dim=1)
         if self.do_cfg:
             model_input = torch.cat([model_input] * 2)
         model_input = self.constrain(model_input, BATCH)
@@ -398,11 +401,8 @@ def denoise(
     do_cfg = cfg_enabled(request["guidance_scale"])
     pipe = _pipeline(source, transformer=transformer, scheduler=scheduler)
 
-    def batch(prefix_order):
-        return [torch.cat([embeds[prefix + key] for prefix in prefix_order]) for key in PROMPT_KEYS]
-
-    text_inputs = batch(("", "negative_") if do_cfg else ("",))
-    text_inputs = [t.to(dtype) for t in text_inputs]
+    prefixes = ("", "negative_") if do_cfg else ("",)  # [cond, uncond], the guider's order
+    text_inputs = [torch.cat([embeds[prefix + key] for prefix in prefixes]).to(dtype) for key in PROMPT_KEYS]
     generator = torch.Generator("cpu").manual_seed(request["seed"])
     steps = request["num_inference_steps"]
     sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]

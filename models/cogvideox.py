@@ -15,6 +15,8 @@ import torch
 
 from utils import UserError, log, step_progress
 
+from .common import decode_frames
+
 NAME = "cogvideox"
 PIPELINE_CLASSES = ("CogVideoXPipeline",)
 
@@ -217,7 +219,6 @@ def make_jit_safe(transformer: torch.nn.Module) -> torch.nn.Module:
 # between blocks. Plain tuples, so stages 1 and 3 can import this module without JAX.
 BATCH = ("dp",)
 BLOCK_INPUTS = {"hidden_states": ("dp", "sp", None), "encoder_hidden_states": ("dp", None, None)}
-LATENTS_WIDTH_SPLIT = (None, None, None, None, "sp")  # stage 3: (B, C, F, H, W) split along width
 
 
 def cfg_enabled(guidance_scale: float) -> bool:
@@ -413,18 +414,8 @@ def decode(source, latents: torch.Tensor, dtype: torch.dtype, runtime, timer, ti
     """Decode stage-2 latents to video frames, float32 in [0, 1], shaped (F, H, W, 3)."""
     from diffusers.video_processor import VideoProcessor
 
-    with timer.phase("load"):
-        vae = source.load("vae", dtype=dtype).eval()
-    if tiling:
-        vae.enable_tiling()
-    with timer.phase("place"):
-        decoder = runtime.compile(Decoder(vae))  # weights replicated
-        device_latents = runtime.to_device(latents.to(dtype), LATENTS_WIDTH_SPLIT)
-    with timer.phase("decode"), torch.no_grad():
-        video = runtime.to_host(decoder(device_latents))
     processor = VideoProcessor(vae_scale_factor=Geometry.of(source).spatial)
-    frames = processor.postprocess_video(video=video.float(), output_type="np")
-    return torch.from_numpy(frames[0])
+    return decode_frames(source, Decoder, processor, latents, dtype, runtime, timer, tiling)
 
 
 # Tiny presets --------------------------------------------------------------------------------------

@@ -34,6 +34,8 @@ import torch
 
 from utils import UserError, log, step_progress
 
+from .common import decode_frames
+
 NAME = "hunyuanvideo15"
 PIPELINE_CLASSES = ("HunyuanVideo15Pipeline",)
 LATENTS_LAYOUT = "BCFHW"
@@ -49,7 +51,6 @@ COMMON_DEFAULTS = {"num_frames": 121, "fps": 24, "num_inference_steps": 50, "gui
 
 # Activation layouts (mesh axis per dimension), as plain tuples so stages 1 and 3 need no JAX.
 BATCH = ("dp",)
-LATENTS_WIDTH_SPLIT = (None, None, None, None, "sp")
 PROMPT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
 
 
@@ -468,18 +469,8 @@ def decode(source, latents: torch.Tensor, dtype: torch.dtype, runtime, timer, ti
     """Decode stage-2 latents to video frames, float32 in [0, 1], shaped (F, H, W, 3)."""
     from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
 
-    with timer.phase("load"):
-        vae = source.load("vae", dtype=dtype).eval()
-    if tiling:
-        vae.enable_tiling()
-    with timer.phase("place"):
-        decoder = runtime.compile(Decoder(vae))
-        device_latents = runtime.to_device(latents.to(dtype), LATENTS_WIDTH_SPLIT)
-    with timer.phase("decode"), torch.no_grad():
-        video = runtime.to_host(decoder(device_latents))
     processor = HunyuanVideo15ImageProcessor(vae_scale_factor=Geometry.of(source).spatial)
-    frames = processor.postprocess_video(video.float(), output_type="np")
-    return torch.from_numpy(frames[0])
+    return decode_frames(source, Decoder, processor, latents, dtype, runtime, timer, tiling)
 
 
 # Tiny preset ---------------------------------------------------------------------------------------
@@ -504,9 +495,25 @@ def tiny_qwen_tokenizer():
     return tokenizer
 
 
+def build_tiny_vae(seed: int = 0) -> torch.nn.Module:
+    """A random tiny AutoencoderKLHunyuanVideo15: 4 latent channels, 8x spatial and 4x temporal compression."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    torch.manual_seed(seed)
+    return AutoencoderKLHunyuanVideo15(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+    ).eval()
+
+
 def build_tiny(seed: int = 0):
     """Random tiny HunyuanVideo-1.5 components, deterministic per seed."""
-    from diffusers import AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
     tokenizer = tiny_qwen_tokenizer()
@@ -540,16 +547,7 @@ def build_tiny(seed: int = 0):
         )
     )
     transformer = build_tiny_transformer(seed + 2)
-    torch.manual_seed(seed + 3)
-    vae = AutoencoderKLHunyuanVideo15(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        spatial_compression_ratio=8,
-        temporal_compression_ratio=4,
-    )
+    vae = build_tiny_vae(seed + 3)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
     guider = ClassifierFreeGuidance(guidance_scale=6.0)
     return _pipeline(

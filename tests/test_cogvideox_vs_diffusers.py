@@ -16,6 +16,7 @@ import stage1_text_encoder
 import stage2_transformer
 from helpers import relative_error, run_stage
 from models import cogvideox
+from models.common import LATENTS_WIDTH_SPLIT
 from utils import STAGE2_FILE, Timer, TorchRuntime, read_config, read_tensors
 
 TOLERANCE = 1e-4
@@ -100,7 +101,7 @@ def test_torchax_decode_matches_torch_decode(width_split):
     latents = torch.randn(1, 4, 3, 8, 16, generator=torch.Generator().manual_seed(0))
     on_torch = family.decode(source, latents, torch.float32, TorchRuntime("cpu"), Timer())
     runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=width_split)))
-    placed = runtime.to_device(latents, cogvideox.LATENTS_WIDTH_SPLIT).jax()
+    placed = runtime.to_device(latents, LATENTS_WIDTH_SPLIT).jax()
     assert placed.addressable_shards[0].data.shape[-1] == 16 // width_split
     on_torchax = family.decode(source, latents, torch.float32, runtime, Timer())
     assert relative_error(on_torchax, on_torch) <= TOLERANCE

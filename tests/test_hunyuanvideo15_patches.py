@@ -140,18 +140,7 @@ def test_frame_causal_mask_equals_the_loop(n_frame, n_hw, batch):
 
 
 def tiny_vae():
-    from diffusers import AutoencoderKLHunyuanVideo15
-
-    torch.manual_seed(3)
-    return AutoencoderKLHunyuanVideo15(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        spatial_compression_ratio=8,
-        temporal_compression_ratio=4,
-    ).eval()
+    return hunyuanvideo15.build_tiny_vae(seed=3)
 
 
 def test_vae_decode_with_the_patch_equals_stock_and_runs_under_torchax():

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from utils import UserError, log, step_progress
+from utils import UserError
 
-from .common import decode_frames
+from .common import decode_frames, denoising_loop
 
 NAME = "cogvideox"
 PIPELINE_CLASSES = ("CogVideoXPipeline",)
@@ -346,28 +346,13 @@ def denoise(
         model_input = runtime.to_device((scheduler.scale_model_input(latents, t), t.reshape(1)))
         return runtime.to_host(denoiser(*model_input, *static_inputs))  # to_host waits for the device
 
-    if warmup_steps:
-        with timer.phase("compile"):  # the first call traces and compiles; results are discarded
-            for _ in range(warmup_steps):
-                predict_noise(latents, timesteps[0])
-
     is_dpm = isinstance(scheduler, CogVideoXDPMScheduler)
-    old_pred_original_sample = None
-    start = 0
-    if guard is not None and guard.restored is not None:  # --resume: the loop state after step `start`
-        start, state = guard.restored
-        latents = state["latents"]
-        old_pred_original_sample = state.get("old_pred_original_sample")
-        generator.set_state(state["generator_state"])
-        log(f"resuming after step {start} of {len(timesteps)}")
 
-    steps = list(enumerate(timesteps))[start:]
-    for _, (i, t) in step_progress(steps, timer, trace=runtime.profile_trace()):
-        noise_pred = predict_noise(latents, t)
+    def scheduler_step(i, t, noise_pred, latents, carry):
         if is_dpm:
-            latents, old_pred_original_sample = scheduler.step(
+            latents, carry["old_pred_original_sample"] = scheduler.step(
                 noise_pred,
-                old_pred_original_sample,
+                carry.get("old_pred_original_sample"),
                 t,
                 timesteps[i - 1] if i > 0 else None,
                 latents,
@@ -376,12 +361,11 @@ def denoise(
             )
         else:
             latents = scheduler.step(noise_pred, t, latents, **extra_step_kwargs, return_dict=False)[0]
-        latents = latents.to(prompt_embeds.dtype)
-        if guard is not None:
-            state = {"latents": latents, "generator_state": generator.get_state()}
-            if old_pred_original_sample is not None:
-                state["old_pred_original_sample"] = old_pred_original_sample
-            guard.after_step(i, len(timesteps), state)
+        return latents.to(prompt_embeds.dtype), carry
+
+    latents = denoising_loop(
+        timesteps, latents, {}, predict_noise, scheduler_step, generator, runtime, timer, warmup_steps, guard
+    )
 
     latents = latents[:, pad_frames:].permute(0, 2, 1, 3, 4).contiguous()
     info = {

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from utils import log, step_progress
+
 # Stage 3: (B, C, F, H, W) latents split along width over the mesh's `sp` axis (a plain tuple: no JAX).
 LATENTS_WIDTH_SPLIT = (None, None, None, None, "sp")
 
@@ -22,3 +24,34 @@ def decode_frames(source, decoder_cls, processor, latents, dtype, runtime, timer
         video = runtime.to_host(decoder(device_latents))
     frames = processor.postprocess_video(video=video.float(), output_type="np")
     return torch.from_numpy(frames[0])
+
+
+def denoising_loop(
+    timesteps, latents, carry, predict_noise, scheduler_step, generator, runtime, timer, warmup_steps=0, guard=None
+):
+    """Stage 2's loop for every family: warmup, resume, then the timed steps with per-step checks and
+    checkpoints. `predict_noise(latents, t)` is the one denoiser call (warmup runs exactly it);
+    `scheduler_step(i, t, noise_pred, latents, carry)` returns (latents, carry), where `carry` holds the
+    scheduler's extra tensors (e.g. DPM's previous prediction) that a checkpoint must keep."""
+    if warmup_steps:
+        with timer.phase("compile"):  # the first call traces and compiles; results are discarded
+            for _ in range(warmup_steps):
+                predict_noise(latents, timesteps[0])
+
+    start = 0
+    if guard is not None and guard.restored is not None:  # --resume: the loop state after step `start`
+        start, state = guard.restored
+        state = dict(state)
+        latents = state.pop("latents")
+        generator.set_state(state.pop("generator_state"))
+        carry = {**carry, **state}
+        log(f"resuming after step {start} of {len(timesteps)}")
+
+    steps = list(enumerate(timesteps))[start:]
+    for _, (i, t) in step_progress(steps, timer, trace=runtime.profile_trace()):
+        noise_pred = predict_noise(latents, t)
+        latents, carry = scheduler_step(i, t, noise_pred, latents, carry)
+        if guard is not None:
+            state = {"latents": latents, "generator_state": generator.get_state(), **carry}
+            guard.after_step(i, len(timesteps), state)
+    return latents

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from utils import UserError, log, step_progress
+from utils import UserError
 
-from .common import decode_frames
+from .common import decode_frames, denoising_loop
 
 NAME = "hunyuanvideo15"
 PIPELINE_CLASSES = ("HunyuanVideo15Pipeline",)
@@ -422,24 +422,14 @@ def denoise(
         model_input = runtime.to_device((latents, t.reshape(1)))
         return runtime.to_host(denoiser(*model_input, *static_inputs))
 
-    if warmup_steps:
-        with timer.phase("compile"):
-            for _ in range(warmup_steps):
-                predict_noise(latents, timesteps[0])
+    def scheduler_step(i, t, noise_pred, latents, carry):
+        return scheduler.step(noise_pred, t, latents, return_dict=False)[0], carry
 
-    start = 0
-    if guard is not None and guard.restored is not None:
-        start, state = guard.restored
-        latents = state["latents"]
-        generator.set_state(state["generator_state"])
-        log(f"resuming after step {start} of {len(timesteps)}")
-    scheduler.set_begin_index(start)
-
-    for _, (i, t) in step_progress(list(enumerate(timesteps))[start:], timer, trace=runtime.profile_trace()):
-        noise_pred = predict_noise(latents, t)
-        latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-        if guard is not None:
-            guard.after_step(i, len(timesteps), {"latents": latents, "generator_state": generator.get_state()})
+    # The flow-matching scheduler counts its own steps: on --resume it starts at the restored one.
+    scheduler.set_begin_index(guard.restored[0] if guard is not None and guard.restored is not None else 0)
+    latents = denoising_loop(
+        timesteps, latents, {}, predict_noise, scheduler_step, generator, runtime, timer, warmup_steps, guard
+    )
 
     info = {
         "latents_layout": LATENTS_LAYOUT,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -205,6 +206,70 @@ def hunyuanvideo15_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
     )
 
 
+def _text_encoder_specs(split_attention: bool) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
+    """Column, column-bias and row specs for a text encoder's attention: Megatron when `tp` divides its
+    heads, else replicated (the MLP is split either way)."""
+    return (COLUMN, COLUMN_BIAS, ROW) if split_attention else (REPLICATED, REPLICATED, REPLICATED)
+
+
+def t5_encoder_rules(split_attention: bool = True) -> RuleTable:
+    """T5EncoderModel (CogVideoX's T5-XXL v1.1, HunyuanVideo-1.5's ByT5): Megatron q/k/v/o and MLP
+    (wi or gated wi_0/wi_1 in, wo out); the relative position bias table is split on its heads axis so
+    the bias it produces lines up with the split scores. Replicated: the RMS norms and the token
+    embedding (a vocab-split lookup would add an all-reduce per call for a few hundred MiB saved)."""
+    column, _, row = _text_encoder_specs(split_attention)
+    layer = r"encoder\.block\.\d+\.layer\."
+    return RuleTable(
+        f"t5-encoder/{'megatron' if split_attention else 'megatron-mlp'}",
+        (
+            (layer + r"0\.SelfAttention\.[qkv]\.weight", column),
+            (layer + r"0\.SelfAttention\.o\.weight", row),
+            (
+                layer + r"0\.SelfAttention\.relative_attention_bias\.weight",
+                P(None, "tp") if split_attention else REPLICATED,
+            ),
+            (layer + r"1\.DenseReluDense\.wi(_[01])?\.weight", COLUMN),
+            (layer + r"1\.DenseReluDense\.wo\.weight", ROW),
+            (layer + r"[01]\.layer_norm\.weight", REPLICATED),
+            (r"(shared|encoder\.embed_tokens)\.weight", REPLICATED),  # tied: one array on the device
+            (r"encoder\.final_layer_norm\.weight", REPLICATED),
+        ),
+    )
+
+
+def qwen25vl_text_rules(split_attention: bool = True) -> RuleTable:
+    """Qwen2_5_VLTextModel (HunyuanVideo-1.5's prompt encoder): Megatron q/k/v (with biases), o_proj
+    and the gated MLP. Qwen2.5-VL-7B has 28 query and 4 key/value heads, so `tp` = 8 cannot split its
+    attention: then attention is replicated and only the MLP is split. Replicated: RMS norms and the
+    token embedding."""
+    column, column_bias, row = _text_encoder_specs(split_attention)
+    layer = r"layers\.\d+\."
+    return RuleTable(
+        f"qwen2.5-vl-text/{'megatron' if split_attention else 'megatron-mlp'}",
+        (
+            (layer + r"self_attn\.[qkv]_proj\.weight", column),
+            (layer + r"self_attn\.[qkv]_proj\.bias", column_bias),
+            (layer + r"self_attn\.o_proj\.weight", row),
+            (layer + r"mlp\.(gate|up)_proj\.weight", COLUMN),
+            (layer + r"mlp\.down_proj\.weight", ROW),
+            (layer + r"(input|post_attention)_layernorm\.weight", REPLICATED),
+            (r"embed_tokens\.weight", REPLICATED),
+            (r"norm\.weight", REPLICATED),
+        ),
+    )
+
+
+def text_encoder_rules(config, tp: int) -> RuleTable:
+    """The rule table for a transformers text encoder config on a mesh with `tp` devices on its `tp`
+    axis: attention is split only where `tp` divides every head count."""
+    if config.model_type == "t5":
+        return t5_encoder_rules(split_attention=config.num_heads % tp == 0)
+    if config.model_type == "qwen2_5_vl_text":
+        heads = (config.num_attention_heads, config.num_key_value_heads)
+        return qwen25vl_text_rules(split_attention=all(count % tp == 0 for count in heads))
+    raise UserError(f"no sharding rules for a {config.model_type!r} text encoder; run stage 1 with --backend torch")
+
+
 # VAEs and other small modules: convolution weights are small next to their activations.
 REPLICATED_TABLE = RuleTable("replicated", ((r".*", REPLICATED),))
 
@@ -229,23 +294,31 @@ def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> 
     """Replace the module's CPU weights, one at a time, by torchax tensors sharded by `table`.
 
     Each CPU tensor is released as soon as its device copy exists, so host memory stays near one copy
-    of the weights. Buffers are replicated. Returns counts and per-device bytes for the log and config.
+    of the weights. Tied weights (one tensor under several names, e.g. T5's `shared` and
+    `encoder.embed_tokens`) stay one device array. Buffers are replicated. Returns counts and
+    per-device bytes for the log and config.
     """
     from torchax.tensor import Tensor
 
     names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
     specs = table.assign(names)
     stats = {"rule_table": table.name, "sharded": 0, "replicated": 0, "buffers": 0, "bytes_per_device": 0}
+    placed: dict[int, tuple] = {}  # id of a CPU tensor -> (a weak reference to it, its device copy)
     for kind, store in (("param", "_parameters"), ("buffer", "_buffers")):
         for owner_name, owner in module.named_modules():
             for leaf, value in list(getattr(owner, store).items()):
                 if value is None or not isinstance(value, torch.Tensor):
                     continue
+                known, device_copy = placed.get(id(value), (None, None))
+                if known is not None and known() is value:  # the weak reference: ids of freed tensors recur
+                    getattr(owner, store)[leaf] = device_copy
+                    continue
                 full_name = f"{owner_name}.{leaf}" if owner_name else leaf
                 spec = specs.get(full_name, REPLICATED) if kind == "param" else REPLICATED
                 spec = fit_spec(spec, value.shape, mesh)
                 array = _place_array(_host_array(value), NamedSharding(mesh, spec))
-                getattr(owner, store)[leaf] = Tensor(array, env)
+                getattr(owner, store)[leaf] = device_copy = Tensor(array, env)
+                placed[id(value)] = (weakref.ref(value), device_copy)
                 del value
                 shard_bytes = array.addressable_shards[0].data.nbytes
                 stats["bytes_per_device"] += shard_bytes

@@ -2,7 +2,9 @@
 """Stage 1: encode the prompt and negative prompt with the pipeline's own text encoder(s).
 
 Writes stage1_embeddings.safetensors and starts a new generation_config.json holding the request.
-Runs in plain PyTorch (CPU by default) and never imports JAX.
+`--backend torch` (default) runs plain PyTorch on CPU or CUDA and never imports JAX; `--backend torchax`
+runs the same encoders jitted on all JAX devices, their weights split over a `tp` mesh axis by the
+encoder's rule table (sharding.py: T5, Qwen2.5-VL).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from utils import (
     FORMAT_VERSION,
     STAGE1_FILE,
     Timer,
+    TorchRuntime,
     UserError,
     add_request_arguments,
     ensure_writable_dir,
@@ -26,6 +29,7 @@ from utils import (
     read_config,
     request_flags,
     run_cli,
+    torchax_runtime_on_all_devices,
     write_config,
     write_tensors,
 )
@@ -45,7 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--negative_prompt", default="", help="what to steer away from (default: empty)")
     parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR, help="stage folder (default: %(default)s)")
     parser.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (default: %(default)s)")
-    parser.add_argument("--device", default="cpu", help="torch device for the text encoder (default: %(default)s)")
+    parser.add_argument("--backend", choices=("torch", "torchax"), default="torch", help="default: %(default)s")
+    parser.add_argument("--device", default="cpu", help="torch device for --backend torch (default: %(default)s)")
+    parser.add_argument(
+        "--no_compile_cache", action="store_true", help="torchax: do not use the persistent JAX compilation cache"
+    )
     add_request_arguments(parser, for_later_stage=False)
     return parser.parse_args(argv)
 
@@ -73,10 +81,19 @@ def main(argv=None) -> None:
     request.update({key: value for key, value in request_flags(args).items() if value is not None})
     family.validate_request(source, request)
     ensure_writable_dir(output_dir)
-    log(f"{family.NAME} from {args.model}: encoding prompt on {args.device} in {args.dtype}")
+
+    compile_cache = None
+    if args.backend == "torch":
+        runtime = TorchRuntime(args.device)
+        where = args.device
+    else:  # one prompt at a time: every device goes to `tp` (heads and MLP columns)
+        runtime, compile_cache = torchax_runtime_on_all_devices("tp", compile_cache=not args.no_compile_cache)
+        description = runtime.device_description
+        where = f"{description['device_count']} {description['platform']} device(s)"
+    log(f"{family.NAME} from {args.model}: encoding prompt on {where} ({args.backend}) in {args.dtype}")
 
     with timer.phase("encode"):
-        embeddings = family.encode_prompts(source, request, dtype, args.device)
+        embeddings = family.encode_prompts(source, request, dtype, runtime)
     with timer.phase("save"):
         record = write_tensors(output_dir / STAGE1_FILE, embeddings)
 
@@ -88,7 +105,13 @@ def main(argv=None) -> None:
         **request,
         "stage1": {
             **record,
-            "device": args.device,
+            "backend": args.backend,
+            **(
+                {"device": args.device}
+                if args.backend == "torch"
+                else {**runtime.device_description, "placement": runtime.placements}
+            ),
+            **({"compile_cache": compile_cache.report()} if compile_cache else {}),
             "dtype": args.dtype,
             "seconds": timer.finish(),
             "versions": library_versions("torch", "transformers", "diffusers"),

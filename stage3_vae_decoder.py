@@ -18,7 +18,6 @@ from utils import (
     CONFIG_FILE,
     DEFAULT_OUTPUT_DIR,
     VIDEO_FILE,
-    CompileCache,
     Timer,
     TorchRuntime,
     UserError,
@@ -31,6 +30,7 @@ from utils import (
     read_config,
     read_tensors,
     run_cli,
+    torchax_runtime_on_all_devices,
     write_config,
     write_mp4,
     write_preview_png,
@@ -101,15 +101,8 @@ def main(argv=None) -> None:
     compile_cache = None
     if args.backend == "torch":
         runtime = TorchRuntime(args.device)
-    else:
-        import jax
-
-        compile_cache = CompileCache(enabled=not args.no_compile_cache)
-        import sharding
-        from torchax_runtime import TorchaxRuntime
-
-        # The VAE's weights are replicated; its activations are split along width over all devices.
-        runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=jax.device_count())))
+    else:  # the VAE's weights are replicated; its activations are split along width over all devices
+        runtime, compile_cache = torchax_runtime_on_all_devices("sp", compile_cache=not args.no_compile_cache)
     log(f"decoding latents {tuple(latents.shape)} with the {family.NAME} VAE on {args.backend}, {dtype_name}")
     frames = family.decode(source, latents, dtype, runtime, timer, tiling=args.tiling)
     pixels = (frames.numpy() * 255).round().astype(np.uint8)

@@ -23,11 +23,13 @@ class TorchaxRuntime:
     """Places modules and tensors on a JAX device mesh and jits module forwards."""
 
     name = "torchax"
+    device = torch.device("cpu")  # callers' torch tensors: they reach and leave the mesh through the host
 
     def __init__(self, mesh: Mesh | None = None, profile_dir: str | None = None) -> None:
         self.env = torchax.default_env()
         self.mesh = mesh if mesh is not None else sharding.make_mesh(sharding.MeshShape())
-        self.placement: dict[str, object] = {}
+        self.placement: dict[str, object] = {}  # the last compiled module's
+        self.placements: list[dict[str, object]] = []  # every compiled module's, in order
         self.profile_dir = profile_dir
 
     def profile_trace(self):
@@ -47,6 +49,7 @@ class TorchaxRuntime:
     def compile(self, module: torch.nn.Module, rules: sharding.RuleTable | None = None):
         """The module's weights placed on the mesh by `rules` (default: replicated), its forward jitted."""
         self.placement = sharding.place_module(module, rules or sharding.REPLICATED_TABLE, self.mesh, self.env)
+        self.placements.append(self.placement)
         return torchax.compile(module)
 
     def to_device(self, tree, spec: PartitionSpec = sharding.REPLICATED):

@@ -422,6 +422,23 @@ class TorchRuntime:
         return tensor.to("cpu")
 
 
+def torchax_runtime_on_all_devices(axis: str, compile_cache: bool):
+    """Stage 1/3 `--backend torchax`: a TorchaxRuntime with every JAX device on mesh axis `axis`, and the
+    CompileCache it compiles with. A host without JAX gets one error line naming the install."""
+    try:
+        import jax
+    except ImportError as err:
+        raise UserError(
+            f"--backend torchax needs JAX and torchax ({err}); install them with "
+            "pip install -e '.[tpu]' (or .[gpu], .[cpu]), or use --backend torch"
+        ) from None
+    cache = CompileCache(enabled=compile_cache)  # before torchax is imported (see CompileCache)
+    import sharding
+    from torchax_runtime import TorchaxRuntime
+
+    return TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(**{axis: jax.device_count()}))), cache
+
+
 CHECKPOINT_FILE = "stage2_checkpoint.safetensors"
 
 

@@ -15,7 +15,7 @@ import torch
 
 from utils import UserError
 
-from .common import decode_frames, denoising_loop
+from .common import decode_frames, denoising_loop, text_encoder_on
 
 NAME = "cogvideox"
 PIPELINE_CLASSES = ("CogVideoXPipeline",)
@@ -141,9 +141,9 @@ def _pipeline(**components):
 # Stage 1 -------------------------------------------------------------------------------------------
 
 
-def encode_prompts(source, request: dict[str, Any], dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+def encode_prompts(source, request: dict[str, Any], dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:
     """T5 embeddings of the prompt and negative prompt, padded to the transformer's text length."""
-    text_encoder = source.load("text_encoder", dtype=dtype).to(device).eval()
+    text_encoder = text_encoder_on(runtime, source.load("text_encoder", dtype=dtype).eval())
     pipe = _pipeline(tokenizer=source.load("tokenizer"), text_encoder=text_encoder)
     with torch.no_grad():
         prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(
@@ -151,10 +151,10 @@ def encode_prompts(source, request: dict[str, Any], dtype: torch.dtype, device: 
             request["negative_prompt"],
             do_classifier_free_guidance=True,  # always encode the negative: stage 2 may turn CFG on
             max_sequence_length=Geometry.of(source).text_tokens,
-            device=device,
+            device=runtime.device,
             dtype=dtype,
         )
-    return {"prompt_embeds": prompt_embeds, "negative_prompt_embeds": negative_prompt_embeds}
+    return {"prompt_embeds": prompt_embeds.cpu(), "negative_prompt_embeds": negative_prompt_embeds.cpu()}
 
 
 # Stage 2 -------------------------------------------------------------------------------------------

@@ -2,9 +2,88 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from utils import log, step_progress
+
+
+def text_encoder_on(runtime, encoder: torch.nn.Module, hidden_states: bool = False) -> torch.nn.Module:
+    """`encoder` ready for a diffusers pipeline's `encode_prompt` on `runtime`: the module itself on a
+    torch device, or a `DeviceTextEncoder` with its weights sharded over a JAX mesh by the encoder's
+    rule table (sharding.text_encoder_rules)."""
+    if runtime.name == "torch":
+        return runtime.compile(encoder)
+    return DeviceTextEncoder(encoder, runtime, hidden_states)
+
+
+class _EncoderOutputs(torch.nn.Module):
+    """The jitted side: plain tensors out (jax.jit returns no ModelOutput or cache objects)."""
+
+    def __init__(self, encoder: torch.nn.Module, hidden_states: bool) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.hidden_states = hidden_states
+
+    def forward(self, input_ids, attention_mask):
+        if not self.hidden_states:
+            return (self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state,)
+        output = self.encoder(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+        )
+        return (output.last_hidden_state, *output.hidden_states)
+
+
+@contextlib.contextmanager
+def _quiet_attribute_scan():
+    """torchax 0.0.13's JittableModule finds a module's tensors by reading every attribute of every
+    submodule (`dir` + `getattr`). On a transformers model that evaluates two properties that only
+    warn: `is_gradient_checkpointing` (a FutureWarning) and `loss_function` (a "loss_type=None" log
+    line). Neither matters for inference; silence exactly those two while torchax scans."""
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        transformers_logging.set_verbosity_error()
+        try:
+            yield
+        finally:
+            transformers_logging.set_verbosity(verbosity)
+
+
+class DeviceTextEncoder(torch.nn.Module):
+    """A text encoder run jitted on a JAX mesh but called as diffusers pipelines call one on the host:
+    CPU token ids in, a CPU `BaseModelOutput` out (`[0]` and, if built with `hidden_states`, every
+    layer's `.hidden_states`). One compile per input shape; the pipelines pad to a fixed length."""
+
+    def __init__(self, encoder: torch.nn.Module, runtime, hidden_states: bool) -> None:
+        import sharding
+
+        super().__init__()
+        self.config = encoder.config
+        self.encoder_dtype = encoder.dtype
+        self.runtime = runtime
+        rules = sharding.text_encoder_rules(encoder.config, runtime.mesh.shape["tp"])
+        with _quiet_attribute_scan():
+            self.jitted = runtime.compile(_EncoderOutputs(encoder, hidden_states), rules.nested("encoder."))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.encoder_dtype
+
+    def forward(self, input_ids, attention_mask=None, output_hidden_states=None):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        outputs = self.jitted(*self.runtime.to_device((input_ids, attention_mask)))
+        last, *layers = (self.runtime.to_host(output) for output in outputs)
+        if output_hidden_states and not layers:
+            raise ValueError("this DeviceTextEncoder was built without hidden_states")
+        return BaseModelOutput(last_hidden_state=last, hidden_states=tuple(layers) or None)
+
 
 # Stage 3: (B, C, F, H, W) latents split along width over the mesh's `sp` axis (a plain tuple: no JAX).
 LATENTS_WIDTH_SPLIT = (None, None, None, None, "sp")

@@ -34,7 +34,7 @@ import torch
 
 from utils import UserError
 
-from .common import decode_frames, denoising_loop
+from .common import decode_frames, denoising_loop, text_encoder_on
 
 NAME = "hunyuanvideo15"
 PIPELINE_CLASSES = ("HunyuanVideo15Pipeline",)
@@ -307,21 +307,21 @@ def _pipeline(source=None, **components):
 # Stage 1 -------------------------------------------------------------------------------------------
 
 
-def encode_prompts(source, request: dict[str, Any], dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+def encode_prompts(source, request: dict[str, Any], dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:
     """Both encoders through the pipeline's own `encode_prompt` (Qwen2.5-VL with its chat template and
     crop; ByT5 on the quoted text only), for the prompt and the negative prompt, masks included."""
     pipe = _pipeline(
         source,
         tokenizer=source.load("tokenizer"),
-        text_encoder=source.load("text_encoder", dtype=dtype).eval().to(device),
+        text_encoder=text_encoder_on(runtime, source.load("text_encoder", dtype=dtype).eval(), hidden_states=True),
         tokenizer_2=source.load("tokenizer_2"),
-        text_encoder_2=source.load("text_encoder_2", dtype=dtype).eval().to(device),
+        text_encoder_2=text_encoder_on(runtime, source.load("text_encoder_2", dtype=dtype).eval()),
     )
     tensors = {}
     with torch.no_grad():
         for prefix, text in (("", request["prompt"]), ("negative_", request["negative_prompt"])):
-            encoded = pipe.encode_prompt(prompt=text, device=torch.device(device), dtype=dtype, batch_size=1)
-            tensors.update({prefix + key: value for key, value in zip(PROMPT_KEYS, encoded, strict=True)})
+            encoded = pipe.encode_prompt(prompt=text, device=runtime.device, dtype=dtype, batch_size=1)
+            tensors.update({prefix + key: value.cpu() for key, value in zip(PROMPT_KEYS, encoded, strict=True)})
     return tensors
 
 

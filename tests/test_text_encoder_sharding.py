@@ -1,0 +1,204 @@
+"""Stage 1's `--backend torchax`: the T5 and Qwen2.5-VL rule tables, sharded encoders against eager
+PyTorch, and the CLI against `--backend torch`.
+
+Tolerance: 1e-5 relative in fp32. Sharding only changes the reduction order of the row-parallel sums.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import sharding
+import stage1_text_encoder
+from helpers import relative_error, run_stage
+from models.common import DeviceTextEncoder
+from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, P
+from torchax_runtime import TorchaxRuntime
+
+TOLERANCE = 1e-5
+
+
+def t5_encoder(device: str = "cpu", **config):
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        return T5EncoderModel(T5Config(**config)).eval()
+
+
+def qwen_text_encoder(device: str = "cpu", **config):
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**config)).eval()
+
+
+TINY_T5 = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, feed_forward_proj="gated-gelu")
+TINY_QWEN = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]},
+)
+# The published configs of CogVideoX's T5 v1.1 XXL and HunyuanVideo-1.5's Qwen2.5-VL-7B text model.
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64)
+T5_XXL["feed_forward_proj"] = "gated-gelu"
+QWEN25_VL_7B = dict(
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    rope_scaling={"rope_type": "default", "mrope_section": [16, 24, 24]},
+)
+
+
+# Rule tables ---------------------------------------------------------------------------------------
+
+
+def expected_t5_spec(name: str, split_attention: bool):
+    """The intended layout, written independently of the regex table."""
+    attention = ".SelfAttention." in name
+    if attention and not split_attention:
+        return REPLICATED
+    if name.endswith((".q.weight", ".k.weight", ".v.weight", ".wi.weight", ".wi_0.weight", ".wi_1.weight")):
+        return COLUMN
+    if name.endswith((".o.weight", ".wo.weight")):
+        return ROW
+    if name.endswith("relative_attention_bias.weight"):
+        return P(None, "tp")
+    return REPLICATED
+
+
+def expected_qwen_spec(name: str, split_attention: bool):
+    if ".self_attn." in name and not split_attention:
+        return REPLICATED
+    if any(f".{part}_proj." in name for part in ("q", "k", "v", "gate", "up")):
+        return COLUMN if name.endswith("weight") else COLUMN_BIAS
+    if ".o_proj." in name or ".down_proj." in name:
+        return ROW
+    return REPLICATED
+
+
+# (model, tp) -> whether attention is split: tp must divide every head count.
+T5_SPLITS = {("tiny", 1): True, ("tiny", 4): True, ("tiny", 8): False, ("tiny", 3): False}
+T5_SPLITS |= {("t5-v1.1-xxl", 4): True, ("t5-v1.1-xxl", 8): True, ("t5-v1.1-xxl", 3): False}
+T5_SPLITS |= {("t5-original-relu", 2): True, ("t5-original-relu", 8): False}
+QWEN_SPLITS = {("tiny", 1): True, ("tiny", 2): True, ("tiny", 4): False, ("tiny", 8): False}
+QWEN_SPLITS |= {("qwen2.5-vl-7b", 2): True, ("qwen2.5-vl-7b", 4): True, ("qwen2.5-vl-7b", 8): False}
+
+
+@pytest.mark.parametrize("model, tp", list(T5_SPLITS))
+def test_t5_rule_table_matches_every_parameter_as_intended(model, tp):
+    config = {"tiny": TINY_T5, "t5-v1.1-xxl": T5_XXL, "t5-original-relu": {**TINY_T5, "feed_forward_proj": "relu"}}
+    split = T5_SPLITS[model, tp]
+    encoder = t5_encoder("meta", **config[model])
+    table = sharding.text_encoder_rules(encoder.config, tp)
+    names = [name for name, _ in encoder.named_parameters(remove_duplicate=False)]
+    assert "encoder.embed_tokens.weight" in names  # tied to `shared`, matched too
+    specs = table.assign(names)
+    assert specs == {name: expected_t5_spec(name, split) for name in names}
+    per_layer = (7 if split else 3) if encoder.config.is_gated_act else (6 if split else 2)
+    assert sum(spec != REPLICATED for spec in specs.values()) == per_layer * encoder.config.num_layers + split
+
+
+@pytest.mark.parametrize("model, tp", list(QWEN_SPLITS))
+def test_qwen_rule_table_matches_every_parameter_as_intended(model, tp):
+    encoder = qwen_text_encoder("meta", **(TINY_QWEN if model == "tiny" else QWEN25_VL_7B))
+    split = QWEN_SPLITS[model, tp]
+    names = [name for name, _ in encoder.named_parameters()]
+    specs = sharding.text_encoder_rules(encoder.config, tp).assign(names)
+    assert specs == {name: expected_qwen_spec(name, split) for name in names}
+    per_layer = 10 if split else 3  # q/k/v weights+biases, o, gate, up, down
+    assert sum(spec != REPLICATED for spec in specs.values()) == per_layer * encoder.config.num_hidden_layers
+
+
+def test_unknown_text_encoder_is_a_user_error():
+    from transformers import CLIPTextConfig
+
+    from utils import UserError
+
+    with pytest.raises(UserError, match="no sharding rules for a 'clip_text_model' text encoder"):
+        sharding.text_encoder_rules(CLIPTextConfig(), 8)
+
+
+# Sharded encoders vs eager -------------------------------------------------------------------------
+
+
+def encode_sharded(encoder, tp: int, input_ids, attention_mask, hidden_states: bool):
+    """The encoder's output through a DeviceTextEncoder on a (1, 1, tp) mesh (this places `encoder`'s
+    weights on the mesh in place), and the placement record."""
+    runtime = TorchaxRuntime(sharding.make_mesh(MeshShape(tp=tp)))
+    device_encoder = DeviceTextEncoder(encoder, runtime, hidden_states)
+    output = device_encoder(input_ids, attention_mask, output_hidden_states=hidden_states)
+    return output, runtime.placement
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "float-mask"])
+def test_sharded_t5_equals_eager(tp, masked):
+    encoder = t5_encoder(**TINY_T5)
+    input_ids = torch.randint(1, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+    mask = (torch.arange(24) < 17).float()[None] if masked else None  # ByT5 passes its mask as floats
+    with torch.no_grad():
+        expected = encoder(input_ids, attention_mask=mask).last_hidden_state
+    output, placement = encode_sharded(encoder, tp, input_ids, mask, False)
+    assert relative_error(output[0], expected) <= TOLERANCE
+    q_weight = encoder.encoder.block[0].layer[0].SelfAttention.q.weight  # now on the mesh
+    assert q_weight.jax().addressable_shards[0].data.shape == (32 // tp if tp <= 4 else 32, 32)  # 4 heads
+    assert placement["rule_table"] == ("t5-encoder/megatron" if tp <= 4 else "t5-encoder/megatron-mlp")
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_sharded_qwen_hidden_states_equal_eager(tp):
+    encoder = qwen_text_encoder(**TINY_QWEN)
+    input_ids = torch.randint(1, 64, (1, 40), generator=torch.Generator().manual_seed(2))
+    mask = (torch.arange(40) < 29).long()[None]  # right padding, as the pipeline's chat template pads
+    with torch.no_grad():
+        expected = encoder(input_ids=input_ids, attention_mask=mask, output_hidden_states=True)
+    output, placement = encode_sharded(encoder, tp, input_ids, mask, True)
+    assert placement["rule_table"] == ("qwen2.5-vl-text/megatron" if tp == 2 else "qwen2.5-vl-text/megatron-mlp")
+    assert len(output.hidden_states) == len(expected.hidden_states) == 4
+    assert relative_error(output[0], expected.last_hidden_state) <= TOLERANCE
+    for got, want in zip(output.hidden_states, expected.hidden_states, strict=True):
+        assert relative_error(got, want) <= TOLERANCE
+
+
+# Stage 1 CLI ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model, prompt",
+    [("tiny-cogvideox", "a red cat"), ("tiny-hunyuanvideo15", 'a shop sign that says "OPEN"')],
+)
+def test_stage1_torchax_backend_equals_torch_backend(tmp_path, model, prompt):
+    outputs = {}
+    for backend in ("torch", "torchax"):
+        out = tmp_path / backend
+        argv = ["--model", model, "--prompt", prompt, "--dtype", "fp32", "--output_dir", out, "--backend", backend]
+        run_stage(stage1_text_encoder, argv)
+        outputs[backend] = (
+            load_file(out / "stage1_embeddings.safetensors"),
+            json.loads((out / "generation_config.json").read_text()),
+        )
+    (torch_tensors, torch_config), (jax_tensors, jax_config) = outputs["torch"], outputs["torchax"]
+    assert jax_tensors.keys() == torch_tensors.keys()
+    for name, expected in torch_tensors.items():
+        if expected.abs().max() == 0:  # ByT5 embeddings of a prompt with no quoted text, and empty masks
+            assert torch.equal(jax_tensors[name], expected), name
+        else:
+            assert relative_error(jax_tensors[name], expected) <= TOLERANCE, name
+    stage1 = jax_config["stage1"]
+    assert stage1["backend"] == "torchax" and stage1["mesh"] == {"dp": 1, "sp": 1, "tp": 8}
+    expected_tables = {"tiny-cogvideox": ["t5-encoder"], "tiny-hunyuanvideo15": ["qwen2.5-vl-text", "t5-encoder"]}
+    assert [p["rule_table"].split("/")[0] for p in stage1["placement"]] == expected_tables[model]
+    assert torch_config["stage1"]["backend"] == "torch" and torch_config["stage1"]["device"] == "cpu"

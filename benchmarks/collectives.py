@@ -5,8 +5,13 @@ device (no weights, no download), compiles one block with abstract (shape-only) 
 placed by sharding.py's rule tables, and counts the collectives XLA inserted. Prints one JSON line per
 (model, tp_mode).
 
+Stage 1's text encoders (T5-XXL v1.1 at 226 tokens, the Qwen2.5-VL-7B text model at 1108) are measured
+on stage 1's mesh (every device on `tp`): the whole encoder compiled at 1 and at 2 layers, so the
+difference is one layer's cost and the rest is the embedding and final norm.
+
     python benchmarks/collectives.py                      # 8 virtual CPU devices, mesh dp=2 sp=1 tp=4
     python benchmarks/collectives.py --dp 1 --tp 8 --video_tokens 8192
+    python benchmarks/collectives.py --models t5-xxl qwen2.5-vl-7b
 
 Bytes scale linearly with --video_tokens; counts do not.
 """
@@ -139,6 +144,77 @@ def measure(model_name: str, tp_mode: str, mesh, video_tokens: int, attention: s
     }
 
 
+TEXT_ENCODERS = {
+    # name: (transformers config class, published config, tokens the pipeline feeds it)
+    "t5-xxl": (
+        "T5Config",
+        dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_heads=64, feed_forward_proj="gated-gelu"),
+        226,
+    ),
+    "qwen2.5-vl-7b": (
+        "Qwen2_5_VLTextConfig",
+        dict(
+            vocab_size=152064,
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            rope_scaling={"rope_type": "default", "mrope_section": [16, 24, 24]},
+        ),
+        1108,
+    ),
+}
+
+
+def text_encoder_collectives(model_name: str, layers: int, mesh) -> tuple[dict, int, str]:
+    """Collectives and weight bytes per device of the whole encoder at `layers` layers, bf16."""
+    import transformers
+
+    config_class, config, tokens = TEXT_ENCODERS[model_name]
+    layer_key = "num_layers" if config_class == "T5Config" else "num_hidden_layers"
+    config = getattr(transformers, config_class)(**config, **{layer_key: layers})
+    model_class = transformers.T5EncoderModel if config_class == "T5Config" else transformers.Qwen2_5_VLTextModel
+    with torch.device("meta"):
+        model = model_class(config).eval()
+    table = sharding.text_encoder_rules(config, mesh.shape["tp"])
+    params = dict(model.named_parameters())
+    specs = table.assign(list(params))
+
+    def abstract(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, sharding.fit_spec(spec, shape, mesh)))
+
+    bf16, i32 = jax.numpy.bfloat16, jax.numpy.int32
+    weights = {name: abstract(tuple(params[name].shape), bf16, spec) for name, spec in specs.items()}
+    buffers = {name: abstract(tuple(b.shape), jax.numpy.float32, P()) for name, b in model.named_buffers()}
+    input_ids, mask = abstract((1, tokens), i32, P()), abstract((1, tokens), i32, P())
+
+    def run(weights, buffers, input_ids, mask):
+        state = {**weights, **buffers}
+        return torch.func.functional_call(model, state, (), {"input_ids": input_ids, "attention_mask": mask})[0]
+
+    jitted = jax.jit(interop.jax_view(run), out_shardings=NamedSharding(mesh, P()))
+    with torchax.default_env():
+        hlo = jitted.lower(weights, buffers, input_ids, mask).compile().as_text()
+    weight_bytes = sum(int(np.prod(w.sharding.shard_shape(w.shape))) * w.dtype.itemsize for w in weights.values())
+    return count_collectives(hlo), weight_bytes, table.name
+
+
+def measure_text_encoder(model_name: str, mesh) -> dict[str, object]:
+    one, one_bytes, table = text_encoder_collectives(model_name, 1, mesh)
+    two, two_bytes, _ = text_encoder_collectives(model_name, 2, mesh)
+    per_layer = {name: {key: two[name][key] - one[name][key] for key in one[name]} for name in COLLECTIVES}
+    outside = {name: {key: one[name][key] - per_layer[name][key] for key in one[name]} for name in COLLECTIVES}
+    return {
+        "model": model_name,
+        "rule_table": table,
+        "mesh": dict(mesh.shape),
+        "tokens": TEXT_ENCODERS[model_name][2],
+        "collectives_per_layer": {k: v for k, v in per_layer.items() if v["count"]},
+        "collectives_outside_layers": {k: v for k, v in outside.items() if v["count"]},
+        "layer_weight_bytes_per_device": two_bytes - one_bytes,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dp", type=int, default=2)
@@ -146,10 +222,19 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--video_tokens", type=int, default=4096, help="image-stream tokens (default: %(default)s)")
     parser.add_argument("--attention", choices=("xla", "splash"), default="xla")
-    parser.add_argument("--models", nargs="+", default=["cogvideox1.5-5b", "hunyuanvideo1.5"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=["cogvideox1.5-5b", "hunyuanvideo1.5", *TEXT_ENCODERS],
+        default=["cogvideox1.5-5b", "hunyuanvideo1.5", *TEXT_ENCODERS],
+    )
     args = parser.parse_args()
     mesh = sharding.make_mesh(sharding.MeshShape(args.dp, args.sp, args.tp))
     for model_name in args.models:
+        if model_name in TEXT_ENCODERS:  # stage 1's mesh: every device on tp
+            stage1_mesh = sharding.make_mesh(sharding.MeshShape(tp=jax.device_count()))
+            print(json.dumps(measure_text_encoder(model_name, stage1_mesh)), flush=True)
+            continue
         for tp_mode in sharding.TP_MODES:
             print(json.dumps(measure(model_name, tp_mode, mesh, args.video_tokens, args.attention)), flush=True)
 

@@ -10,7 +10,8 @@ match a parameter, so a renamed layer cannot silently fall back to replication.
 
 Weights use the Megatron layout: column-parallel inputs (q/k/v, MLP in: torch's (out, in) weight split
 on `out`) and row-parallel outputs (attention out, MLP out: split on `in`), which costs one all-reduce
-after attention and one after the MLP per block. `--tp_mode replicated_out` keeps the row-parallel
+after attention and one after the MLP per block, plus a small one per AdaLN modulation (MODULATION).
+`--tp_mode replicated_out` keeps the row-parallel
 outputs replicated instead: more memory, and under XLA's partitioner no fewer collectives
 (benchmarks/collectives.py measures both).
 """
@@ -37,6 +38,10 @@ REPLICATED = P()
 COLUMN = P("tp", None)  # torch Linear weight (out, in): output features split
 COLUMN_BIAS = P("tp")
 ROW = P(None, "tp")  # input features split; the partial sums are all-reduced
+# AdaLN modulation linears (timestep embedding -> 6 x width of shifts, scales, gates per block) are a
+# large share of the weights (HunyuanVideo-1.5: 2.7 B of 8.3 B parameters) but act on one vector per
+# sample: split on their input, each costs one all-reduce of (batch, 6 x width), a few hundred KiB.
+MODULATION = ROW
 
 
 @dataclass(frozen=True)
@@ -162,16 +167,17 @@ def megatron_rules(prefix: str, attn_in: str, attn_out: str, mlp: str, tp_mode: 
 
 
 def cogvideox_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
-    """CogVideoXTransformer3DModel (1.0 and 1.5). Norms, AdaLN modulations, embeddings and the output
-    projection are small next to the blocks and stay replicated, so nothing outside attention and MLP
-    needs a collective."""
+    """CogVideoXTransformer3DModel (1.0 and 1.5). AdaLN modulation linears are split on their input
+    (MODULATION). Norms, embeddings and the output projection are small next to the blocks and stay
+    replicated, so nothing outside the blocks needs a collective."""
     block = r"transformer_blocks\.\d+\."
     return RuleTable(
         f"cogvideox-transformer/{tp_mode}",
         megatron_rules(block, r"attn1\.to_[qkv]", r"attn1\.to_out\.0", "ff", tp_mode)
         + (
             (block + r"attn1\.norm_[qk]\.(weight|bias)", REPLICATED),  # per-head-dim LayerNorm
-            (block + r"norm[12]\.(linear|norm)\.(weight|bias)", REPLICATED),  # AdaLN: modulation and norm
+            (block + r"norm[12]\.linear\.weight", MODULATION),
+            (block + r"norm[12]\.(linear|norm)\.(weight|bias)", REPLICATED),  # AdaLN bias, LayerNorm
             (r"patch_embed\..*", REPLICATED),
             (r"time_embedding\..*", REPLICATED),
             (r"(norm_final|norm_out\.(linear|norm))\.(weight|bias)", REPLICATED),
@@ -183,8 +189,9 @@ def cogvideox_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
 def hunyuanvideo15_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
     """HunyuanVideo15Transformer3DModel: double-stream blocks (image stream `to_*`/`ff`, text stream
     `add_*`/`to_add_out`/`ff_context`) and the token refiner's blocks get the Megatron layout.
-    Replicated: AdaLN modulations (their outputs are needed whole by every device), q/k RMS norms over
-    the head dim, the ByT5 mapper, embedders and the final layers."""
+    The blocks' AdaLN modulation linears are split on their input (MODULATION). Replicated: their
+    biases, q/k RMS norms over the head dim, the refiner's small modulations, the ByT5 mapper,
+    embedders and the final layers."""
     block = r"transformer_blocks\.\d+\."
     refiner = r"context_embedder\.token_refiner\.refiner_blocks\.\d+\."
     return RuleTable(
@@ -195,7 +202,8 @@ def hunyuanvideo15_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
         + megatron_rules(refiner, r"attn\.to_[qkv]", r"attn\.to_out\.0", "ff", tp_mode)
         + (
             (block + r"attn\.norm_(added_)?[qk]\.weight", REPLICATED),
-            (block + r"norm1(_context)?\.linear\.(weight|bias)", REPLICATED),
+            (block + r"norm1(_context)?\.linear\.weight", MODULATION),
+            (block + r"norm1(_context)?\.linear\.bias", REPLICATED),
             (refiner + r"(norm1|norm2|norm_out\.linear)\.(weight|bias)", REPLICATED),
             (r"context_embedder\.(time_text_embed|proj_in)\..*", REPLICATED),
             (r"context_embedder_2\..*", REPLICATED),  # ByT5 mapper

@@ -77,6 +77,8 @@ def real_cogvideox15_transformer():
 
 def expected_cogvideox_spec(name: str, tp_mode: str):
     """The intended layout, written independently of the regex table."""
+    if name.startswith("transformer_blocks.") and name.endswith((".norm1.linear.weight", ".norm2.linear.weight")):
+        return ROW  # AdaLN modulation: input split
     if ".attn1.to_q." in name or ".attn1.to_k." in name or ".attn1.to_v." in name or ".ff.net.0.proj." in name:
         return COLUMN if name.endswith("weight") else COLUMN_BIAS
     if (".attn1.to_out.0." in name or ".ff.net.2." in name) and tp_mode == "megatron":
@@ -95,7 +97,7 @@ def test_cogvideox_rule_table_matches_every_parameter_as_intended(model, tp_mode
     specs = sharding.cogvideox_transformer_rules(tp_mode).assign(names)
     assert specs == {name: expected_cogvideox_spec(name, tp_mode) for name in names}
     sharded = [name for name, spec in specs.items() if spec != REPLICATED]
-    per_block = 10 if tp_mode == "megatron" else 8
+    per_block = 12 if tp_mode == "megatron" else 10  # q/k/v, MLP in (+ out projections), 2 modulations
     assert len(sharded) == per_block * transformer.config.num_layers
 
 
@@ -112,6 +114,10 @@ def hunyuanvideo15_transformer(real: bool):
 def expected_hunyuan_spec(name: str, tp_mode: str):
     stream_in = (".to_q.", ".to_k.", ".to_v.", ".add_q_proj.", ".add_k_proj.", ".add_v_proj.", ".net.0.proj.")
     stream_out = (".to_out.0.", ".to_add_out.", ".net.2.")
+    if name.startswith("transformer_blocks.") and name.endswith(
+        (".norm1.linear.weight", ".norm1_context.linear.weight")
+    ):
+        return ROW  # AdaLN modulation: input split
     in_block = name.startswith("transformer_blocks.") or ".refiner_blocks." in name
     if in_block and any(part in name for part in stream_in):
         return COLUMN if name.endswith("weight") else COLUMN_BIAS
@@ -127,8 +133,8 @@ def test_hunyuanvideo15_rule_table_matches_every_parameter_as_intended(real, tp_
     names = [name for name, _ in transformer.named_parameters()]
     specs = sharding.hunyuanvideo15_transformer_rules(tp_mode).assign(names)
     assert specs == {name: expected_hunyuan_spec(name, tp_mode) for name in names}
-    # q/k/v and MLP-in weights+biases of both streams, plus the out weights in megatron mode
-    per_block, per_refiner = (20, 10) if tp_mode == "megatron" else (16, 8)
+    # q/k/v and MLP-in weights+biases of both streams, 2 modulations, plus the out weights in megatron mode
+    per_block, per_refiner = (22, 10) if tp_mode == "megatron" else (18, 8)
     config = transformer.config
     expected = per_block * config.num_layers + per_refiner * config.num_refiner_layers
     assert sum(spec != REPLICATED for spec in specs.values()) == expected
@@ -159,7 +165,7 @@ def test_place_module_shards_each_weight_by_its_rule():
     assert to_q.jax().addressable_shards[0].data.shape == (128 // 4, 128)
     assert to_out.jax().addressable_shards[0].data.shape == (128, 128 // 4)
     assert all(runtime.to_host(params[name]).equal(value) for name, value in reference.items())
-    assert runtime.placement["sharded"] == 20 and runtime.placement["replicated"] == 44
+    assert runtime.placement["sharded"] == 24 and runtime.placement["replicated"] == 40
 
 
 # Sharded stage 2 -----------------------------------------------------------------------------------
@@ -205,7 +211,7 @@ def test_stage2_records_mesh_and_placement(stage1_outputs, tmp_path):
     stage2 = json.loads((tmp_path / "generation_config.json").read_text())["stage2"]
     assert stage2["mesh"] == {"dp": 2, "sp": 2, "tp": 2}
     assert stage2["tp_mode"] == "megatron"
-    assert stage2["placement"]["sharded"] == 20
+    assert stage2["placement"]["sharded"] == 24
 
 
 @pytest.mark.parametrize(

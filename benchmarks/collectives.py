@@ -36,7 +36,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import sharding  # noqa: E402
-from models.cogvideox import COGVIDEOX15_5B_TRANSFORMER, make_jit_safe  # noqa: E402
+from models.cogvideox import COGVIDEOX15_5B_TRANSFORMER, T5_XXL_ENCODER, make_jit_safe  # noqa: E402
+from models.hunyuanvideo15 import QWEN25_VL_7B_TEXT  # noqa: E402
 from splash_attention import SplashConfig, attention_backend  # noqa: E402
 from torchax_compat import import_torchax  # noqa: E402
 
@@ -146,23 +147,8 @@ def measure(model_name: str, tp_mode: str, mesh, video_tokens: int, attention: s
 
 TEXT_ENCODERS = {
     # name: (transformers config class, published config, tokens the pipeline feeds it)
-    "t5-xxl": (
-        "T5Config",
-        dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_heads=64, feed_forward_proj="gated-gelu"),
-        226,
-    ),
-    "qwen2.5-vl-7b": (
-        "Qwen2_5_VLTextConfig",
-        dict(
-            vocab_size=152064,
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            rope_scaling={"rope_type": "default", "mrope_section": [16, 24, 24]},
-        ),
-        1108,
-    ),
+    "t5-xxl": ("T5Config", T5_XXL_ENCODER, 226),
+    "qwen2.5-vl-7b": ("Qwen2_5_VLTextConfig", QWEN25_VL_7B_TEXT, 1000 + 108),  # prompt + chat-template crop
 }
 
 
@@ -172,7 +158,7 @@ def text_encoder_collectives(model_name: str, layers: int, mesh) -> tuple[dict, 
 
     config_class, config, tokens = TEXT_ENCODERS[model_name]
     layer_key = "num_layers" if config_class == "T5Config" else "num_hidden_layers"
-    config = getattr(transformers, config_class)(**config, **{layer_key: layers})
+    config = getattr(transformers, config_class)(**{**config, layer_key: layers})
     model_class = transformers.T5EncoderModel if config_class == "T5Config" else transformers.Qwen2_5_VLTextModel
     with torch.device("meta"):
         model = model_class(config).eval()

@@ -50,6 +50,17 @@ COGVIDEOX15_5B_TRANSFORMER = {
     "use_rotary_positional_embeddings": True,
 }
 
+# CogVideoX's text encoder, T5 v1.1 XXL (T5Config kwargs, e.g. for benchmarks/collectives.py and table tests).
+T5_XXL_ENCODER = {
+    "vocab_size": 32128,
+    "d_model": 4096,
+    "d_kv": 64,
+    "d_ff": 10240,
+    "num_layers": 24,
+    "num_heads": 64,
+    "feed_forward_proj": "gated-gelu",
+}
+
 # Splash tiles that the reference notes measured fastest for CogVideoX1.5 at 720p on TPU v6e.
 SPLASH_BLOCK_SIZES = {"block_q": 3328, "block_kv": 2816, "block_kv_compute": 256}
 

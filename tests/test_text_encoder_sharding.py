@@ -15,7 +15,9 @@ from safetensors.torch import load_file
 import sharding
 import stage1_text_encoder
 from helpers import relative_error, run_stage
+from models.cogvideox import T5_XXL_ENCODER
 from models.common import DeviceTextEncoder
+from models.hunyuanvideo15 import QWEN25_VL_7B_TEXT
 from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, P
 from torchax_runtime import TorchaxRuntime
 
@@ -47,18 +49,6 @@ TINY_QWEN = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]},
-)
-# The published configs of CogVideoX's T5 v1.1 XXL and HunyuanVideo-1.5's Qwen2.5-VL-7B text model.
-T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64)
-T5_XXL["feed_forward_proj"] = "gated-gelu"
-QWEN25_VL_7B = dict(
-    vocab_size=152064,
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    rope_scaling={"rope_type": "default", "mrope_section": [16, 24, 24]},
 )
 
 
@@ -99,7 +89,11 @@ QWEN_SPLITS |= {("qwen2.5-vl-7b", 2): True, ("qwen2.5-vl-7b", 4): True, ("qwen2.
 
 @pytest.mark.parametrize("model, tp", list(T5_SPLITS))
 def test_t5_rule_table_matches_every_parameter_as_intended(model, tp):
-    config = {"tiny": TINY_T5, "t5-v1.1-xxl": T5_XXL, "t5-original-relu": {**TINY_T5, "feed_forward_proj": "relu"}}
+    config = {
+        "tiny": TINY_T5,
+        "t5-v1.1-xxl": T5_XXL_ENCODER,
+        "t5-original-relu": {**TINY_T5, "feed_forward_proj": "relu"},
+    }
     split = T5_SPLITS[model, tp]
     encoder = t5_encoder("meta", **config[model])
     table = sharding.text_encoder_rules(encoder.config, tp)
@@ -113,7 +107,7 @@ def test_t5_rule_table_matches_every_parameter_as_intended(model, tp):
 
 @pytest.mark.parametrize("model, tp", list(QWEN_SPLITS))
 def test_qwen_rule_table_matches_every_parameter_as_intended(model, tp):
-    encoder = qwen_text_encoder("meta", **(TINY_QWEN if model == "tiny" else QWEN25_VL_7B))
+    encoder = qwen_text_encoder("meta", **(TINY_QWEN if model == "tiny" else QWEN25_VL_7B_TEXT))
     split = QWEN_SPLITS[model, tp]
     names = [name for name, _ in encoder.named_parameters()]
     specs = sharding.text_encoder_rules(encoder.config, tp).assign(names)

@@ -114,7 +114,9 @@ def main(argv=None) -> None:
             **({"compile_cache": compile_cache.report()} if compile_cache else {}),
             "dtype": args.dtype,
             "seconds": timer.finish(),
-            "versions": library_versions("torch", "transformers", "diffusers"),
+            "versions": library_versions(
+                "torch", "transformers", "diffusers", *(("jax", "torchax") if args.backend == "torchax" else ())
+            ),
         },
     }
     write_config(output_dir, config)

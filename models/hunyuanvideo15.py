@@ -49,7 +49,6 @@ RESOLUTION_DEFAULTS = {
 }
 COMMON_DEFAULTS = {"num_frames": 121, "fps": 24, "num_inference_steps": 50, "guidance_scale": 6.0}
 
-# Activation layouts (mesh axis per dimension), as plain tuples so stages 1 and 3 need no JAX.
 # HunyuanVideo-1.5's prompt encoder, the Qwen2.5-VL-7B text model (Qwen2_5_VLTextConfig kwargs, for
 # benchmarks/collectives.py and table tests; weights never needed).
 QWEN25_VL_7B_TEXT = {
@@ -61,6 +60,8 @@ QWEN25_VL_7B_TEXT = {
     "num_key_value_heads": 4,
     "rope_scaling": {"rope_type": "default", "mrope_section": [16, 24, 24]},
 }
+
+# Activation layouts (mesh axis per dimension), as plain tuples so stages 1 and 3 need no JAX.
 BATCH = ("dp",)
 PROMPT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
 

@@ -1,9 +1,10 @@
 """Running stock PyTorch modules on JAX devices through torchax: the one place that sets up its environment.
 
-Stage 2 (and stage 3's `--backend torchax`) hand modules to `TorchaxRuntime.compile`, which places the
-weights on the runtime's mesh by a rule table (sharding.py) and returns the module's forward under
-`jax.jit`. Attention is torchax's lowering of `torch.nn.functional.scaled_dot_product_attention`
-unless splash_attention.attention_backend overrides it.
+Stage 2 (and stages 1 and 3 with `--backend torchax`) hand modules to `TorchaxRuntime.compile`, which
+places the weights on the runtime's mesh by a rule table (sharding.py) and returns the module's forward
+under `jax.jit`. Attention is torchax's lowering of `torch.nn.functional.scaled_dot_product_attention`
+unless splash_attention.attention_backend overrides it; `torch.gather` is lowered by
+`take_along_axis_gather` (see there).
 """
 
 from __future__ import annotations
@@ -19,6 +20,34 @@ from torchax_compat import import_torchax
 torchax = import_torchax()
 
 
+def take_along_axis_gather(stock_gather):
+    """`aten.gather` as `jnp.take_along_axis` when the index has the input's shape outside `dim`.
+
+    torchax 0.0.13 lowers gather to advanced indexing over a full index grid. On a batch sharded over
+    `dp`, XLA's partitioner then adds 2 all-reduces and 2 collective-permutes to HunyuanVideo-1.5's
+    per-sample token reorder, which `take_along_axis` (the same values) compiles without. Other index
+    shapes keep torchax's lowering (`stock_gather`, a JAX function). tests/test_torchax_compat.py shows
+    both the values and the collectives, and fails once torchax's own lowering stops adding them.
+    """
+    from torchax.interop import call_jax
+
+    def gather(input, dim, index, *, sparse_grad=False):
+        dim = dim % max(input.ndim, 1)
+        outside = [d for d in range(input.ndim) if d != dim]
+        if input.ndim and input.ndim == index.ndim and all(input.shape[d] == index.shape[d] for d in outside):
+            return call_jax(lambda x, i: jax.numpy.take_along_axis(x, i, axis=dim), input, index)
+        return call_jax(stock_gather, input, dim, index)
+
+    gather.stock_gather = stock_gather
+    return gather
+
+
+def _install_gather(env) -> None:
+    current = env._ops[torch.ops.aten.gather]  # private table: the public override has no getter
+    if not hasattr(current.func, "stock_gather"):  # installed once per environment
+        env.override_op_definition(torch.ops.aten.gather, take_along_axis_gather(current.func))
+
+
 class TorchaxRuntime:
     """Places modules and tensors on a JAX device mesh and jits module forwards."""
 
@@ -27,6 +56,7 @@ class TorchaxRuntime:
 
     def __init__(self, mesh: Mesh | None = None, profile_dir: str | None = None) -> None:
         self.env = torchax.default_env()
+        _install_gather(self.env)
         self.mesh = mesh if mesh is not None else sharding.make_mesh(sharding.MeshShape())
         self.placement: dict[str, object] = {}  # the last compiled module's
         self.placements: list[dict[str, object]] = []  # every compiled module's, in order

@@ -1,11 +1,20 @@
-"""The torch 2.13 / torchax 0.0.13 import workaround: needed today, harmless, and reversible."""
+"""torchax 0.0.13 workarounds: the import shim for torch 2.13 and the gather lowering. Each is needed today,
+changes no values, and has a test that fails once torchax no longer needs it."""
 
 import subprocess
 import sys
 
+import jax
+import pytest
 import torch
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import torchax_runtime
+from models.hunyuanvideo15 import reorder_text_tokens
+from sharding import MeshShape, make_mesh
 from torchax_compat import MISSING_OVERLOADS, import_torchax, tolerate_missing_overloads
+from torchax_runtime import TorchaxRuntime
 
 
 def test_plain_torchax_import_still_fails_without_the_shim():
@@ -34,3 +43,50 @@ def test_shim_restores_normal_lookup_after_the_block():
     else:
         raise AssertionError("the overload lookup was not restored")
     assert torch.ops.aten.prod.default is not None
+
+
+# torch.gather's lowering (torchax_runtime.take_along_axis_gather) --------------------------------------
+
+GATHER_CASES = [
+    ((2, 7, 5), 1, (2, 7, 5)),  # take_along_axis: a permutation along dim 1
+    ((2, 7, 5), -2, (2, 3, 5)),  # take_along_axis: fewer picks along dim
+    ((2, 7, 5), 2, (1, 7, 2)),  # smaller outside dim: torchax's own lowering
+    ((6,), 0, (4,)),
+]
+
+
+@pytest.mark.parametrize("input_shape, dim, index_shape", GATHER_CASES)
+def test_gather_lowering_equals_torch_gather(input_shape, dim, index_shape):
+    runtime = TorchaxRuntime(make_mesh(MeshShape()))
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(input_shape, generator=generator)
+    index = torch.randint(0, input_shape[dim], index_shape, generator=generator)
+    with runtime.env:
+        actual = torch.gather(runtime.to_device(values), dim, runtime.to_device(index))
+    assert torch.equal(runtime.to_host(actual), torch.gather(values, dim, index))
+
+
+def collectives_in(jax_function, shapes, mesh) -> list[str]:
+    """The collective ops in `jax_function` compiled for inputs of `shapes` with the batch on `dp`."""
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("dp"))) for shape, dtype in shapes]
+    with torchax_runtime.torchax.default_env():
+        hlo = jax.jit(jax_function).lower(*args).compile().as_text()
+    return [name for name in ("all-reduce", "all-gather", "collective-permute", "all-to-all") if f" {name}" in hlo]
+
+
+def test_token_reorder_needs_no_collectives_on_a_dp_sharded_batch():
+    """Fails once torchax's own gather lowering stops adding collectives: then drop the override."""
+    from torchax import interop
+
+    runtime = TorchaxRuntime(make_mesh(MeshShape(2, 1, 4)))
+    f32, i32, boolean = jax.numpy.float32, jax.numpy.int32, jax.numpy.bool_
+
+    def reorder(first, second, first_mask, second_mask):
+        return reorder_text_tokens([first, second], [first_mask, second_mask])
+
+    shapes = [((2, 100, 64), f32), ((2, 30, 64), f32), ((2, 100), boolean), ((2, 30), boolean)]
+    assert collectives_in(interop.jax_view(reorder), shapes, runtime.mesh) == []
+
+    stock = runtime.env._ops[torch.ops.aten.gather].func.stock_gather
+    gather_shapes = [((2, 130, 64), f32), ((2, 130, 64), i32)]
+    assert collectives_in(lambda x, i: stock(x, 1, i), gather_shapes, runtime.mesh) != []

@@ -29,6 +29,7 @@ from utils import (
     read_config,
     request_flags,
     run_cli,
+    torch_device,
     torchax_runtime_on_all_devices,
     write_config,
     write_tensors,
@@ -50,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR, help="stage folder (default: %(default)s)")
     parser.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (default: %(default)s)")
     parser.add_argument("--backend", choices=("torch", "torchax"), default="torch", help="default: %(default)s")
-    parser.add_argument("--device", default="cpu", help="torch device for --backend torch (default: %(default)s)")
+    parser.add_argument("--device", help="torch device for --backend torch (default: cpu)")
     parser.add_argument(
         "--no_compile_cache", action="store_true", help="torchax: do not use the persistent JAX compilation cache"
     )
@@ -71,6 +72,7 @@ def earlier_sections(output_dir: Path) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     filter_harmless_warnings()
+    device = torch_device(args.backend, args.device)
     dtype = parse_dtype(args.dtype)
     output_dir = Path(args.output_dir)
     timer = Timer()
@@ -84,8 +86,8 @@ def main(argv=None) -> None:
 
     compile_cache = None
     if args.backend == "torch":
-        runtime = TorchRuntime(args.device)
-        where = args.device
+        runtime = TorchRuntime(device)
+        where = device
     else:  # one prompt at a time: every device goes to `tp` (heads and MLP columns)
         runtime, compile_cache = torchax_runtime_on_all_devices("tp", compile_cache=not args.no_compile_cache)
         description = runtime.device_description
@@ -107,7 +109,7 @@ def main(argv=None) -> None:
             **record,
             "backend": args.backend,
             **(
-                {"device": args.device}
+                {"device": device}
                 if args.backend == "torch"
                 else {**runtime.device_description, "placement": runtime.placements}
             ),

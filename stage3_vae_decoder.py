@@ -30,6 +30,7 @@ from utils import (
     read_config,
     read_tensors,
     run_cli,
+    torch_device,
     torchax_runtime_on_all_devices,
     write_config,
     write_mp4,
@@ -46,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output_name", default=VIDEO_FILE, help="video file name (default: %(default)s)")
     parser.add_argument("--model", help="override the model recorded by stage 1 (same family only)")
     parser.add_argument("--backend", choices=("torch", "torchax"), default="torch", help="default: %(default)s")
-    parser.add_argument("--device", default="cpu", help="torch device for --backend torch (default: %(default)s)")
+    parser.add_argument("--device", help="torch device for --backend torch (default: cpu)")
     parser.add_argument("--dtype", help="bf16, fp16 or fp32 for the VAE (default: the request's dtype)")
     parser.add_argument("--fps", type=int, help="override the request's frames per second")
     parser.add_argument(
@@ -71,6 +72,7 @@ def preview_name(video_name: str) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     filter_harmless_warnings()
+    device = torch_device(args.backend, args.device)
     if args.preview_frames < 0:
         raise UserError(f"--preview_frames {args.preview_frames} must be >= 0")
     input_dir = Path(args.input_dir)
@@ -100,7 +102,7 @@ def main(argv=None) -> None:
 
     compile_cache = None
     if args.backend == "torch":
-        runtime = TorchRuntime(args.device)
+        runtime = TorchRuntime(device)
     else:  # the VAE's weights are replicated; its activations are split along width over all devices
         runtime, compile_cache = torchax_runtime_on_all_devices("sp", compile_cache=not args.no_compile_cache)
     log(f"decoding latents {tuple(latents.shape)} with the {family.NAME} VAE on {args.backend}, {dtype_name}")
@@ -123,7 +125,7 @@ def main(argv=None) -> None:
         "width": width,
         "fps": config["fps"],
         "backend": args.backend,
-        **({"device": args.device} if args.backend == "torch" else runtime.device_description),
+        **({"device": device} if args.backend == "torch" else runtime.device_description),
         "dtype": dtype_name,
         "tiling": args.tiling,
         "overrides": overrides,

@@ -422,6 +422,14 @@ class TorchRuntime:
         return tensor.to("cpu")
 
 
+def torch_device(backend: str, device: str | None) -> str:
+    """`--device` for `--backend torch` (default cpu). With `--backend torchax` every JAX device is used,
+    so a `--device` there would be silently ignored: an error instead."""
+    if backend != "torch" and device is not None:
+        raise UserError(f"--device applies to --backend torch; --backend {backend} uses every JAX device")
+    return device or "cpu"
+
+
 def torchax_runtime_on_all_devices(axis: str, compile_cache: bool):
     """Stage 1/3 `--backend torchax`: a TorchaxRuntime with every JAX device on mesh axis `axis`, and the
     CompileCache it compiles with. A host without JAX gets one error line naming the install."""

@@ -22,6 +22,7 @@ TINY = ["--model", "tiny-cogvideox", "--prompt", "a cat", "--num_inference_steps
         (["--num_inference_steps", "0"], "--num_inference_steps 0 must be at least 1"),
         (["--dtype", "int8"], "--dtype 'int8' is not one of bf16, fp16, fp32"),
         (["--model", "./no/such/folder"], "--model './no/such/folder': no such folder"),
+        (["--backend", "torchax", "--device", "cuda"], "--device applies to --backend torch; --backend torchax"),
     ],
 )
 def test_stage1_rejects_bad_requests(capsys, tmp_path, flags, message):
@@ -104,3 +105,8 @@ def test_error_exit_status_through_the_real_command_line(tmp_path):
     result = run_script("stage1_text_encoder.py", [*TINY, "--output_dir", tmp_path, "--num_frames", "13"])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: --num_frames 13 must be 8n+1")
+
+
+def test_stage3_rejects_device_with_the_jax_backend(capsys, stage1_dir):
+    argv = ["--input_dir", stage1_dir, "--backend", "torchax", "--device", "cuda"]
+    expect_user_error(capsys, stage3_vae_decoder, argv, "--device applies to --backend torch")

@@ -58,7 +58,6 @@ class TorchaxRuntime:
         self.env = torchax.default_env()
         _install_gather(self.env)
         self.mesh = mesh if mesh is not None else sharding.make_mesh(sharding.MeshShape())
-        self.placement: dict[str, object] = {}  # the last compiled module's
         self.placements: list[dict[str, object]] = []  # every compiled module's, in order
         self.profile_dir = profile_dir
 
@@ -76,10 +75,14 @@ class TorchaxRuntime:
             "mesh": dict(self.mesh.shape),
         }
 
+    @property
+    def placement(self) -> dict[str, object]:
+        """The last compiled module's placement record (stage 2 compiles one module)."""
+        return self.placements[-1] if self.placements else {}
+
     def compile(self, module: torch.nn.Module, rules: sharding.RuleTable | None = None):
         """The module's weights placed on the mesh by `rules` (default: replicated), its forward jitted."""
-        self.placement = sharding.place_module(module, rules or sharding.REPLICATED_TABLE, self.mesh, self.env)
-        self.placements.append(self.placement)
+        self.placements.append(sharding.place_module(module, rules or sharding.REPLICATED_TABLE, self.mesh, self.env))
         return torchax.compile(module)
 
     def to_device(self, tree, spec: PartitionSpec = sharding.REPLICATED):

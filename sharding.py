@@ -29,15 +29,14 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from utils import UserError, log
+from runtime import AXES, DP, SP, TP
 
-AXES = ("dp", "sp", "tp")
 TP_MODES = ("megatron", "replicated_out")
 P = PartitionSpec
 REPLICATED = P()
-COLUMN = P("tp", None)  # torch Linear weight (out, in): output features split
-COLUMN_BIAS = P("tp")
-ROW = P(None, "tp")  # input features split; the partial sums are all-reduced
+COLUMN = P(TP, None)  # torch Linear weight (out, in): output features split
+COLUMN_BIAS = P(TP)
+ROW = P(None, TP)  # input features split; the partial sums are all-reduced
 # AdaLN modulation linears (timestep embedding -> 6 x width of shifts, scales, gates per block) are a
 # large share of the weights (HunyuanVideo-1.5: 2.7 B of 8.3 B parameters) but act on one vector per
 # sample: split on their input, each costs one all-reduce of (batch, 6 x width), a few hundred KiB.
@@ -55,7 +54,7 @@ class MeshShape:
         return self.dp * self.sp * self.tp
 
     def as_dict(self) -> dict[str, int]:
-        return {"dp": self.dp, "sp": self.sp, "tp": self.tp}
+        return {DP: self.dp, SP: self.sp, TP: self.tp}
 
 
 def choose_mesh_shape(
@@ -67,14 +66,14 @@ def choose_mesh_shape(
     cfg: bool = True,
     heads: int | None = None,
 ) -> MeshShape:
-    """The mesh for `--dp/--sp/--tp`; unset axes default to dp=2 under CFG (if it fits), sp=1, tp=the rest.
+    """The mesh for the requested axis sizes; unset axes default to dp=2 under CFG (if it fits), sp=1,
+    tp=the rest.
 
-    Raises UserError (before any weight is loaded) when the product is not the device count or
-    `tp` cannot split the attention heads.
+    Raises ValueError when the product is not the device count or `tp` cannot split the attention heads.
     """
-    for name, value in (("dp", dp), ("sp", sp), ("tp", tp)):
+    for name, value in ((DP, dp), (SP, sp), (TP, tp)):
         if value is not None and value < 1:
-            raise UserError(f"--{name} must be at least 1, got {value}")
+            raise ValueError(f"{name} must be at least 1, got {value}")
     sp = sp or 1
     if dp is None:
         rest = device_count // (sp * (tp or 1))
@@ -83,12 +82,12 @@ def choose_mesh_shape(
         tp = max(device_count // (dp * sp), 1)
     shape = MeshShape(dp, sp, tp)
     if shape.size != device_count:
-        raise UserError(
-            f"--dp {dp} x --sp {sp} x --tp {tp} = {shape.size} devices, but {device_count} are available; "
+        raise ValueError(
+            f"dp {dp} x sp {sp} x tp {tp} = {shape.size} devices, but {device_count} are available; "
             "their product must equal the device count"
         )
     if heads is not None and heads % tp:
-        raise UserError(f"--tp {tp} does not divide the transformer's {heads} attention heads")
+        raise ValueError(f"tp {tp} does not divide the transformer's {heads} attention heads")
     return shape
 
 
@@ -234,7 +233,7 @@ def t5_encoder_rules(split_attention: bool = True) -> RuleTable:
             (layer + r"0\.SelfAttention\.o\.weight", row),
             (
                 layer + r"0\.SelfAttention\.relative_attention_bias\.weight",
-                P(None, "tp") if split_attention else REPLICATED,
+                P(None, TP) if split_attention else REPLICATED,
             ),
             (layer + r"1\.DenseReluDense\.wi(_[01])?\.weight", COLUMN),
             (layer + r"1\.DenseReluDense\.wo\.weight", ROW),
@@ -275,7 +274,7 @@ def text_encoder_rules(config, tp: int) -> RuleTable:
     if config.model_type == "qwen2_5_vl_text":
         heads = (config.num_attention_heads, config.num_key_value_heads)
         return qwen25vl_text_rules(split_attention=all(count % tp == 0 for count in heads))
-    raise UserError(f"no sharding rules for a {config.model_type!r} text encoder; run stage 1 with --backend torch")
+    raise ValueError(f"no sharding rules for a {config.model_type!r} text encoder")
 
 
 # VAEs and other small modules: convolution weights are small next to their activations.
@@ -303,8 +302,8 @@ def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> 
 
     Each CPU tensor is released as soon as its device copy exists, so host memory stays near one copy
     of the weights. Tied weights (one tensor under several names, e.g. T5's `shared` and
-    `encoder.embed_tokens`) stay one device array. Buffers are replicated. Returns counts and
-    per-device bytes for the log and config.
+    `encoder.embed_tokens`) stay one device array. Buffers are replicated. Returns the rule table's
+    name, counts and per-device bytes (the caller logs and records them).
     """
     from torchax.tensor import Tensor
 
@@ -336,10 +335,6 @@ def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> 
                     stats["sharded"] += 1
                 else:
                     stats["replicated"] += 1
-    log(
-        f"placed {table.name}: {stats['sharded']} sharded, {stats['replicated']} replicated parameters, "
-        f"{stats['buffers']} buffers, {stats['bytes_per_device'] / 2**20:.1f} MiB per device"
-    )
     return stats
 
 

@@ -27,6 +27,8 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from runtime import DP, SP, TP
+
 LANE = 128  # TPU lane width: block sizes are multiples of it
 # Dense (.., Sq, Skv) masks are reduced and checked only up to this size (HunyuanVideo-1.5's token
 # refiner: 1000 x 1000); at video lengths (~112k tokens) the S x S work itself is the problem.
@@ -117,9 +119,9 @@ def _mesh_axes(mesh: Mesh | None, batch: int, heads: int) -> tuple[str | None, s
     computed whole on every device of the axis) and the number of query-sequence shards."""
     if mesh is None:
         return None, None, 1
-    batch_axis = "dp" if batch % mesh.shape["dp"] == 0 else None
-    head_axis = "tp" if heads % mesh.shape["tp"] == 0 else None
-    return batch_axis, head_axis, mesh.shape["sp"]
+    batch_axis = DP if batch % mesh.shape[DP] == 0 else None
+    head_axis = TP if heads % mesh.shape[TP] == 0 else None
+    return batch_axis, head_axis, mesh.shape[SP]
 
 
 def _rows_with_a_key(key_valid, q_len: int, window: int | None):
@@ -158,7 +160,7 @@ def splash_attention(
     batch_axis, head_axis, q_shards = _mesh_axes(mesh, batch, heads)
     blocks = tile_sizes(config, -(-q_len // q_shards), kv_len)
     q_pad, kv_pad = _round_up(q_len, blocks.block_q * q_shards), _round_up(kv_len, blocks.block_kv)
-    head_shards = mesh.shape["tp"] if head_axis else 1
+    head_shards = mesh.shape[TP] if head_axis else 1
     if config.local_window is None:
         # A full mask is the same on every shard, so each device gets a kernel for its local shape.
         # (Building one global kernel with q_seq_shards > 1 fails for a mask without partial blocks in
@@ -167,7 +169,7 @@ def splash_attention(
         kernel_layout = P(None, None)
     else:
         kernel = _kernel(heads, q_pad, kv_pad, blocks, config.interpret, config.local_window, head_shards, q_shards)
-        kernel_layout = P(head_axis, "sp")
+        kernel_layout = P(head_axis, SP)
 
     if key_valid is None:
         key_valid = jnp.ones((batch, kv_len), dtype=bool)
@@ -192,13 +194,13 @@ def splash_attention(
         return jax.vmap(one_row)(q, k, v, q_seg, kv_seg)
 
     if mesh is not None and mesh.size > 1:
-        q_spec = P(batch_axis, head_axis, "sp", None)
+        q_spec = P(batch_axis, head_axis, SP, None)
         kv_spec = P(batch_axis, head_axis, None, None)
         kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, kernel_layout))
         attend = jax.shard_map(
             attend,
             mesh=mesh,
-            in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, P(batch_axis, "sp"), P(batch_axis, None)),
+            in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, P(batch_axis, SP), P(batch_axis, None)),
             out_specs=q_spec,
             check_vma=False,
         )

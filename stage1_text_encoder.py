@@ -13,25 +13,23 @@ import argparse
 from pathlib import Path
 
 import models
+from models.common import check_backend_flags, open_runtime
+from runtime import TP, Timer
 from utils import (
     DEFAULT_OUTPUT_DIR,
-    FORMAT_VERSION,
     STAGE1_FILE,
-    Timer,
-    TorchRuntime,
+    Request,
     UserError,
     add_request_arguments,
     ensure_writable_dir,
     filter_harmless_warnings,
-    library_versions,
     log,
     parse_dtype,
     read_config,
-    request_flags,
     run_cli,
-    torch_device,
-    torchax_runtime_on_all_devices,
-    write_config,
+    run_record,
+    stage_sections,
+    write_stage_config,
     write_tensors,
 )
 
@@ -59,69 +57,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def earlier_sections(output_dir: Path) -> dict:
+def later_sections(output_dir: Path) -> dict:
     """Stage 2/3 sections of an existing config in the folder, kept (a stage never deletes another's
     section); their recorded input checksums tell later stages whether they are stale."""
     try:
         previous = read_config(output_dir)
     except UserError:
         return {}
-    return {key: value for key, value in previous.items() if key in ("stage2", "stage3")}
+    return {name: section for name, section in stage_sections(previous).items() if name != "stage1"}
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     filter_harmless_warnings()
-    device = torch_device(args.backend, args.device)
+    check_backend_flags(args.backend, args.device)
     dtype = parse_dtype(args.dtype)
     output_dir = Path(args.output_dir)
     timer = Timer()
 
     source, family = models.resolve_model(args.model)
-    request = {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "dtype": args.dtype}
-    request.update(family.request_defaults(source), seed=DEFAULT_SEED)
-    request.update({key: value for key, value in request_flags(args).items() if value is not None})
+    defaults = {**family.request_defaults(source), "seed": DEFAULT_SEED}
+    request = Request.from_flags(args, model_family=family.NAME, model_id=args.model, defaults=defaults)
     family.validate_request(source, request)
     ensure_writable_dir(output_dir)
 
-    compile_cache = None
-    if args.backend == "torch":
-        runtime = TorchRuntime(device)
-        where = device
-    else:  # one prompt at a time: every device goes to `tp` (heads and MLP columns)
-        runtime, compile_cache = torchax_runtime_on_all_devices("tp", compile_cache=not args.no_compile_cache)
-        description = runtime.device_description
-        where = f"{description['device_count']} {description['platform']} device(s)"
-    log(f"{family.NAME} from {args.model}: encoding prompt on {where} ({args.backend}) in {args.dtype}")
+    # One prompt at a time: with --backend torchax every device goes to `tp` (heads and MLP columns).
+    runtime = open_runtime(args.backend, args.device, TP, compile_cache=not args.no_compile_cache)
+    log(f"{family.NAME} from {args.model}: encoding prompt on {runtime.describe()} in {args.dtype}")
 
     with timer.phase("encode"):
         embeddings = family.encode_prompts(source, request, dtype, runtime)
     with timer.phase("save"):
         record = write_tensors(output_dir / STAGE1_FILE, embeddings)
 
-    config = {
-        **earlier_sections(output_dir),
-        "format_version": FORMAT_VERSION,
-        "model_family": family.NAME,
-        "model_id": args.model,
-        **request,
-        "stage1": {
-            **record,
-            "backend": args.backend,
-            **(
-                {"device": device}
-                if args.backend == "torch"
-                else {**runtime.device_description, "placement": runtime.placements}
-            ),
-            **({"compile_cache": compile_cache.report()} if compile_cache else {}),
-            "dtype": args.dtype,
-            "seconds": timer.finish(),
-            "versions": library_versions(
-                "torch", "transformers", "diffusers", *(("jax", "torchax") if args.backend == "torchax" else ())
-            ),
-        },
-    }
-    write_config(output_dir, config)
+    versions = ("transformers", "diffusers")
+    section = {**record, **run_record(runtime, args.dtype, timer.finish(), versions)}
+    write_stage_config(output_dir, request, later_sections(output_dir), "stage1", section)
     shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in embeddings.items())
     log(f"wrote {output_dir / STAGE1_FILE}: {shapes}")
 

@@ -12,30 +12,31 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 
 import models
+from models.common import attention_heads
+from models.denoise import DenoiseGuard, DenoiseOptions
+from runtime import Timer
 from utils import (
     CHECKPOINT_FILE,
     DEFAULT_OUTPUT_DIR,
-    REQUEST_KEYS,
     STAGE2_FILE,
-    CompileCache,
-    DenoiseGuard,
-    Timer,
+    Request,
     UserError,
     add_request_arguments,
-    apply_request_overrides,
     ensure_writable_dir,
     filter_harmless_warnings,
-    library_versions,
     log,
     parse_dtype,
     read_config,
     read_tensors,
     request_flags,
     run_cli,
-    write_config,
+    run_record,
+    stage_sections,
+    write_stage_config,
     write_tensors,
 )
 
@@ -53,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--attention",
         choices=("auto", "splash", "xla"),
         default="auto",
-        help="Splash kernel (interpret mode off TPU) or torchax's XLA lowering; auto: Splash on TPU (default: auto)",
+        help="splash: the Pallas Splash kernel (Pallas interpret mode off TPU); xla: plain XLA softmax attention "
+        "(splash_attention.xla_attention); auto: Splash on TPU, else xla (default: auto)",
     )
     for name in ("block_q", "block_kv", "block_kv_compute"):
         attention.add_argument(f"--{name}", type=int, help="Splash tile size, a multiple of 128 (default: per family)")
@@ -118,6 +120,25 @@ def splash_config(args, family, platform: str):
         raise UserError(f"--{err}") from None
 
 
+def mesh_shape(args, family, source, request: Request):
+    """The dp/sp/tp mesh from the flags, checked against the device count and the head count."""
+    import jax
+
+    import sharding
+
+    try:
+        return sharding.choose_mesh_shape(
+            jax.device_count(),
+            args.dp,
+            args.sp,
+            args.tp,
+            cfg=family.cfg_enabled(request.guidance_scale),
+            heads=attention_heads(source),
+        )
+    except ValueError as err:  # the library names mesh axes; the flags have the same names
+        raise UserError(re.sub(r"\b(dp|sp|tp)\b", r"--\1", str(err))) from None
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     filter_harmless_warnings()
@@ -128,16 +149,16 @@ def main(argv=None) -> None:
     timer = Timer()
 
     config = read_config(input_dir, needs="stage1")
-    source, family = models.resolve_model_for_config(config, args.model)
-    overrides = apply_request_overrides(config, request_flags(args))
-    if args.model:
-        overrides.update(apply_request_overrides(config, {"model_id": args.model}))
-    dtype_name = args.dtype or config["dtype"]
+    request, overrides = Request.from_config(config, input_dir).with_overrides(
+        {**request_flags(args), "model_id": args.model}
+    )
+    source, family = models.resolve_model_for_request(request)
+    dtype_name = args.dtype or request.dtype
     dtype = parse_dtype(dtype_name)
-    family.validate_request(source, config)
+    family.validate_request(source, request)
     embeddings = read_tensors(input_dir, config["stage1"])
     ensure_writable_dir(output_dir)
-    fingerprint = {key: config.get(key) for key in ("model_id", *REQUEST_KEYS)}
+    fingerprint = request.fingerprint()
     guard = DenoiseGuard(
         output_dir,
         {**fingerprint, "dtype": dtype_name, "stage1_sha256": config["stage1"]["sha256"]},
@@ -146,62 +167,38 @@ def main(argv=None) -> None:
     )
 
     # JAX is imported only once the inputs are known good.
-    import jax
-
     import sharding
     from splash_attention import attention_backend, resolve_backend
-    from torchax_runtime import TorchaxRuntime
+    from torchax_runtime import CompileCache, TorchaxRuntime
 
     compile_cache = CompileCache(enabled=not args.no_compile_cache)
-    mesh_shape = sharding.choose_mesh_shape(
-        jax.device_count(),
-        args.dp,
-        args.sp,
-        args.tp,
-        cfg=family.cfg_enabled(config["guidance_scale"]),
-        heads=family.attention_heads(source),
-    )
-    runtime = TorchaxRuntime(sharding.make_mesh(mesh_shape), profile_dir=args.profile)
+    mesh = sharding.make_mesh(mesh_shape(args, family, source, request))
+    runtime = TorchaxRuntime(mesh, profile_dir=args.profile, compile_cache=compile_cache)
     attention = resolve_backend(args.attention)
-    splash = splash_config(args, family, runtime.device_description["platform"])
-    log(f"{family.NAME} transformer on {runtime.device_description}, {dtype_name}, attention {attention}")
+    splash = splash_config(args, family, runtime.platform)
+    log(f"{family.NAME} transformer, {runtime.describe()}, {dtype_name}, attention {attention}")
     log(f"request overrides: {overrides or 'none'}")
-    with attention_backend(runtime.env, attention, splash, runtime.mesh), guard.install_stop_handler():
-        latents, info = family.denoise(
-            source,
-            config,
-            embeddings,
-            dtype,
-            runtime,
-            timer,
-            tp_mode=args.tp_mode,
-            warmup_steps=args.warmup_steps,
-            guard=guard,
-        )
+    options = DenoiseOptions(tp_mode=args.tp_mode, warmup_steps=args.warmup_steps, guard=guard)
+    with attention_backend(runtime.env, attention, splash, runtime.mesh), guard.stop_handler():
+        latents, info = family.denoise(source, request, embeddings, dtype, runtime, timer, options)
     with timer.phase("save"):
         record = write_tensors(output_dir / STAGE2_FILE, {"latents": latents})
 
-    config["stage2"] = {
+    section = {
         **record,
         "stage1_sha256": config["stage1"]["sha256"],
         "request": fingerprint,
         "resumed": args.resume,
         **info,
-        "backend": runtime.name,
-        **runtime.device_description,
-        "dtype": dtype_name,
         "tp_mode": args.tp_mode,
-        "placement": runtime.placement,
         "attention": attention,
         **({"splash": dataclasses.asdict(splash)} if attention == "splash" else {}),
         "overrides": overrides,
         "warmup_steps": args.warmup_steps,
-        "compile_cache": compile_cache.report(),
-        "seconds": timer.finish(),
         "step_seconds": timer.step_seconds,
-        "versions": library_versions("torch", "jax", "jaxlib", "torchax", "diffusers"),
+        **run_record(runtime, dtype_name, timer.finish(), ("diffusers",)),
     }
-    write_config(output_dir, config)
+    write_stage_config(output_dir, request, stage_sections(config), "stage2", section)
     guard.finished()
     log(f"wrote {output_dir / STAGE2_FILE}: latents {tuple(latents.shape)} ({info['latents_layout']})")
 

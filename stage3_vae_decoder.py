@@ -14,27 +14,24 @@ from pathlib import Path
 import numpy as np
 
 import models
+from models.common import check_backend_flags, decode, open_runtime, write_mp4, write_preview_png
+from runtime import SP, Timer
 from utils import (
-    CONFIG_FILE,
     DEFAULT_OUTPUT_DIR,
     VIDEO_FILE,
-    Timer,
-    TorchRuntime,
+    Request,
     UserError,
-    apply_request_overrides,
+    check_stage2_fresh,
     ensure_writable_dir,
     filter_harmless_warnings,
-    library_versions,
     log,
     parse_dtype,
     read_config,
     read_tensors,
     run_cli,
-    torch_device,
-    torchax_runtime_on_all_devices,
-    write_config,
-    write_mp4,
-    write_preview_png,
+    run_record,
+    stage_sections,
+    write_stage_config,
 )
 
 
@@ -72,7 +69,7 @@ def preview_name(video_name: str) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     filter_harmless_warnings()
-    device = torch_device(args.backend, args.device)
+    check_backend_flags(args.backend, args.device)
     if args.preview_frames < 0:
         raise UserError(f"--preview_frames {args.preview_frames} must be >= 0")
     input_dir = Path(args.input_dir)
@@ -80,61 +77,42 @@ def main(argv=None) -> None:
     timer = Timer()
 
     config = read_config(input_dir, needs="stage2")
-    source, family = models.resolve_model_for_config(config, args.model)
-    overrides = apply_request_overrides(config, {"fps": args.fps})
-    if config["fps"] <= 0:
-        raise UserError(f"--fps {config['fps']} must be positive")
-    stage2 = config["stage2"]
-    changed = [key for key, value in stage2.get("request", {}).items() if config.get(key) != value]
-    if stage2.get("stage1_sha256") != config["stage1"]["sha256"]:
-        changed.insert(0, "embeddings")
-    if changed:
-        raise UserError(
-            f"{input_dir / CONFIG_FILE}: the stage2 section is stale, stage 1 was rerun since "
-            f"({', '.join(changed)} changed); rerun stage 2"
-        )
-    if not config["stage2"].get("latents_scaled_by_vae_scaling_factor"):
-        raise UserError(f"{input_dir}: stage 2 did not record the latents' scaling; rerun stage 2")
-    dtype_name = args.dtype or config["dtype"]
+    request, overrides = Request.from_config(config, input_dir).with_overrides({"fps": args.fps})
+    source, family = models.resolve_model_for_request(request, args.model)
+    check_stage2_fresh(input_dir, config, request)
+    dtype_name = args.dtype or request.dtype
     dtype = parse_dtype(dtype_name)
     latents = read_tensors(input_dir, config["stage2"])["latents"]
     ensure_writable_dir(output_dir)
 
-    compile_cache = None
-    if args.backend == "torch":
-        runtime = TorchRuntime(device)
-    else:  # the VAE's weights are replicated; its activations are split along width over all devices
-        runtime, compile_cache = torchax_runtime_on_all_devices("sp", compile_cache=not args.no_compile_cache)
-    log(f"decoding latents {tuple(latents.shape)} with the {family.NAME} VAE on {args.backend}, {dtype_name}")
-    frames = family.decode(source, latents, dtype, runtime, timer, tiling=args.tiling)
+    # With --backend torchax the VAE's weights are replicated and its activations split along width.
+    runtime = open_runtime(args.backend, args.device, SP, compile_cache=not args.no_compile_cache)
+    log(f"decoding latents {tuple(latents.shape)} with the {family.NAME} VAE, {runtime.describe()}, {dtype_name}")
+    frames = decode(family, source, latents, dtype, runtime, timer, tiling=args.tiling)
     pixels = (frames.numpy() * 255).round().astype(np.uint8)
     with timer.phase("save"):
-        write_mp4(output_dir / args.output_name, pixels, config["fps"])
+        write_mp4(output_dir / args.output_name, pixels, request.fps)
         preview = None
         if args.preview_frames:
             preview = preview_name(args.output_name)
             rows, columns = write_preview_png(output_dir / preview, pixels, count=args.preview_frames)
 
     count, height, width, _ = pixels.shape
-    config["stage3"] = {
+    section = {
         "file": args.output_name,
-        **({"preview": preview, "preview_grid": [rows, columns]} if preview else {}),
         "latents_sha256": config["stage2"]["sha256"],
         "frames": count,
         "height": height,
         "width": width,
-        "fps": config["fps"],
-        "backend": args.backend,
-        **({"device": device} if args.backend == "torch" else runtime.device_description),
-        "dtype": dtype_name,
+        "fps": request.fps,
         "tiling": args.tiling,
         "overrides": overrides,
-        **({"compile_cache": compile_cache.report()} if compile_cache else {}),
-        "seconds": timer.finish(),
-        "versions": library_versions("torch", "diffusers", "imageio-ffmpeg"),
+        **run_record(runtime, dtype_name, timer.finish(), ("diffusers", "imageio-ffmpeg")),
     }
-    write_config(output_dir, config)
-    log(f"wrote {output_dir / args.output_name}: {count} frames x {height} x {width} at {config['fps']} fps")
+    if preview:
+        section.update(preview=preview, preview_grid=[rows, columns])
+    write_stage_config(output_dir, request, stage_sections(config), "stage3", section)
+    log(f"wrote {output_dir / args.output_name}: {count} frames x {height} x {width} at {request.fps} fps")
 
 
 if __name__ == "__main__":

@@ -1,21 +1,28 @@
 """Running stock PyTorch modules on JAX devices through torchax: the one place that sets up its environment.
 
-Stage 2 (and stages 1 and 3 with `--backend torchax`) hand modules to `TorchaxRuntime.compile`, which
-places the weights on the runtime's mesh by a rule table (sharding.py) and returns the module's forward
-under `jax.jit`. Attention is torchax's lowering of `torch.nn.functional.scaled_dot_product_attention`
-unless splash_attention.attention_backend overrides it; `torch.gather` is lowered by
-`take_along_axis_gather` (see there).
+`TorchaxRuntime` implements runtime.Runtime on a dp/sp/tp mesh. Stage 2 (and stages 1 and 3 with
+`--backend torchax`) hand modules to `TorchaxRuntime.compile`, which places the weights on the mesh by
+a rule table (sharding.py) and returns the module's forward under `jax.jit`. Attention is torchax's
+lowering of `torch.nn.functional.scaled_dot_product_attention` unless splash_attention.attention_backend
+overrides it; `torch.gather` is lowered by `take_along_axis_gather` (see there). `CompileCache` turns
+on JAX's persistent compilation cache.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
 import jax
 import numpy as np
 import torch
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 import sharding
 from torchax_compat import import_torchax
+from utils import log
 
 torchax = import_torchax()
 
@@ -48,50 +55,127 @@ def _install_gather(env) -> None:
         env.override_op_definition(torch.ops.aten.gather, take_along_axis_gather(current.func))
 
 
+def compile_cache_dir() -> Path:
+    """JAX_COMPILATION_CACHE_DIR, else a folder in this tool's per-user cache."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    root = os.environ.get("TPU_VIDEO_CACHE") or Path.home() / ".cache" / "tpu-video"
+    return Path(root) / "jax-compilation-cache"
+
+
+class CompileCache:
+    """The persistent JAX compilation cache, on for every compile in this process, counting hits and misses.
+
+    Compiles of any size are cached: the defaults skip entries that compiled in under a second, which
+    is most of what a CPU test run compiles.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        self.enabled = enabled
+        self.directory = compile_cache_dir()
+        self.hits = self.misses = 0
+        if enabled:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            jax.config.update("jax_compilation_cache_dir", str(self.directory))
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+            jax.monitoring.register_event_listener(self._count)
+        else:
+            jax.config.update("jax_enable_compilation_cache", False)
+        # JAX settles its cache state at the first compile, and `import torchax` (above) already
+        # compiles (with $JAX_COMPILATION_CACHE_DIR if set): start over so the settings above take effect.
+        compilation_cache.reset_cache()
+
+    def _count(self, event: str, **_) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            self.hits += 1
+        elif event == "/jax/compilation_cache/cache_misses":
+            self.misses += 1
+
+    def report(self) -> dict[str, object]:
+        """Stop counting; a summary for the config (the folder is logged, not recorded: configs hold no
+        host paths)."""
+        if self.enabled:
+            jax.monitoring.unregister_event_listener(self._count)
+            log(f"compile cache {self.directory}: {self.hits} hits, {self.misses} misses")
+        return {"enabled": self.enabled, "hits": self.hits, "misses": self.misses}
+
+
 class TorchaxRuntime:
-    """Places modules and tensors on a JAX device mesh and jits module forwards."""
+    """Places modules and tensors on a JAX device mesh and jits module forwards (runtime.Runtime)."""
 
-    name = "torchax"
     device = torch.device("cpu")  # callers' torch tensors: they reach and leave the mesh through the host
+    libraries = ("torch", "jax", "jaxlib", "torchax")
 
-    def __init__(self, mesh: Mesh | None = None, profile_dir: str | None = None) -> None:
+    def __init__(
+        self, mesh: Mesh | None = None, profile_dir: str | None = None, compile_cache: CompileCache | None = None
+    ) -> None:
         self.env = torchax.default_env()
         _install_gather(self.env)
         self.mesh = mesh if mesh is not None else sharding.make_mesh(sharding.MeshShape())
         self.placements: list[dict[str, object]] = []  # every compiled module's, in order
         self.profile_dir = profile_dir
+        self.compile_cache = compile_cache  # None: the process's cache settings are left as they are
 
-    def profile_trace(self):
-        """A JAX profiler trace context writing to `profile_dir` (view with TensorBoard/XProf), or None."""
-        return jax.profiler.trace(self.profile_dir) if self.profile_dir else None
+    @classmethod
+    def on_all_devices(cls, axis: str, compile_cache: bool = True) -> TorchaxRuntime:
+        """Every JAX device on mesh axis `axis` (stages 1 and 3), with the persistent compile cache."""
+        cache = CompileCache(enabled=compile_cache)
+        return cls(sharding.make_mesh(sharding.MeshShape(**{axis: jax.device_count()})), compile_cache=cache)
 
-    @property
-    def device_description(self) -> dict[str, object]:
+    def axis_size(self, axis: str) -> int:
+        return self.mesh.shape[axis]
+
+    def profile_trace(self) -> contextlib.AbstractContextManager:
+        """A JAX profiler trace writing to `profile_dir` (view with TensorBoard/XProf), if one was given."""
+        return jax.profiler.trace(self.profile_dir) if self.profile_dir else contextlib.nullcontext()
+
+    def describe(self) -> str:
         devices = self.mesh.devices.flatten()
-        return {
+        mesh = " ".join(f"{axis}={size}" for axis, size in self.mesh.shape.items())
+        return f"torchax on {len(devices)} {devices[0].platform} device(s) ({devices[0].device_kind}), mesh {mesh}"
+
+    def report(self) -> dict[str, Any]:
+        """The config fields; also stops the compile cache's counters and logs them."""
+        devices = self.mesh.devices.flatten()
+        fields: dict[str, Any] = {
+            "backend": "torchax",
             "platform": devices[0].platform,
             "device_kind": devices[0].device_kind,
             "device_count": len(devices),
             "mesh": dict(self.mesh.shape),
+            "placement": self.placements,
         }
+        if self.compile_cache is not None:
+            fields["compile_cache"] = self.compile_cache.report()
+        return fields
 
     @property
-    def placement(self) -> dict[str, object]:
-        """The last compiled module's placement record (stage 2 compiles one module)."""
-        return self.placements[-1] if self.placements else {}
+    def platform(self) -> str:
+        return self.mesh.devices.flat[0].platform
 
-    def compile(self, module: torch.nn.Module, rules: sharding.RuleTable | None = None):
-        """The module's weights placed on the mesh by `rules` (default: replicated), its forward jitted."""
-        self.placements.append(sharding.place_module(module, rules or sharding.REPLICATED_TABLE, self.mesh, self.env))
+    def compile(self, module: torch.nn.Module, rules: Any = None):
+        """The module's weights placed on the mesh by `rules` (a sharding.RuleTable or a function of the
+        mesh's axis sizes returning one; default: replicated), its forward jitted."""
+        if callable(rules):
+            rules = rules(dict(self.mesh.shape))
+        stats = sharding.place_module(module, rules or sharding.REPLICATED_TABLE, self.mesh, self.env)
+        log(
+            f"placed {stats['rule_table']}: {stats['sharded']} sharded, {stats['replicated']} replicated "
+            f"parameters, {stats['buffers']} buffers, {stats['bytes_per_device'] / 2**20:.1f} MiB per device"
+        )
+        self.placements.append(stats)
         return torchax.compile(module)
 
-    def to_device(self, tree, spec: PartitionSpec = sharding.REPLICATED):
-        """The CPU tensors in `tree` as torchax tensors laid out as `spec` on the mesh."""
-        return sharding.place(tree, self.mesh, spec, self.env)
+    def to_device(self, tree, layout: tuple | None = None):
+        """The CPU tensors in `tree` as torchax tensors laid out as `layout` on the mesh (default: replicated)."""
+        return sharding.place(tree, self.mesh, sharding.P(*(layout or ())), self.env)
 
-    def constrain(self, tensor: torch.Tensor, spec: PartitionSpec) -> torch.Tensor:
+    def constrain(self, tensor: torch.Tensor, layout: tuple) -> torch.Tensor:
         """Inside a compiled forward: pin an activation's layout (e.g. the CFG batch on `dp`)."""
-        return sharding.constrain(tensor, self.mesh, spec)
+        return sharding.constrain(tensor, self.mesh, sharding.P(*layout))
 
     def to_host(self, tensor) -> torch.Tensor:
         """A CPU torch tensor; blocks until the device has computed it."""

@@ -1,11 +1,14 @@
-"""The stage-file contract (safetensors + generation_config.json), user errors, logging and timing.
+"""The stage-file contract and the CLI conventions around it.
 
-Imported by all three stages, so it must not import JAX.
+File names and format version; checked reads and atomic writes of safetensors files and
+generation_config.json; the generation request (`Request`) with its overrides and staleness checks;
+`UserError`/`run_cli` (one `error:` line, exit 2) and logging. Imported by all three stages and by
+`models`, so it never imports JAX.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,9 +27,10 @@ CONFIG_FILE = "generation_config.json"
 STAGE1_FILE = "stage1_embeddings.safetensors"
 STAGE2_FILE = "stage2_latents.safetensors"
 VIDEO_FILE = "output_video.mp4"
+CHECKPOINT_FILE = "stage2_checkpoint.safetensors"
 DEFAULT_OUTPUT_DIR = "./stage_outputs"
 
-# The generation request: top-level keys of generation_config.json that later stages may override.
+# The generation request's keys that later stages may override from their command line.
 REQUEST_KEYS = (
     "height",
     "width",
@@ -37,6 +41,9 @@ REQUEST_KEYS = (
     "seed",
     "flow_shift",
 )
+# Those that shape stage 2's latents (fps only matters to the mp4): a stage-2 section records them, and
+# a later change to one of them makes that section stale.
+DENOISE_KEYS = tuple(key for key in REQUEST_KEYS if key != "fps")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -82,6 +89,7 @@ HARMLESS_WARNINGS = (
 
 
 def filter_harmless_warnings() -> None:
+    """Hide exactly the HARMLESS_WARNINGS (the stages call this first thing)."""
     import re
     import warnings
 
@@ -89,38 +97,8 @@ def filter_harmless_warnings() -> None:
         warnings.filterwarnings("ignore", message=re.escape(message), category=category)
 
 
-class Timer:
-    """Collects named wall-clock phases ({"load": 1.2, "denoise": 30.5}) and per-step seconds."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.step_seconds: list[float] = []
-        self._start = time.perf_counter()
-
-    def finish(self) -> dict[str, float]:
-        """Add the stage's `total` and print the phases as a small table; returns the phases."""
-        total = time.perf_counter() - self._start
-        self.seconds["other"] = round(max(total - sum(self.seconds.values()), 0.0), 4)  # imports, setup, checks
-        self.seconds["total"] = round(total, 4)
-        width = max(len(name) for name in self.seconds)
-        log("timing (seconds):")
-        for name, seconds in self.seconds.items():
-            print(f"    {name:<{width}}  {seconds:9.3f}", flush=True)
-        if self.step_seconds:
-            steps = sorted(self.step_seconds)
-            print(f"    {'median step':<{width}}  {steps[len(steps) // 2]:9.3f}", flush=True)
-        return self.seconds
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - start, 4)
-
-
 def parse_dtype(name: str) -> torch.dtype:
+    """`--dtype` as a torch dtype."""
     if name not in DTYPES:
         raise UserError(f"--dtype {name!r} is not one of {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -151,7 +129,7 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Write through a temp file in the same folder and rename, so a crash never leaves a half file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     # Keep the real extension last: ffmpeg picks the container from it.
@@ -183,7 +161,7 @@ def ensure_writable_dir(directory: Path) -> None:
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Save tensors (in their own dtype) atomically; return the config record describing the file."""
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    _atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
     return {
         "file": path.name,
         "sha256": sha256_file(path),
@@ -233,7 +211,7 @@ def read_config(directory: Path, needs: str | None = None) -> dict[str, Any]:
 
 def write_config(directory: Path, config: dict[str, Any]) -> None:
     text = json.dumps(config, indent=2, sort_keys=False) + "\n"
-    _atomic_write(directory / CONFIG_FILE, lambda tmp: tmp.write_text(text))
+    atomic_write(directory / CONFIG_FILE, lambda tmp: tmp.write_text(text))
 
 
 def add_request_arguments(parser, *, for_later_stage: bool) -> None:
@@ -265,261 +243,108 @@ def add_request_arguments(parser, *, for_later_stage: bool) -> None:
     )
 
 
-def request_flags(args) -> dict[str, Any]:
-    return {key: getattr(args, key) for key in REQUEST_KEYS}
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What was asked: the top-level keys of generation_config.json. Written by stage 1 (family defaults,
+    then flags); later stages read it back and may override REQUEST_KEYS, which is recorded."""
+
+    model_family: str
+    model_id: str
+    prompt: str
+    negative_prompt: str
+    dtype: str
+    height: int
+    width: int
+    num_frames: int
+    fps: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    flow_shift: float | None = None  # flow-matching families
+    variant: str | None = None  # e.g. CogVideoX "1.0" or "1.5"
+
+    def __post_init__(self) -> None:
+        """The checks every family shares; geometry and family extras are each family's validate_request."""
+        parse_dtype(self.dtype)
+        if self.num_inference_steps < 1:
+            raise UserError(f"--num_inference_steps {self.num_inference_steps} must be at least 1")
+        if self.guidance_scale < 0:
+            raise UserError(f"--guidance_scale {self.guidance_scale} must not be negative")
+        if self.fps <= 0:
+            raise UserError(f"--fps {self.fps} must be positive")
+
+    @classmethod
+    def from_flags(cls, args, *, model_family: str, model_id: str, defaults: dict[str, Any]) -> Request:
+        """Stage 1: the family's defaults, then every request flag given on the command line."""
+        values = {**defaults, "model_family": model_family, "model_id": model_id}
+        values.update(prompt=args.prompt, negative_prompt=args.negative_prompt, dtype=args.dtype)
+        values.update({key: getattr(args, key) for key in REQUEST_KEYS if getattr(args, key) is not None})
+        return cls(**values)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], path: Path | str = CONFIG_FILE) -> Request:
+        """The request held at the top level of a generation_config.json (`path` names it in errors)."""
+        fields = {field.name: field for field in dataclasses.fields(cls)}
+        required = [name for name, field in fields.items() if field.default is dataclasses.MISSING]
+        missing = [name for name in required if name not in config]
+        if missing:
+            raise UserError(f"{path} lacks the request keys {missing}; rerun stage1_text_encoder.py")
+        return cls(**{name: config[name] for name in fields if name in config})
+
+    def to_config(self) -> dict[str, Any]:
+        """Top-level keys for generation_config.json (unset family extras left out)."""
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+
+    def with_overrides(self, flags: dict[str, Any]) -> tuple[Request, dict[str, list]]:
+        """The request with the given (non-None) flags applied, and {key: [old, new]} for the record."""
+        changes = {key: value for key, value in flags.items() if value is not None and getattr(self, key) != value}
+        record = {key: [getattr(self, key), value] for key, value in changes.items()}
+        return dataclasses.replace(self, **changes), record
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What stage 2's latents depend on (besides the stage-1 file): recorded in its section and in
+        checkpoints, so stale latents and foreign checkpoints are recognised."""
+        return {"model_id": self.model_id, **{key: getattr(self, key) for key in DENOISE_KEYS}}
 
 
-def apply_request_overrides(config: dict[str, Any], flags: dict[str, Any]) -> dict[str, Any]:
-    """Set request keys given on a later stage's command line; return {key: [old, new]} for the record."""
-    overrides = {}
-    for key, value in flags.items():
-        if value is not None and config.get(key) != value:
-            overrides[key] = [config.get(key), value]
-            config[key] = value
-    return overrides
+def request_flags(args, keys: tuple[str, ...] = REQUEST_KEYS) -> dict[str, Any]:
+    """The request flags given on a later stage's command line (None where omitted)."""
+    return {key: getattr(args, key, None) for key in keys}
 
 
-def step_progress(steps, timer: Timer, desc: str = "denoise", trace=None, trace_steps: int = 3):
-    """Yield (index, step) under a tqdm bar showing the last step's seconds, the running mean and ETA.
-
-    A step's time runs from one yield to the next, so it includes the device sync the caller does when
-    it pulls the step's result back to the host. `trace` (a context manager, e.g. a profiler trace) is
-    held open around the first `trace_steps` steps.
-    """
-    from tqdm import tqdm
-
-    tracing = contextlib.ExitStack()
-    bar = tqdm(total=len(steps), desc=desc, unit="step", dynamic_ncols=True)
-    with timer.phase(desc), tracing:
-        for index, step in enumerate(steps):
-            if index == 0 and trace is not None:
-                tracing.enter_context(trace)
-            start = time.perf_counter()
-            yield index, step
-            timer.step_seconds.append(round(time.perf_counter() - start, 4))
-            if index + 1 == trace_steps:
-                tracing.close()
-            mean = sum(timer.step_seconds) / len(timer.step_seconds)
-            bar.set_postfix_str(f"step {timer.step_seconds[-1]:.3f}s avg {mean:.3f}s")
-            bar.update()
-    bar.close()
+def write_stage_config(
+    directory: Path, request: Request, sections: dict[str, Any], stage: str, section: dict[str, Any]
+) -> None:
+    """generation_config.json with the request on top, the other stages' `sections` kept, and `stage`'s
+    section (new or replaced) last."""
+    others = {name: value for name, value in sections.items() if name != stage}
+    write_config(directory, {"format_version": FORMAT_VERSION, **request.to_config(), **others, stage: section})
 
 
-def write_preview_png(path: Path, frames, count: int = 8, columns: int = 4) -> tuple[int, int]:
-    """Save `count` evenly spaced frames of uint8 video (F, H, W, 3) as one grid image, atomically.
-
-    Returns the grid's (rows, columns)."""
-    import numpy as np
-    from PIL import Image
-
-    total, height, width, _ = frames.shape
-    picks = np.unique(np.linspace(0, total - 1, min(count, total)).round().astype(int))
-    columns = min(columns, len(picks))
-    rows = -(-len(picks) // columns)
-    grid = np.zeros((rows * height, columns * width, 3), dtype=np.uint8)
-    for cell, index in enumerate(picks):
-        row, column = divmod(cell, columns)
-        grid[row * height : (row + 1) * height, column * width : (column + 1) * width] = frames[index]
-    _atomic_write(path, lambda tmp: Image.fromarray(grid).save(tmp, format="PNG"))
-    return rows, columns
+def stage_sections(config: dict[str, Any]) -> dict[str, Any]:
+    """The per-stage sections of a config ("stage1", "stage2", ...), in order."""
+    return {key: value for key, value in config.items() if key.startswith("stage")}
 
 
-def compile_cache_dir() -> Path:
-    """JAX_COMPILATION_CACHE_DIR, else a folder in this tool's per-user cache."""
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
-    root = os.environ.get("TPU_VIDEO_CACHE") or Path.home() / ".cache" / "tpu-video"
-    return Path(root) / "jax-compilation-cache"
+def run_record(runtime, dtype: str, seconds: dict[str, float], versions: tuple[str, ...]) -> dict[str, Any]:
+    """The fields every stage section shares: where it ran (the runtime's report: backend, devices,
+    mesh, placement, compile cache), the dtype, the timing table and the library versions that shaped
+    its output (`versions` plus the runtime's own). Call once, at the end of the stage."""
+    names = dict.fromkeys((*versions, *runtime.libraries))  # ordered, without repeats
+    return {**runtime.report(), "dtype": dtype, "seconds": seconds, "versions": library_versions(*names)}
 
 
-class CompileCache:
-    """The persistent JAX compilation cache, on for every compile in this process, counting hits and misses.
-
-    Imports JAX, so only the JAX-side stages call it. Compiles of any size are cached: the defaults
-    skip entries that compiled in under a second, which is most of what a CPU test run compiles.
-    """
-
-    def __init__(self, enabled: bool = True) -> None:
-        import jax
-        from jax.experimental.compilation_cache import compilation_cache
-
-        self.enabled = enabled
-        self.directory = compile_cache_dir()
-        self.hits = self.misses = 0
-        if enabled:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            jax.config.update("jax_compilation_cache_dir", str(self.directory))
-            jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-            jax.monitoring.register_event_listener(self._count)
-        else:
-            jax.config.update("jax_enable_compilation_cache", False)
-        # JAX settles its cache state at the first compile, and `import torchax` already compiles
-        # (with $JAX_COMPILATION_CACHE_DIR if set): start over so the settings above take effect.
-        compilation_cache.reset_cache()
-
-    def _count(self, event: str, **_) -> None:
-        if event == "/jax/compilation_cache/cache_hits":
-            self.hits += 1
-        elif event == "/jax/compilation_cache/cache_misses":
-            self.misses += 1
-
-    def report(self) -> dict[str, object]:
-        """Stop counting; a summary for the config (the folder is logged, not recorded: configs hold no
-        host paths)."""
-        if self.enabled:
-            import jax
-
-            jax.monitoring.unregister_event_listener(self._count)
-            log(f"compile cache {self.directory}: {self.hits} hits, {self.misses} misses")
-        return {"enabled": self.enabled, "hits": self.hits, "misses": self.misses}
-
-
-def write_mp4(path: Path, frames, fps: int) -> None:
-    """Encode uint8 frames (F, H, W, 3) as H.264 mp4 with imageio-ffmpeg, atomically."""
-    import imageio_ffmpeg
-
-    _, height, width, _ = frames.shape
-
-    def write(tmp: Path) -> None:
-        writer = imageio_ffmpeg.write_frames(
-            str(tmp),
-            (width, height),
-            fps=fps,
-            codec="libx264",
-            pix_fmt_out="yuv420p",
-            macro_block_size=1,
-            quality=8,
-            ffmpeg_log_level="error",
-        )
-        writer.send(None)
-        for frame in frames:
-            writer.send(frame.tobytes())
-        writer.close()
-
-    _atomic_write(path, write)
-
-
-class TorchRuntime:
-    """Runs modules eagerly in PyTorch on one device (CPU or CUDA); the no-JAX backend of stage 3."""
-
-    name = "torch"
-
-    def __init__(self, device: str = "cpu") -> None:
-        self.device = torch.device(device)
-
-    def profile_trace(self):
-        return None
-
-    def compile(self, module: torch.nn.Module, rules=None):
-        """`rules` (a sharding table) means nothing on one torch device."""
-        return module.to(self.device)
-
-    def to_device(self, tree, spec=None):
-        return torch.utils._pytree.tree_map(lambda t: t.to(self.device) if torch.is_tensor(t) else t, tree)
-
-    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to("cpu")
-
-
-def torch_device(backend: str, device: str | None) -> str:
-    """`--device` for `--backend torch` (default cpu). With `--backend torchax` every JAX device is used,
-    so a `--device` there would be silently ignored: an error instead."""
-    if backend != "torch" and device is not None:
-        raise UserError(f"--device applies to --backend torch; --backend {backend} uses every JAX device")
-    return device or "cpu"
-
-
-def torchax_runtime_on_all_devices(axis: str, compile_cache: bool):
-    """Stage 1/3 `--backend torchax`: a TorchaxRuntime with every JAX device on mesh axis `axis`, and the
-    CompileCache it compiles with. A host without JAX gets one error line naming the install."""
-    try:
-        import jax
-    except ImportError as err:
+def check_stage2_fresh(directory: Path, config: dict[str, Any], request: Request) -> None:
+    """Refuse stage 2 latents made from another stage-1 file or another request than the folder's now."""
+    stage2 = config["stage2"]
+    recorded = stage2.get("request", {})
+    changed = [key for key, value in request.fingerprint().items() if key in recorded and recorded[key] != value]
+    if stage2.get("stage1_sha256") != config["stage1"]["sha256"]:
+        changed.insert(0, "embeddings")
+    if changed:
         raise UserError(
-            f"--backend torchax needs JAX and torchax ({err}); install them with "
-            "pip install -e '.[tpu]' (or .[gpu], .[cpu]), or use --backend torch"
-        ) from None
-    cache = CompileCache(enabled=compile_cache)  # before torchax is imported (see CompileCache)
-    import sharding
-    from torchax_runtime import TorchaxRuntime
-
-    return TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(**{axis: jax.device_count()}))), cache
-
-
-CHECKPOINT_FILE = "stage2_checkpoint.safetensors"
-
-
-class DenoiseGuard:
-    """Watches a denoising loop: NaN/Inf checks after every step, checkpoints every N steps and on SIGTERM,
-    and the state to resume from.
-
-    A checkpoint holds the loop's tensors (latents and any scheduler carry), the CPU generator's state
-    and the next step index, plus a fingerprint of the request and the stage-1 file, so a checkpoint
-    cannot be resumed into a different run. Written atomically; removed once the final latents are saved.
-    """
-
-    def __init__(self, directory: Path, fingerprint: dict[str, Any], every: int = 0, resume: bool = False) -> None:
-        if every < 0:
-            raise UserError(f"--checkpoint_every {every} must be >= 0")
-        self.path = directory / CHECKPOINT_FILE
-        self.fingerprint = json.dumps(fingerprint, sort_keys=True)
-        self.every = every
-        self.stop_requested = False
-        self.restored: tuple[int, dict[str, torch.Tensor]] | None = self._load() if resume else None
-
-    def _load(self) -> tuple[int, dict[str, torch.Tensor]]:
-        from safetensors import safe_open
-
-        if not self.path.is_file():
-            raise UserError(f"--resume: there is no checkpoint {self.path}")
-        try:
-            with safe_open(str(self.path), framework="pt") as handle:
-                metadata = handle.metadata() or {}
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-        except Exception as err:  # safetensors raises several types for a damaged file
-            raise UserError(f"--resume: {self.path} cannot be read ({err})") from None
-        if metadata.get("fingerprint") != self.fingerprint:
-            raise UserError(
-                f"--resume: {self.path} belongs to a different request or stage-1 file; "
-                "rerun without --resume to start over"
-            )
-        return int(metadata["next_step"]), tensors
-
-    def install_stop_handler(self):
-        """Within the block SIGTERM only sets a flag; the loop saves and stops after the current step."""
-        import signal
-
-        def request_stop(signum, frame):
-            self.stop_requested = True
-
-        @contextlib.contextmanager
-        def handler():
-            previous = signal.signal(signal.SIGTERM, request_stop)
-            try:
-                yield
-            finally:
-                signal.signal(signal.SIGTERM, previous)
-
-        return handler()
-
-    def save(self, next_step: int, tensors: dict[str, torch.Tensor]) -> None:
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items() if t is not None}
-        metadata = {"next_step": str(next_step), "fingerprint": self.fingerprint}
-        _atomic_write(self.path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-
-    def after_step(self, index: int, total: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Call with the loop state after step `index` (0-based) of `total`; `tensors["latents"]` is checked."""
-        if not tensors["latents"].isfinite().all():
-            raise UserError(f"step {index + 1} of {total} produced NaN or Inf latents; nothing was written")
-        done = index + 1
-        if self.stop_requested:
-            self.save(done, tensors)
-            raise Stopped(
-                f"SIGTERM after step {done} of {total}; saved {self.path}. Continue with the same command plus --resume"
-            )
-        if self.every and done % self.every == 0 and done < total:
-            self.save(done, tensors)
-
-    def finished(self) -> None:
-        self.path.unlink(missing_ok=True)
+            f"{directory / CONFIG_FILE}: the stage2 section is stale, stage 1 was rerun since "
+            f"({', '.join(changed)} changed); rerun stage 2"
+        )
+    if not stage2.get("latents_scaled_by_vae_scaling_factor"):
+        raise UserError(f"{directory}: stage 2 did not record the latents' scaling; rerun stage 2")

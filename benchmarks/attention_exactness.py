@@ -21,16 +21,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from helpers import reference_attention  # noqa: E402  (the tests' float64 reference)
 from splash_attention import SplashConfig, splash_attention  # noqa: E402
 
 
 def exact_attention(q, k, v, key_valid):
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    scores = np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    scores = np.where(key_valid[:, None, None, :], scores, -np.inf)
-    weights = np.exp(scores - scores.max(-1, keepdims=True))
-    return np.einsum("bhqk,bhkd->bhqd", weights / weights.sum(-1, keepdims=True), v)
+    return reference_attention(q, k, v, key_valid[:, None, None, :])
 
 
 def relative_error(actual, expected) -> float:

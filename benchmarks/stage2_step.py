@@ -111,11 +111,10 @@ def step_times(steps: int) -> dict[str, float]:
 
 def first_call_seconds() -> float:
     """Child process: configure the cache, compile the step model once, report the first call's time."""
-    from utils import CompileCache
+    from models.cogvideox import GuidedTransformer, make_jit_safe
+    from torchax_runtime import CompileCache, TorchaxRuntime
 
     cache = CompileCache(enabled=True)
-    from models.cogvideox import GuidedTransformer, make_jit_safe
-    from torchax_runtime import TorchaxRuntime
 
     transformer = make_jit_safe(build_transformer(**STEP_MODEL))
     latents, timestep, embeds, rotary, guidance = inputs(transformer)

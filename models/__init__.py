@@ -1,8 +1,9 @@
 """Model families: resolving `--model`, detecting the family from model_index.json, built-in tiny presets.
 
-A family module (e.g. ``models/cogvideox.py``) owns everything specific to one diffusers pipeline:
-request defaults and validation, prompt encoding, the stage-2 denoising loop and the stage-3 decode.
-Adding a family means adding one module and one line to ``FAMILIES``.
+A family module (e.g. ``models/cogvideox.py``) owns everything specific to one diffusers pipeline and
+provides the names of ``models.family.Family``: request defaults and validation, prompt encoding, the
+stage-2 denoiser and the stage-3 decoder. Adding a family means adding one module and one line to
+``FAMILIES``.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from typing import Any
 from utils import UserError
 
 from . import cogvideox, hunyuanvideo15
+from .family import Family, Preset
 
-FAMILIES = {family.NAME: family for family in (cogvideox, hunyuanvideo15)}
+FAMILIES: dict[str, Family] = {family.NAME: family for family in (cogvideox, hunyuanvideo15)}
 
-PRESETS: dict[str, Any] = {name: family for family in FAMILIES.values() for name in family.PRESETS}
+PRESETS: dict[str, Preset] = {name: preset for family in FAMILIES.values() for name, preset in family.PRESETS.items()}
 
 CACHE_ENV = "TPU_VIDEO_CACHE"
 
@@ -73,11 +75,11 @@ def component_class(source: ModelSource, component: str):
     return getattr(importlib.import_module(library), class_name)
 
 
-def resolve_model(model: str) -> tuple[ModelSource, Any]:
+def resolve_model(model: str) -> tuple[ModelSource, Family]:
     """Turn `--model` (preset name, local diffusers folder or hub id) into a source and its family module."""
     if model in PRESETS:
         location = str(materialize_preset(model))
-        defaults = PRESETS[model].PRESETS[model].defaults
+        defaults = PRESETS[model].defaults
     elif os.path.isdir(model):
         location, defaults = model, {}
     elif model.startswith(("/", ".", "~")) or model.count("/") > 1:  # a path, not an "org/name" hub id
@@ -89,12 +91,12 @@ def resolve_model(model: str) -> tuple[ModelSource, Any]:
     return ModelSource(ref=model, location=location, index=index, preset_defaults=defaults), family
 
 
-def resolve_model_for_config(config: dict[str, Any], model_override: str | None = None) -> tuple[ModelSource, Any]:
-    """The model a later stage uses: the config's `model_id` unless overridden, and of the config's family."""
-    source, family = resolve_model(model_override or config["model_id"])
-    if family.NAME != config["model_family"]:
+def resolve_model_for_request(request, model_override: str | None = None) -> tuple[ModelSource, Family]:
+    """The model a later stage uses: the request's `model_id` unless overridden, and of the request's family."""
+    source, family = resolve_model(model_override or request.model_id)
+    if family.NAME != request.model_family:
         raise UserError(
-            f"--model {source.ref!r} is a {family.NAME} model but the stage files are from {config['model_family']}"
+            f"--model {source.ref!r} is a {family.NAME} model but the stage files are from {request.model_family}"
         )
     return source, family
 
@@ -115,7 +117,7 @@ def _read_model_index(model: str, location: str) -> dict[str, Any]:
         ) from None
 
 
-def detect_family(index: dict[str, Any], model: str):
+def detect_family(index: dict[str, Any], model: str) -> Family:
     """The family whose diffusers pipeline class is named in model_index.json."""
     pipeline_class = index.get("_class_name")
     for family in FAMILIES.values():
@@ -125,19 +127,13 @@ def detect_family(index: dict[str, Any], model: str):
     raise UserError(f"--model {model!r} is a {pipeline_class!r} pipeline; supported: {supported}")
 
 
-def family_by_name(name: str):
-    if name not in FAMILIES:
-        raise UserError(f"unknown model family {name!r} (known: {', '.join(FAMILIES)})")
-    return FAMILIES[name]
-
-
 def materialize_preset(name: str) -> Path:
     """Save a preset's tiny random components once (save_pretrained) and return the folder.
 
     Presets then load through the same `from_pretrained` path as real models. The folder name carries a
     hash of the component configs, so a changed preset never reuses a stale folder.
     """
-    pipe = PRESETS[name].PRESETS[name].build()
+    pipe = PRESETS[name].build()
     configs = {}
     for key, component in pipe.components.items():
         config = getattr(component, "config", None)  # tokenizers have none; they are fixed by the code

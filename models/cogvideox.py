@@ -8,14 +8,19 @@ stage 2 hands to a runtime (torchax on a JAX device).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from utils import UserError
+from runtime import DP, SP
+from utils import Request, UserError
 
-from .common import decode_frames, denoising_loop, text_encoder_on
+from . import tiny
+from .common import text_encoder_on
+from .denoise import DenoiseLoop, DenoiseOptions, latents_record, run_denoise_loop
+from .family import Preset
 
 NAME = "cogvideox"
 PIPELINE_CLASSES = ("CogVideoXPipeline",)
@@ -27,8 +32,6 @@ VARIANT_DEFAULTS = {
     "1.5": {"height": 768, "width": 1360, "num_frames": 81, "fps": 16},
 }
 COMMON_DEFAULTS = {"num_inference_steps": 50, "guidance_scale": 6.0}
-
-LATENTS_LAYOUT = "BCFHW"
 
 # CogVideoX1.5-5B's published transformer config (for benchmarks and table tests; weights never needed).
 COGVIDEOX15_5B_TRANSFORMER = {
@@ -98,18 +101,18 @@ class Geometry:
         )
 
 
-def validate_request(source, request: dict[str, Any]) -> None:
+def validate_request(source, request: Request) -> None:
     """Reject what the VAE, the patching or the positional embeddings cannot take, before loading weights."""
     geometry = Geometry.of(source)
     size_step = geometry.spatial * geometry.patch
     for key in ("height", "width"):
-        value = request[key]
+        value = getattr(request, key)
         if value <= 0 or value % size_step:
             raise UserError(
                 f"--{key} {value} must be a positive multiple of {size_step} "
                 f"(VAE downsampling {geometry.spatial} x patch size {geometry.patch})"
             )
-    frames = request["num_frames"]
+    frames = request.num_frames
     # The VAE turns k latent frames into 4(k-1)+1 frames only when k is odd (an even k decodes to 4k),
     # so the frame counts that round-trip are 8n+1; (F-1)/4+1 is the latent frame count.
     frame_step = 2 * geometry.temporal
@@ -125,18 +128,12 @@ def validate_request(source, request: dict[str, Any]) -> None:
             transformer["sample_width"] * geometry.spatial,
             transformer["sample_frames"],
         )
-        if (request["height"], request["width"], frames) != expected:
+        if (request.height, request.width, frames) != expected:
             raise UserError(
                 "this model has learned positional embeddings and only takes "
                 f"--height {expected[0]} --width {expected[1]} --num_frames {expected[2]}"
             )
-    if request["num_inference_steps"] < 1:
-        raise UserError(f"--num_inference_steps {request['num_inference_steps']} must be at least 1")
-    if request["guidance_scale"] < 0:
-        raise UserError(f"--guidance_scale {request['guidance_scale']} must not be negative")
-    if request["fps"] <= 0:
-        raise UserError(f"--fps {request['fps']} must be positive")
-    if request.get("flow_shift") is not None:
+    if request.flow_shift is not None:
         raise UserError("--flow_shift applies to flow-matching models (HunyuanVideo-1.5), not CogVideoX")
 
 
@@ -152,14 +149,14 @@ def _pipeline(**components):
 # Stage 1 -------------------------------------------------------------------------------------------
 
 
-def encode_prompts(source, request: dict[str, Any], dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:
+def encode_prompts(source, request: Request, dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:
     """T5 embeddings of the prompt and negative prompt, padded to the transformer's text length."""
     text_encoder = text_encoder_on(runtime, source.load("text_encoder", dtype=dtype).eval())
     pipe = _pipeline(tokenizer=source.load("tokenizer"), text_encoder=text_encoder)
     with torch.no_grad():
         prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(
-            request["prompt"],
-            request["negative_prompt"],
+            request.prompt,
+            request.negative_prompt,
             do_classifier_free_guidance=True,  # always encode the negative: stage 2 may turn CFG on
             max_sequence_length=Geometry.of(source).text_tokens,
             device=runtime.device,
@@ -227,18 +224,14 @@ def make_jit_safe(transformer: torch.nn.Module) -> torch.nn.Module:
 
 
 # Activation layouts on the mesh (mesh axis per dimension): the CFG batch on dp, video tokens on sp
-# between blocks. Plain tuples, so stages 1 and 3 can import this module without JAX.
-BATCH = ("dp",)
-BLOCK_INPUTS = {"hidden_states": ("dp", "sp", None), "encoder_hidden_states": ("dp", None, None)}
+# between blocks.
+BATCH = (DP,)
+BLOCK_INPUTS = {"hidden_states": (DP, SP, None), "encoder_hidden_states": (DP, None, None)}
 
 
 def cfg_enabled(guidance_scale: float) -> bool:
     """CogVideoXPipeline runs the unconditional branch only for a guidance scale above 1."""
     return guidance_scale > 1.0
-
-
-def attention_heads(source) -> int:
-    return source.load_config("transformer")["num_attention_heads"]
 
 
 def transformer_rules(tp_mode: str):
@@ -291,14 +284,12 @@ class GuidedTransformer(torch.nn.Module):
 
 def denoise(
     source,
-    request: dict[str, Any],
+    request: Request,
     embeds: dict[str, torch.Tensor],
     dtype: torch.dtype,
     runtime,
     timer,
-    tp_mode: str = "megatron",
-    warmup_steps: int = 0,
-    guard=None,
+    options: DenoiseOptions,
 ):
     """Run the pipeline's denoising loop with the transformer on `runtime`; return latents (B, C, F, H, W).
 
@@ -315,25 +306,24 @@ def denoise(
     pipe = _pipeline(transformer=transformer, scheduler=scheduler)
     pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal = geometry.spatial, geometry.temporal
 
-    do_cfg = cfg_enabled(request["guidance_scale"])
+    do_cfg = cfg_enabled(request.guidance_scale)
     prompt_embeds = embeds["prompt_embeds"].to(dtype)
     if do_cfg:
         prompt_embeds = torch.cat([embeds["negative_prompt_embeds"].to(dtype), prompt_embeds])
 
-    height, width, num_frames = request["height"], request["width"], request["num_frames"]
-    generator = torch.Generator("cpu").manual_seed(request["seed"])
-    timesteps, _ = retrieve_timesteps(scheduler, request["num_inference_steps"], "cpu")
+    generator = torch.Generator("cpu").manual_seed(request.seed)
+    timesteps, _ = retrieve_timesteps(scheduler, request.num_inference_steps, "cpu")
     # CogVideoX 1.5 pads the latent frames to a multiple of patch_size_t and drops the pad after denoising.
-    latent_frames = (num_frames - 1) // geometry.temporal + 1
+    latent_frames = (request.num_frames - 1) // geometry.temporal + 1
     pad_frames = 0
     if geometry.patch_t is not None and latent_frames % geometry.patch_t:
         pad_frames = geometry.patch_t - latent_frames % geometry.patch_t
     latents = pipe.prepare_latents(
         1,
         transformer.config.in_channels,
-        num_frames + pad_frames * geometry.temporal,
-        height,
-        width,
+        request.num_frames + pad_frames * geometry.temporal,
+        request.height,
+        request.width,
         prompt_embeds.dtype,
         "cpu",
         generator,
@@ -341,25 +331,12 @@ def denoise(
     extra_step_kwargs = pipe.prepare_extra_step_kwargs(generator, 0.0)
     image_rotary_emb = None
     if transformer.config.use_rotary_positional_embeddings:
-        image_rotary_emb = pipe._prepare_rotary_positional_embeddings(height, width, latents.size(1), "cpu")
-
-    with timer.phase("place"):
-        guided = GuidedTransformer(transformer, do_cfg, runtime.constrain)
-        denoiser = runtime.compile(guided, transformer_rules(tp_mode).nested("transformer."))
-        static_inputs = (
-            runtime.to_device(prompt_embeds, BATCH),
-            runtime.to_device(image_rotary_emb),
-            runtime.to_device(torch.tensor(request["guidance_scale"], dtype=torch.float32)),
+        image_rotary_emb = pipe._prepare_rotary_positional_embeddings(
+            request.height, request.width, latents.size(1), "cpu"
         )
-
-    def predict_noise(latents, t):
-        """One denoiser evaluation; the real loop and the warmup both run exactly this."""
-        model_input = runtime.to_device((scheduler.scale_model_input(latents, t), t.reshape(1)))
-        return runtime.to_host(denoiser(*model_input, *static_inputs))  # to_host waits for the device
-
     is_dpm = isinstance(scheduler, CogVideoXDPMScheduler)
 
-    def scheduler_step(i, t, noise_pred, latents, carry):
+    def step(i, t, noise_pred, latents, carry):
         if is_dpm:
             latents, carry["old_pred_original_sample"] = scheduler.step(
                 noise_pred,
@@ -374,19 +351,23 @@ def denoise(
             latents = scheduler.step(noise_pred, t, latents, **extra_step_kwargs, return_dict=False)[0]
         return latents.to(prompt_embeds.dtype), carry
 
-    latents = denoising_loop(
-        timesteps, latents, {}, predict_noise, scheduler_step, generator, runtime, timer, warmup_steps, guard
+    loop = DenoiseLoop(
+        guided=GuidedTransformer(transformer, do_cfg, runtime.constrain),
+        rules=transformer_rules(options.tp_mode),
+        static_inputs=(
+            (prompt_embeds, BATCH),
+            (image_rotary_emb, ()),
+            (torch.tensor(request.guidance_scale, dtype=torch.float32), ()),
+        ),
+        timesteps=timesteps,
+        latents=latents,
+        generator=generator,
+        step=step,
+        model_input=scheduler.scale_model_input,
     )
-
+    latents = run_denoise_loop(loop, runtime, timer, options)
     latents = latents[:, pad_frames:].permute(0, 2, 1, 3, 4).contiguous()
-    info = {
-        "latents_layout": LATENTS_LAYOUT,
-        "latents_scaled_by_vae_scaling_factor": True,
-        "dropped_pad_latent_frames": pad_frames,
-        "scheduler": type(scheduler).__name__,
-        "classifier_free_guidance": do_cfg,
-    }
-    return latents, info
+    return latents, latents_record(scheduler, do_cfg, dropped_pad_latent_frames=pad_frames)
 
 
 # Stage 3 -------------------------------------------------------------------------------------------
@@ -405,136 +386,16 @@ class Decoder(torch.nn.Module):
         return self.vae.decode(latents, return_dict=False)[0]
 
 
-def decode(source, latents: torch.Tensor, dtype: torch.dtype, runtime, timer, tiling: bool = False):
-    """Decode stage-2 latents to video frames, float32 in [0, 1], shaped (F, H, W, 3)."""
+def video_processor(source):
     from diffusers.video_processor import VideoProcessor
 
-    processor = VideoProcessor(vae_scale_factor=Geometry.of(source).spatial)
-    return decode_frames(source, Decoder, processor, latents, dtype, runtime, timer, tiling)
+    return VideoProcessor(vae_scale_factor=Geometry.of(source).spatial)
 
 
-# Tiny presets --------------------------------------------------------------------------------------
-
-
-def tiny_tokenizer():
-    """A T5 (Unigram) tokenizer built in code: special tokens, a few words and single characters."""
-    from transformers import T5Tokenizer
-
-    words = [
-        "a",
-        "the",
-        "of",
-        "and",
-        "in",
-        "on",
-        "with",
-        "is",
-        "playing",
-        "panda",
-        "guitar",
-        "forest",
-        "cat",
-        "dog",
-        "video",
-        "red",
-        "blue",
-    ]
-    characters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()"
-    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    vocab += [("\u2581" + word, -1.0) for word in words] + [(char, -3.0) for char in characters]
-    return T5Tokenizer(vocab=vocab, extra_ids=0)
-
-
-def build_tiny(version: str, seed: int = 0):
-    """Random tiny CogVideoX components (as in diffusers' own pipeline tests), deterministic per seed."""
-    from diffusers import (
-        AutoencoderKLCogVideoX,
-        CogVideoXDDIMScheduler,
-        CogVideoXDPMScheduler,
-        CogVideoXTransformer3DModel,
-    )
-    from transformers import T5Config, T5EncoderModel
-
-    tokenizer = tiny_tokenizer()
-    torch.manual_seed(seed)
-    text_encoder = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
-    torch.manual_seed(seed + 1)
-    version_kwargs = (
-        {"patch_size_t": 2, "patch_bias": False, "use_rotary_positional_embeddings": True}
-        if version == "1.5"
-        else {"patch_size_t": None, "use_rotary_positional_embeddings": False}
-    )
-    transformer = CogVideoXTransformer3DModel(
-        num_attention_heads=8,  # divisible by every tp of an 8-device mesh
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        time_embed_dim=8,
-        text_embed_dim=32,
-        num_layers=2,
-        sample_width=12,
-        sample_height=8,
-        sample_frames=9,
-        patch_size=2,
-        temporal_compression_ratio=4,
-        max_text_seq_length=32,
-        **version_kwargs,
-    )
-    torch.manual_seed(seed + 2)
-    vae = AutoencoderKLCogVideoX(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("CogVideoXDownBlock3D",) * 4,
-        up_block_types=("CogVideoXUpBlock3D",) * 4,
-        block_out_channels=(8, 8, 8, 8),
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=2,
-        temporal_compression_ratio=4,
-        scaling_factor=0.7,
-    )
-    # The real checkpoints' scheduler settings: 1.5 and 5b use DPM, 2b uses DDIM.
-    scheduler_cls = CogVideoXDPMScheduler if version == "1.5" else CogVideoXDDIMScheduler
-    scheduler = scheduler_cls(
-        beta_schedule="scaled_linear",
-        beta_start=0.00085,
-        beta_end=0.012,
-        prediction_type="v_prediction",
-        rescale_betas_zero_snr=True,
-        timestep_spacing="trailing",
-        clip_sample=False,
-        set_alpha_to_one=True,
-        snr_shift_scale=1.0,
-    )
-    pipe = _pipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
-    )
-    return pipe
-
-
-@dataclass(frozen=True)
-class Preset:
-    version: str
-    defaults: dict[str, Any]
-
-    def build(self):
-        return build_tiny(self.version)
-
+# Tiny presets (models/tiny.py builds them) ---------------------------------------------------------
 
 TINY_DEFAULTS = {"height": 64, "width": 96, "num_frames": 9, "fps": 8, "num_inference_steps": 8}
 PRESETS = {
-    "tiny-cogvideox": Preset("1.5", TINY_DEFAULTS),
-    "tiny-cogvideox1.0": Preset("1.0", TINY_DEFAULTS),
+    "tiny-cogvideox": Preset(NAME, functools.partial(tiny.cogvideox, "1.5"), TINY_DEFAULTS),
+    "tiny-cogvideox1.0": Preset(NAME, functools.partial(tiny.cogvideox, "1.0"), TINY_DEFAULTS),
 }

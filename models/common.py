@@ -1,20 +1,77 @@
-"""Stage bodies shared by every family."""
+"""What every family shares in stages 1 and 3: the runtime `--backend` names, text encoders on it, and
+the VAE decode to an mp4.
+
+Stage 2's shared loop is in models/denoise.py.
+"""
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from utils import log, step_progress
+from runtime import SP, TP, Runtime, Timer, TorchRuntime
+from utils import UserError, atomic_write
+
+# Stage 3: (B, C, F, H, W) latents split along width over the mesh's `sp` axis.
+LATENTS_WIDTH_SPLIT = (None, None, None, None, SP)
 
 
-def text_encoder_on(runtime, encoder: torch.nn.Module, hidden_states: bool = False) -> torch.nn.Module:
-    """`encoder` ready for a diffusers pipeline's `encode_prompt` on `runtime`: the module itself on a
-    torch device, or a `DeviceTextEncoder` with its weights sharded over a JAX mesh by the encoder's
-    rule table (sharding.text_encoder_rules)."""
-    if runtime.name == "torch":
-        return runtime.compile(encoder)
+BACKENDS = ("torch", "torchax")
+
+
+def check_backend_flags(backend: str, device: str | None) -> None:
+    """Refuse `--backend`/`--device` combinations up front, before any file is read."""
+    if backend not in BACKENDS:
+        raise UserError(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend != "torch" and device is not None:  # it would be silently ignored: every JAX device is used
+        raise UserError(f"--device applies to --backend torch; --backend {backend} uses every JAX device")
+
+
+def open_runtime(backend: str, device: str | None, axis: str, compile_cache: bool = True) -> Runtime:
+    """Stages 1 and 3: `--backend torch` on `--device` (default cpu), or `--backend torchax` with every JAX
+    device on mesh axis `axis`. A host without JAX gets one error line naming the install."""
+    check_backend_flags(backend, device)
+    if backend == "torch":
+        return TorchRuntime(device or "cpu")
+    try:
+        import torchax_runtime
+    except ImportError as err:
+        raise UserError(
+            f"--backend torchax needs JAX and torchax ({err}); install them with "
+            "pip install -e '.[tpu]' (or .[gpu], .[cpu]), or use --backend torch"
+        ) from None
+    return torchax_runtime.TorchaxRuntime.on_all_devices(axis, compile_cache=compile_cache)
+
+
+def attention_heads(source) -> int:
+    """The transformer's attention head count (what `tp` must divide), from its config alone."""
+    return source.load_config("transformer")["num_attention_heads"]
+
+
+# Stage 1 -------------------------------------------------------------------------------------------
+
+
+def text_encoder_rules(config) -> Any:
+    """A function of the mesh's axis sizes giving the encoder's rule table (called only where a mesh
+    exists, so plain-torch stage 1 never imports JAX)."""
+
+    def rules(mesh_shape: dict[str, int]):
+        import sharding
+
+        try:
+            table = sharding.text_encoder_rules(config, mesh_shape[TP])
+        except ValueError as err:
+            raise UserError(f"{err}; run stage 1 with --backend torch") from None
+        return table.nested("encoder.")
+
+    return rules
+
+
+def text_encoder_on(runtime: Runtime, encoder: torch.nn.Module, hidden_states: bool = False) -> torch.nn.Module:
+    """`encoder` ready for a diffusers pipeline's `encode_prompt` on `runtime`."""
     return DeviceTextEncoder(encoder, runtime, hidden_states)
 
 
@@ -56,20 +113,18 @@ def _quiet_attribute_scan():
 
 
 class DeviceTextEncoder(torch.nn.Module):
-    """A text encoder run jitted on a JAX mesh but called as diffusers pipelines call one on the host:
-    CPU token ids in, a CPU `BaseModelOutput` out (`[0]` and, if built with `hidden_states`, every
-    layer's `.hidden_states`). One compile per input shape; the pipelines pad to a fixed length."""
+    """A text encoder on a runtime, called as diffusers pipelines call one on the host: CPU token ids in,
+    a CPU `BaseModelOutput` out (`[0]` and, if built with `hidden_states`, every layer's
+    `.hidden_states`). On a JAX mesh its weights are split over `tp` by the encoder's rule table and
+    it compiles once per input shape (the pipelines pad to a fixed length)."""
 
-    def __init__(self, encoder: torch.nn.Module, runtime, hidden_states: bool) -> None:
-        import sharding
-
+    def __init__(self, encoder: torch.nn.Module, runtime: Runtime, hidden_states: bool) -> None:
         super().__init__()
         self.config = encoder.config
         self.encoder_dtype = encoder.dtype
         self.runtime = runtime
-        rules = sharding.text_encoder_rules(encoder.config, runtime.mesh.shape["tp"])
         with _quiet_attribute_scan():
-            self.jitted = runtime.compile(_EncoderOutputs(encoder, hidden_states), rules.nested("encoder."))
+            self.jitted = runtime.compile(_EncoderOutputs(encoder, hidden_states), text_encoder_rules(encoder.config))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -85,19 +140,19 @@ class DeviceTextEncoder(torch.nn.Module):
         return BaseModelOutput(last_hidden_state=last, hidden_states=tuple(layers) or None)
 
 
-# Stage 3: (B, C, F, H, W) latents split along width over the mesh's `sp` axis (a plain tuple: no JAX).
-LATENTS_WIDTH_SPLIT = (None, None, None, None, "sp")
+# Stage 3 -------------------------------------------------------------------------------------------
 
 
-def decode_frames(source, decoder_cls, processor, latents, dtype, runtime, timer, tiling: bool = False):
-    """Load the VAE, decode on `runtime` with the family's `decoder_cls` (latents to pixels in [-1, 1],
-    one graph) and post-process with the pipeline's `processor`: frames (F, H, W, 3) float32 in [0, 1]."""
+def decode(family, source, latents: torch.Tensor, dtype: torch.dtype, runtime: Runtime, timer: Timer, tiling=False):
+    """Load the VAE, decode on `runtime` with the family's `Decoder` (latents to pixels in [-1, 1], one
+    graph) and post-process with the pipeline's own processor: frames (F, H, W, 3) float32 in [0, 1]."""
+    processor = family.video_processor(source)
     with timer.phase("load"):
         vae = source.load("vae", dtype=dtype).eval()
     if tiling:
         vae.enable_tiling()
     with timer.phase("place"):
-        decoder = runtime.compile(decoder_cls(vae))  # weights replicated
+        decoder = runtime.compile(family.Decoder(vae))  # weights replicated
         device_latents = runtime.to_device(latents.to(dtype), LATENTS_WIDTH_SPLIT)
     with timer.phase("decode"), torch.no_grad():
         video = runtime.to_host(decoder(device_latents))
@@ -105,32 +160,45 @@ def decode_frames(source, decoder_cls, processor, latents, dtype, runtime, timer
     return torch.from_numpy(frames[0])
 
 
-def denoising_loop(
-    timesteps, latents, carry, predict_noise, scheduler_step, generator, runtime, timer, warmup_steps=0, guard=None
-):
-    """Stage 2's loop for every family: warmup, resume, then the timed steps with per-step checks and
-    checkpoints. `predict_noise(latents, t)` is the one denoiser call (warmup runs exactly it);
-    `scheduler_step(i, t, noise_pred, latents, carry)` returns (latents, carry), where `carry` holds the
-    scheduler's extra tensors (e.g. DPM's previous prediction) that a checkpoint must keep."""
-    if warmup_steps:
-        with timer.phase("compile"):  # the first call traces and compiles; results are discarded
-            for _ in range(warmup_steps):
-                predict_noise(latents, timesteps[0])
+def write_mp4(path: Path, frames, fps: int) -> None:
+    """Encode uint8 frames (F, H, W, 3) as H.264 mp4 with imageio-ffmpeg, atomically."""
+    import imageio_ffmpeg
 
-    start = 0
-    if guard is not None and guard.restored is not None:  # --resume: the loop state after step `start`
-        start, state = guard.restored
-        state = dict(state)
-        latents = state.pop("latents")
-        generator.set_state(state.pop("generator_state"))
-        carry = {**carry, **state}
-        log(f"resuming after step {start} of {len(timesteps)}")
+    _, height, width, _ = frames.shape
 
-    steps = list(enumerate(timesteps))[start:]
-    for _, (i, t) in step_progress(steps, timer, trace=runtime.profile_trace()):
-        noise_pred = predict_noise(latents, t)
-        latents, carry = scheduler_step(i, t, noise_pred, latents, carry)
-        if guard is not None:
-            state = {"latents": latents, "generator_state": generator.get_state(), **carry}
-            guard.after_step(i, len(timesteps), state)
-    return latents
+    def write(tmp: Path) -> None:
+        writer = imageio_ffmpeg.write_frames(
+            str(tmp),
+            (width, height),
+            fps=fps,
+            codec="libx264",
+            pix_fmt_out="yuv420p",
+            macro_block_size=1,
+            quality=8,
+            ffmpeg_log_level="error",
+        )
+        writer.send(None)
+        for frame in frames:
+            writer.send(frame.tobytes())
+        writer.close()
+
+    atomic_write(path, write)
+
+
+def write_preview_png(path: Path, frames, count: int = 8, columns: int = 4) -> tuple[int, int]:
+    """Save `count` evenly spaced frames of uint8 video (F, H, W, 3) as one grid image, atomically.
+
+    Returns the grid's (rows, columns)."""
+    import numpy as np
+    from PIL import Image
+
+    total, height, width, _ = frames.shape
+    picks = np.unique(np.linspace(0, total - 1, min(count, total)).round().astype(int))
+    columns = min(columns, len(picks))
+    rows = -(-len(picks) // columns)
+    grid = np.zeros((rows * height, columns * width, 3), dtype=np.uint8)
+    for cell, index in enumerate(picks):
+        row, column = divmod(cell, columns)
+        grid[row * height : (row + 1) * height, column * width : (column + 1) * width] = frames[index]
+    atomic_write(path, lambda tmp: Image.fromarray(grid).save(tmp, format="PNG"))
+    return rows, columns

@@ -15,12 +15,12 @@ Attention: the stock processor expands the text mask to a dense (B, 1, S, S) `va
 for every block, S x S work at S ~ 112k tokens (720p). `key_mask_attention_processor` passes the
 per-key mask (B, 1, 1, S) instead. Padded text queries then attend to the valid keys rather than to
 nothing; no valid token ever reads a padded one (they are masked as keys), so the video output is
-unchanged, which the tests check.
+unchanged, which the tests check. Only the token refiner (1000 text tokens) still builds its dense
+per-head mask, which the Splash override reduces to per-key and per-query vectors.
 
-`traceable_forward` is the stock forward with only those two spots rewritten (same submodules, same
-order of operations); tests/test_hunyuanvideo15_patches.py holds it equal to the stock forward in eager
-PyTorch. Attention then receives the dense (B, 1, S, S) `valid_i & valid_j` mask, which the Splash
-override reduces to per-key and per-query vectors.
+`traceable_forward` is the stock forward with only the two untraceable spots rewritten (same
+submodules, same order of operations); tests/test_hunyuanvideo15_patches.py holds it, and the key-mask
+processor, equal to the stock ones in eager PyTorch.
 """
 
 from __future__ import annotations
@@ -32,13 +32,16 @@ from typing import Any
 
 import torch
 
-from utils import UserError
+from runtime import DP
+from utils import Request, UserError
 
-from .common import decode_frames, denoising_loop, text_encoder_on
+from . import tiny
+from .common import text_encoder_on
+from .denoise import DenoiseLoop, DenoiseOptions, latents_record, run_denoise_loop
+from .family import Preset
 
 NAME = "hunyuanvideo15"
 PIPELINE_CLASSES = ("HunyuanVideo15Pipeline",)
-LATENTS_LAYOUT = "BCFHW"
 # Not yet measured on a TPU: Splash's own defaults.
 SPLASH_BLOCK_SIZES = {"block_q": 512, "block_kv": 512, "block_kv_compute": 512}
 
@@ -61,8 +64,8 @@ QWEN25_VL_7B_TEXT = {
     "rope_scaling": {"rope_type": "default", "mrope_section": [16, 24, 24]},
 }
 
-# Activation layouts (mesh axis per dimension), as plain tuples so stages 1 and 3 need no JAX.
-BATCH = ("dp",)
+# Activation layout (mesh axis per dimension): the CFG batch on dp.
+BATCH = (DP,)
 PROMPT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
 
 
@@ -232,26 +235,6 @@ def make_vae_jit_safe(vae: torch.nn.Module) -> torch.nn.Module:
     return vae
 
 
-def build_tiny_transformer(seed: int = 0) -> torch.nn.Module:
-    """A random tiny HunyuanVideo15Transformer3DModel (t2v): 8 heads x 8, 2 blocks, 1 refiner block."""
-    from diffusers import HunyuanVideo15Transformer3DModel
-
-    torch.manual_seed(seed)
-    return HunyuanVideo15Transformer3DModel(
-        in_channels=9,
-        out_channels=4,
-        num_attention_heads=8,
-        attention_head_dim=8,
-        num_layers=2,
-        num_refiner_layers=1,
-        text_embed_dim=16,
-        text_embed_2_dim=8,
-        image_embed_dim=12,
-        rope_axes_dim=(2, 2, 4),
-        task_type="t2v",
-    ).eval()
-
-
 # Requests ------------------------------------------------------------------------------------------
 
 
@@ -280,22 +263,17 @@ class Geometry:
         )
 
 
-def validate_request(source, request: dict[str, Any]) -> None:
+def validate_request(source, request: Request) -> None:
     geometry = Geometry.of(source)
     for key in ("height", "width"):
-        if request[key] <= 0 or request[key] % geometry.spatial:
-            raise UserError(f"--{key} {request[key]} must be a positive multiple of {geometry.spatial}")
-    frames = request["num_frames"]
+        value = getattr(request, key)
+        if value <= 0 or value % geometry.spatial:
+            raise UserError(f"--{key} {value} must be a positive multiple of {geometry.spatial}")
+    frames = request.num_frames
     if frames < 1 or (frames - 1) % geometry.temporal:
         raise UserError(f"--num_frames {frames} must be {geometry.temporal}n+1 (e.g. 121)")
-    if request["num_inference_steps"] < 1:
-        raise UserError(f"--num_inference_steps {request['num_inference_steps']} must be at least 1")
-    if request["guidance_scale"] < 0:
-        raise UserError(f"--guidance_scale {request['guidance_scale']} must not be negative")
-    if request["fps"] <= 0:
-        raise UserError(f"--fps {request['fps']} must be positive")
-    if request.get("flow_shift", 1.0) <= 0:
-        raise UserError(f"--flow_shift {request['flow_shift']} must be positive")
+    if request.flow_shift is None or request.flow_shift <= 0:
+        raise UserError(f"--flow_shift {request.flow_shift} must be positive")
     guider = source.load_config("guider")
     if (guider.get("start", 0.0), guider.get("stop", 1.0)) != (0.0, 1.0):
         raise UserError("this model's guider limits CFG to part of the schedule (start/stop); not supported yet")
@@ -319,7 +297,7 @@ def _pipeline(source=None, **components):
 # Stage 1 -------------------------------------------------------------------------------------------
 
 
-def encode_prompts(source, request: dict[str, Any], dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:
+def encode_prompts(source, request: Request, dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:
     """Both encoders through the pipeline's own `encode_prompt` (Qwen2.5-VL with its chat template and
     crop; ByT5 on the quoted text only), for the prompt and the negative prompt, masks included."""
     pipe = _pipeline(
@@ -331,17 +309,13 @@ def encode_prompts(source, request: dict[str, Any], dtype: torch.dtype, runtime)
     )
     tensors = {}
     with torch.no_grad():
-        for prefix, text in (("", request["prompt"]), ("negative_", request["negative_prompt"])):
+        for prefix, text in (("", request.prompt), ("negative_", request.negative_prompt)):
             encoded = pipe.encode_prompt(prompt=text, device=runtime.device, dtype=dtype, batch_size=1)
             tensors.update({prefix + key: value.cpu() for key, value in zip(PROMPT_KEYS, encoded, strict=True)})
     return tensors
 
 
 # Stage 2 -------------------------------------------------------------------------------------------
-
-
-def attention_heads(source) -> int:
-    return source.load_config("transformer")["num_attention_heads"]
 
 
 def transformer_rules(tp_mode: str):
@@ -391,14 +365,12 @@ class GuidedTransformer(torch.nn.Module):
 
 def denoise(
     source,
-    request: dict[str, Any],
+    request: Request,
     embeds: dict[str, torch.Tensor],
     dtype: torch.dtype,
     runtime,
     timer,
-    tp_mode: str = "megatron",
-    warmup_steps: int = 0,
-    guard=None,
+    options: DenoiseOptions,
 ):
     """The pipeline's flow-matching loop with the transformer on `runtime`; latents (B, C, F, H, W)."""
     import numpy as np
@@ -409,48 +381,37 @@ def denoise(
         transformer = source.load("transformer", dtype=dtype).eval()
         scheduler = source.load("scheduler")
         guider = source.load("guider")
-    scheduler.register_to_config(shift=request["flow_shift"])
-    guider.guidance_scale = request["guidance_scale"]
-    do_cfg = cfg_enabled(request["guidance_scale"])
+    scheduler.register_to_config(shift=request.flow_shift)
+    guider.guidance_scale = request.guidance_scale
+    do_cfg = cfg_enabled(request.guidance_scale)
     pipe = _pipeline(source, transformer=transformer, scheduler=scheduler)
 
     prefixes = ("", "negative_") if do_cfg else ("",)  # [cond, uncond], the guider's order
     text_inputs = [torch.cat([embeds[prefix + key] for prefix in prefixes]).to(dtype) for key in PROMPT_KEYS]
-    generator = torch.Generator("cpu").manual_seed(request["seed"])
-    steps = request["num_inference_steps"]
+    generator = torch.Generator("cpu").manual_seed(request.seed)
+    steps = request.num_inference_steps
     sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]
     timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", sigmas=sigmas)
     latents = pipe.prepare_latents(
-        1, geometry.latent_channels, request["height"], request["width"], request["num_frames"], dtype, "cpu", generator
+        1, geometry.latent_channels, request.height, request.width, request.num_frames, dtype, "cpu", generator
     )
     image_embeds = torch.zeros(1, pipe.vision_num_semantic_tokens, transformer.config.image_embed_dim, dtype=dtype)
 
-    with timer.phase("place"):
-        guided = GuidedTransformer(transformer, guider, do_cfg, runtime.constrain)
-        denoiser = runtime.compile(guided, transformer_rules(tp_mode).nested("transformer."))
-        static_inputs = (*(runtime.to_device(t, BATCH) for t in text_inputs), runtime.to_device(image_embeds))
-
-    def predict_noise(latents, t):
-        model_input = runtime.to_device((latents, t.reshape(1)))
-        return runtime.to_host(denoiser(*model_input, *static_inputs))
-
-    def scheduler_step(i, t, noise_pred, latents, carry):
+    def step(i, t, noise_pred, latents, carry):
         return scheduler.step(noise_pred, t, latents, return_dict=False)[0], carry
 
-    # The flow-matching scheduler counts its own steps: on --resume it starts at the restored one.
-    scheduler.set_begin_index(guard.restored[0] if guard is not None and guard.restored is not None else 0)
-    latents = denoising_loop(
-        timesteps, latents, {}, predict_noise, scheduler_step, generator, runtime, timer, warmup_steps, guard
+    loop = DenoiseLoop(
+        guided=GuidedTransformer(transformer, guider, do_cfg, runtime.constrain),
+        rules=transformer_rules(options.tp_mode),
+        static_inputs=(*((tensor, BATCH) for tensor in text_inputs), (image_embeds, ())),
+        timesteps=timesteps,
+        latents=latents,
+        generator=generator,
+        step=step,
+        on_start=scheduler.set_begin_index,  # the flow-matching scheduler counts its own steps (--resume)
     )
-
-    info = {
-        "latents_layout": LATENTS_LAYOUT,
-        "latents_scaled_by_vae_scaling_factor": True,
-        "scheduler": type(scheduler).__name__,
-        "flow_shift": request["flow_shift"],
-        "classifier_free_guidance": do_cfg,
-    }
-    return latents, info
+    latents = run_denoise_loop(loop, runtime, timer, options)
+    return latents, latents_record(scheduler, do_cfg, flow_shift=request.flow_shift)
 
 
 # Stage 3 -------------------------------------------------------------------------------------------
@@ -467,113 +428,18 @@ class Decoder(torch.nn.Module):
         return self.vae.decode(latents, return_dict=False)[0]
 
 
-def decode(source, latents: torch.Tensor, dtype: torch.dtype, runtime, timer, tiling: bool = False):
-    """Decode stage-2 latents to video frames, float32 in [0, 1], shaped (F, H, W, 3)."""
+def video_processor(source):
     from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
 
-    processor = HunyuanVideo15ImageProcessor(vae_scale_factor=Geometry.of(source).spatial)
-    return decode_frames(source, Decoder, processor, latents, dtype, runtime, timer, tiling)
+    return HunyuanVideo15ImageProcessor(vae_scale_factor=Geometry.of(source).spatial)
 
 
-# Tiny preset ---------------------------------------------------------------------------------------
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def tiny_qwen_tokenizer():
-    """A byte-level Qwen2 tokenizer built in code (every byte a token, no merges) with Qwen's chat format."""
-    from transformers import Qwen2Tokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    vocab = {char: index for index, char in enumerate(bytes_to_unicode().values())}
-    for token in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
-        vocab[token] = len(vocab)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def build_tiny_vae(seed: int = 0) -> torch.nn.Module:
-    """A random tiny AutoencoderKLHunyuanVideo15: 4 latent channels, 8x spatial and 4x temporal compression."""
-    from diffusers import AutoencoderKLHunyuanVideo15
-
-    torch.manual_seed(seed)
-    return AutoencoderKLHunyuanVideo15(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=(8, 8, 8, 8),
-        layers_per_block=1,
-        spatial_compression_ratio=8,
-        temporal_compression_ratio=4,
-    ).eval()
-
-
-def build_tiny(seed: int = 0):
-    """Random tiny HunyuanVideo-1.5 components, deterministic per seed."""
-    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
-    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
-
-    tokenizer = tiny_qwen_tokenizer()
-    torch.manual_seed(seed)
-    text_encoder = Qwen2_5_VLTextModel(
-        Qwen2_5_VLTextConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=3,  # the pipeline reads hidden state -3
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]},
-            max_position_embeddings=2048,
-            bos_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.pad_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
-    tokenizer_2 = ByT5Tokenizer()
-    torch.manual_seed(seed + 1)
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=8,
-            d_kv=4,
-            d_ff=16,
-            num_layers=1,
-            num_heads=2,
-            relative_attention_num_buckets=8,
-        )
-    )
-    transformer = build_tiny_transformer(seed + 2)
-    vae = build_tiny_vae(seed + 3)
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
-    guider = ClassifierFreeGuidance(guidance_scale=6.0)
-    return _pipeline(
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-        vae=vae,
-        scheduler=scheduler,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        guider=guider,
-    )
-
-
-@dataclass(frozen=True)
-class Preset:
-    defaults: dict[str, Any]
-
-    def build(self):
-        return build_tiny()
-
+# Tiny preset (models/tiny.py builds it) -------------------------------------------------------------
 
 PRESETS = {
     "tiny-hunyuanvideo15": Preset(
-        {"height": 32, "width": 48, "num_frames": 5, "fps": 24, "num_inference_steps": 4, "flow_shift": 5.0}
+        NAME,
+        tiny.hunyuanvideo15,
+        {"height": 32, "width": 48, "num_frames": 5, "fps": 24, "num_inference_steps": 4, "flow_shift": 5.0},
     )
 }

@@ -1,24 +1,32 @@
-"""The collective counts the README states, read from compiled HLO at real widths (benchmarks/collectives.py).
+"""The collective counts the README states, read from compiled HLO at real widths (hlo.py).
 
 Counts are exact integers from the partitioner, not timings: a rule-table or patch change that adds a
-weight gather or an extra all-reduce fails here.
+weight gather or an extra all-reduce fails here. The blocks carry the attention processors stage 2
+installs (`make_jit_safe`), so the counts describe what stage 2 runs.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+import hlo
 import sharding
 from sharding import MeshShape
 
-spec = importlib.util.spec_from_file_location(
-    "collectives", Path(__file__).resolve().parents[1] / "benchmarks" / "collectives.py"
-)
-collectives = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(collectives)
+# One all-reduce op of two f32 tensors and one all-gather, as XLA:CPU prints them after the partitioner.
+HLO_SAMPLE = """
+  %all-reduce.1 = (f32[2,128]{1,0}, f32[4]{0}) all-reduce(f32[2,128]{1,0} %a, f32[4]{0} %b), replica_groups={}
+  %all-gather-start.2 = bf16[8,64]{1,0} all-gather-start(bf16[2,64]{1,0} %c), dimensions={0}
+  %all-gather-done.2 = bf16[8,64]{1,0} all-gather-done(bf16[8,64]{1,0} %all-gather-start.2)
+  %add.3 = f32[4]{0} add(f32[4]{0} %d, f32[4]{0} %e)
+"""
+
+
+def test_count_collectives_reads_ops_tensors_and_bytes():
+    found = hlo.count_collectives(HLO_SAMPLE)
+    assert found["all-reduce"] == {"count": 1, "tensors": 2, "bytes": (2 * 128 + 4) * 4}
+    assert found["all-gather"] == {"count": 1, "tensors": 1, "bytes": 8 * 64 * 2}  # start counted, done not
+    assert found["all-to-all"]["count"] == found["collective-permute"]["count"] == 0
 
 
 @pytest.mark.parametrize(
@@ -30,14 +38,20 @@ spec.loader.exec_module(collectives)
 )
 def test_transformer_block_has_the_megatron_minimum(model, tensors):
     mesh = sharding.make_mesh(MeshShape(2, 1, 4))
-    found = collectives.measure(model, "megatron", mesh, video_tokens=256, attention="xla")
+    found = hlo.measure(model, "megatron", mesh, video_tokens=256, attention="xla")
     assert found["collectives_per_block"].keys() == {"all-reduce"}  # no weight gathers, no resharding
     assert found["collectives_per_block"]["all-reduce"]["tensors"] == tensors
 
 
+def test_the_measured_hunyuanvideo15_block_runs_the_key_mask_processor():
+    """What the block counts describe: the per-key-mask processor stage 2 installs, not the stock one."""
+    block = hlo.hunyuanvideo15_block().transformer_blocks[0]
+    assert type(block.attn.processor).__name__ == "KeyMaskHunyuanVideo15AttnProcessor"
+
+
 @pytest.mark.parametrize("model, per_layer", [("t5-xxl", 2), ("qwen2.5-vl-7b", 1)])
 def test_text_encoder_layer_collectives(model, per_layer):
-    found = collectives.measure_text_encoder(model, sharding.make_mesh(MeshShape(tp=8)))
+    found = hlo.measure_text_encoder(model, sharding.make_mesh(MeshShape(tp=8)))
     assert found["collectives_per_layer"].keys() == {"all-reduce"}
     assert found["collectives_per_layer"]["all-reduce"]["tensors"] == per_layer
     assert found["collectives_outside_layers"] == {}

@@ -11,7 +11,7 @@ import torch
 
 import sharding
 from helpers import relative_error
-from models import hunyuanvideo15
+from models import hunyuanvideo15, tiny
 from splash_attention import SplashConfig, attention_backend
 from torchax_runtime import TorchaxRuntime
 
@@ -19,7 +19,7 @@ TEXT, BYT5, IMAGE = 12, 6, 5
 
 
 def tiny_transformer():
-    return hunyuanvideo15.build_tiny_transformer(seed=0)
+    return tiny.hunyuanvideo15_transformer(seed=0)
 
 
 class Sample(torch.nn.Module):
@@ -102,14 +102,6 @@ def test_blocks_pass_per_key_masks_never_dense_ones(monkeypatch):
     assert all(shape[-1] == TEXT for shape in shapes if shape and shape[-1] != joint)
 
 
-def test_stock_forward_cannot_be_traced():
-    """The reason for the patch; fails (and the patch can go) once diffusers makes the forward traceable."""
-    runtime = TorchaxRuntime()
-    compiled = runtime.compile(Sample(tiny_transformer()))
-    with pytest.raises(Exception, match="Concretization|concrete|bool"):
-        compiled(**runtime.to_device(inputs()))
-
-
 @pytest.mark.parametrize("attention", ["xla", "splash"])
 @pytest.mark.parametrize(
     "mesh", [(1, 1, 1), (2, 1, 4), (1, 2, 4), (2, 2, 2)], ids=lambda m: "dp{}-sp{}-tp{}".format(*m)
@@ -140,7 +132,7 @@ def test_frame_causal_mask_equals_the_loop(n_frame, n_hw, batch):
 
 
 def tiny_vae():
-    return hunyuanvideo15.build_tiny_vae(seed=3)
+    return tiny.hunyuanvideo15_vae(seed=3)
 
 
 def test_vae_decode_with_the_patch_equals_stock_and_runs_under_torchax():

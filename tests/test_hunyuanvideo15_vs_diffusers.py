@@ -15,7 +15,9 @@ import models
 import stage1_text_encoder
 import stage2_transformer
 from helpers import relative_error, run_stage
-from utils import Timer, TorchRuntime, read_config, read_tensors
+from models.common import decode
+from runtime import Timer, TorchRuntime
+from utils import read_config, read_tensors
 
 TOLERANCE = 1e-4
 PRESET = "tiny-hunyuanvideo15"
@@ -63,7 +65,7 @@ def test_staged_latents_and_frames_vs_pipeline(tmp_path, reference, prompt, guid
     assert relative_error(staged, expected) <= TOLERANCE
 
     source, family = models.resolve_model(PRESET)
-    frames = family.decode(source, staged, torch.float32, TorchRuntime("cpu"), Timer())
+    frames = decode(family, source, staged, torch.float32, TorchRuntime("cpu"), Timer())
     expected_frames = torch.from_numpy(run_pipeline(reference, prompt, guidance_scale, "np")[0])
     assert frames.shape == expected_frames.shape == (5, 32, 48, 3)
     assert relative_error(frames, expected_frames) <= TOLERANCE

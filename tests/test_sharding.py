@@ -15,18 +15,20 @@ import models
 import sharding
 import stage2_transformer
 from helpers import expect_user_error, relative_error, run_stage, tiny_stage1
-from models import cogvideox, hunyuanvideo15
+from models import cogvideox, tiny
+from models.denoise import DenoiseOptions
+from runtime import Timer
 from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, RuleTable, choose_mesh_shape
 from splash_attention import SplashConfig, attention_backend
 from torchax_runtime import TorchaxRuntime
-from utils import Timer, UserError, read_config, read_tensors
+from utils import Request, read_config, read_tensors
 
 TOLERANCE = 1e-5
 MESHES = [(1, 1, 8), (2, 1, 4), (1, 2, 4), (2, 2, 2)]
 
 
 def build_preset(name: str):
-    return models.PRESETS[name].PRESETS[name].build()
+    return models.PRESETS[name].build()
 
 
 # Mesh shape ----------------------------------------------------------------------------------------
@@ -55,12 +57,12 @@ def test_single_device_mesh_is_trivial():
     [
         ({"dp": 3}, 8, "must equal the device count"),
         ({"dp": 2, "sp": 2, "tp": 4}, 8, "= 16 devices, but 8 are available"),
-        ({"tp": 8}, 6, "--tp 8 does not divide the transformer's 6 attention heads"),
-        ({"sp": 0}, 8, "--sp must be at least 1"),
+        ({"tp": 8}, 6, "tp 8 does not divide the transformer's 6 attention heads"),
+        ({"sp": 0}, 8, "sp must be at least 1"),
     ],
 )
 def test_mesh_errors(flags, heads, message):
-    with pytest.raises(UserError, match=message):
+    with pytest.raises(ValueError, match=message):
         choose_mesh_shape(8, **flags, cfg=True, heads=heads)
 
 
@@ -108,7 +110,7 @@ def hunyuanvideo15_transformer(real: bool):
     if real:
         with torch.device("meta"):
             return HunyuanVideo15Transformer3DModel(task_type="t2v")
-    return hunyuanvideo15.build_tiny_transformer()
+    return tiny.hunyuanvideo15_transformer()
 
 
 def expected_hunyuan_spec(name: str, tp_mode: str):
@@ -165,7 +167,7 @@ def test_place_module_shards_each_weight_by_its_rule():
     assert to_q.jax().addressable_shards[0].data.shape == (128 // 4, 128)
     assert to_out.jax().addressable_shards[0].data.shape == (128, 128 // 4)
     assert all(runtime.to_host(params[name]).equal(value) for name, value in reference.items())
-    assert runtime.placement["sharded"] == 24 and runtime.placement["replicated"] == 40
+    assert runtime.placements[-1]["sharded"] == 24 and runtime.placements[-1]["replicated"] == 40
 
 
 # Sharded stage 2 -----------------------------------------------------------------------------------
@@ -178,12 +180,13 @@ def stage1_outputs(tmp_path_factory):
 
 def denoise_on(stage1_dir, mesh_shape: MeshShape, attention: str = "xla"):
     config = read_config(stage1_dir, needs="stage1")
-    source, family = models.resolve_model_for_config(config, None)
+    request = Request.from_config(config)
+    source, family = models.resolve_model_for_request(request)
     embeds = read_tensors(stage1_dir, config["stage1"])
     runtime = TorchaxRuntime(sharding.make_mesh(mesh_shape))
     splash = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
     with attention_backend(runtime.env, attention, splash, runtime.mesh):
-        latents, _ = family.denoise(source, config, embeds, torch.float32, runtime, Timer())
+        latents, _ = family.denoise(source, request, embeds, torch.float32, runtime, Timer(), DenoiseOptions())
     return latents
 
 
@@ -211,7 +214,7 @@ def test_stage2_records_mesh_and_placement(stage1_outputs, tmp_path):
     stage2 = json.loads((tmp_path / "generation_config.json").read_text())["stage2"]
     assert stage2["mesh"] == {"dp": 2, "sp": 2, "tp": 2}
     assert stage2["tp_mode"] == "megatron"
-    assert stage2["placement"]["sharded"] == 24
+    assert [placement["sharded"] for placement in stage2["placement"]] == [24]
 
 
 @pytest.mark.parametrize(

@@ -12,29 +12,24 @@ import pytest
 import torch
 
 import sharding
-from helpers import relative_error
+from helpers import reference_attention, relative_error
 from splash_attention import SplashConfig, attention_backend, masks_from_attn_mask, splash_attention, tile_sizes
 
 SMALL_TILES = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
 
 
-def reference_attention(q, k, v, key_valid, scale=None, query_valid=None, window=None):
-    """Exact masked softmax attention in float64; rows with no valid key give zeros."""
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
-    scores = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    valid = np.ones((q.shape[0], k.shape[2]), bool) if key_valid is None else np.asarray(key_valid)
-    allowed = np.broadcast_to(valid[:, None, None, :], scores.shape)
+def masked_reference(q, k, v, key_valid, scale=None, query_valid=None, window=None):
+    """helpers.reference_attention with Splash's masks: valid keys, valid queries, a local window."""
+    batch, _, q_len, _ = q.shape
+    kv_len = k.shape[2]
+    valid = np.ones((batch, kv_len), bool) if key_valid is None else np.asarray(key_valid)
+    allowed = np.broadcast_to(valid[:, None, None, :], (batch, 1, q_len, kv_len))
     if query_valid is not None:
         allowed = allowed & np.asarray(query_valid)[:, None, :, None]
     if window is not None:
-        positions_q, positions_k = np.arange(q.shape[2])[:, None], np.arange(k.shape[2])[None, :]
+        positions_q, positions_k = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
         allowed = allowed & (np.abs(positions_q - positions_k) <= window)
-    scores = np.where(allowed, scores, -np.inf)
-    top = np.max(scores, axis=-1, keepdims=True)
-    weights = np.exp(scores - np.where(np.isfinite(top), top, 0))
-    weights = weights / np.maximum(weights.sum(-1, keepdims=True), 1e-300)
-    return np.einsum("bhqk,bhkd->bhqd", weights, v)
+    return reference_attention(q, k, v, allowed, scale=scale)
 
 
 def random_qkv(batch, heads, q_len, kv_len, head_dim, seed=0):
@@ -61,14 +56,14 @@ def run_splash(q, k, v, key_valid, config=SMALL_TILES, **kwargs):
 def test_self_attention_with_key_padding_vs_float64(head_dim, padding, valid_counts):
     q, k, v = random_qkv(2, 2, 300, 300, head_dim)  # 300 is not a multiple of the 128 tile
     mask = None if padding == "0%" else key_mask(2, 300, valid_counts)
-    expected = reference_attention(q, k, v, mask)
+    expected = masked_reference(q, k, v, mask)
     assert relative_error(run_splash(q, k, v, mask), expected) <= 1e-5
 
 
 def test_cross_attention_with_different_lengths_vs_float64():
     q, k, v = random_qkv(2, 2, 200, 77, 64, seed=1)
     mask = key_mask(2, 77, [77, 20])
-    assert relative_error(run_splash(q, k, v, mask), reference_attention(q, k, v, mask)) <= 1e-5
+    assert relative_error(run_splash(q, k, v, mask), masked_reference(q, k, v, mask)) <= 1e-5
 
 
 def test_custom_scale_and_scaled_scores_vs_float64():
@@ -76,7 +71,7 @@ def test_custom_scale_and_scaled_scores_vs_float64():
     q = q * 3.0  # sharper softmax
     mask = key_mask(1, 260, [100])
     out = run_splash(q, k, v, mask, scale=0.05)
-    assert relative_error(out, reference_attention(q, k, v, mask, scale=0.05)) <= 1e-5
+    assert relative_error(out, masked_reference(q, k, v, mask, scale=0.05)) <= 1e-5
 
 
 def test_bf16_inputs():
@@ -86,7 +81,7 @@ def test_bf16_inputs():
     out = np.asarray(
         jax.jit(lambda q, k, v: splash_attention(q, k, v, jnp.asarray(mask), config=SMALL_TILES))(*as_bf16)
     ).astype(np.float32)
-    assert relative_error(out, reference_attention(q, k, v, mask)) <= 2e-2
+    assert relative_error(out, masked_reference(q, k, v, mask)) <= 2e-2
 
 
 def test_row_without_any_valid_key_gives_zeros_like_pytorch():
@@ -94,7 +89,7 @@ def test_row_without_any_valid_key_gives_zeros_like_pytorch():
     mask = key_mask(2, 64, [64, 0])
     out = run_splash(q, k, v, mask)
     assert np.all(out[1] == 0) and np.all(np.isfinite(out))
-    assert relative_error(out[0], reference_attention(q, k, v, mask)[0]) <= 1e-5
+    assert relative_error(out[0], masked_reference(q, k, v, mask)[0]) <= 1e-5
 
 
 def test_zeroing_padded_keys_is_not_exact_but_splash_is():
@@ -102,8 +97,8 @@ def test_zeroing_padded_keys_is_not_exact_but_splash_is():
     q, k, v = random_qkv(1, 2, 256, 256, 64, seed=5)
     mask = key_mask(1, 256, [150])
     zeroed = [k * mask[:, None, :, None], v * mask[:, None, :, None]]
-    expected = reference_attention(q, k, v, mask)
-    assert relative_error(reference_attention(q, *zeroed, None), expected) > 5e-2
+    expected = masked_reference(q, k, v, mask)
+    assert relative_error(masked_reference(q, *zeroed, None), expected) > 5e-2
     assert relative_error(run_splash(q, k, v, mask), expected) <= 1e-5
 
 
@@ -217,7 +212,7 @@ def test_dense_outer_product_mask_vs_float64():
         return splash_attention(q, k, v, key_valid, query_valid=query_valid, config=SMALL_TILES)
 
     out = np.asarray(jax.jit(attend)(q, k, v, jnp.asarray(dense)))
-    expected = reference_attention(q, k, v, valid, query_valid=valid)
+    expected = masked_reference(q, k, v, valid, query_valid=valid)
     assert relative_error(out, expected) <= 1e-5
     assert np.all(out[1, :, 130:] == 0)  # fully masked query rows are zero, as in PyTorch
 
@@ -248,7 +243,7 @@ def test_k_smoothing_keeps_masked_attention_exact(k_smoothing):
     mask = key_mask(2, 300, [300, 70])
     config = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True, k_smoothing=k_smoothing)
     out = run_splash(q, k, v, mask, config=config)
-    assert relative_error(out, reference_attention(q, k, v, mask)) <= 1e-5
+    assert relative_error(out, masked_reference(q, k, v, mask)) <= 1e-5
 
 
 @pytest.mark.parametrize("valid_counts", [[300, 300], [300, 170]], ids=["no-padding", "padding"])
@@ -257,7 +252,7 @@ def test_local_window_vs_float64(valid_counts):
     mask = key_mask(2, 300, valid_counts)
     config = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True, local_window=50)
     out = run_splash(q, k, v, mask, config=config)
-    assert relative_error(out, reference_attention(q, k, v, mask, window=50)) <= 1e-5
+    assert relative_error(out, masked_reference(q, k, v, mask, window=50)) <= 1e-5
 
 
 # Sharded over the mesh ------------------------------------------------------------------------------
@@ -276,7 +271,7 @@ def test_sharded_equals_unsharded(mesh, heads, window):
     single = run_splash(q, k, v, mask, config=config)
     sharded = run_splash(q, k, v, mask, config=config, mesh=mesh)
     assert relative_error(sharded, single) <= 1e-6
-    assert relative_error(sharded, reference_attention(q, k, v, mask, window=window)) <= 1e-5
+    assert relative_error(sharded, masked_reference(q, k, v, mask, window=window)) <= 1e-5
 
 
 def test_k_smoothing_centres_valid_keys_only():
@@ -303,17 +298,9 @@ def test_xla_attention_takes_any_mask_exactly_and_zeroes_fully_masked_rows():
     mask = rng.random((2, 2, 40, 50)) > 0.3  # arbitrary per-head pattern
     mask[1, :, 7] = False  # a fully masked query row
     out = np.asarray(jax.jit(xla_attention)(q, k, v, jnp.asarray(mask)))
-    scores = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k.astype(np.float64)) / 4.0
-    scores = np.where(mask, scores, -np.inf)
-    weights = np.exp(scores - np.max(np.where(mask, scores, -1e300), axis=-1, keepdims=True))
-    weights = np.where(mask, weights, 0)
-    expected = np.einsum("bhqk,bhkd->bhqd", weights / np.maximum(weights.sum(-1, keepdims=True), 1e-300), v)
-    assert relative_error(out, expected) <= 1e-5
+    assert relative_error(out, reference_attention(q, k, v, mask)) <= 1e-5
     assert np.all(out[1, :, 7] == 0)
 
     bias = rng.standard_normal((1, 1, 40, 50)).astype(np.float32)  # additive float mask
     out = np.asarray(jax.jit(xla_attention)(q, k, v, jnp.asarray(bias)))
-    scores = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k.astype(np.float64)) / 4.0 + bias
-    weights = np.exp(scores - scores.max(-1, keepdims=True))
-    expected = np.einsum("bhqk,bhkd->bhqd", weights / weights.sum(-1, keepdims=True), v)
-    assert relative_error(out, expected) <= 1e-5
+    assert relative_error(out, reference_attention(q, k, v, bias=bias)) <= 1e-5

@@ -116,13 +116,16 @@ def test_qwen_rule_table_matches_every_parameter_as_intended(model, tp):
     assert sum(spec != REPLICATED for spec in specs.values()) == per_layer * encoder.config.num_hidden_layers
 
 
-def test_unknown_text_encoder_is_a_user_error():
+def test_unknown_text_encoder_is_a_value_error_in_the_library_and_a_user_error_in_stage_1():
     from transformers import CLIPTextConfig
 
+    from models.common import text_encoder_rules
     from utils import UserError
 
-    with pytest.raises(UserError, match="no sharding rules for a 'clip_text_model' text encoder"):
+    with pytest.raises(ValueError, match="no sharding rules for a 'clip_text_model' text encoder"):
         sharding.text_encoder_rules(CLIPTextConfig(), 8)
+    with pytest.raises(UserError, match="'clip_text_model' text encoder; run stage 1 with --backend torch"):
+        text_encoder_rules(CLIPTextConfig())({"dp": 1, "sp": 1, "tp": 8})
 
 
 # Sharded encoders vs eager -------------------------------------------------------------------------
@@ -134,7 +137,7 @@ def encode_sharded(encoder, tp: int, input_ids, attention_mask, hidden_states: b
     runtime = TorchaxRuntime(sharding.make_mesh(MeshShape(tp=tp)))
     device_encoder = DeviceTextEncoder(encoder, runtime, hidden_states)
     output = device_encoder(input_ids, attention_mask, output_hidden_states=hidden_states)
-    return output, runtime.placement
+    return output, runtime.placements[-1]
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])

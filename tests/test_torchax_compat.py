@@ -1,8 +1,5 @@
-"""torchax 0.0.13 workarounds: the import shim for torch 2.13 and the gather lowering. Each is needed today,
-changes no values, and has a test that fails once torchax no longer needs it."""
-
-import subprocess
-import sys
+"""torchax 0.0.13 workarounds: the import shim for torch 2.13 and the gather lowering. Each changes no
+values; tests/test_upstream_bugs.py holds the canaries that fail once torchax no longer needs them."""
 
 import jax
 import pytest
@@ -15,13 +12,6 @@ from models.hunyuanvideo15 import reorder_text_tokens
 from sharding import MeshShape, make_mesh
 from torchax_compat import MISSING_OVERLOADS, import_torchax, tolerate_missing_overloads
 from torchax_runtime import TorchaxRuntime
-
-
-def test_plain_torchax_import_still_fails_without_the_shim():
-    """Fails loudly once torchax imports cleanly on this torch: then delete torchax_compat.py."""
-    result = subprocess.run([sys.executable, "-c", "import torchax"], capture_output=True, text=True)
-    assert result.returncode != 0, "torchax now imports without the shim: remove torchax_compat.py and this test"
-    assert "has no overload name" in result.stderr and "Dimname" in result.stderr
 
 
 def test_shimmed_import_works_and_names_what_was_missing():
@@ -75,18 +65,15 @@ def collectives_in(jax_function, shapes, mesh) -> list[str]:
 
 
 def test_token_reorder_needs_no_collectives_on_a_dp_sharded_batch():
-    """Fails once torchax's own gather lowering stops adding collectives: then drop the override."""
+    """With take_along_axis_gather the reorder compiles without collectives (tests/test_upstream_bugs.py
+    shows torchax's own lowering adds them)."""
     from torchax import interop
 
     runtime = TorchaxRuntime(make_mesh(MeshShape(2, 1, 4)))
-    f32, i32, boolean = jax.numpy.float32, jax.numpy.int32, jax.numpy.bool_
+    f32, boolean = jax.numpy.float32, jax.numpy.bool_
 
     def reorder(first, second, first_mask, second_mask):
         return reorder_text_tokens([first, second], [first_mask, second_mask])
 
     shapes = [((2, 100, 64), f32), ((2, 30, 64), f32), ((2, 100), boolean), ((2, 30), boolean)]
     assert collectives_in(interop.jax_view(reorder), shapes, runtime.mesh) == []
-
-    stock = runtime.env._ops[torch.ops.aten.gather].func.stock_gather
-    gather_shapes = [((2, 130, 64), f32), ((2, 130, 64), i32)]
-    assert collectives_in(lambda x, i: stock(x, 1, i), gather_shapes, runtime.mesh) != []

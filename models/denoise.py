@@ -1,0 +1,210 @@
+"""Stage 2's denoising loop, shared by every family: placing the guided denoiser, warmup, the timed steps
+with their progress bar, per-step NaN checks, checkpoints (every N steps and on SIGTERM) and --resume.
+
+A family prepares a `DenoiseLoop` (its guided transformer, inputs, scheduler step) and calls
+`run_denoise_loop`; the scheduler stays in PyTorch on the host, exactly as the pipelines run it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from runtime import Layout, Runtime, Timer
+from utils import CHECKPOINT_FILE, Stopped, UserError, atomic_write, log
+
+LATENTS_LAYOUT = "BCFHW"  # stage 2's latents file, for every family
+
+
+class DenoiseGuard:
+    """Watches a denoising loop: NaN/Inf checks after every step, checkpoints every N steps and on SIGTERM,
+    and the state to resume from.
+
+    A checkpoint holds the loop's tensors (latents and any scheduler carry), the CPU generator's state
+    and the next step index, plus a fingerprint of the request and the stage-1 file, so a checkpoint
+    cannot be resumed into a different run. Written atomically; removed once the final latents are saved.
+    """
+
+    def __init__(self, directory: Path, fingerprint: dict[str, Any], every: int = 0, resume: bool = False) -> None:
+        if every < 0:
+            raise UserError(f"--checkpoint_every {every} must be >= 0")
+        self.path = directory / CHECKPOINT_FILE
+        self.fingerprint = json.dumps(fingerprint, sort_keys=True)
+        self.every = every
+        self.stop_requested = False
+        self.restored: tuple[int, dict[str, torch.Tensor]] | None = self._load() if resume else None
+
+    def _load(self) -> tuple[int, dict[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        if not self.path.is_file():
+            raise UserError(f"--resume: there is no checkpoint {self.path}")
+        try:
+            with safe_open(str(self.path), framework="pt") as handle:
+                metadata = handle.metadata() or {}
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        except Exception as err:  # safetensors raises several types for a damaged file
+            raise UserError(f"--resume: {self.path} cannot be read ({err})") from None
+        if metadata.get("fingerprint") != self.fingerprint:
+            raise UserError(
+                f"--resume: {self.path} belongs to a different request or stage-1 file; "
+                "rerun without --resume to start over"
+            )
+        return int(metadata["next_step"]), tensors
+
+    @property
+    def start_step(self) -> int:
+        """The first step this run computes (0 unless resuming)."""
+        return self.restored[0] if self.restored is not None else 0
+
+    @contextlib.contextmanager
+    def stop_handler(self) -> Iterator[None]:
+        """Within the block SIGTERM only sets a flag; the loop saves and stops after the current step."""
+
+        def request_stop(signum, frame):
+            self.stop_requested = True
+
+        previous = signal.signal(signal.SIGTERM, request_stop)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def save(self, next_step: int, tensors: dict[str, torch.Tensor]) -> None:
+        tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items() if t is not None}
+        metadata = {"next_step": str(next_step), "fingerprint": self.fingerprint}
+        atomic_write(self.path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+    def after_step(self, index: int, total: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Call with the loop state after step `index` (0-based) of `total`; `tensors["latents"]` is checked."""
+        if not tensors["latents"].isfinite().all():
+            raise UserError(f"step {index + 1} of {total} produced NaN or Inf latents; nothing was written")
+        done = index + 1
+        if self.stop_requested:
+            self.save(done, tensors)
+            raise Stopped(
+                f"SIGTERM after step {done} of {total}; saved {self.path}. Continue with the same command plus --resume"
+            )
+        if self.every and done % self.every == 0 and done < total:
+            self.save(done, tensors)
+
+    def finished(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class DenoiseOptions:
+    """Stage 2's run options that every family's denoise takes."""
+
+    tp_mode: str = "megatron"
+    warmup_steps: int = 0
+    guard: DenoiseGuard | None = None
+
+
+@dataclass
+class DenoiseLoop:
+    """What a family prepares for the shared loop.
+
+    `guided` is one denoiser evaluation as one graph (the transformer, as attribute `transformer`, on
+    the CFG batch plus the guidance combination), called as `guided(latents, t, *static_inputs)`;
+    `rules` is the transformer's rule table. `step(i, t, noise_pred, latents, carry)` returns
+    (latents, carry): the scheduler's step, with `carry` holding its extra tensors (e.g. DPM's previous
+    prediction) that a checkpoint must keep. `model_input(latents, t)` is what the denoiser gets (e.g.
+    the scheduler's input scaling); `on_start(step)` runs once before the first computed step.
+    """
+
+    guided: torch.nn.Module
+    rules: Any
+    static_inputs: tuple[tuple[torch.Tensor, Layout], ...]
+    timesteps: torch.Tensor
+    latents: torch.Tensor
+    generator: torch.Generator
+    step: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict]]
+    model_input: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda latents, t: latents
+    on_start: Callable[[int], None] = lambda step: None
+    carry: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def step_progress(steps, timer: Timer, desc: str = "denoise", trace=None, trace_steps: int = 3):
+    """Yield (index, step) under a tqdm bar showing the last step's seconds, the running mean and ETA.
+
+    A step's time runs from one yield to the next, so it includes the device sync the caller does when
+    it pulls the step's result back to the host. `trace` (a context manager, e.g. a profiler trace) is
+    held open around the first `trace_steps` steps.
+    """
+    from tqdm import tqdm
+
+    tracing = contextlib.ExitStack()
+    bar = tqdm(total=len(steps), desc=desc, unit="step", dynamic_ncols=True)
+    with timer.phase(desc), tracing:
+        for index, step in enumerate(steps):
+            if index == 0 and trace is not None:
+                tracing.enter_context(trace)
+            start = time.perf_counter()
+            yield index, step
+            timer.step_seconds.append(round(time.perf_counter() - start, 4))
+            if index + 1 == trace_steps:
+                tracing.close()
+            mean = sum(timer.step_seconds) / len(timer.step_seconds)
+            bar.set_postfix_str(f"step {timer.step_seconds[-1]:.3f}s avg {mean:.3f}s")
+            bar.update()
+    bar.close()
+
+
+def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options: DenoiseOptions) -> torch.Tensor:
+    """Place and compile the guided denoiser, warm it up, then run (or resume) the timed steps; the final
+    latents on the host."""
+    with timer.phase("place"):
+        denoiser = runtime.compile(loop.guided, loop.rules.nested("transformer."))
+        static_inputs = tuple(runtime.to_device(tensor, layout) for tensor, layout in loop.static_inputs)
+
+    def predict_noise(latents, t):
+        """One denoiser evaluation; the real loop and the warmup both run exactly this."""
+        model_input = runtime.to_device((loop.model_input(latents, t), t.reshape(1)))
+        return runtime.to_host(denoiser(*model_input, *static_inputs))  # to_host waits for the device
+
+    latents, carry, timesteps = loop.latents, dict(loop.carry), loop.timesteps
+    if options.warmup_steps:
+        with timer.phase("compile"):  # the first call traces and compiles; results are discarded
+            for _ in range(options.warmup_steps):
+                predict_noise(latents, timesteps[0])
+
+    guard = options.guard
+    start = 0
+    if guard is not None and guard.restored is not None:  # --resume: the loop state after step `start`
+        start, state = guard.restored
+        state = dict(state)
+        latents = state.pop("latents")
+        loop.generator.set_state(state.pop("generator_state"))
+        carry.update(state)
+        log(f"resuming after step {start} of {len(timesteps)}")
+    loop.on_start(start)
+
+    steps = list(enumerate(timesteps))[start:]
+    for _, (i, t) in step_progress(steps, timer, trace=runtime.profile_trace()):
+        noise_pred = predict_noise(latents, t)
+        latents, carry = loop.step(i, t, noise_pred, latents, carry)
+        if guard is not None:
+            state = {"latents": latents, "generator_state": loop.generator.get_state(), **carry}
+            guard.after_step(i, len(timesteps), state)
+    return latents
+
+
+def latents_record(scheduler, do_cfg: bool, **extra) -> dict[str, Any]:
+    """What stage 2's section says about its latents (stage 3 reads the layout and scaling, never guesses)."""
+    return {
+        "latents_layout": LATENTS_LAYOUT,
+        "latents_scaled_by_vae_scaling_factor": True,
+        **extra,
+        "scheduler": type(scheduler).__name__,
+        "classifier_free_guidance": do_cfg,
+    }

@@ -1,0 +1,77 @@
+"""The family interface: what one model-family module (`models/<family>.py`) provides to the stages.
+
+A family module fills in `Family` with module-level names; `tests/test_families.py` checks every
+registered family has each of them. What all families share (the denoising loop, decode, text
+encoders on a runtime, request checks) lives in `models/common.py` and `utils.Request`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:  # annotations only: importing these would pull in JAX or cycle through models
+    from models import ModelSource
+    from models.common import DenoiseOptions
+    from runtime import Runtime, Timer
+    from utils import Request
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A built-in tiny model: random components built in code (`build` returns the diffusers pipeline)
+    and the request defaults that keep it fast on a CPU."""
+
+    family: str
+    build: Callable[[], Any]
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+class Family(Protocol):
+    """One diffusers pipeline's staged implementation."""
+
+    NAME: str  # recorded as `model_family`
+    PIPELINE_CLASSES: tuple[str, ...]  # model_index.json `_class_name`s this family runs
+    PRESETS: dict[str, Preset]  # tiny presets by `--model` name
+    SPLASH_BLOCK_SIZES: dict[str, int]  # default Splash tiles (block_q, block_kv, block_kv_compute)
+    Decoder: type[torch.nn.Module]  # VAE decode of stage-2 latents to pixels in [-1, 1], as one graph
+
+    def request_defaults(self, source: ModelSource) -> dict[str, Any]:
+        """Request values for keys the user did not give (documented per-checkpoint defaults)."""
+
+    def validate_request(self, source: ModelSource, request: Request) -> None:
+        """Raise UserError for what the model cannot take (geometry, family extras), before any weights load."""
+
+    def cfg_enabled(self, guidance_scale: float) -> bool:
+        """Whether the pipeline runs the unconditional branch at this scale."""
+
+    def transformer_rules(self, tp_mode: str) -> Any:
+        """The transformer's sharding.RuleTable."""
+
+    def encode_prompts(self, source: ModelSource, request: Request, dtype: torch.dtype, runtime: Runtime) -> dict:
+        """Stage 1: the pipeline's own prompt encoding; tensors named as the pipeline's arguments."""
+
+    def denoise(
+        self,
+        source: ModelSource,
+        request: Request,
+        embeds: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        runtime: Runtime,
+        timer: Timer,
+        options: DenoiseOptions,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Stage 2: final latents (B, C, F, H, W) and the facts stage 3 needs about them."""
+
+    def video_processor(self, source: ModelSource) -> Any:
+        """The pipeline's post-processor (pixels in [-1, 1] to frames in [0, 1])."""
+
+
+def family_members() -> list[str]:
+    """Names every family module must define (the protocol's attributes and methods)."""
+    names = set(Family.__annotations__)
+    names |= {name for name, value in vars(Family).items() if callable(value) and not name.startswith("_")}
+    return sorted(names)

@@ -1,0 +1,229 @@
+"""Tiny random components for every family, built in code: fixed seeds, tokenizers that need no files.
+
+The presets (`--model tiny-cogvideox`, ...) and the tests run the real pipelines on these (diffusers'
+own pipeline tests use the same habit: one or two layers, head dim 8).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# CogVideoX -----------------------------------------------------------------------------------------
+
+
+def cogvideox_tokenizer():
+    """A T5 (Unigram) tokenizer built in code: special tokens, a few words and single characters."""
+    from transformers import T5Tokenizer
+
+    words = [
+        "a",
+        "the",
+        "of",
+        "and",
+        "in",
+        "on",
+        "with",
+        "is",
+        "playing",
+        "panda",
+        "guitar",
+        "forest",
+        "cat",
+        "dog",
+        "video",
+        "red",
+        "blue",
+    ]
+    characters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()"
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    vocab += [("\u2581" + word, -1.0) for word in words] + [(char, -3.0) for char in characters]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def cogvideox(version: str, seed: int = 0):
+    """Random tiny CogVideoX components (as in diffusers' own pipeline tests), deterministic per seed."""
+    from diffusers import (
+        AutoencoderKLCogVideoX,
+        CogVideoXDDIMScheduler,
+        CogVideoXDPMScheduler,
+        CogVideoXPipeline,
+        CogVideoXTransformer3DModel,
+    )
+    from transformers import T5Config, T5EncoderModel
+
+    tokenizer = cogvideox_tokenizer()
+    torch.manual_seed(seed)
+    text_encoder = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer),
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+    torch.manual_seed(seed + 1)
+    version_kwargs = (
+        {"patch_size_t": 2, "patch_bias": False, "use_rotary_positional_embeddings": True}
+        if version == "1.5"
+        else {"patch_size_t": None, "use_rotary_positional_embeddings": False}
+    )
+    transformer = CogVideoXTransformer3DModel(
+        num_attention_heads=8,  # divisible by every tp of an 8-device mesh
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=8,
+        text_embed_dim=32,
+        num_layers=2,
+        sample_width=12,
+        sample_height=8,
+        sample_frames=9,
+        patch_size=2,
+        temporal_compression_ratio=4,
+        max_text_seq_length=32,
+        **version_kwargs,
+    )
+    torch.manual_seed(seed + 2)
+    vae = AutoencoderKLCogVideoX(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("CogVideoXDownBlock3D",) * 4,
+        up_block_types=("CogVideoXUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        latent_channels=4,
+        layers_per_block=1,
+        norm_num_groups=2,
+        temporal_compression_ratio=4,
+        scaling_factor=0.7,
+    )
+    # The real checkpoints' scheduler settings: 1.5 and 5b use DPM, 2b uses DDIM.
+    scheduler_cls = CogVideoXDPMScheduler if version == "1.5" else CogVideoXDDIMScheduler
+    scheduler = scheduler_cls(
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        prediction_type="v_prediction",
+        rescale_betas_zero_snr=True,
+        timestep_spacing="trailing",
+        clip_sample=False,
+        set_alpha_to_one=True,
+        snr_shift_scale=1.0,
+    )
+    return CogVideoXPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
+    )
+
+
+# HunyuanVideo-1.5 ----------------------------------------------------------------------------------
+
+
+def hunyuanvideo15_transformer(seed: int = 0) -> torch.nn.Module:
+    """A random tiny HunyuanVideo15Transformer3DModel (t2v): 8 heads x 8, 2 blocks, 1 refiner block."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    torch.manual_seed(seed)
+    return HunyuanVideo15Transformer3DModel(
+        in_channels=9,
+        out_channels=4,
+        num_attention_heads=8,
+        attention_head_dim=8,
+        num_layers=2,
+        num_refiner_layers=1,
+        text_embed_dim=16,
+        text_embed_2_dim=8,
+        image_embed_dim=12,
+        rope_axes_dim=(2, 2, 4),
+        task_type="t2v",
+    ).eval()
+
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def qwen_tokenizer():
+    """A byte-level Qwen2 tokenizer built in code (every byte a token, no merges) with Qwen's chat format."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {char: index for index, char in enumerate(bytes_to_unicode().values())}
+    for token in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def hunyuanvideo15_vae(seed: int = 0) -> torch.nn.Module:
+    """A random tiny AutoencoderKLHunyuanVideo15: 4 latent channels, 8x spatial and 4x temporal compression."""
+    from diffusers import AutoencoderKLHunyuanVideo15
+
+    torch.manual_seed(seed)
+    return AutoencoderKLHunyuanVideo15(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+    ).eval()
+
+
+def hunyuanvideo15(seed: int = 0):
+    """Random tiny HunyuanVideo-1.5 components, deterministic per seed."""
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    tokenizer = qwen_tokenizer()
+    torch.manual_seed(seed)
+    text_encoder = Qwen2_5_VLTextModel(
+        Qwen2_5_VLTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=3,  # the pipeline reads hidden state -3
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2]},
+            max_position_embeddings=2048,
+            bos_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.pad_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+    tokenizer_2 = ByT5Tokenizer()
+    torch.manual_seed(seed + 1)
+    text_encoder_2 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer_2),
+            d_model=8,
+            d_kv=4,
+            d_ff=16,
+            num_layers=1,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+        )
+    )
+    transformer = hunyuanvideo15_transformer(seed + 2)
+    vae = hunyuanvideo15_vae(seed + 3)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
+    guider = ClassifierFreeGuidance(guidance_scale=6.0)
+    return HunyuanVideo15Pipeline(
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        vae=vae,
+        scheduler=scheduler,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        guider=guider,
+    )

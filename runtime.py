@@ -1,0 +1,123 @@
+"""Where and how a stage runs its modules: one runtime interface, a plain-PyTorch implementation, timing.
+
+Stages and families call a `Runtime` and never branch on which one they hold. `TorchRuntime` (here)
+runs eagerly on one torch device and treats mesh layouts as no-ops; `torchax_runtime.TorchaxRuntime`
+places weights on a dp/sp/tp JAX mesh and jits. This module never imports JAX, so stages 1 and 3 with
+`--backend torch` run without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from utils import log
+
+# The mesh's axis names, outermost first. Layouts everywhere (rule tables, activation constraints, the
+# Splash shard_map) name axes through these constants. Plain strings, so no JAX is needed to write a layout.
+DP, SP, TP = AXES = ("dp", "sp", "tp")
+
+Layout = tuple  # a PartitionSpec-like tuple of mesh axis names (or None) per dimension
+
+
+class Runtime(Protocol):
+    """What stages and families need from a device runtime."""
+
+    device: torch.device  # where the callers' torch tensors live between calls (the host for torchax)
+    libraries: tuple[str, ...]  # distributions whose versions shape its results (recorded)
+
+    def compile(self, module: torch.nn.Module, rules: Any = None) -> Callable:
+        """The module ready to call on this runtime. `rules` is a sharding.RuleTable, or a function of
+        the mesh's axis sizes ({"dp": 2, ...}) returning one; runtimes without a mesh ignore it."""
+
+    def to_device(self, tree: Any, layout: Layout | None = None) -> Any:
+        """The CPU tensors in `tree` on this runtime, laid out as `layout` where there is a mesh."""
+
+    def to_host(self, tensor: Any) -> torch.Tensor:
+        """A CPU torch tensor; waits for the device."""
+
+    def constrain(self, tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+        """Inside a compiled forward: pin an activation's layout (a no-op without a mesh)."""
+
+    def axis_size(self, axis: str) -> int:
+        """Devices along a mesh axis (1 without a mesh)."""
+
+    def profile_trace(self) -> contextlib.AbstractContextManager:
+        """A profiler trace around the block, or a context that does nothing."""
+
+    def describe(self) -> str:
+        """Where it runs, for log lines."""
+
+    def report(self) -> dict[str, Any]:
+        """At the end of a stage: the fields its config section records about where it ran."""
+
+
+class TorchRuntime:
+    """Runs modules eagerly in PyTorch on one device (CPU or CUDA); the no-JAX backend of stages 1 and 3."""
+
+    libraries = ("torch",)
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def compile(self, module: torch.nn.Module, rules: Any = None) -> torch.nn.Module:
+        return module.to(self.device)
+
+    def to_device(self, tree: Any, layout: Layout | None = None) -> Any:
+        return torch.utils._pytree.tree_map(lambda t: t.to(self.device) if torch.is_tensor(t) else t, tree)
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to("cpu")
+
+    def constrain(self, tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+        return tensor
+
+    def axis_size(self, axis: str) -> int:
+        return 1
+
+    def profile_trace(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def describe(self) -> str:
+        return f"torch on {self.device}"
+
+    def report(self) -> dict[str, Any]:
+        return {"backend": "torch", "device": str(self.device)}
+
+
+class Timer:
+    """Collects named wall-clock phases ({"load": 1.2, "denoise": 30.5}) and per-step seconds."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.seconds: dict[str, float] = {}
+        self.step_seconds: list[float] = []
+        self.clock = clock
+        self._start = clock()
+
+    def finish(self) -> dict[str, float]:
+        """Add `other` (time outside every phase: imports, setup, checks) and `total`, print the phases
+        as a small table; returns the phases."""
+        total = self.clock() - self._start
+        self.seconds["other"] = round(max(total - sum(self.seconds.values()), 0.0), 4)
+        self.seconds["total"] = round(total, 4)
+        width = max(len(name) for name in self.seconds)
+        log("timing (seconds):")
+        for name, seconds in self.seconds.items():
+            print(f"    {name:<{width}}  {seconds:9.3f}", flush=True)
+        if self.step_seconds:
+            steps = sorted(self.step_seconds)
+            print(f"    {'median step':<{width}}  {steps[len(steps) // 2]:9.3f}", flush=True)
+        return self.seconds
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block under `name`; a phase entered again accumulates."""
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + self.clock() - start, 4)

@@ -1,0 +1,165 @@
+"""The stage-file contract in seconds: checked tensor files, the config, the request and checkpoints.
+
+Unit tests of utils.py and models/denoise.py's checkpoints, without running a model, so a change to the
+contract fails here first.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.denoise import DenoiseGuard
+from utils import (
+    CHECKPOINT_FILE,
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    Request,
+    UserError,
+    check_stage2_fresh,
+    read_config,
+    read_tensors,
+    write_config,
+    write_stage_config,
+    write_tensors,
+)
+
+REQUEST = {
+    "model_family": "cogvideox",
+    "model_id": "tiny-cogvideox",
+    "prompt": "a cat",
+    "negative_prompt": "",
+    "dtype": "fp32",
+    "height": 64,
+    "width": 96,
+    "num_frames": 9,
+    "fps": 8,
+    "num_inference_steps": 4,
+    "guidance_scale": 6.0,
+    "seed": 7,
+    "variant": "1.5",
+}
+
+
+def test_tensors_round_trip_in_their_own_dtype(tmp_path):
+    tensors = {"prompt_embeds": torch.randn(1, 4, 8).to(torch.bfloat16), "mask": torch.tensor([[1, 0]])}
+    record = write_tensors(tmp_path / "t.safetensors", tensors)
+    assert record["tensors"] == {
+        "prompt_embeds": {"shape": [1, 4, 8], "dtype": "bfloat16"},
+        "mask": {"shape": [1, 2], "dtype": "int64"},
+    }
+    back = read_tensors(tmp_path, record)
+    assert all(torch.equal(back[name], tensors[name]) and back[name].dtype == tensors[name].dtype for name in tensors)
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        (lambda path, record: path.unlink(), "is missing"),
+        (lambda path, record: path.write_bytes(path.read_bytes()[:-4]), "does not match the sha256"),
+        (lambda path, record: record["tensors"]["latents"].update(shape=[1, 2]), "tensor 'latents' is"),
+        (lambda path, record: record["tensors"].update(other={"shape": [1], "dtype": "float32"}), "has no tensor"),
+    ],
+    ids=["missing", "truncated", "shape", "name"],
+)
+def test_read_tensors_names_the_file_and_the_problem(tmp_path, breakage, message):
+    record = write_tensors(tmp_path / "t.safetensors", {"latents": torch.zeros(1, 3)})
+    breakage(tmp_path / "t.safetensors", record)
+    with pytest.raises(UserError, match=message):
+        read_tensors(tmp_path, record)
+
+
+@pytest.mark.parametrize(
+    "text, needs, message",
+    [
+        (None, "stage1", "is missing (run stage1_text_encoder.py first)"),
+        ("{not json", None, "is not valid JSON"),
+        (json.dumps({"format_version": FORMAT_VERSION + 1}), None, "written by a newer version"),
+        (json.dumps({"prompt": "x"}), None, "has format_version None"),
+        (json.dumps({"format_version": FORMAT_VERSION}), "stage2", "has no 'stage2' section"),
+    ],
+    ids=["missing", "not-json", "newer", "no-version", "no-section"],
+)
+def test_read_config_errors(tmp_path, text, needs, message):
+    if text is not None:
+        (tmp_path / CONFIG_FILE).write_text(text)
+    with pytest.raises(UserError, match=re.escape(message)):
+        read_config(tmp_path, needs=needs)
+
+
+def test_request_round_trips_through_the_config_and_keeps_other_sections(tmp_path):
+    request = Request(**REQUEST)
+    write_stage_config(tmp_path, request, {"stage2": {"file": "x"}}, "stage1", {"file": "y"})
+    config = read_config(tmp_path, needs="stage1")
+    assert Request.from_config(config) == request
+    assert list(config)[-2:] == ["stage2", "stage1"] and "flow_shift" not in config  # unset extras left out
+
+
+def test_request_overrides_are_applied_and_recorded():
+    request, overrides = Request(**REQUEST).with_overrides({"seed": 8, "fps": None, "height": 64})
+    assert request.seed == 8 and overrides == {"seed": [7, 8]}  # None: not given; 64: unchanged
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_inference_steps": 0}, "--num_inference_steps 0 must be at least 1"),
+        ({"guidance_scale": -1.0}, "--guidance_scale -1.0 must not be negative"),
+        ({"fps": 0}, "--fps 0 must be positive"),
+        ({"dtype": "float64"}, "--dtype 'float64' is not one of"),
+    ],
+)
+def test_request_checks_what_every_family_shares(change, message):
+    with pytest.raises(UserError, match=message):
+        Request(**{**REQUEST, **change})
+
+
+def test_request_missing_from_a_config_is_a_user_error():
+    with pytest.raises(UserError, match=r"lacks the request keys \['seed'\]"):
+        Request.from_config({key: value for key, value in REQUEST.items() if key != "seed"})
+
+
+def test_stage2_staleness_follows_what_the_latents_depend_on():
+    request = Request(**REQUEST)
+    folder = Path("stage_outputs")
+    config = {
+        "stage1": {"sha256": "a"},
+        "stage2": {
+            "stage1_sha256": "a",
+            "request": request.fingerprint(),
+            "latents_scaled_by_vae_scaling_factor": True,
+        },
+    }
+    config["stage2"]["latents_scaled_by_vae_scaling_factor"] = True
+    check_stage2_fresh(folder, config, request.with_overrides({"fps": 24})[0])  # fps: the mp4 only
+    with pytest.raises(UserError, match=r"stale.*\(seed changed\)"):
+        check_stage2_fresh(folder, config, request.with_overrides({"seed": 8})[0])
+    config["stage1"]["sha256"] = "b"
+    with pytest.raises(UserError, match=r"stale.*\(embeddings changed\)"):
+        check_stage2_fresh(folder, config, request)
+
+
+def test_checkpoint_round_trip_and_fingerprint(tmp_path):
+    fingerprint = Request(**REQUEST).fingerprint()
+    state = {"latents": torch.randn(1, 4, 2, 3, 3), "generator_state": torch.Generator().manual_seed(1).get_state()}
+    DenoiseGuard(tmp_path, fingerprint).save(3, state)
+    step, restored = DenoiseGuard(tmp_path, fingerprint, resume=True).restored
+    assert step == 3 and restored.keys() == state.keys()
+    assert all(torch.equal(restored[name], state[name]) for name in state)
+
+    with pytest.raises(UserError, match="belongs to a different request"):
+        DenoiseGuard(tmp_path, {**fingerprint, "seed": 8}, resume=True)
+    DenoiseGuard(tmp_path, fingerprint).finished()
+    assert not (tmp_path / CHECKPOINT_FILE).exists()
+    with pytest.raises(UserError, match="there is no checkpoint"):
+        DenoiseGuard(tmp_path, fingerprint, resume=True)
+
+
+def test_config_writes_are_atomic_and_readable(tmp_path):
+    write_config(tmp_path, {"format_version": FORMAT_VERSION, "prompt": "x"})
+    assert [path.name for path in tmp_path.iterdir()] == [CONFIG_FILE]  # no temp file left behind
+    assert read_config(tmp_path)["prompt"] == "x"

@@ -1,0 +1,70 @@
+"""Canaries: each test asserts that a named upstream bug still exists, because a workaround of ours
+depends on it. A failure here is good news: the bug is fixed upstream, so delete the workaround named
+in the test and then the test. Run just these with `pytest -m upstream_bug`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import pytest
+import torch
+from test_hunyuanvideo15_patches import Sample, inputs, tiny_transformer
+from test_torchax_compat import collectives_in
+
+from helpers import relative_error
+from models import cogvideox, tiny
+from sharding import MeshShape, make_mesh
+from torchax_runtime import TorchaxRuntime
+
+pytestmark = pytest.mark.upstream_bug
+
+
+def test_torchax_0_0_13_import_fails_on_torch_2_13_dimname_overloads():
+    """torchax 0.0.13 looks up `aten.*.Dimname` overloads that torch 2.13 removed.
+    Workaround: torchax_compat.py (delete it once this fails)."""
+    result = subprocess.run([sys.executable, "-c", "import torchax"], capture_output=True, text=True)
+    assert result.returncode != 0, "torchax now imports without the shim: remove torchax_compat.py and this test"
+    assert "has no overload name" in result.stderr and "Dimname" in result.stderr
+
+
+def test_torchax_gather_lowering_adds_collectives_on_a_dp_sharded_batch():
+    """torchax 0.0.13 lowers `aten.gather` to advanced indexing over a full index grid; XLA's partitioner
+    then adds collectives for a dp-sharded batch. Workaround: torchax_runtime.take_along_axis_gather."""
+    runtime = TorchaxRuntime(make_mesh(MeshShape(2, 1, 4)))
+    f32, i32 = jax.numpy.float32, jax.numpy.int32
+    stock = runtime.env._ops[torch.ops.aten.gather].func.stock_gather
+    gather_shapes = [((2, 130, 64), f32), ((2, 130, 64), i32)]
+    assert collectives_in(lambda x, i: stock(x, 1, i), gather_shapes, runtime.mesh) != []
+
+
+def test_xla_cpu_miscompiles_cogvideox_in_place_rotary_update_at_batch_1():
+    """XLA:CPU gets diffusers' in-place rotary write (`query[:, :, T:] = ...`) wrong under jit.
+    Workaround: cogvideox.rotary_attention_processor (torch.cat)."""
+    from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+    runtime = TorchaxRuntime()
+    rotary = get_3d_rotary_pos_embed(16, None, (4, 6), temporal_size=2, grid_type="slice", max_size=(4, 6))
+    generator = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(1, 4, 4, 8, 12, generator=generator), torch.randn(1, 32, 32, generator=generator))
+    errors = {}
+    for name, prepare in (("stock", lambda t: t), ("patched", cogvideox.make_jit_safe)):
+        transformer = prepare(tiny.cogvideox("1.5").transformer.eval())
+        with torch.no_grad():
+            expected = transformer(*inputs, timestep=torch.tensor([999]), image_rotary_emb=rotary, return_dict=False)[0]
+        jitted = runtime.compile(cogvideox.GuidedTransformer(transformer, do_cfg=False))
+        device_inputs = runtime.to_device((inputs[0], torch.tensor([999]), inputs[1], rotary, torch.tensor(1.0)))
+        errors[name] = relative_error(runtime.to_host(jitted(*device_inputs)), expected)
+    assert errors["patched"] <= 1e-5
+    assert errors["stock"] > 1e-3, f"stock processor now compiles correctly ({errors}); the patch may be dropped"
+
+
+def test_diffusers_hunyuanvideo15_forward_cannot_be_traced():
+    """diffusers 0.42.1's HunyuanVideo15Transformer3DModel.forward branches on tensor values
+    (`if torch.all(image_embeds == 0)`). Workaround: hunyuanvideo15.traceable_forward."""
+    runtime = TorchaxRuntime()
+    compiled = runtime.compile(Sample(tiny_transformer()))
+    with pytest.raises(Exception, match="Concretization|concrete|bool"):
+        compiled(**runtime.to_device(inputs()))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import models
 from models.common import attention_heads
-from models.denoise import DenoiseGuard, DenoiseOptions
+from models.denoise import DenoiseGuard, DenoiseOptions, denoise
 from runtime import Timer
 from utils import (
     CHECKPOINT_FILE,
@@ -180,7 +180,7 @@ def main(argv=None) -> None:
     log(f"request overrides: {overrides or 'none'}")
     options = DenoiseOptions(tp_mode=args.tp_mode, warmup_steps=args.warmup_steps, guard=guard)
     with attention_backend(runtime.env, attention, splash, runtime.mesh), guard.stop_handler():
-        latents, info = family.denoise(source, request, embeddings, dtype, runtime, timer, options)
+        latents, info = denoise(family, source, request, embeddings, dtype, runtime, timer, options)
     with timer.phase("save"):
         record = write_tensors(output_dir / STAGE2_FILE, {"latents": latents})
 

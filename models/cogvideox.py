@@ -19,7 +19,7 @@ from utils import Request, UserError
 
 from . import tiny
 from .common import text_encoder_on
-from .denoise import DenoiseLoop, DenoiseOptions, latents_record, run_denoise_loop
+from .denoise import DenoiseLoop, latents_record
 from .family import Preset
 
 NAME = "cogvideox"
@@ -282,16 +282,16 @@ class GuidedTransformer(torch.nn.Module):
         return noise_pred
 
 
-def denoise(
-    source,
-    request: Request,
-    embeds: dict[str, torch.Tensor],
-    dtype: torch.dtype,
-    runtime,
-    timer,
-    options: DenoiseOptions,
-):
-    """Run the pipeline's denoising loop with the transformer on `runtime`; return latents (B, C, F, H, W).
+def planning_embeds(source, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Zero stage-1 tensors of the shapes stage 1 writes for this model (to plan before encoding)."""
+    transformer = source.load_config("transformer")
+    shape = (1, transformer["max_text_seq_length"], transformer["text_embed_dim"])
+    return {"prompt_embeds": torch.zeros(shape, dtype=dtype), "negative_prompt_embeds": torch.zeros(shape, dtype=dtype)}
+
+
+def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtype, transformer, runtime, tp_mode):
+    """The pipeline's denoising loop as a DenoiseLoop for `transformer` on `runtime`, and the function that
+    turns its final latents into stage 2's (B, C, F, H, W) latents and record.
 
     The scheduler stays in PyTorch on the host (its step has Python branches on tensor values and draws
     noise from the CPU generator), exactly as the pipeline runs it.
@@ -300,9 +300,8 @@ def denoise(
     from diffusers.pipelines.cogvideo.pipeline_cogvideox import retrieve_timesteps
 
     geometry = Geometry.of(source)
-    with timer.phase("load"):
-        transformer = make_jit_safe(source.load("transformer", dtype=dtype).eval())
-        scheduler = source.load("scheduler")
+    transformer = make_jit_safe(transformer)
+    scheduler = source.load("scheduler")
     pipe = _pipeline(transformer=transformer, scheduler=scheduler)
     pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal = geometry.spatial, geometry.temporal
 
@@ -353,7 +352,7 @@ def denoise(
 
     loop = DenoiseLoop(
         guided=GuidedTransformer(transformer, do_cfg, runtime.constrain),
-        rules=transformer_rules(options.tp_mode),
+        rules=transformer_rules(tp_mode),
         static_inputs=(
             (prompt_embeds, BATCH),
             (image_rotary_emb, ()),
@@ -365,9 +364,12 @@ def denoise(
         step=step,
         model_input=scheduler.scale_model_input,
     )
-    latents = run_denoise_loop(loop, runtime, timer, options)
-    latents = latents[:, pad_frames:].permute(0, 2, 1, 3, 4).contiguous()
-    return latents, latents_record(scheduler, do_cfg, dropped_pad_latent_frames=pad_frames)
+
+    def finish(latents):
+        latents = latents[:, pad_frames:].permute(0, 2, 1, 3, 4).contiguous()
+        return latents, latents_record(scheduler, do_cfg, dropped_pad_latent_frames=pad_frames)
+
+    return loop, finish
 
 
 # Stage 3 -------------------------------------------------------------------------------------------

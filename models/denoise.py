@@ -199,6 +199,16 @@ def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options:
     return latents
 
 
+def denoise(
+    family, source, request, embeds, dtype: torch.dtype, runtime: Runtime, timer: Timer, options: DenoiseOptions
+):
+    """Stage 2 for any family: load the transformer, run the family's loop, return (latents, record)."""
+    with timer.phase("load"):
+        transformer = source.load("transformer", dtype=dtype).eval()
+    loop, finish = family.denoise_loop(source, request, embeds, dtype, transformer, runtime, options.tp_mode)
+    return finish(run_denoise_loop(loop, runtime, timer, options))
+
+
 def latents_record(scheduler, do_cfg: bool, **extra) -> dict[str, Any]:
     """What stage 2's section says about its latents (stage 3 reads the layout and scaling, never guesses)."""
     return {

@@ -15,8 +15,8 @@ import torch
 
 if TYPE_CHECKING:  # annotations only: importing these would pull in JAX or cycle through models
     from models import ModelSource
-    from models.common import DenoiseOptions
-    from runtime import Runtime, Timer
+    from models.denoise import DenoiseLoop
+    from runtime import Runtime
     from utils import Request
 
 
@@ -54,17 +54,21 @@ class Family(Protocol):
     def encode_prompts(self, source: ModelSource, request: Request, dtype: torch.dtype, runtime: Runtime) -> dict:
         """Stage 1: the pipeline's own prompt encoding; tensors named as the pipeline's arguments."""
 
-    def denoise(
+    def denoise_loop(
         self,
         source: ModelSource,
         request: Request,
         embeds: dict[str, torch.Tensor],
         dtype: torch.dtype,
+        transformer: torch.nn.Module,
         runtime: Runtime,
-        timer: Timer,
-        options: DenoiseOptions,
-    ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Stage 2: final latents (B, C, F, H, W) and the facts stage 3 needs about them."""
+        tp_mode: str,
+    ) -> tuple[DenoiseLoop, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]]:
+        """Stage 2: the loop for `transformer` (loaded, or on the meta device for --plan), and the function
+        turning its final latents into stage 2's latents (B, C, F, H, W) and the facts stage 3 needs."""
+
+    def planning_embeds(self, source: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Zero stage-1 tensors of the shapes stage 1 would write (to plan before encoding)."""
 
     def video_processor(self, source: ModelSource) -> Any:
         """The pipeline's post-processor (pixels in [-1, 1] to frames in [0, 1])."""

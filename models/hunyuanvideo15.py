@@ -37,7 +37,7 @@ from utils import Request, UserError
 
 from . import tiny
 from .common import text_encoder_on
-from .denoise import DenoiseLoop, DenoiseOptions, latents_record, run_denoise_loop
+from .denoise import DenoiseLoop, latents_record
 from .family import Preset
 
 NAME = "hunyuanvideo15"
@@ -363,24 +363,29 @@ class GuidedTransformer(torch.nn.Module):
         return self.guider.forward(pred_cond, pred_uncond).pred  # the guider's own combination
 
 
-def denoise(
-    source,
-    request: Request,
-    embeds: dict[str, torch.Tensor],
-    dtype: torch.dtype,
-    runtime,
-    timer,
-    options: DenoiseOptions,
-):
-    """The pipeline's flow-matching loop with the transformer on `runtime`; latents (B, C, F, H, W)."""
+def planning_embeds(source, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Zero stage-1 tensors of the shapes stage 1 writes for this model (to plan before encoding)."""
+    transformer = source.load_config("transformer")
+    pipe = _pipeline(source)
+    shapes = {
+        "prompt_embeds": ((1, pipe.tokenizer_max_length, transformer["text_embed_dim"]), dtype),
+        "prompt_embeds_mask": ((1, pipe.tokenizer_max_length), torch.int64),
+        "prompt_embeds_2": ((1, pipe.tokenizer_2_max_length, transformer["text_embed_2_dim"]), dtype),
+        "prompt_embeds_mask_2": ((1, pipe.tokenizer_2_max_length), torch.int64),
+    }
+    zeros = {key: torch.zeros(shape, dtype=kind) for key, (shape, kind) in shapes.items()}
+    return {**zeros, **{f"negative_{key}": value for key, value in zeros.items()}}
+
+
+def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtype, transformer, runtime, tp_mode):
+    """The pipeline's flow-matching loop as a DenoiseLoop for `transformer` on `runtime`, and the function
+    that turns its final latents into stage 2's latents and record."""
     import numpy as np
     from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import retrieve_timesteps
 
     geometry = Geometry.of(source)
-    with timer.phase("load"):
-        transformer = source.load("transformer", dtype=dtype).eval()
-        scheduler = source.load("scheduler")
-        guider = source.load("guider")
+    scheduler = source.load("scheduler")
+    guider = source.load("guider")
     scheduler.register_to_config(shift=request.flow_shift)
     guider.guidance_scale = request.guidance_scale
     do_cfg = cfg_enabled(request.guidance_scale)
@@ -402,7 +407,7 @@ def denoise(
 
     loop = DenoiseLoop(
         guided=GuidedTransformer(transformer, guider, do_cfg, runtime.constrain),
-        rules=transformer_rules(options.tp_mode),
+        rules=transformer_rules(tp_mode),
         static_inputs=(*((tensor, BATCH) for tensor in text_inputs), (image_embeds, ())),
         timesteps=timesteps,
         latents=latents,
@@ -410,8 +415,7 @@ def denoise(
         step=step,
         on_start=scheduler.set_begin_index,  # the flow-matching scheduler counts its own steps (--resume)
     )
-    latents = run_denoise_loop(loop, runtime, timer, options)
-    return latents, latents_record(scheduler, do_cfg, flow_shift=request.flow_shift)
+    return loop, lambda latents: (latents, latents_record(scheduler, do_cfg, flow_shift=request.flow_shift))
 
 
 # Stage 3 -------------------------------------------------------------------------------------------

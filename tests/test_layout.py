@@ -99,7 +99,7 @@ def test_module_size(name):
 def test_family_fills_in_the_interface(family):
     missing = [name for name in family_members() if not hasattr(family, name)]
     assert not missing, f"{family.NAME} lacks {missing}"
-    assert {"denoise", "encode_prompts", "validate_request", "Decoder", "PRESETS"} <= set(family_members())
+    assert {"denoise_loop", "encode_prompts", "validate_request", "Decoder", "PRESETS"} <= set(family_members())
     assert all(preset.family == family.NAME for preset in family.PRESETS.values())
 
 

@@ -16,7 +16,7 @@ import sharding
 import stage2_transformer
 from helpers import expect_user_error, relative_error, run_stage, tiny_stage1
 from models import cogvideox, tiny
-from models.denoise import DenoiseOptions
+from models.denoise import DenoiseOptions, denoise
 from runtime import Timer
 from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, RuleTable, choose_mesh_shape
 from splash_attention import SplashConfig, attention_backend
@@ -186,7 +186,7 @@ def denoise_on(stage1_dir, mesh_shape: MeshShape, attention: str = "xla"):
     runtime = TorchaxRuntime(sharding.make_mesh(mesh_shape))
     splash = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
     with attention_backend(runtime.env, attention, splash, runtime.mesh):
-        latents, _ = family.denoise(source, request, embeds, torch.float32, runtime, Timer(), DenoiseOptions())
+        latents, _ = denoise(family, source, request, embeds, torch.float32, runtime, Timer(), DenoiseOptions())
     return latents
 
 

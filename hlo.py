@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sharding
-from models import cogvideox, hunyuanvideo15
+from models import cogvideox, hunyuanvideo15, published
 from runtime import DP, SP, TP
 from splash_attention import SplashConfig, attention_backend
 from torchax_compat import import_torchax
@@ -50,7 +50,7 @@ def cogvideox15_5b_block():
     from diffusers import CogVideoXTransformer3DModel
 
     with torch.device("meta"):
-        model = CogVideoXTransformer3DModel(**{**cogvideox.COGVIDEOX15_5B_TRANSFORMER, "num_layers": 1})
+        model = CogVideoXTransformer3DModel(**{**published.COGVIDEOX15_5B_TRANSFORMER, "num_layers": 1})
     return cogvideox.make_jit_safe(model)
 
 
@@ -132,8 +132,8 @@ def measure(model_name: str, tp_mode: str, mesh, video_tokens: int, attention: s
 TRANSFORMERS = ("cogvideox1.5-5b", "hunyuanvideo1.5")
 TEXT_ENCODERS = {
     # name: (transformers config class, published config, tokens the pipeline feeds it)
-    "t5-xxl": ("T5Config", cogvideox.T5_XXL_ENCODER, 226),
-    "qwen2.5-vl-7b": ("Qwen2_5_VLTextConfig", hunyuanvideo15.QWEN25_VL_7B_TEXT, 1000 + 108),  # + template crop
+    "t5-xxl": ("T5Config", published.T5_XXL_ENCODER, 226),
+    "qwen2.5-vl-7b": ("Qwen2_5_VLTextConfig", published.QWEN25_VL_7B_TEXT, 1000 + 108),  # + template crop
 }
 
 

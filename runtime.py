@@ -89,6 +89,24 @@ class TorchRuntime:
         return {"backend": "torch", "device": str(self.device)}
 
 
+def quiet_libtpu() -> None:
+    """Keep libtpu silent on hosts without TPU chips.
+
+    libtpu (the tpu extra; `make test` installs it for --plan) prints several lines to stderr when JAX
+    starts its backends, or when --plan asks it for a topology, on a host without TPUs ("could not
+    determine TPU accelerator type", worker hostnames, "Logging before InitGoogle"). With these two
+    variables set it stays quiet and JAX still runs on the CPU. TPU VMs expose their chips as
+    /dev/accel* or /dev/vfio: there nothing is changed, and a value the user set is never replaced.
+    """
+    import os
+    from pathlib import Path
+
+    if any(Path("/dev").glob("accel*")) or Path("/dev/vfio").exists():
+        return
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v6e-8")  # any valid type; only read to stay quiet
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+
 class Timer:
     """Collects named wall-clock phases ({"load": 1.2, "denoise": 30.5}) and per-step seconds."""
 

@@ -204,12 +204,47 @@ def splash_attention(
             out_specs=q_spec,
             check_vma=False,
         )
+    local_batch = batch // mesh.shape[DP] if batch_axis else batch
+    local_heads = heads // head_shards
+    work = 4 * local_batch * local_heads * (q_pad // q_shards) * kv_pad * head_dim
+    _record(KernelCall(q_len, kv_len, q_pad, kv_pad, work))
     out = attend(kernel, pad(query, q_pad), pad(key, kv_pad), pad(value, kv_pad), q_segments, kv_segments)
     out = out[:, :, :q_len].astype(query.dtype)
     keep = _rows_with_a_key(key_valid, q_len, config.local_window)[:, None, :, None]
     if query_valid is not None:
         keep = keep & jnp.broadcast_to(query_valid, (batch, q_len))[:, None, :, None]
     return jnp.where(keep, out, jnp.zeros_like(out))
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One Splash call as traced: global lengths, the padded lengths the kernel computes, and the work
+    one device does (attention FLOPs are invisible to XLA's cost analysis of the custom call)."""
+
+    q_len: int
+    kv_len: int
+    q_padded: int
+    kv_padded: int
+    flops_per_device: int  # 4 * batch * heads * q * kv * head_dim over this device's share, padding included
+
+
+_RECORDERS: list[list[KernelCall]] = []
+
+
+@contextlib.contextmanager
+def record_kernel_calls():
+    """Collect a KernelCall for every Splash call traced inside the block (what --plan reports)."""
+    calls: list[KernelCall] = []
+    _RECORDERS.append(calls)
+    try:
+        yield calls
+    finally:
+        _RECORDERS.remove(calls)
+
+
+def _record(call: KernelCall) -> None:
+    for calls in _RECORDERS:
+        calls.append(call)
 
 
 def _raise_if_inexact(inexact) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
+import sys
 from pathlib import Path
 
 import models
@@ -21,11 +23,13 @@ from models.denoise import DenoiseGuard, DenoiseOptions, denoise
 from runtime import Timer
 from utils import (
     CHECKPOINT_FILE,
+    CONFIG_FILE,
     DEFAULT_OUTPUT_DIR,
     STAGE2_FILE,
     Request,
     UserError,
     add_request_arguments,
+    atomic_write,
     ensure_writable_dir,
     filter_harmless_warnings,
     log,
@@ -103,6 +107,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="megatron: attention-out and MLP-out row-parallel; replicated_out: those stay replicated "
         "(more memory; see README) (default: %(default)s)",
     )
+    planning = parser.add_argument_group("planning for a TPU (from any host, no TPU, no weights)")
+    planning.add_argument(
+        "--plan",
+        metavar="TPU",
+        help="compile this run's denoiser for a TPU slice and report HBM fit, collectives, FLOPs and Splash "
+        "padding, then exit (0: fits, 3: does not fit); writes nothing. TPU: an accelerator type "
+        "(v5litepod-8, v5e-8, v5p-8, v6e-8, v6e-16, tpu7x-8, ...) or a topology (v6e:2x4). Without stage-1 "
+        "files, plans from --model and the request flags",
+    )
+    planning.add_argument("--plan_json", metavar="FILE", help="also save the plan's report as JSON")
     add_request_arguments(parser, for_later_stage=True)
     return parser.parse_args(argv)
 
@@ -120,15 +134,13 @@ def splash_config(args, family, platform: str):
         raise UserError(f"--{err}") from None
 
 
-def mesh_shape(args, family, source, request: Request):
+def mesh_shape(args, family, source, request: Request, device_count: int):
     """The dp/sp/tp mesh from the flags, checked against the device count and the head count."""
-    import jax
-
     import sharding
 
     try:
         return sharding.choose_mesh_shape(
-            jax.device_count(),
+            device_count,
             args.dp,
             args.sp,
             args.tp,
@@ -139,9 +151,76 @@ def mesh_shape(args, family, source, request: Request):
         raise UserError(re.sub(r"\b(dp|sp|tp)\b", r"--\1", str(err))) from None
 
 
+def planned_request(args, input_dir: Path):
+    """--plan's request, model and stage-1 tensors: from the stage-1 folder if there is one (as a real run),
+    else from --model and the request flags with zero tensors of stage 1's shapes."""
+    flags = request_flags(args)
+    if (input_dir / CONFIG_FILE).is_file():
+        config = read_config(input_dir, needs="stage1")
+        request, _ = Request.from_config(config, input_dir).with_overrides({**flags, "model_id": args.model})
+        source, family = models.resolve_model_for_request(request, configs_only=True)
+        family.validate_request(source, request)
+        return request, source, family, read_tensors(input_dir, config["stage1"])
+    if not args.model:
+        raise UserError(f"--plan needs stage-1 files in {input_dir} or a --model to plan from")
+    source, family = models.resolve_model(args.model, configs_only=True)
+    values = {
+        **family.request_defaults(source),
+        "seed": 0,
+        **{key: value for key, value in flags.items() if value is not None},
+    }
+    request = Request(
+        model_family=family.NAME,
+        model_id=args.model,
+        prompt="",
+        negative_prompt="",
+        dtype=args.dtype or "bf16",
+        **values,
+    )
+    family.validate_request(source, request)
+    return request, source, family, family.planning_embeds(source, parse_dtype(request.dtype))
+
+
+def plan_main(args) -> None:
+    """--plan: compile for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
+    import plan
+
+    try:
+        target = plan.parse_target(args.plan)
+    except ValueError as err:
+        raise UserError(f"--plan: {err}") from None
+    request, source, family, embeddings = planned_request(args, Path(args.input_dir))
+    dtype_name = args.dtype or request.dtype
+    dtype = parse_dtype(dtype_name)
+    shape = mesh_shape(args, family, source, request, target.devices)
+    attention = "splash" if args.attention == "auto" else args.attention
+    log(f"planning {family.NAME} stage 2 for {target.name} ({target.topology}), mesh {shape.as_dict()}, {dtype_name}")
+    report = plan.plan_stage2(
+        family,
+        source,
+        request,
+        embeddings,
+        dtype,
+        target,
+        shape,
+        args.tp_mode,
+        attention,
+        splash_config(args, family, "tpu"),
+    )
+    plan.print_report(report)
+    if args.plan_json:
+        atomic_write(Path(args.plan_json), lambda tmp: tmp.write_text(json.dumps(report, indent=2) + "\n"))
+    if not report["fits"]:
+        sys.exit(plan.DOES_NOT_FIT_EXIT_STATUS)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     filter_harmless_warnings()
+    if args.plan:
+        return plan_main(args)
+    if args.plan_json:
+        raise UserError("--plan_json needs --plan")
     if args.warmup_steps < 0:
         raise UserError(f"--warmup_steps {args.warmup_steps} must be >= 0")
     input_dir = Path(args.input_dir)
@@ -167,12 +246,14 @@ def main(argv=None) -> None:
     )
 
     # JAX is imported only once the inputs are known good.
+    import jax
+
     import sharding
     from splash_attention import attention_backend, resolve_backend
     from torchax_runtime import CompileCache, TorchaxRuntime
 
     compile_cache = CompileCache(enabled=not args.no_compile_cache)
-    mesh = sharding.make_mesh(mesh_shape(args, family, source, request))
+    mesh = sharding.make_mesh(mesh_shape(args, family, source, request, jax.device_count()))
     runtime = TorchaxRuntime(mesh, profile_dir=args.profile, compile_cache=compile_cache)
     attention = resolve_backend(args.attention)
     splash = splash_config(args, family, runtime.platform)

@@ -54,7 +54,12 @@ def tolerate_missing_overloads() -> Iterator[list[str]]:
 
 
 def import_torchax():
-    """Return the torchax module with its default environment built (the shim covers both steps)."""
+    """Return the torchax module with its default environment built (the shim covers both steps).
+
+    Building it starts JAX's backends, so libtpu is quietened first (runtime.quiet_libtpu)."""
+    from runtime import quiet_libtpu
+
+    quiet_libtpu()
     with tolerate_missing_overloads() as missing:
         import torchax
 

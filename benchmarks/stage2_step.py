@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from models.cogvideox import COGVIDEOX15_5B_TRANSFORMER  # noqa: E402
+from models.published import COGVIDEOX15_5B_TRANSFORMER  # noqa: E402
 
 TEXT_TOKENS = COGVIDEOX15_5B_TRANSFORMER["max_text_seq_length"]
 LATENT_SHAPE = (1, 4, 16, 20, 32)  # B, F, C, H, W (CogVideoX's transformer layout)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import inspect
 import json
 import os
 import shutil
@@ -21,7 +22,7 @@ from typing import Any
 
 from utils import UserError
 
-from . import cogvideox, hunyuanvideo15
+from . import cogvideox, hunyuanvideo15, published
 from .family import Family, Preset
 
 FAMILIES: dict[str, Family] = {family.NAME: family for family in (cogvideox, hunyuanvideo15)}
@@ -75,11 +76,16 @@ def component_class(source: ModelSource, component: str):
     return getattr(importlib.import_module(library), class_name)
 
 
-def resolve_model(model: str) -> tuple[ModelSource, Family]:
-    """Turn `--model` (preset name, local diffusers folder or hub id) into a source and its family module."""
+def resolve_model(model: str, configs_only: bool = False) -> tuple[ModelSource, Family]:
+    """Turn `--model` (preset name, local diffusers folder or hub id) into a source and its family module.
+
+    With `configs_only` (planning: the architecture is all that is needed) a published hub id resolves
+    to its configs kept in code (models/published.py), without the network."""
     if model in PRESETS:
         location = str(materialize_preset(model))
         defaults = PRESETS[model].defaults
+    elif configs_only and model in published.PIPELINES and not os.path.isdir(model):
+        location, defaults = str(materialize_published(model)), {}
     elif os.path.isdir(model):
         location, defaults = model, {}
     elif model.startswith(("/", ".", "~")) or model.count("/") > 1:  # a path, not an "org/name" hub id
@@ -91,9 +97,11 @@ def resolve_model(model: str) -> tuple[ModelSource, Family]:
     return ModelSource(ref=model, location=location, index=index, preset_defaults=defaults), family
 
 
-def resolve_model_for_request(request, model_override: str | None = None) -> tuple[ModelSource, Family]:
+def resolve_model_for_request(
+    request, model_override: str | None = None, configs_only: bool = False
+) -> tuple[ModelSource, Family]:
     """The model a later stage uses: the request's `model_id` unless overridden, and of the request's family."""
-    source, family = resolve_model(model_override or request.model_id)
+    source, family = resolve_model(model_override or request.model_id, configs_only)
     if family.NAME != request.model_family:
         raise UserError(
             f"--model {source.ref!r} is a {family.NAME} model but the stage files are from {request.model_family}"
@@ -127,6 +135,55 @@ def detect_family(index: dict[str, Any], model: str) -> Family:
     raise UserError(f"--model {model!r} is a {pipeline_class!r} pipeline; supported: {supported}")
 
 
+def _cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tpu-video")
+
+
+def _publish_folder(target: Path, write) -> Path:
+    """Fill `target` through `write(staging_folder)` once, atomically (another process may race us)."""
+    if (target / "model_index.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        write(staging)
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "model_index.json").is_file():  # not merely another process winning the race
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def materialize_published(hub_id: str) -> Path:
+    """A diffusers folder with only the configs of a published pipeline (models/published.py): enough for
+    `load_config`, schedulers and meta-device modules, never for weights."""
+    pipeline = published.PIPELINES[hub_id]
+    digest = hashlib.sha256(json.dumps(pipeline, sort_keys=True).encode()).hexdigest()[:12]
+
+    def write(folder: Path) -> None:
+        index = {"_class_name": pipeline["_class_name"][1]}
+        for component, entry in pipeline.items():
+            if component.startswith("_"):
+                continue
+            library, class_name, config = entry
+            index[component] = [library, class_name]
+            cls = getattr(importlib.import_module(library), class_name)
+            # The class's own defaults fill what the published config leaves to them.
+            defaults = {
+                name: parameter.default
+                for name, parameter in inspect.signature(cls.__init__).parameters.items()
+                if parameter.default is not inspect.Parameter.empty and name != "self"
+            }
+            (folder / component).mkdir()
+            text = json.dumps({"_class_name": class_name, **defaults, **config})
+            (folder / component / cls.config_name).write_text(text)
+        (folder / "model_index.json").write_text(json.dumps(index))
+
+    return _publish_folder(_cache_root() / "published" / f"{hub_id.replace('/', '--')}-{digest}", write)
+
+
 def materialize_preset(name: str) -> Path:
     """Save a preset's tiny random components once (save_pretrained) and return the folder.
 
@@ -142,18 +199,4 @@ def materialize_preset(name: str) -> Path:
     # Keys starting with "_" are bookkeeping (some are unordered sets), not part of the model.
     configs = {name: {k: v for k, v in c.items() if not k.startswith("_")} for name, c in configs.items()}
     digest = hashlib.sha256(json.dumps(configs, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tpu-video") / "presets"
-    target = root / f"{name}-{digest}"
-    if (target / "model_index.json").is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}-"))
-    try:
-        pipe.save_pretrained(staging)
-        os.rename(staging, target)
-    except OSError:
-        if not (target / "model_index.json").is_file():  # not merely another process winning the race
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return _publish_folder(_cache_root() / "presets" / f"{name}-{digest}", pipe.save_pretrained)

@@ -33,37 +33,6 @@ VARIANT_DEFAULTS = {
 }
 COMMON_DEFAULTS = {"num_inference_steps": 50, "guidance_scale": 6.0}
 
-# CogVideoX1.5-5B's published transformer config (for benchmarks and table tests; weights never needed).
-COGVIDEOX15_5B_TRANSFORMER = {
-    "num_attention_heads": 48,
-    "attention_head_dim": 64,
-    "in_channels": 16,
-    "out_channels": 16,
-    "time_embed_dim": 512,
-    "text_embed_dim": 4096,
-    "num_layers": 42,
-    "sample_width": 300,
-    "sample_height": 300,
-    "sample_frames": 81,
-    "patch_size": 2,
-    "patch_size_t": 2,
-    "patch_bias": False,
-    "temporal_compression_ratio": 4,
-    "max_text_seq_length": 226,
-    "use_rotary_positional_embeddings": True,
-}
-
-# CogVideoX's text encoder, T5 v1.1 XXL (T5Config kwargs, e.g. for benchmarks/collectives.py and table tests).
-T5_XXL_ENCODER = {
-    "vocab_size": 32128,
-    "d_model": 4096,
-    "d_kv": 64,
-    "d_ff": 10240,
-    "num_layers": 24,
-    "num_heads": 64,
-    "feed_forward_proj": "gated-gelu",
-}
-
 # Splash tiles that the reference notes measured fastest for CogVideoX1.5 at 720p on TPU v6e.
 SPLASH_BLOCK_SIZES = {"block_q": 3328, "block_kv": 2816, "block_kv_compute": 256}
 

@@ -52,18 +52,6 @@ RESOLUTION_DEFAULTS = {
 }
 COMMON_DEFAULTS = {"num_frames": 121, "fps": 24, "num_inference_steps": 50, "guidance_scale": 6.0}
 
-# HunyuanVideo-1.5's prompt encoder, the Qwen2.5-VL-7B text model (Qwen2_5_VLTextConfig kwargs, for
-# benchmarks/collectives.py and table tests; weights never needed).
-QWEN25_VL_7B_TEXT = {
-    "vocab_size": 152064,
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "rope_scaling": {"rope_type": "default", "mrope_section": [16, 24, 24]},
-}
-
 # Activation layout (mesh axis per dimension): the CFG batch on dp.
 BATCH = (DP,)
 PROMPT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")

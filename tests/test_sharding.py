@@ -15,7 +15,7 @@ import models
 import sharding
 import stage2_transformer
 from helpers import expect_user_error, relative_error, run_stage, tiny_stage1
-from models import cogvideox, tiny
+from models import published, tiny
 from models.denoise import DenoiseOptions, denoise
 from runtime import Timer
 from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, RuleTable, choose_mesh_shape
@@ -74,7 +74,7 @@ def real_cogvideox15_transformer():
     from diffusers import CogVideoXTransformer3DModel
 
     with torch.device("meta"):
-        return CogVideoXTransformer3DModel(**cogvideox.COGVIDEOX15_5B_TRANSFORMER)
+        return CogVideoXTransformer3DModel(**published.COGVIDEOX15_5B_TRANSFORMER)
 
 
 def expected_cogvideox_spec(name: str, tp_mode: str):

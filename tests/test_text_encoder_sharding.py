@@ -15,9 +15,8 @@ from safetensors.torch import load_file
 import sharding
 import stage1_text_encoder
 from helpers import relative_error, run_stage
-from models.cogvideox import T5_XXL_ENCODER
 from models.common import DeviceTextEncoder
-from models.hunyuanvideo15 import QWEN25_VL_7B_TEXT
+from models.published import QWEN25_VL_7B_TEXT, T5_XXL_ENCODER
 from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, P
 from torchax_runtime import TorchaxRuntime
 

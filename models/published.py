@@ -1,0 +1,113 @@
+"""Published models' configs, kept in code: planning (`--plan`) needs the architecture only, so the
+published hub ids plan offline from these; benchmarks and table tests build real-width modules from them.
+
+`PIPELINES` maps a hub id to its components' configs (model_index.json classes and the config.json
+values that shape the compiled program; weights and tokenizers are never needed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# CogVideoX1.5-5B's published transformer config (for benchmarks and table tests; weights never needed).
+COGVIDEOX15_5B_TRANSFORMER = {
+    "num_attention_heads": 48,
+    "attention_head_dim": 64,
+    "in_channels": 16,
+    "out_channels": 16,
+    "time_embed_dim": 512,
+    "text_embed_dim": 4096,
+    "num_layers": 42,
+    "sample_width": 300,
+    "sample_height": 300,
+    "sample_frames": 81,
+    "patch_size": 2,
+    "patch_size_t": 2,
+    "patch_bias": False,
+    "temporal_compression_ratio": 4,
+    "max_text_seq_length": 226,
+    "use_rotary_positional_embeddings": True,
+}
+
+# CogVideoX's text encoder, T5 v1.1 XXL (T5Config kwargs, e.g. for benchmarks/collectives.py and table tests).
+T5_XXL_ENCODER = {
+    "vocab_size": 32128,
+    "d_model": 4096,
+    "d_kv": 64,
+    "d_ff": 10240,
+    "num_layers": 24,
+    "num_heads": 64,
+    "feed_forward_proj": "gated-gelu",
+}
+
+# HunyuanVideo-1.5's prompt encoder, the Qwen2.5-VL-7B text model (Qwen2_5_VLTextConfig kwargs, for
+# benchmarks/collectives.py and table tests; weights never needed).
+QWEN25_VL_7B_TEXT = {
+    "vocab_size": 152064,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "rope_scaling": {"rope_type": "default", "mrope_section": [16, 24, 24]},
+}
+
+COGVIDEOX_5B_TRANSFORMER = {  # THUDM/CogVideoX-5b
+    **COGVIDEOX15_5B_TRANSFORMER,
+    "sample_width": 90,
+    "sample_height": 60,
+    "sample_frames": 49,
+    "patch_size_t": None,
+    "patch_bias": True,
+}
+COGVIDEOX_2B_TRANSFORMER = {  # THUDM/CogVideoX-2b
+    **COGVIDEOX_5B_TRANSFORMER,
+    "num_attention_heads": 30,
+    "num_layers": 30,
+    "use_rotary_positional_embeddings": False,
+}
+COGVIDEOX_VAE = {"block_out_channels": [128, 256, 256, 512], "latent_channels": 16, "temporal_compression_ratio": 4}
+COGVIDEOX_SCHEDULER = {
+    "beta_schedule": "scaled_linear",
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "prediction_type": "v_prediction",
+    "rescale_betas_zero_snr": True,
+    "timestep_spacing": "trailing",
+    "clip_sample": False,
+    "set_alpha_to_one": True,
+}
+# diffusers' HunyuanVideo15Transformer3DModel defaults are the published architecture; t2v at 480p or 720p.
+HUNYUANVIDEO15_T2V_TRANSFORMER = {"task_type": "t2v"}
+
+
+def _cogvideox(transformer: dict[str, Any], scheduler: str, scaling_factor: float) -> dict[str, tuple]:
+    return {
+        "_class_name": ("diffusers", "CogVideoXPipeline"),
+        "transformer": ("diffusers", "CogVideoXTransformer3DModel", transformer),
+        "vae": ("diffusers", "AutoencoderKLCogVideoX", {**COGVIDEOX_VAE, "scaling_factor": scaling_factor}),
+        "scheduler": ("diffusers", scheduler, COGVIDEOX_SCHEDULER),
+    }
+
+
+def _hunyuanvideo15(target_size: int, shift: float) -> dict[str, tuple]:
+    return {
+        "_class_name": ("diffusers", "HunyuanVideo15Pipeline"),
+        "transformer": (
+            "diffusers",
+            "HunyuanVideo15Transformer3DModel",
+            {**HUNYUANVIDEO15_T2V_TRANSFORMER, "target_size": target_size},
+        ),
+        "vae": ("diffusers", "AutoencoderKLHunyuanVideo15", {}),
+        "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", {"shift": shift}),
+        "guider": ("diffusers", "ClassifierFreeGuidance", {"guidance_scale": 6.0}),
+    }
+
+
+PIPELINES: dict[str, dict[str, tuple]] = {
+    "zai-org/CogVideoX1.5-5B": _cogvideox(COGVIDEOX15_5B_TRANSFORMER, "CogVideoXDPMScheduler", 0.7),
+    "THUDM/CogVideoX-5b": _cogvideox(COGVIDEOX_5B_TRANSFORMER, "CogVideoXDPMScheduler", 0.7),
+    "THUDM/CogVideoX-2b": _cogvideox(COGVIDEOX_2B_TRANSFORMER, "CogVideoXDDIMScheduler", 1.15258426),
+    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": _hunyuanvideo15(640, 5.0),
+    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v": _hunyuanvideo15(960, 9.0),
+}

@@ -13,9 +13,10 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch first and pinned, so pip takes the local CPU build instead of a CUDA one from the index.
+# `plan` adds libtpu (~700 MB): the TPU compiler that --plan and its tests use on this CPU host.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[cpu,dev]"
+	$(BIN)/pip install -q -e ".[cpu,plan,dev]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -10,125 +10,22 @@ Nothing about a TPU in this repository is claimed without this compiler.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding
 
 import hlo
 import sharding
-from runtime import quiet_libtpu
+from tpus import GIB, Target, host_layout, parse_target, topology_mesh
+from utils import CONFIG_FILE, Request, UserError, atomic_write, parse_dtype, read_config, read_tensors
 
-GIB = 2**30
 DOES_NOT_FIT_EXIT_STATUS = 3
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One TPU generation as the tool needs it. Sources: cloud.google.com/tpu/docs/{v5e,v5p,v6e,tpu7x}
-    (peak bf16 FLOP/s and HBM per chip, TensorCores per chip, hosts); devices per chip as libtpu's
-    compile-only topologies give them (measured: v5p:2x2x1 -> 4 devices, tpu7x:2x2x1 -> 8)."""
-
-    prefix: str  # topology names: "v6e:2x4"
-    type_names: tuple[str, ...]  # accelerator types: "v6e-8", "v5litepod-8"
-    counts_cores: bool  # the number in an accelerator type counts TensorCores (2 per chip), not chips
-    devices_per_chip: int  # JAX devices per chip (megacore chips are one device)
-    hbm_per_chip: int  # bytes
-    bf16_flops_per_chip: float
-    three_d: bool  # 3-D torus topology names (2x2x1) rather than 2-D (2x4)
-    single_host_chips: int  # the largest slice on one host; bigger slices have 4 chips per host
-
-
-GENERATIONS = {
-    "v5e": Generation("v5e", ("v5litepod", "v5e"), False, 1, 16 * GIB, 197e12, False, 8),
-    "v5p": Generation("v5p", ("v5p",), True, 1, 95 * GIB, 459e12, True, 4),
-    "v6e": Generation("v6e", ("v6e",), False, 1, 32 * GIB, 918e12, False, 8),
-    "tpu7x": Generation("tpu7x", ("tpu7x",), True, 2, 192 * GIB, 2307e12, True, 4),
-}
-# v4 is left out on purpose: libtpu's compile-only v4 topology gives 2 devices per chip, while a v4 VM
-# runs one megacore device per chip, so the compiled program would not be the one a v4 runs.
-GRIDS_2D = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
-GRIDS_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8"}
-
-
-@dataclass(frozen=True)
-class Target:
-    """A TPU slice to plan for: what the user typed, the generation and the topology name libtpu takes."""
-
-    name: str
-    generation: Generation
-    topology: str
-
-    @property
-    def chips(self) -> int:
-        return math.prod(int(size) for size in self.topology.split(":")[1].split("x"))
-
-    @property
-    def devices(self) -> int:
-        return self.chips * self.generation.devices_per_chip
-
-    @property
-    def hbm_per_device(self) -> int:
-        return self.generation.hbm_per_chip // self.generation.devices_per_chip
-
-    @property
-    def bf16_flops_per_device(self) -> float:
-        return self.generation.bf16_flops_per_chip / self.generation.devices_per_chip
-
-    @property
-    def chips_per_host_bounds(self) -> list[int]:
-        """How chips group into hosts (v5e-8 and v6e-8 are one host of 2x4 chips; others 2x2 per host)."""
-        return [2, 4, 1] if self.chips == 8 and self.generation.single_host_chips == 8 else [2, 2, 1]
-
-
-def parse_target(name: str) -> Target:
-    """`v6e-8`, `v5litepod-8`, `v5p-8`, `tpu7x-8` (accelerator types) or `v6e:2x4` (a topology name)."""
-    known = ", ".join(f"{g.type_names[0]}-8" for g in GENERATIONS.values())
-    if ":" in name:
-        prefix, grid = name.split(":", 1)
-        generation = GENERATIONS.get(prefix)
-        dims = grid.split("x")
-        if generation is None or not all(d.isdigit() and int(d) > 0 for d in dims):
-            raise ValueError(f"unknown TPU topology {name!r} (e.g. v6e:2x4, v5p:2x2x1; or a type: {known})")
-        if len(dims) != (3 if generation.three_d else 2):
-            raise ValueError(f"{prefix} topologies have {3 if generation.three_d else 2} dimensions, got {name!r}")
-        return Target(name, generation, name)
-    match = re.fullmatch(r"([a-z0-9]+)-(\d+)", name)
-    generation = next((g for g in GENERATIONS.values() if match and match.group(1) in g.type_names), None)
-    if generation is None:
-        raise ValueError(f"unknown TPU type {name!r}; known: {known} (other sizes too), or a topology like v6e:2x4")
-    count = int(match.group(2))
-    chips = count // 2 if generation.counts_cores else count
-    grids = GRIDS_3D if generation.three_d else GRIDS_2D
-    if chips not in grids:
-        sizes = ", ".join(f"{name.split('-')[0]}-{c * 2 if generation.counts_cores else c}" for c in grids)
-        raise ValueError(f"{name} is not a slice size this tool maps to a topology ({sizes})")
-    return Target(name, generation, f"{generation.prefix}:{grids[chips]}")
-
-
-def topology_mesh(target: Target, shape: sharding.MeshShape) -> Mesh:
-    """A dp/sp/tp mesh over the abstract devices of `target` (no TPU needed)."""
-    from jax.experimental import topologies
-
-    quiet_libtpu()
-    topology = topologies.get_topology_desc(
-        platform="tpu", topology_name=target.topology, chips_per_host_bounds=target.chips_per_host_bounds
-    )
-    # The same device order as a real run's mesh (sharding.make_mesh over jax.devices()).
-    return sharding.make_mesh(shape, topology.devices)
-
-
-def host_layout(mesh: Mesh) -> dict[str, Any]:
-    """How many hosts the mesh spans and which axes cross a host boundary."""
-    hosts = np.vectorize(lambda device: device.process_index)(mesh.devices)
-    crossing = [axis for index, axis in enumerate(mesh.axis_names) if (np.diff(hosts, axis=index) != 0).any()]
-    return {"hosts": int(len(np.unique(hosts))), "axes_across_hosts": crossing}
 
 
 # Abstract programs ---------------------------------------------------------------------------------
@@ -264,6 +161,39 @@ def _padding(calls) -> list[dict[str, Any]]:
     ]
 
 
+def _report(stage: int, target: Target, mesh: Mesh, request, dtype, compiled: Compiled, **fields) -> dict[str, Any]:
+    """What every plan reports: where, what, and the compiler's memory verdict (the rest is `fields`)."""
+    report: dict[str, Any] = {
+        "stage": stage,
+        "target": target.name,
+        "topology": target.topology,
+        "chips": target.chips,
+        "devices": target.devices,
+        **host_layout(mesh),
+        "mesh": dict(mesh.shape),
+        "model": request.model_id,
+        "video": {"height": request.height, "width": request.width, "num_frames": request.num_frames},
+        "dtype": str(dtype).removeprefix("torch."),
+        **fields,
+        "compile_seconds": round(compiled.seconds, 1),
+    }
+    if compiled.refused:
+        memory = {"total": compiled.refused["required"], "capacity": target.hbm_per_device}
+        return {
+            **report,
+            "fits": False,
+            "hbm_bytes_per_device": {**memory, "compiler_limit": compiled.refused["available"]},
+        }
+    memory = {**compiled.memory, "capacity": target.hbm_per_device}
+    return {**report, "fits": memory["total"] <= memory["capacity"], "hbm_bytes_per_device": memory}
+
+
+def _flops(report: dict[str, Any], target: Target, xla: float, attention: float = 0.0) -> None:
+    report["flops_per_device"] = {"xla": xla, "attention": attention, "total": xla + attention}
+    what = "step" if report["stage"] == 2 else "decode"
+    report[f"{what}_seconds_lower_bound"] = (xla + attention) / target.bf16_flops_per_device
+
+
 def plan_stage2(family, source, request, embeds, dtype, target: Target, mesh_shape, tp_mode, attention, splash):
     """Compile stage 2's guided denoiser call (what every step runs) for `target`; the report as a dict.
 
@@ -288,46 +218,93 @@ def plan_stage2(family, source, request, embeds, dtype, target: Target, mesh_sha
         if compiled[depth].refused:
             break
     full = compiled[layers]
-    report: dict[str, Any] = {
-        "stage": 2,
-        "target": target.name,
-        "topology": target.topology,
-        "chips": target.chips,
-        "devices": target.devices,
-        **host_layout(mesh),
-        "mesh": dict(mesh.shape),
-        "model": request.model_id,
-        "video": {"height": request.height, "width": request.width, "num_frames": request.num_frames},
-        "dtype": str(dtype).removeprefix("torch."),
-        "tp_mode": tp_mode,
-        "attention": attention,
-        "compile_seconds": round(full.seconds, 1),
-    }
+    report = _report(2, target, mesh, request, dtype, full, tp_mode=tp_mode, attention=attention)
     if full.refused:
-        required, available = full.refused["required"], full.refused["available"]
-        report.update(
-            fits=False,
-            hbm_bytes_per_device={"total": required, "capacity": target.hbm_per_device, "compiler_limit": available},
-        )
         return report
-    memory = {**full.memory, "capacity": target.hbm_per_device}
-    attention_flops = sum(call.flops_per_device for call in calls[layers])
     per_block, outside = _per_block(full.collectives, compiled[2].collectives, compiled[3].collectives, layers)
-    report.update(
-        fits=memory["total"] <= memory["capacity"],
-        hbm_bytes_per_device=memory,
-        collectives={
-            "layers": layers,
-            "per_block": per_block,
-            "outside_blocks": outside,
-            "total": {op: value for op, value in full.collectives.items() if value["count"]},
-        },
-        flops_per_device={"xla": full.flops, "attention": attention_flops, "total": full.flops + attention_flops},
-        step_seconds_lower_bound=(full.flops + attention_flops) / target.bf16_flops_per_device,
-        splash_custom_calls=full.hlo_text.count('custom_call_target="tpu_custom_call"'),
-        splash_padding=_padding(calls[layers]),
-    )
+    report["collectives"] = {
+        "layers": layers,
+        "per_block": per_block,
+        "outside_blocks": outside,
+        "total": {op: value for op, value in full.collectives.items() if value["count"]},
+    }
+    _flops(report, target, full.flops, sum(call.flops_per_device for call in calls[layers]))
+    report["splash_custom_calls"] = full.hlo_text.count('custom_call_target="tpu_custom_call"')
+    report["splash_padding"] = _padding(calls[layers])
     return report
+
+
+def plan_stage3(family, source, request, dtype, target: Target, tiling: bool):
+    """Compile stage 3's torchax decode (VAE weights replicated, latents split along width over every
+    device) for `target`; the report as a dict. The latents' shape comes from the family's own stage-2
+    loop (built around a one-block meta transformer), so it is the shape stage 2 writes."""
+    from models.common import LATENTS_WIDTH_SPLIT
+    from sharding import REPLICATED_TABLE, MeshShape
+    from torchax_runtime import TorchaxRuntime
+
+    mesh = topology_mesh(target, MeshShape(sp=target.devices))
+    runtime = TorchaxRuntime(mesh)
+    transformer = meta_module(source, "transformer", dtype, num_layers=1)
+    embeds = family.planning_embeds(source, dtype)
+    loop, finish = family.denoise_loop(source, request, embeds, dtype, transformer, runtime, "megatron")
+    latents, _ = finish(loop.latents.to(dtype))
+    vae = meta_module(source, "vae", dtype)
+    if tiling:
+        vae.enable_tiling()
+    compiled = compile_module(
+        family.Decoder(vae), REPLICATED_TABLE, [(latents, LATENTS_WIDTH_SPLIT)], mesh, runtime.env
+    )
+    split = latents.shape[-1] % target.devices == 0  # else fit_spec replicates the latents, as a real run does
+    fields = {"tiling": tiling, "latents": list(latents.shape), "width_split": split}
+    report = _report(3, target, mesh, request, dtype, compiled, **fields)
+    if not compiled.refused:
+        report["collectives"] = {"total": {op: v for op, v in compiled.collectives.items() if v["count"]}}
+        _flops(report, target, compiled.flops)
+    return report
+
+
+def target_from_flag(name: str) -> Target:
+    """`--plan NAME` as a Target, or one `error:` line naming what is known."""
+    try:
+        return parse_target(name)
+    except ValueError as err:
+        raise UserError(f"--plan: {err}") from None
+
+
+def request_to_plan(input_dir: Path, model: str | None, flags: dict[str, Any], dtype: str | None):
+    """The request, model and stage-1 tensors a plan compiles for: from the stage folder if it has a
+    config (as a real run reads it; `flags` override), else from `model` with its defaults, the given
+    request flags and zero tensors of the shapes stage 1 writes. Published hub ids need no network."""
+    import models
+
+    if (input_dir / CONFIG_FILE).is_file():
+        config = read_config(input_dir, needs="stage1")
+        request, _ = Request.from_config(config, input_dir).with_overrides({**flags, "model_id": model})
+        source, family = models.resolve_model_for_request(request, configs_only=True)
+        family.validate_request(source, request)
+        return request, source, family, read_tensors(input_dir, config["stage1"])
+    if not model:
+        raise UserError(f"--plan needs stage-1 files in {input_dir} or a --model to plan from")
+    source, family = models.resolve_model(model, configs_only=True)
+    given = {key: value for key, value in flags.items() if value is not None}
+    values = {**family.request_defaults(source), "seed": 0, **given}
+    request = Request(
+        model_family=family.NAME, model_id=model, prompt="", negative_prompt="", dtype=dtype or "bf16", **values
+    )
+    family.validate_request(source, request)
+    return request, source, family, family.planning_embeds(source, parse_dtype(request.dtype))
+
+
+def finish(report: dict[str, Any], json_path: str | None) -> None:
+    """Print the report, save it as JSON if asked, and exit 3 when it does not fit."""
+    import json
+    import sys
+
+    print_report(report)
+    if json_path:
+        atomic_write(Path(json_path), lambda tmp: tmp.write_text(json.dumps(report, indent=2) + "\n"))
+    if not report["fits"]:
+        sys.exit(DOES_NOT_FIT_EXIT_STATUS)
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -344,6 +321,9 @@ def print_report(report: dict[str, Any]) -> None:
         f"(axes across hosts: {crossing})"
     )
     print(f"  compiled by the TPU compiler in {report['compile_seconds']} s")
+    if report["stage"] == 3:
+        split = "split along width" if report["width_split"] else "NOT split: latent width not divisible by devices"
+        print(f"  latents {report['latents']} {split}; VAE tiling {'on' if report['tiling'] else 'off'}")
     memory = report["hbm_bytes_per_device"]
     if "arguments" in memory:
         parts = ", ".join(f"{key} {gib(memory[key])}" for key in ("arguments", "temporaries", "outputs", "code"))
@@ -357,18 +337,19 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"  verdict: {verdict}")
     if not report["fits"] and "arguments" not in memory:
         return
-    for where in ("per_block", "outside_blocks"):
+    for where in ("per_block", "outside_blocks") if "per_block" in report["collectives"] else ("total",):
         found = report["collectives"][where]
         text = "; ".join(
             f"{op} {v['count']} ops, {v['tensors']} tensors, {v['bytes'] / 2**20:.2f} MiB" for op, v in found.items()
         )
         print(f"  collectives {where.replace('_', ' ')}: {text or 'none'}")
     flops = report["flops_per_device"]
+    what = "step" if report["stage"] == 2 else "decode"
     print(
-        f"  FLOPs per step per device: {flops['total']:.3e} ({flops['xla']:.3e} XLA + {flops['attention']:.3e} "
-        f"attention); at peak bf16 that is at least {report['step_seconds_lower_bound']:.3f} s per step (a lower bound)"
+        f"  FLOPs per {what} per device: {flops['total']:.3e} ({flops['xla']:.3e} XLA + {flops['attention']:.3e} "
+        f"attention); at peak bf16 that is at least {report[what + '_seconds_lower_bound']:.3f} s (a lower bound)"
     )
-    for shape in report["splash_padding"]:
+    for shape in report.get("splash_padding", ()):
         print(
             f"  Splash x{shape['calls']}: q {shape['q_len']} -> {shape['q_padded']} "
             f"({shape['q_padding_percent']}% padding), kv {shape['kv_len']} -> {shape['kv_padded']} "

@@ -89,14 +89,16 @@ class TorchRuntime:
         return {"backend": "torch", "device": str(self.device)}
 
 
-def quiet_libtpu() -> None:
-    """Keep libtpu silent on hosts without TPU chips.
+def libtpu_off_tpu() -> None:
+    """Make libtpu behave on hosts without TPU chips, where it only compiles (--plan).
 
     libtpu (the tpu extra; `make test` installs it for --plan) prints several lines to stderr when JAX
-    starts its backends, or when --plan asks it for a topology, on a host without TPUs ("could not
-    determine TPU accelerator type", worker hostnames, "Logging before InitGoogle"). With these two
-    variables set it stays quiet and JAX still runs on the CPU. TPU VMs expose their chips as
-    /dev/accel* or /dev/vfio: there nothing is changed, and a value the user set is never replaced.
+    starts its backends, or when --plan asks it for a topology ("could not determine TPU accelerator
+    type", worker hostnames, "Logging before InitGoogle"); with TPU_ACCELERATOR_TYPE and
+    TPU_WORKER_HOSTNAMES set it stays quiet and JAX still runs on the CPU. It also takes a lock file
+    that makes a second process fail ("libtpu multi-process lockfile") while one holds it; with no
+    chips to share, ALLOW_MULTIPLE_LIBTPU_LOAD lets plans run side by side. TPU VMs expose their chips
+    as /dev/accel* or /dev/vfio: there nothing is changed, and a value the user set is never replaced.
     """
     import os
     from pathlib import Path
@@ -105,6 +107,7 @@ def quiet_libtpu() -> None:
         return
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v6e-8")  # any valid type; only read to stay quiet
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 class Timer:

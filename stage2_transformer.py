@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
-import sys
 from pathlib import Path
 
 import models
@@ -23,13 +21,11 @@ from models.denoise import DenoiseGuard, DenoiseOptions, denoise
 from runtime import Timer
 from utils import (
     CHECKPOINT_FILE,
-    CONFIG_FILE,
     DEFAULT_OUTPUT_DIR,
     STAGE2_FILE,
     Request,
     UserError,
     add_request_arguments,
-    atomic_write,
     ensure_writable_dir,
     filter_harmless_warnings,
     log,
@@ -151,67 +147,23 @@ def mesh_shape(args, family, source, request: Request, device_count: int):
         raise UserError(re.sub(r"\b(dp|sp|tp)\b", r"--\1", str(err))) from None
 
 
-def planned_request(args, input_dir: Path):
-    """--plan's request, model and stage-1 tensors: from the stage-1 folder if there is one (as a real run),
-    else from --model and the request flags with zero tensors of stage 1's shapes."""
-    flags = request_flags(args)
-    if (input_dir / CONFIG_FILE).is_file():
-        config = read_config(input_dir, needs="stage1")
-        request, _ = Request.from_config(config, input_dir).with_overrides({**flags, "model_id": args.model})
-        source, family = models.resolve_model_for_request(request, configs_only=True)
-        family.validate_request(source, request)
-        return request, source, family, read_tensors(input_dir, config["stage1"])
-    if not args.model:
-        raise UserError(f"--plan needs stage-1 files in {input_dir} or a --model to plan from")
-    source, family = models.resolve_model(args.model, configs_only=True)
-    values = {
-        **family.request_defaults(source),
-        "seed": 0,
-        **{key: value for key, value in flags.items() if value is not None},
-    }
-    request = Request(
-        model_family=family.NAME,
-        model_id=args.model,
-        prompt="",
-        negative_prompt="",
-        dtype=args.dtype or "bf16",
-        **values,
-    )
-    family.validate_request(source, request)
-    return request, source, family, family.planning_embeds(source, parse_dtype(request.dtype))
-
-
 def plan_main(args) -> None:
     """--plan: compile for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
     import plan
 
-    try:
-        target = plan.parse_target(args.plan)
-    except ValueError as err:
-        raise UserError(f"--plan: {err}") from None
-    request, source, family, embeddings = planned_request(args, Path(args.input_dir))
-    dtype_name = args.dtype or request.dtype
-    dtype = parse_dtype(dtype_name)
+    target = plan.target_from_flag(args.plan)
+    request, source, family, embeddings = plan.request_to_plan(
+        Path(args.input_dir), args.model, request_flags(args), args.dtype
+    )
+    dtype = parse_dtype(args.dtype or request.dtype)
     shape = mesh_shape(args, family, source, request, target.devices)
     attention = "splash" if args.attention == "auto" else args.attention
-    log(f"planning {family.NAME} stage 2 for {target.name} ({target.topology}), mesh {shape.as_dict()}, {dtype_name}")
+    log(f"planning {family.NAME} stage 2 for {target.name} ({target.topology}), mesh {shape.as_dict()}")
+    splash = splash_config(args, family, "tpu")
     report = plan.plan_stage2(
-        family,
-        source,
-        request,
-        embeddings,
-        dtype,
-        target,
-        shape,
-        args.tp_mode,
-        attention,
-        splash_config(args, family, "tpu"),
+        family, source, request, embeddings, dtype, target, shape, args.tp_mode, attention, splash
     )
-    plan.print_report(report)
-    if args.plan_json:
-        atomic_write(Path(args.plan_json), lambda tmp: tmp.write_text(json.dumps(report, indent=2) + "\n"))
-    if not report["fits"]:
-        sys.exit(plan.DOES_NOT_FIT_EXIT_STATUS)
+    plan.finish(report, args.plan_json)
 
 
 def main(argv=None) -> None:

@@ -59,7 +59,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--no_compile_cache", action="store_true", help="torchax: do not use the persistent JAX compilation cache"
     )
+    planning = parser.add_argument_group("planning for a TPU (from any host, no TPU, no weights)")
+    planning.add_argument(
+        "--plan",
+        metavar="TPU",
+        help="compile this decode (--backend torchax layout: VAE replicated, latents split along width over "
+        "every device) for a TPU slice, report HBM fit, then exit (0: fits, 3: does not fit); writes nothing. "
+        "TPU: v5litepod-8, v5e-8, v5p-8, v6e-8, tpu7x-8, ... or a topology (v6e:2x4)",
+    )
+    planning.add_argument("--plan_json", metavar="FILE", help="also save the plan's report as JSON")
+    for name in PLAN_REQUEST_KEYS:
+        planning.add_argument(f"--{name}", type=int, help="with --plan: the video to plan for (default: the request's)")
     return parser.parse_args(argv)
+
+
+PLAN_REQUEST_KEYS = ("height", "width", "num_frames")
+
+
+def plan_main(args) -> None:
+    """--plan: compile the decode for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
+    import plan
+
+    target = plan.target_from_flag(args.plan)
+    flags = {key: getattr(args, key) for key in PLAN_REQUEST_KEYS}
+    request, source, family, _ = plan.request_to_plan(Path(args.input_dir), args.model, flags, args.dtype)
+    dtype = parse_dtype(args.dtype or request.dtype)
+    log(f"planning the {family.NAME} decode for {target.name} ({target.topology}), tiling {args.tiling}")
+    plan.finish(plan.plan_stage3(family, source, request, dtype, target, args.tiling), args.plan_json)
 
 
 def preview_name(video_name: str) -> str:
@@ -69,6 +95,11 @@ def preview_name(video_name: str) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     filter_harmless_warnings()
+    if args.plan:
+        return plan_main(args)
+    given = [f"--{name}" for name in ("plan_json", *PLAN_REQUEST_KEYS) if getattr(args, name) is not None]
+    if given:
+        raise UserError(f"{', '.join(given)} need --plan (stage 3 decodes the latents stage 2 wrote)")
     check_backend_flags(args.backend, args.device)
     if args.preview_frames < 0:
         raise UserError(f"--preview_frames {args.preview_frames} must be >= 0")

@@ -56,10 +56,10 @@ def tolerate_missing_overloads() -> Iterator[list[str]]:
 def import_torchax():
     """Return the torchax module with its default environment built (the shim covers both steps).
 
-    Building it starts JAX's backends, so libtpu is quietened first (runtime.quiet_libtpu)."""
-    from runtime import quiet_libtpu
+    Building it starts JAX's backends, so libtpu is set up for this host first (runtime.libtpu_off_tpu)."""
+    from runtime import libtpu_off_tpu
 
-    quiet_libtpu()
+    libtpu_off_tpu()
     with tolerate_missing_overloads() as missing:
         import torchax
 

@@ -13,6 +13,8 @@ import pytest
 
 import plan
 import stage2_transformer
+import stage3_vae_decoder
+import tpus
 from helpers import expect_user_error, run_stage, tiny_stage1
 from sharding import MeshShape
 
@@ -33,9 +35,9 @@ from sharding import MeshShape
     ],
 )
 def test_accelerator_names_map_to_topologies_and_libtpu_agrees(name, topology, chips, devices):
-    target = plan.parse_target(name)
+    target = tpus.parse_target(name)
     assert (target.topology, target.chips, target.devices) == (topology, chips, devices)
-    assert plan.topology_mesh(target, MeshShape(tp=devices)).devices.size == devices  # libtpu's own count
+    assert tpus.topology_mesh(target, MeshShape(tp=devices)).devices.size == devices  # libtpu's own count
 
 
 @pytest.mark.parametrize(
@@ -43,9 +45,9 @@ def test_accelerator_names_map_to_topologies_and_libtpu_agrees(name, topology, c
     [("v6e-8", 1, []), ("v6e-16", 4, ["dp", "tp"]), ("v5p-8", 1, []), ("tpu7x-8", 1, [])],
 )
 def test_report_says_how_the_mesh_spans_hosts(name, hosts, across):
-    target = plan.parse_target(name)
+    target = tpus.parse_target(name)
     shape = MeshShape(2, 1, target.devices // 2)
-    assert plan.host_layout(plan.topology_mesh(target, shape)) == {"hosts": hosts, "axes_across_hosts": across}
+    assert tpus.host_layout(tpus.topology_mesh(target, shape)) == {"hosts": hosts, "axes_across_hosts": across}
 
 
 @pytest.mark.parametrize(
@@ -59,7 +61,7 @@ def test_report_says_how_the_mesh_spans_hosts(name, hosts, across):
 )
 def test_unknown_targets_are_refused(name, message):
     with pytest.raises(ValueError, match=message):
-        plan.parse_target(name)
+        tpus.parse_target(name)
 
 
 # Per block, from the TPU HLO. 2x1x4: Megatron minimum (as on XLA:CPU). 1x2x4: today's sp (queries split,
@@ -126,3 +128,18 @@ def test_plan_from_a_stage1_folder_uses_its_request(tmp_path, capsys):
 )
 def test_plan_errors(capsys, tmp_path, flags, message):
     expect_user_error(capsys, stage2_transformer, ["--input_dir", tmp_path, *flags], message)
+
+
+def test_stage3_plans_the_width_split_decode(tmp_path):
+    """HunyuanVideo-1.5's tiny VAE at 64 x 256 pixels: latent width 16 splits over 8 devices."""
+    out = tmp_path / "plan.json"
+    argv = ["--input_dir", tmp_path, "--model", "tiny-hunyuanvideo15", "--plan", "v6e-8", "--plan_json", out]
+    run_stage(stage3_vae_decoder, [*argv, "--height", 64, "--width", 128])
+    report = json.loads(out.read_text())
+    assert report["stage"] == 3 and report["fits"] and report["mesh"] == {"dp": 1, "sp": 8, "tp": 1}
+    assert report["latents"] == [1, 4, 2, 8, 16] and report["width_split"]
+    assert report["hbm_bytes_per_device"]["arguments"] > 0 and report["flops_per_device"]["xla"] > 0
+
+
+def test_stage3_planning_flags_need_plan(capsys, tmp_path):
+    expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", tmp_path, "--height", 64], "--height need --plan")

@@ -143,3 +143,23 @@ def test_stage3_plans_the_width_split_decode(tmp_path):
 
 def test_stage3_planning_flags_need_plan(capsys, tmp_path):
     expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", tmp_path, "--height", 64], "--height need --plan")
+
+
+def test_a_folder_with_configs_only_plans(tmp_path):
+    """A local diffusers folder without weights or tokenizer files: the architecture is all a plan needs."""
+    import shutil
+
+    import models
+
+    preset = models.materialize_preset("tiny-cogvideox")
+    folder = tmp_path / "configs-only"
+    for path in preset.rglob("*.json"):
+        if path.parent.name != "tokenizer":
+            (folder / path.relative_to(preset)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, folder / path.relative_to(preset))
+    assert not list(folder.rglob("*.safetensors"))
+    out = tmp_path / "plan.json"
+    video = ["--height", 64, "--width", 96, "--num_frames", 9]  # the preset's size (no preset defaults here)
+    argv = ["--input_dir", tmp_path / "none", "--model", folder, "--plan", "v6e-8", "--plan_json", out, *video]
+    run_stage(stage2_transformer, argv)
+    assert json.loads(out.read_text())["fits"]

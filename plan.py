@@ -73,6 +73,11 @@ class Compiled:
     refused: dict[str, float] | None = None  # {"required": bytes, "available": bytes} when out of HBM
 
 
+class KernelDoesNotFit(ValueError):
+    """The compiler could not fit a kernel's working set in the core's scoped VMEM (tiles too large)."""
+
+
+_OUT_OF_VMEM = re.compile(r"Scoped allocation with size ([\d.]+\w) and limit ([\d.]+\w)")
 _OUT_OF_HBM = re.compile(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)")
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -98,6 +103,10 @@ def compile_module(module: torch.nn.Module, rules, inputs, mesh: Mesh, env) -> C
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as err:
+        vmem = _OUT_OF_VMEM.search(str(err))
+        if "RESOURCE_EXHAUSTED" in str(err) and vmem is not None:
+            need, limit = (f"{size[:-1]} {size[-1]}iB" for size in vmem.groups())
+            raise KernelDoesNotFit(f"needs {need} of scoped VMEM, the limit is {limit}") from None
         found = _OUT_OF_HBM.search(str(err))
         if "RESOURCE_EXHAUSTED" not in str(err) or found is None:
             raise

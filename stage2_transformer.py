@@ -117,14 +117,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def splash_config(args, family, platform: str):
+def splash_config(args, family, generation=None):
+    """Splash tiles and options: the family's default tiles (replaced by the generation's measured cap where
+    its scoped VMEM cannot hold them: tpus.Generation.splash_tile_cap), then the tile flags as given. `generation` None:
+    not a TPU, so the kernel runs in Pallas interpret mode."""
     from splash_attention import SplashConfig
 
+    names = ("block_q", "block_kv", "block_kv_compute")
     blocks = dict(family.SPLASH_BLOCK_SIZES)
-    blocks.update({name: getattr(args, name) for name in blocks if getattr(args, name) is not None})
+    cap = generation.splash_tile_cap if generation is not None else None
+    if cap is not None and any(blocks[name] > limit for name, limit in zip(names, cap, strict=True)):
+        capped = dict(zip(names, cap, strict=True))  # the measured set, not a mix of both
+        log(f"Splash tiles {blocks} replaced by {capped}: larger ones exceed {generation.prefix}'s scoped VMEM")
+        blocks = capped
+    blocks.update({name: getattr(args, name) for name in names if getattr(args, name) is not None})
     try:
         return SplashConfig(
-            **blocks, interpret=platform != "tpu", local_window=args.local_window, k_smoothing=args.k_smoothing
+            **blocks, interpret=generation is None, local_window=args.local_window, k_smoothing=args.k_smoothing
         )
     except ValueError as err:
         raise UserError(f"--{err}") from None
@@ -159,10 +168,17 @@ def plan_main(args) -> None:
     shape = mesh_shape(args, family, source, request, target.devices)
     attention = "splash" if args.attention == "auto" else args.attention
     log(f"planning {family.NAME} stage 2 for {target.name} ({target.topology}), mesh {shape.as_dict()}")
-    splash = splash_config(args, family, "tpu")
-    report = plan.plan_stage2(
-        family, source, request, embeddings, dtype, target, shape, args.tp_mode, attention, splash
-    )
+    splash = splash_config(args, family, target.generation)
+    try:
+        report = plan.plan_stage2(
+            family, source, request, embeddings, dtype, target, shape, args.tp_mode, attention, splash
+        )
+    except plan.KernelDoesNotFit as err:
+        tiles = f"{splash.block_q}/{splash.block_kv}/{splash.block_kv_compute}"
+        raise UserError(
+            f"--plan {args.plan}: Splash with tiles {tiles} (block_q/block_kv/block_kv_compute) {err} on "
+            f"{target.generation.prefix}; use smaller tiles, e.g. --block_q 1024 --block_kv 1024 --block_kv_compute 512"
+        ) from None
     plan.finish(report, args.plan_json)
 
 
@@ -201,6 +217,7 @@ def main(argv=None) -> None:
     import jax
 
     import sharding
+    import tpus
     from splash_attention import attention_backend, resolve_backend
     from torchax_runtime import CompileCache, TorchaxRuntime
 
@@ -208,7 +225,10 @@ def main(argv=None) -> None:
     mesh = sharding.make_mesh(mesh_shape(args, family, source, request, jax.device_count()))
     runtime = TorchaxRuntime(mesh, profile_dir=args.profile, compile_cache=compile_cache)
     attention = resolve_backend(args.attention)
-    splash = splash_config(args, family, runtime.platform)
+    generation = tpus.generation_of(mesh.devices.flat[0].device_kind) if runtime.platform == "tpu" else None
+    if runtime.platform == "tpu" and generation is None:
+        log(f"unknown TPU generation {mesh.devices.flat[0].device_kind!r}: Splash tiles are not capped")
+    splash = splash_config(args, family, generation)
     log(f"{family.NAME} transformer, {runtime.describe()}, {dtype_name}, attention {attention}")
     log(f"request overrides: {overrides or 'none'}")
     options = DenoiseOptions(tp_mode=args.tp_mode, warmup_steps=args.warmup_steps, guard=guard)

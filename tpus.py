@@ -32,14 +32,29 @@ class Generation:
     bf16_flops_per_chip: float
     three_d: bool  # 3-D torus topology names (2x2x1) rather than 2-D (2x4)
     single_host_chips: int  # the largest slice on one host; bigger slices have 4 chips per host
+    device_kind: str  # what jax reports as `device_kind` on this generation
+    # Largest Splash tiles (block_q, block_kv, block_kv_compute) whose kernel fits the core's 16 MiB of
+    # scoped VMEM, where the families' defaults do not (None: they do). Measured with the TPU compiler,
+    # CogVideoX1.5 and HunyuanVideo-1.5 720p shapes: 3328/2816/256 needs 25.4 MiB on v5e and 28.8 on
+    # v5p, 2048/2048/1024 19.5 and 21.6, 1024/1024/512 fits; on v6e and tpu7x all of these compile.
+    splash_tile_cap: tuple[int, int, int] | None = None
 
 
 GENERATIONS = {
-    "v5e": Generation("v5e", ("v5litepod", "v5e"), False, 1, 16 * GIB, 197e12, False, 8),
-    "v5p": Generation("v5p", ("v5p",), True, 1, 95 * GIB, 459e12, True, 4),
-    "v6e": Generation("v6e", ("v6e",), False, 1, 32 * GIB, 918e12, False, 8),
-    "tpu7x": Generation("tpu7x", ("tpu7x",), True, 2, 192 * GIB, 2307e12, True, 4),
+    "v5e": Generation(
+        "v5e", ("v5litepod", "v5e"), False, 1, 16 * GIB, 197e12, False, 8, "TPU v5 lite", (1024, 1024, 512)
+    ),
+    "v5p": Generation("v5p", ("v5p",), True, 1, 95 * GIB, 459e12, True, 4, "TPU v5", (1024, 1024, 512)),
+    "v6e": Generation("v6e", ("v6e",), False, 1, 32 * GIB, 918e12, False, 8, "TPU v6 lite"),
+    "tpu7x": Generation("tpu7x", ("tpu7x",), True, 2, 192 * GIB, 2307e12, True, 4, "TPU7x"),
 }
+
+
+def generation_of(device_kind: str) -> Generation | None:
+    """The generation of a JAX device (`device.device_kind`), or None off TPU or for one we do not know."""
+    return next((g for g in GENERATIONS.values() if g.device_kind == device_kind), None)
+
+
 # v4 is left out on purpose: libtpu's compile-only v4 topology gives 2 devices per chip, while a v4 VM
 # runs one megacore device per chip, so the compiled program would not be the one a v4 runs.
 GRIDS_2D = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}

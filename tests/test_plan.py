@@ -163,3 +163,32 @@ def test_a_folder_with_configs_only_plans(tmp_path):
     argv = ["--input_dir", tmp_path / "none", "--model", folder, "--plan", "v6e-8", "--plan_json", out, *video]
     run_stage(stage2_transformer, argv)
     assert json.loads(out.read_text())["fits"]
+
+
+@pytest.mark.parametrize(
+    "generation, expected", [("v5e", (1024, 1024, 512)), ("v5p", (1024, 1024, 512)), ("v6e", None)]
+)
+def test_default_splash_tiles_are_capped_where_scoped_vmem_cannot_hold_them(generation, expected):
+    from types import SimpleNamespace
+
+    from models import cogvideox
+
+    flags = dict.fromkeys(("block_q", "block_kv", "block_kv_compute", "local_window"), None)
+    config = stage2_transformer.splash_config(
+        SimpleNamespace(**flags, k_smoothing=False), cogvideox, tpus.GENERATIONS[generation]
+    )
+    defaults = tuple(cogvideox.SPLASH_BLOCK_SIZES.values())
+    assert (config.block_q, config.block_kv, config.block_kv_compute) == (expected or defaults)
+    assert not config.interpret
+    given = stage2_transformer.splash_config(
+        SimpleNamespace(**{**flags, "block_q": 2048}, k_smoothing=False), cogvideox, tpus.GENERATIONS[generation]
+    )
+    assert given.block_q == 2048  # what the user asks for is kept (a plan then says whether it compiles)
+
+
+@pytest.mark.slow
+def test_tiles_too_large_for_v5e_vmem_are_a_user_error_with_a_fix(capsys, tmp_path):
+    """The TPU compiler refuses Splash 3328/2816/256 on v5e (scoped VMEM); interpret mode never would."""
+    flags = ["--height", 480, "--width", 848, "--block_q", 3328, "--block_kv", 2816, "--block_kv_compute", 256]
+    argv = ["--input_dir", tmp_path, "--model", "tiny-hunyuanvideo15", "--plan", "v5e-8", *flags]
+    expect_user_error(capsys, stage2_transformer, argv, "of scoped VMEM, the limit is 16.00 MiB on v5e; use smaller")

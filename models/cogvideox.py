@@ -33,7 +33,10 @@ VARIANT_DEFAULTS = {
 }
 COMMON_DEFAULTS = {"num_inference_steps": 50, "guidance_scale": 6.0}
 
-# Splash tiles that the reference notes measured fastest for CogVideoX1.5 at 720p on TPU v6e.
+# Splash tiles. The reference notes measured 3328/2816/256 fastest for CogVideoX1.5 at 768x1360 on v6e
+# (speed is not measurable without a TPU). The TPU compiler (benchmarks/tpu_plan.py) shows it compiles
+# on v6e-8 and tpu7x-8 and pads 45,106 tokens by 3.2% (queries) and 5.8% (keys); it overflows the 16 MiB
+# of scoped VMEM on v5e and v5p, where stage 2 uses tpus.Generation.splash_tile_cap instead.
 SPLASH_BLOCK_SIZES = {"block_q": 3328, "block_kv": 2816, "block_kv_compute": 256}
 
 

@@ -288,7 +288,7 @@ def request_to_plan(input_dir: Path, model: str | None, flags: dict[str, Any], d
 
     if (input_dir / CONFIG_FILE).is_file():
         config = read_config(input_dir, needs="stage1")
-        request, _ = Request.from_config(config, input_dir).with_overrides({**flags, "model_id": model})
+        request, _ = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides({**flags, "model_id": model})
         source, family = models.resolve_model_for_request(request, configs_only=True)
         family.validate_request(source, request)
         return request, source, family, read_tensors(input_dir, config["stage1"])

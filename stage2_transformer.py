@@ -21,6 +21,7 @@ from models.denoise import DenoiseGuard, DenoiseOptions, denoise
 from runtime import Timer
 from utils import (
     CHECKPOINT_FILE,
+    CONFIG_FILE,
     DEFAULT_OUTPUT_DIR,
     STAGE2_FILE,
     Request,
@@ -196,7 +197,7 @@ def main(argv=None) -> None:
     timer = Timer()
 
     config = read_config(input_dir, needs="stage1")
-    request, overrides = Request.from_config(config, input_dir).with_overrides(
+    request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides(
         {**request_flags(args), "model_id": args.model}
     )
     source, family = models.resolve_model_for_request(request)

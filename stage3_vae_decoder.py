@@ -17,6 +17,7 @@ import models
 from models.common import check_backend_flags, decode, open_runtime, write_mp4, write_preview_png
 from runtime import SP, Timer
 from utils import (
+    CONFIG_FILE,
     DEFAULT_OUTPUT_DIR,
     VIDEO_FILE,
     Request,
@@ -108,7 +109,7 @@ def main(argv=None) -> None:
     timer = Timer()
 
     config = read_config(input_dir, needs="stage2")
-    request, overrides = Request.from_config(config, input_dir).with_overrides({"fps": args.fps})
+    request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides({"fps": args.fps})
     source, family = models.resolve_model_for_request(request, args.model)
     check_stage2_fresh(input_dir, config, request)
     dtype_name = args.dtype or request.dtype

@@ -307,9 +307,9 @@ class Request:
         return {"model_id": self.model_id, **{key: getattr(self, key) for key in DENOISE_KEYS}}
 
 
-def request_flags(args, keys: tuple[str, ...] = REQUEST_KEYS) -> dict[str, Any]:
+def request_flags(args) -> dict[str, Any]:
     """The request flags given on a later stage's command line (None where omitted)."""
-    return {key: getattr(args, key, None) for key in keys}
+    return {key: getattr(args, key, None) for key in REQUEST_KEYS}
 
 
 def write_stage_config(

@@ -7,6 +7,7 @@ copies (2 and 3 blocks, for the per-block collectives); on 2 CPU cores a full mo
 
     python benchmarks/tpu_plan.py                 # the whole grid (14 rows)
     python benchmarks/tpu_plan.py --rows 3        # the first rows only
+    python benchmarks/tpu_plan.py --tiles         # Splash alone: which tiles compile on which generation
 """
 
 from __future__ import annotations
@@ -90,10 +91,65 @@ def table_row(row: dict) -> str:
     return f"| {row['label']} | {mesh} | {verdict} | {hbm} | {collectives} | {bound} | {padding} |"
 
 
+# The two models' attention at the default mesh 2x1x4: (batch, heads, tokens, head_dim).
+ATTENTION_SHAPES = {"CogVideoX1.5-5B": (2, 48, 45106, 64), "HunyuanVideo-1.5 720p": (2, 16, 113585, 128)}
+
+
+def splash_tiles() -> list[dict]:
+    """Compile the Splash kernel alone (bf16, exact masking, 2x1x4 mesh) for every generation and tile
+    candidate: seconds each, where the full model takes minutes. A kernel whose blocks overflow the
+    core's scoped VMEM is refused by the compiler with the sizes, which are recorded."""
+    import re
+
+    sys.path.insert(0, str(ROOT))
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import sharding
+    import tpus
+    from splash_attention import SplashConfig, splash_attention
+
+    found = []
+    for tpu in ("v5e-8", "v5p-8", "v6e-8", "tpu7x-8"):
+        target = tpus.parse_target(tpu)
+        mesh = tpus.topology_mesh(target, sharding.MeshShape(2, 1, target.devices // 2))
+        for model, (batch, heads, tokens, head_dim) in ATTENTION_SHAPES.items():
+            for name, tiles in {**TILES, "1024/1024/512": (1024, 1024, 512)}.items():  # + the v5e/v5p cap
+                config = SplashConfig(*tiles)
+                qkv = jax.ShapeDtypeStruct(
+                    (batch, heads, tokens, head_dim), jax.numpy.bfloat16, sharding=NamedSharding(mesh, P("dp", "tp"))
+                )
+                valid = jax.ShapeDtypeStruct((batch, tokens), jax.numpy.bool_, sharding=NamedSharding(mesh, P("dp")))
+
+                def attend(q, k, v, key_valid, config=config, mesh=mesh):
+                    return splash_attention(q, k, v, key_valid, config=config, mesh=mesh)
+
+                try:
+                    jax.jit(attend).lower(qkv, qkv, qkv, valid).compile()
+                    result = "compiles"
+                except jax.errors.JaxRuntimeError as err:
+                    sizes = re.search(r"Scoped allocation with size ([\d.]+M) and limit ([\d.]+M)", str(err))
+                    if sizes is None:
+                        raise
+                    result = f"needs {sizes.group(1)}iB of scoped VMEM, limit {sizes.group(2)}iB"
+                found.append({"tpu": tpu, "model": model, "tiles": name, "result": result})
+                print(json.dumps(found[-1]), file=sys.stderr, flush=True)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, help="run only the first N rows")
+    parser.add_argument("--tiles", action="store_true", help="only compile Splash alone for each tile candidate")
     args = parser.parse_args()
+    if args.tiles:
+        found = splash_tiles()
+        print("| TPU | model | tiles | Splash kernel |\n|---|---|---|---|")
+        for row in found:
+            print(f"| {row['tpu']} | {row['model']} | {row['tiles']} | {row['result']} |")
+        print(json.dumps({"tiles": found}))
+        return
     rows = grid()[: args.rows]
     results = []
     start = time.perf_counter()

@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:  # annotations only: importing these would pull in JAX or cycle through models
-    from models import ModelSource
+if TYPE_CHECKING:  # annotations only
     from models.denoise import DenoiseLoop
     from runtime import Runtime
     from utils import Request
@@ -28,6 +27,10 @@ class Preset:
     family: str
     build: Callable[[], Any]
     defaults: dict[str, Any] = field(default_factory=dict)
+
+
+# Where a family's components come from: a models.ModelSource (not imported: models imports this module).
+ModelSource = Any
 
 
 class Family(Protocol):

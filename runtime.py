@@ -43,9 +43,6 @@ class Runtime(Protocol):
     def constrain(self, tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
         """Inside a compiled forward: pin an activation's layout (a no-op without a mesh)."""
 
-    def axis_size(self, axis: str) -> int:
-        """Devices along a mesh axis (1 without a mesh)."""
-
     def profile_trace(self) -> contextlib.AbstractContextManager:
         """A profiler trace around the block, or a context that does nothing."""
 
@@ -75,9 +72,6 @@ class TorchRuntime:
 
     def constrain(self, tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
         return tensor
-
-    def axis_size(self, axis: str) -> int:
-        return 1
 
     def profile_trace(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

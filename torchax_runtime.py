@@ -125,9 +125,6 @@ class TorchaxRuntime:
         cache = CompileCache(enabled=compile_cache)
         return cls(sharding.make_mesh(sharding.MeshShape(**{axis: jax.device_count()})), compile_cache=cache)
 
-    def axis_size(self, axis: str) -> int:
-        return self.mesh.shape[axis]
-
     def profile_trace(self) -> contextlib.AbstractContextManager:
         """A JAX profiler trace writing to `profile_dir` (view with TensorBoard/XProf), if one was given."""
         return jax.profiler.trace(self.profile_dir) if self.profile_dir else contextlib.nullcontext()

@@ -18,7 +18,7 @@ from runtime import DP, SP
 from utils import Request, UserError
 
 from . import tiny
-from .common import text_encoder_on
+from .common import DeviceTextEncoder
 from .denoise import DenoiseLoop, latents_record
 from .family import Preset
 
@@ -123,7 +123,7 @@ def _pipeline(**components):
 
 def encode_prompts(source, request: Request, dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:
     """T5 embeddings of the prompt and negative prompt, padded to the transformer's text length."""
-    text_encoder = text_encoder_on(runtime, source.load("text_encoder", dtype=dtype).eval())
+    text_encoder = DeviceTextEncoder(source.load("text_encoder", dtype=dtype).eval(), runtime)
     pipe = _pipeline(tokenizer=source.load("tokenizer"), text_encoder=text_encoder)
     with torch.no_grad():
         prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(

@@ -70,11 +70,6 @@ def text_encoder_rules(config) -> Any:
     return rules
 
 
-def text_encoder_on(runtime: Runtime, encoder: torch.nn.Module, hidden_states: bool = False) -> torch.nn.Module:
-    """`encoder` ready for a diffusers pipeline's `encode_prompt` on `runtime`."""
-    return DeviceTextEncoder(encoder, runtime, hidden_states)
-
-
 class _EncoderOutputs(torch.nn.Module):
     """The jitted side: plain tensors out (jax.jit returns no ModelOutput or cache objects)."""
 
@@ -118,7 +113,7 @@ class DeviceTextEncoder(torch.nn.Module):
     `.hidden_states`). On a JAX mesh its weights are split over `tp` by the encoder's rule table and
     it compiles once per input shape (the pipelines pad to a fixed length)."""
 
-    def __init__(self, encoder: torch.nn.Module, runtime: Runtime, hidden_states: bool) -> None:
+    def __init__(self, encoder: torch.nn.Module, runtime: Runtime, hidden_states: bool = False) -> None:
         super().__init__()
         self.config = encoder.config
         self.encoder_dtype = encoder.dtype

@@ -36,7 +36,7 @@ from runtime import DP
 from utils import Request, UserError
 
 from . import tiny
-from .common import text_encoder_on
+from .common import DeviceTextEncoder
 from .denoise import DenoiseLoop, latents_record
 from .family import Preset
 
@@ -293,9 +293,9 @@ def encode_prompts(source, request: Request, dtype: torch.dtype, runtime) -> dic
     pipe = _pipeline(
         source,
         tokenizer=source.load("tokenizer"),
-        text_encoder=text_encoder_on(runtime, source.load("text_encoder", dtype=dtype).eval(), hidden_states=True),
+        text_encoder=DeviceTextEncoder(source.load("text_encoder", dtype=dtype).eval(), runtime, hidden_states=True),
         tokenizer_2=source.load("tokenizer_2"),
-        text_encoder_2=text_encoder_on(runtime, source.load("text_encoder_2", dtype=dtype).eval()),
+        text_encoder_2=DeviceTextEncoder(source.load("text_encoder_2", dtype=dtype).eval(), runtime),
     )
     tensors = {}
     with torch.no_grad():

@@ -10,6 +10,7 @@ Nothing about a TPU in this repository is claimed without this compiler.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -61,6 +62,23 @@ def meta_module(source, component: str, dtype: torch.dtype, **overrides) -> torc
     return module
 
 
+def meta_transformers(family, source, dtype: torch.dtype, num_layers: int) -> dict[str, torch.nn.Module]:
+    """Every transformer the family's stage 2 loads, on the meta device at `num_layers` blocks."""
+    names = family.transformer_components(source)
+    return {name: meta_module(source, name, dtype, num_layers=num_layers) for name in names}
+
+
+def weight_bytes_per_device(module: torch.nn.Module, rules, mesh: Mesh) -> int:
+    """Bytes of `module`'s parameters and buffers on one device when placed by `rules` (as place_module does)."""
+    specs = rules.assign([name for name, _ in module.named_parameters()])
+    total = 0
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        spec = sharding.fit_spec(specs.get(name, ()), tensor.shape, mesh)
+        split = math.prod(mesh.shape[axis] for axis in spec if axis is not None)
+        total += tensor.numel() * tensor.element_size() // split
+    return total
+
+
 @dataclass
 class Compiled:
     """The compiler's answer for one program: analyses, or the HBM it said was missing."""
@@ -71,6 +89,13 @@ class Compiled:
     collectives: dict[str, dict[str, int]] | None = None
     hlo_text: str = ""
     refused: dict[str, float] | None = None  # {"required": bytes, "available": bytes} when out of HBM
+
+    def add_resident(self, size: int) -> None:
+        """Count `size` more bytes per device that live outside this program (other experts' weights)."""
+        if self.memory is not None:
+            self.memory["total"] += size
+        elif self.refused is not None:
+            self.refused["required"] += size
 
 
 class KernelDoesNotFit(ValueError):
@@ -216,18 +241,26 @@ def plan_stage2(family, source, request, embeds, dtype, target: Target, mesh_sha
     runtime = TorchaxRuntime(mesh)  # only its environment and `constrain` are used: nothing is placed
     layers = source.load_config("transformer")["num_layers"]
     compiled, calls = {}, {}
+    resident = 0  # bytes per device of the other experts' weights (Wan 2.2), on the device all along
     for depth in sorted({layers, 2, 3}, reverse=True):
-        transformer = meta_module(source, "transformer", dtype, num_layers=depth)
-        loop, _ = family.denoise_loop(source, request, embeds, dtype, transformer, runtime, tp_mode)
+        transformers = meta_transformers(family, source, dtype, num_layers=depth)
+        loop, _ = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, tp_mode)
         t = loop.timesteps[0]
         inputs = [(loop.model_input(loop.latents, t), ()), (t.reshape(1), ()), *loop.static_inputs]
+        rules = loop.rules.nested("transformer.")
         with attention_backend(runtime.env, attention, splash, mesh), record_kernel_calls() as traced:
-            compiled[depth] = compile_module(loop.guided, loop.rules.nested("transformer."), inputs, mesh, runtime.env)
+            compiled[depth] = compile_module(loop.guided[0], rules, inputs, mesh, runtime.env)
+        if depth == layers:
+            resident = sum(weight_bytes_per_device(other, rules, mesh) for other in loop.guided[1:])
+            compiled[depth].add_resident(resident)
         calls[depth] = traced
         if compiled[depth].refused:
             break
     full = compiled[layers]
-    report = _report(2, target, mesh, request, dtype, full, tp_mode=tp_mode, attention=attention)
+    fields = {"tp_mode": tp_mode, "attention": attention, "experts": len(transformers)}
+    report = _report(2, target, mesh, request, dtype, full, **fields)
+    if resident:
+        report["hbm_bytes_per_device"]["other_experts_weights"] = resident
     if full.refused:
         return report
     per_block, outside = _per_block(full.collectives, compiled[2].collectives, compiled[3].collectives, layers)
@@ -253,16 +286,15 @@ def plan_stage3(family, source, request, dtype, target: Target, tiling: bool):
 
     mesh = topology_mesh(target, MeshShape(sp=target.devices))
     runtime = TorchaxRuntime(mesh)
-    transformer = meta_module(source, "transformer", dtype, num_layers=1)
+    transformers = meta_transformers(family, source, dtype, num_layers=1)
     embeds = family.planning_embeds(source, dtype)
-    loop, finish = family.denoise_loop(source, request, embeds, dtype, transformer, runtime, "megatron")
-    latents, _ = finish(loop.latents.to(dtype))
+    loop, finish = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, "megatron")
+    latents, record = finish(loop.latents.to(dtype))
     vae = meta_module(source, "vae", dtype)
     if tiling:
         vae.enable_tiling()
-    compiled = compile_module(
-        family.Decoder(vae), REPLICATED_TABLE, [(latents, LATENTS_WIDTH_SPLIT)], mesh, runtime.env
-    )
+    decoder = family.Decoder(vae, record["latents_normalization"])
+    compiled = compile_module(decoder, REPLICATED_TABLE, [(latents, LATENTS_WIDTH_SPLIT)], mesh, runtime.env)
     split = latents.shape[-1] % target.devices == 0  # else fit_spec replicates the latents, as a real run does
     fields = {"tiling": tiling, "latents": list(latents.shape), "width_split": split}
     report = _report(3, target, mesh, request, dtype, compiled, **fields)

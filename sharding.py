@@ -213,6 +213,32 @@ def hunyuanvideo15_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
     )
 
 
+def wan_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
+    """WanTransformer3DModel (Wan 2.1 and 2.2 T2V): self- and cross-attention and the MLP get the Megatron
+    layout; q/k RMS norms span all heads, so their weights are split like q/k's columns.
+
+    Modulation: one `condition_embedder.time_proj` (width -> 6 x width, 14B: 157 M parameters) feeds
+    every block, which only adds its own `scale_shift_table` (6 x width). time_proj is split on its
+    input (MODULATION): one all-reduce of (batch, 6 x width) per step, not per block, and the tables
+    stay replicated (6 x width each, fp32) so no block needs a collective for its modulation.
+    Replicated: the patch, time and text embedders and the output layers."""
+    block = r"blocks\.\d+\."
+    return RuleTable(
+        f"wan-transformer/{tp_mode}",
+        megatron_rules(block, r"attn[12]\.to_[qkv]", r"attn[12]\.to_out\.0", "ffn", tp_mode)
+        + (
+            (block + r"attn[12]\.norm_[qk]\.weight", COLUMN_BIAS),
+            (block + r"scale_shift_table", REPLICATED),
+            (block + r"norm2\.(weight|bias)", REPLICATED),  # cross-attention LayerNorm
+            (r"condition_embedder\.time_proj\.weight", MODULATION),
+            (r"condition_embedder\.time_proj\.bias", REPLICATED),
+            (r"condition_embedder\.(time_embedder|text_embedder)\..*", REPLICATED),
+            (r"patch_embedding\.(weight|bias)", REPLICATED),
+            (r"(scale_shift_table|proj_out\.(weight|bias))", REPLICATED),
+        ),
+    )
+
+
 def _text_encoder_specs(split_attention: bool) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
     """Column, column-bias and row specs for a text encoder's attention: Megatron when `tp` divides its
     heads, else replicated (the MLP is split either way)."""
@@ -269,7 +295,7 @@ def qwen25vl_text_rules(split_attention: bool = True) -> RuleTable:
 def text_encoder_rules(config, tp: int) -> RuleTable:
     """The rule table for a transformers text encoder config on a mesh with `tp` devices on its `tp`
     axis: attention is split only where `tp` divides every head count."""
-    if config.model_type == "t5":
+    if config.model_type in ("t5", "umt5"):  # UMT5 (Wan): T5's names, a bias table in every layer
         return t5_encoder_rules(split_attention=config.num_heads % tp == 0)
     if config.model_type == "qwen2_5_vl_text":
         heads = (config.num_attention_heads, config.num_key_value_heads)

@@ -4,8 +4,8 @@
 Reads stage1_embeddings.safetensors + generation_config.json, shards the transformer over a dp/sp/tp
 mesh, runs the family's scheduler loop with classifier-free guidance (latents checked for NaN/Inf after
 every step; checkpoints with --checkpoint_every and on SIGTERM, continued with --resume), and writes
-stage2_latents.safetensors (tensor `latents`, layout B,C,F,H,W, still multiplied by the VAE scaling
-factor) plus a `stage2` section in the config.
+stage2_latents.safetensors (tensor `latents`, layout B,C,F,H,W, normalised as the transformer sees them:
+the section's `latents_normalization` says how) plus a `stage2` section in the config.
 """
 
 from __future__ import annotations

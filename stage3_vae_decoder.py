@@ -2,8 +2,9 @@
 """Stage 3: decode stage 2's latents with the pipeline's VAE and write an mp4.
 
 `--backend torch` runs plain PyTorch on CPU or CUDA and never imports JAX (for GPU hosts);
-`--backend torchax` runs the same VAE on a JAX device. The VAE scaling factor is undone exactly as
-the diffusers pipeline does before decoding.
+`--backend torchax` runs the same VAE on a JAX device. The latents' normalisation that stage 2 recorded
+(the VAE scaling factor, or Wan's per-channel mean and std) is undone exactly as the diffusers
+pipeline does before decoding.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from utils import (
     read_tensors,
     run_cli,
     run_record,
+    stage2_normalization,
     stage_sections,
     write_stage_config,
 )
@@ -120,7 +122,8 @@ def main(argv=None) -> None:
     # With --backend torchax the VAE's weights are replicated and its activations split along width.
     runtime = open_runtime(args.backend, args.device, SP, compile_cache=not args.no_compile_cache)
     log(f"decoding latents {tuple(latents.shape)} with the {family.NAME} VAE, {runtime.describe()}, {dtype_name}")
-    frames = decode(family, source, latents, dtype, runtime, timer, tiling=args.tiling)
+    normalization = stage2_normalization(config["stage2"], lambda: family.latents_normalization(source))
+    frames = decode(family, source, latents, normalization, dtype, runtime, timer, tiling=args.tiling)
     pixels = (frames.numpy() * 255).round().astype(np.uint8)
     with timer.phase("save"):
         write_mp4(output_dir / args.output_name, pixels, request.fps)

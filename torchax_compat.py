@@ -1,4 +1,5 @@
-"""Import torchax on a torch that has dropped the named-dimension (Dimname) op overloads.
+"""Import torchax on a torch that has dropped the named-dimension (Dimname) op overloads, and mend
+torchax's `Tensor.type_as`.
 
 torchax 0.0.13 looks up about twenty ``aten.<op>.<Dimname overload>`` attributes while it is imported
 and while its default environment is first built (AMP cast tables, decomposition lists). torch 2.13
@@ -6,6 +7,12 @@ removed those overloads, so the lookup raises AttributeError and ``import torcha
 call a named-dimension op, so during that window a missing overload resolves to an inert placeholder;
 the original lookup is restored right after. ``tests/test_torchax_compat.py`` fails loudly once a
 torchax release no longer needs this, so it can be deleted.
+
+torchax 0.0.13's `Tensor.type_as` casts the wrapped JAX array in place and returns `self`, so the
+tensor's torch-level dtype stays the old one: the next op that checks dtypes sees a mismatch (the Wan
+VAE's `WanUpsample` does `upsample(x.float()).type_as(x)` before a bf16 conv, which then fails with
+"Input type (float) and bias type (c10::BFloat16) should be the same"). `cast_type_as` is torch's
+meaning, a new tensor; tests/test_upstream_bugs.py checks the stock method still misbehaves.
 """
 
 from __future__ import annotations
@@ -53,6 +60,14 @@ def tolerate_missing_overloads() -> Iterator[list[str]]:
         packet.__getattr__ = original
 
 
+def cast_type_as(self, other):
+    """torch's `Tensor.type_as`: `self` cast to `other`'s dtype, as a new tensor."""
+    return self if self.dtype == other.dtype else self.to(other.dtype)
+
+
+STOCK_TYPE_AS: list = []  # torchax's own Tensor.type_as, kept for the canary test
+
+
 def import_torchax():
     """Return the torchax module with its default environment built (the shim covers both steps).
 
@@ -66,4 +81,7 @@ def import_torchax():
         torchax.default_env()
     if missing:
         MISSING_OVERLOADS[:] = missing
+    if torchax.tensor.Tensor.type_as is not cast_type_as:
+        STOCK_TYPE_AS[:] = [torchax.tensor.Tensor.type_as]
+        torchax.tensor.Tensor.type_as = cast_type_as
     return torchax

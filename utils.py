@@ -22,7 +22,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-FORMAT_VERSION = 1
+# 2: stage 2 records `latents_normalization` (1 had the boolean `latents_scaled_by_vae_scaling_factor`,
+# which stage 3 still reads: see stage2_normalization).
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
 CONFIG_FILE = "generation_config.json"
 STAGE1_FILE = "stage1_embeddings.safetensors"
 STAGE2_FILE = "stage2_latents.safetensors"
@@ -38,6 +41,7 @@ REQUEST_KEYS = (
     "fps",
     "num_inference_steps",
     "guidance_scale",
+    "guidance_scale_2",
     "seed",
     "flow_shift",
 )
@@ -202,8 +206,11 @@ def read_config(directory: Path, needs: str | None = None) -> dict[str, Any]:
             f"{path} was written by a newer version of this tool (format_version {version}, this one reads "
             f"{FORMAT_VERSION}); upgrade to read it"
         )
-    if version != FORMAT_VERSION:
-        raise UserError(f"{path} has format_version {version!r}; this tool reads format_version {FORMAT_VERSION}")
+    if version not in READABLE_FORMAT_VERSIONS:
+        raise UserError(
+            f"{path} has format_version {version!r}; this tool reads format_version "
+            f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))} (a folder from another tool? rerun stage 1 here)"
+        )
     if needs and needs not in config:
         raise UserError(f"{path} has no {needs!r} section (run the {needs} script first)")
     return config
@@ -232,9 +239,15 @@ def add_request_arguments(parser, *, for_later_stage: bool) -> None:
         help="classifier-free guidance scale (CogVideoX: <= 1 turns CFG off; HunyuanVideo-1.5: 1)",
     )
     group.add_argument(
+        "--guidance_scale_2",
+        type=float,
+        help="Wan 2.2 A14B: guidance scale of the low-noise expert (default: --guidance_scale)",
+    )
+    group.add_argument(
         "--flow_shift",
         type=float,
-        help="flow-matching timestep shift (HunyuanVideo-1.5 only; 5.0 at 480p, 9.0 at 720p)",
+        help="flow-matching timestep shift (HunyuanVideo-1.5: 5.0 at 480p, 9.0 at 720p; Wan: the model "
+        "folder's scheduler value)",
     )
     group.add_argument(
         "--seed",
@@ -261,6 +274,7 @@ class Request:
     guidance_scale: float
     seed: int
     flow_shift: float | None = None  # flow-matching families
+    guidance_scale_2: float | None = None  # Wan 2.2's low-noise expert (None: guidance_scale)
     variant: str | None = None  # e.g. CogVideoX "1.0" or "1.5"
 
     def __post_init__(self) -> None:
@@ -268,8 +282,9 @@ class Request:
         parse_dtype(self.dtype)
         if self.num_inference_steps < 1:
             raise UserError(f"--num_inference_steps {self.num_inference_steps} must be at least 1")
-        if self.guidance_scale < 0:
-            raise UserError(f"--guidance_scale {self.guidance_scale} must not be negative")
+        for key in ("guidance_scale", "guidance_scale_2"):
+            if (getattr(self, key) or 0) < 0:
+                raise UserError(f"--{key} {getattr(self, key)} must not be negative")
         if self.fps <= 0:
             raise UserError(f"--fps {self.fps} must be positive")
 
@@ -346,5 +361,13 @@ def check_stage2_fresh(directory: Path, config: dict[str, Any], request: Request
             f"{directory / CONFIG_FILE}: the stage2 section is stale, stage 1 was rerun since "
             f"({', '.join(changed)} changed); rerun stage 2"
         )
-    if not stage2.get("latents_scaled_by_vae_scaling_factor"):
-        raise UserError(f"{directory}: stage 2 did not record the latents' scaling; rerun stage 2")
+    if "latents_normalization" not in stage2 and not stage2.get("latents_scaled_by_vae_scaling_factor"):
+        raise UserError(f"{directory}: stage 2 did not record the latents' normalisation; rerun stage 2")
+
+
+def stage2_normalization(stage2: dict[str, Any], vae_scaling_factor: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """How stage 2's latents are normalised: the recorded `latents_normalization`, or for a format_version 1
+    section (the boolean `latents_scaled_by_vae_scaling_factor`, only ever true) the VAE's scaling factor."""
+    if "latents_normalization" in stage2:
+        return stage2["latents_normalization"]
+    return vae_scaling_factor()

@@ -22,10 +22,10 @@ from typing import Any
 
 from utils import UserError
 
-from . import cogvideox, hunyuanvideo15, published
+from . import cogvideox, hunyuanvideo15, published, wan
 from .family import Family, Preset
 
-FAMILIES: dict[str, Family] = {family.NAME: family for family in (cogvideox, hunyuanvideo15)}
+FAMILIES: dict[str, Family] = {family.NAME: family for family in (cogvideox, hunyuanvideo15, wan)}
 
 PRESETS: dict[str, Preset] = {name: preset for family in FAMILIES.values() for name, preset in family.PRESETS.items()}
 
@@ -166,6 +166,9 @@ def materialize_published(hub_id: str) -> Path:
         index = {"_class_name": pipeline["_class_name"][1]}
         for component, entry in pipeline.items():
             if component.startswith("_"):
+                continue
+            if not isinstance(entry, tuple):  # a pipeline-level value (e.g. Wan 2.2's boundary_ratio)
+                index[component] = entry
                 continue
             library, class_name, config = entry
             index[component] = [library, class_name]

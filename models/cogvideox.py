@@ -18,7 +18,13 @@ from runtime import DP, SP
 from utils import Request, UserError
 
 from . import tiny
-from .common import DeviceTextEncoder
+from .common import (
+    DeviceTextEncoder,
+    one_transformer,
+    recorded_scaling_factor,
+    refuse_guidance_scale_2,
+    vae_scaling_factor,
+)
 from .denoise import DenoiseLoop, latents_record
 from .family import Preset
 
@@ -75,6 +81,7 @@ class Geometry:
 
 def validate_request(source, request: Request) -> None:
     """Reject what the VAE, the patching or the positional embeddings cannot take, before loading weights."""
+    refuse_guidance_scale_2(request)
     geometry = Geometry.of(source)
     size_step = geometry.spatial * geometry.patch
     for key in ("height", "width"):
@@ -261,7 +268,11 @@ def planning_embeds(source, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {"prompt_embeds": torch.zeros(shape, dtype=dtype), "negative_prompt_embeds": torch.zeros(shape, dtype=dtype)}
 
 
-def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtype, transformer, runtime, tp_mode):
+transformer_components = one_transformer
+latents_normalization = vae_scaling_factor
+
+
+def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtype, transformers, runtime, tp_mode):
     """The pipeline's denoising loop as a DenoiseLoop for `transformer` on `runtime`, and the function that
     turns its final latents into stage 2's (B, C, F, H, W) latents and record.
 
@@ -272,7 +283,7 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
     from diffusers.pipelines.cogvideo.pipeline_cogvideox import retrieve_timesteps
 
     geometry = Geometry.of(source)
-    transformer = make_jit_safe(transformer)
+    transformer = make_jit_safe(transformers["transformer"])
     scheduler = source.load("scheduler")
     pipe = _pipeline(transformer=transformer, scheduler=scheduler)
     pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal = geometry.spatial, geometry.temporal
@@ -323,7 +334,7 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
         return latents.to(prompt_embeds.dtype), carry
 
     loop = DenoiseLoop(
-        guided=GuidedTransformer(transformer, do_cfg, runtime.constrain),
+        guided=(GuidedTransformer(transformer, do_cfg, runtime.constrain),),
         rules=transformer_rules(tp_mode),
         static_inputs=(
             (prompt_embeds, BATCH),
@@ -339,7 +350,9 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
 
     def finish(latents):
         latents = latents[:, pad_frames:].permute(0, 2, 1, 3, 4).contiguous()
-        return latents, latents_record(scheduler, do_cfg, dropped_pad_latent_frames=pad_frames)
+        return latents, latents_record(
+            scheduler, do_cfg, vae_scaling_factor(source), dropped_pad_latent_frames=pad_frames
+        )
 
     return loop, finish
 
@@ -350,13 +363,14 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
 class Decoder(torch.nn.Module):
     """VAE decode of diffusion-space latents (B, C, F, H, W) to pixels in [-1, 1], as one graph."""
 
-    def __init__(self, vae: torch.nn.Module) -> None:
+    def __init__(self, vae: torch.nn.Module, normalization: dict) -> None:
         super().__init__()
         self.vae = vae
+        self.scaling_factor = recorded_scaling_factor(normalization)
 
     def forward(self, latents):
         # Same expression as CogVideoXPipeline.decode_latents, so the rounding matches too.
-        latents = 1 / self.vae.config.scaling_factor * latents
+        latents = 1 / self.scaling_factor * latents
         return self.vae.decode(latents, return_dict=False)[0]
 
 

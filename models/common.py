@@ -46,6 +46,29 @@ def open_runtime(backend: str, device: str | None, axis: str, compile_cache: boo
     return torchax_runtime.TorchaxRuntime.on_all_devices(axis, compile_cache=compile_cache)
 
 
+def one_transformer(source) -> tuple[str, ...]:
+    """`transformer_components` of a family with a single transformer."""
+    return ("transformer",)
+
+
+def vae_scaling_factor(source) -> dict[str, Any]:
+    """`latents_normalization` of a family whose latents are the VAE's times its `scaling_factor`."""
+    return {"method": "scaling_factor", "scaling_factor": source.load_config("vae")["scaling_factor"]}
+
+
+def recorded_scaling_factor(normalization: dict[str, Any]) -> float:
+    """The scaling factor stage 2 recorded; any other normalisation is a wrong folder for this family."""
+    if normalization.get("method") != "scaling_factor":
+        raise UserError(f"these latents are normalised as {normalization}; this family's VAE expects a scaling factor")
+    return normalization["scaling_factor"]
+
+
+def refuse_guidance_scale_2(request) -> None:
+    """For families with one transformer: a second guidance scale would be silently unused."""
+    if request.guidance_scale_2 is not None:
+        raise UserError(f"--guidance_scale_2 applies to two-expert Wan 2.2 models, not {request.model_family}")
+
+
 def attention_heads(source) -> int:
     """The transformer's attention head count (what `tp` must divide), from its config alone."""
     return source.load_config("transformer")["num_attention_heads"]
@@ -138,16 +161,26 @@ class DeviceTextEncoder(torch.nn.Module):
 # Stage 3 -------------------------------------------------------------------------------------------
 
 
-def decode(family, source, latents: torch.Tensor, dtype: torch.dtype, runtime: Runtime, timer: Timer, tiling=False):
-    """Load the VAE, decode on `runtime` with the family's `Decoder` (latents to pixels in [-1, 1], one
-    graph) and post-process with the pipeline's own processor: frames (F, H, W, 3) float32 in [0, 1]."""
+def decode(
+    family,
+    source,
+    latents: torch.Tensor,
+    normalization: dict[str, Any],
+    dtype: torch.dtype,
+    runtime: Runtime,
+    timer: Timer,
+    tiling=False,
+):
+    """Load the VAE, decode on `runtime` with the family's `Decoder` (undoing `normalization`, what stage
+    2 recorded; latents to pixels in [-1, 1], one graph) and post-process with the pipeline's own
+    processor: frames (F, H, W, 3) float32 in [0, 1]."""
     processor = family.video_processor(source)
     with timer.phase("load"):
         vae = source.load("vae", dtype=dtype).eval()
     if tiling:
         vae.enable_tiling()
     with timer.phase("place"):
-        decoder = runtime.compile(family.Decoder(vae))  # weights replicated
+        decoder = runtime.compile(family.Decoder(vae, normalization))  # weights replicated
         device_latents = runtime.to_device(latents.to(dtype), LATENTS_WIDTH_SPLIT)
     with timer.phase("decode"), torch.no_grad():
         video = runtime.to_host(decoder(device_latents))

@@ -114,15 +114,17 @@ class DenoiseOptions:
 class DenoiseLoop:
     """What a family prepares for the shared loop.
 
-    `guided` is one denoiser evaluation as one graph (the transformer, as attribute `transformer`, on
-    the CFG batch plus the guidance combination), called as `guided(latents, t, *static_inputs)`;
-    `rules` is the transformer's rule table. `step(i, t, noise_pred, latents, carry)` returns
+    `guided` holds one denoiser evaluation per transformer (the transformer, as attribute `transformer`,
+    on the CFG batch plus the guidance combination, as one graph), called as `guided[e](latents, t,
+    *static_inputs)`; `expert(i, t)` picks `e` for step i (Wan 2.2's two experts; others have one).
+    `rules` is the transformers' rule table. `step(i, t, noise_pred, latents, carry)` returns
     (latents, carry): the scheduler's step, with `carry` holding its extra tensors (e.g. DPM's previous
     prediction) that a checkpoint must keep. `model_input(latents, t)` is what the denoiser gets (e.g.
-    the scheduler's input scaling); `on_start(step)` runs once before the first computed step.
+    the scheduler's input scaling); `on_start(step, carry)` runs once before the first computed step,
+    with the carry a checkpoint restored.
     """
 
-    guided: torch.nn.Module
+    guided: tuple[torch.nn.Module, ...]
     rules: Any
     static_inputs: tuple[tuple[torch.Tensor, Layout], ...]
     timesteps: torch.Tensor
@@ -130,8 +132,12 @@ class DenoiseLoop:
     generator: torch.Generator
     step: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, dict], tuple[torch.Tensor, dict]]
     model_input: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda latents, t: latents
-    on_start: Callable[[int], None] = lambda step: None
+    on_start: Callable[[int, dict], None] = lambda step, carry: None
     carry: dict[str, torch.Tensor] = field(default_factory=dict)
+    expert: Callable[[int, torch.Tensor], int] = lambda i, t: 0
+
+    def experts_used(self) -> list[int]:
+        return sorted({self.expert(i, t) for i, t in enumerate(self.timesteps)})
 
 
 def step_progress(steps, timer: Timer, desc: str = "denoise", trace=None, trace_steps: int = 3):
@@ -161,22 +167,23 @@ def step_progress(steps, timer: Timer, desc: str = "denoise", trace=None, trace_
 
 
 def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options: DenoiseOptions) -> torch.Tensor:
-    """Place and compile the guided denoiser, warm it up, then run (or resume) the timed steps; the final
-    latents on the host."""
+    """Place and compile the guided denoisers (every expert's weights placed once, up front), warm each up,
+    then run (or resume) the timed steps; the final latents on the host."""
     with timer.phase("place"):
-        denoiser = runtime.compile(loop.guided, loop.rules.nested("transformer."))
+        denoisers = [runtime.compile(guided, loop.rules.nested("transformer.")) for guided in loop.guided]
         static_inputs = tuple(runtime.to_device(tensor, layout) for tensor, layout in loop.static_inputs)
 
-    def predict_noise(latents, t):
+    def predict_noise(latents, t, expert):
         """One denoiser evaluation; the real loop and the warmup both run exactly this."""
         model_input = runtime.to_device((loop.model_input(latents, t), t.reshape(1)))
-        return runtime.to_host(denoiser(*model_input, *static_inputs))  # to_host waits for the device
+        return runtime.to_host(denoisers[expert](*model_input, *static_inputs))  # to_host waits for the device
 
     latents, carry, timesteps = loop.latents, dict(loop.carry), loop.timesteps
     if options.warmup_steps:
         with timer.phase("compile"):  # the first call traces and compiles; results are discarded
-            for _ in range(options.warmup_steps):
-                predict_noise(latents, timesteps[0])
+            for expert in loop.experts_used():
+                for _ in range(options.warmup_steps):
+                    predict_noise(latents, timesteps[0], expert)
 
     guard = options.guard
     start = 0
@@ -187,11 +194,11 @@ def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options:
         loop.generator.set_state(state.pop("generator_state"))
         carry.update(state)
         log(f"resuming after step {start} of {len(timesteps)}")
-    loop.on_start(start)
+    loop.on_start(start, carry)
 
     steps = list(enumerate(timesteps))[start:]
     for _, (i, t) in step_progress(steps, timer, trace=runtime.profile_trace()):
-        noise_pred = predict_noise(latents, t)
+        noise_pred = predict_noise(latents, t, loop.expert(i, t))
         latents, carry = loop.step(i, t, noise_pred, latents, carry)
         if guard is not None:
             state = {"latents": latents, "generator_state": loop.generator.get_state(), **carry}
@@ -202,19 +209,56 @@ def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options:
 def denoise(
     family, source, request, embeds, dtype: torch.dtype, runtime: Runtime, timer: Timer, options: DenoiseOptions
 ):
-    """Stage 2 for any family: load the transformer, run the family's loop, return (latents, record)."""
+    """Stage 2 for any family: load the transformer(s), run the family's loop, return (latents, record)."""
     with timer.phase("load"):
-        transformer = source.load("transformer", dtype=dtype).eval()
-    loop, finish = family.denoise_loop(source, request, embeds, dtype, transformer, runtime, options.tp_mode)
+        transformers = {name: source.load(name, dtype=dtype).eval() for name in family.transformer_components(source)}
+    loop, finish = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, options.tp_mode)
     return finish(run_denoise_loop(loop, runtime, timer, options))
 
 
-def latents_record(scheduler, do_cfg: bool, **extra) -> dict[str, Any]:
-    """What stage 2's section says about its latents (stage 3 reads the layout and scaling, never guesses)."""
+def latents_record(scheduler, do_cfg: bool, normalization: dict[str, Any], **extra) -> dict[str, Any]:
+    """What stage 2's section says about its latents: the layout and how they are normalised relative to
+    the VAE's latents (stage 3 undoes exactly that, never guesses; utils.LATENTS_NORMALIZATIONS)."""
     return {
         "latents_layout": LATENTS_LAYOUT,
-        "latents_scaled_by_vae_scaling_factor": True,
+        "latents_normalization": normalization,
         **extra,
         "scheduler": type(scheduler).__name__,
         "classifier_free_guidance": do_cfg,
     }
+
+
+# Multistep schedulers (UniPC, DPM-Solver++ multistep) keep a history of model outputs between steps.
+_HISTORY_LISTS = ("model_outputs", "timestep_list")
+_HISTORY_TENSORS = ("last_sample",)
+_HISTORY_INTS = ("lower_order_nums", "this_order")
+
+
+def multistep_state(scheduler) -> dict[str, torch.Tensor]:
+    """A scheduler's step history as named tensors (for checkpoints); empty for single-step schedulers."""
+    state = {}
+    for name in _HISTORY_LISTS:
+        for index, value in enumerate(getattr(scheduler, name, None) or ()):
+            if value is not None:
+                state[f"scheduler.{name}.{index}"] = torch.as_tensor(value)
+    for name in _HISTORY_TENSORS:
+        if getattr(scheduler, name, None) is not None:
+            state[f"scheduler.{name}"] = getattr(scheduler, name)
+    for name in _HISTORY_INTS:
+        if getattr(scheduler, name, None) is not None:
+            state[f"scheduler.{name}"] = torch.tensor(int(getattr(scheduler, name)))
+    return state
+
+
+def restore_multistep_state(scheduler, state: dict[str, torch.Tensor]) -> None:
+    """Put back what multistep_state saved (after set_timesteps); keys it does not name are left alone."""
+    for name in _HISTORY_LISTS:
+        values = getattr(scheduler, name, None)
+        for index in range(len(values or ())):
+            values[index] = state.get(f"scheduler.{name}.{index}")
+    for name in _HISTORY_TENSORS:
+        if f"scheduler.{name}" in state:
+            setattr(scheduler, name, state[f"scheduler.{name}"])
+    for name in _HISTORY_INTS:
+        if f"scheduler.{name}" in state:
+            setattr(scheduler, name, int(state[f"scheduler.{name}"]))

@@ -40,7 +40,9 @@ class Family(Protocol):
     PIPELINE_CLASSES: tuple[str, ...]  # model_index.json `_class_name`s this family runs
     PRESETS: dict[str, Preset]  # tiny presets by `--model` name
     SPLASH_BLOCK_SIZES: dict[str, int]  # default Splash tiles (block_q, block_kv, block_kv_compute)
-    Decoder: type[torch.nn.Module]  # VAE decode of stage-2 latents to pixels in [-1, 1], as one graph
+    # Decoder(vae, normalization): undoes the latents' recorded normalisation and decodes stage-2 latents
+    # to pixels in [-1, 1], as one graph.
+    Decoder: type[torch.nn.Module]
 
     def request_defaults(self, source: ModelSource) -> dict[str, Any]:
         """Request values for keys the user did not give (documented per-checkpoint defaults)."""
@@ -54,6 +56,12 @@ class Family(Protocol):
     def transformer_rules(self, tp_mode: str) -> Any:
         """The transformer's sharding.RuleTable."""
 
+    def transformer_components(self, source: ModelSource) -> tuple[str, ...]:
+        """The pipeline's transformer components stage 2 loads (Wan 2.2: two experts)."""
+
+    def latents_normalization(self, source: ModelSource) -> dict[str, Any]:
+        """How stage 2's latents relate to the VAE's (recorded by stage 2, undone by stage 3)."""
+
     def encode_prompts(self, source: ModelSource, request: Request, dtype: torch.dtype, runtime: Runtime) -> dict:
         """Stage 1: the pipeline's own prompt encoding; tensors named as the pipeline's arguments."""
 
@@ -63,12 +71,13 @@ class Family(Protocol):
         request: Request,
         embeds: dict[str, torch.Tensor],
         dtype: torch.dtype,
-        transformer: torch.nn.Module,
+        transformers: dict[str, torch.nn.Module],
         runtime: Runtime,
         tp_mode: str,
     ) -> tuple[DenoiseLoop, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]]:
-        """Stage 2: the loop for `transformer` (loaded, or on the meta device for --plan), and the function
-        turning its final latents into stage 2's latents (B, C, F, H, W) and the facts stage 3 needs."""
+        """Stage 2: the loop for `transformers` (by component name; loaded, or on the meta device for --plan),
+        and the function turning its final latents into stage 2's latents (B, C, F, H, W) and the facts
+        stage 3 needs."""
 
     def planning_embeds(self, source: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Zero stage-1 tensors of the shapes stage 1 would write (to plan before encoding)."""

@@ -35,7 +35,7 @@ import torch
 from runtime import DP
 from utils import Request, UserError
 
-from . import tiny
+from . import common, tiny
 from .common import DeviceTextEncoder
 from .denoise import DenoiseLoop, latents_record
 from .family import Preset
@@ -240,7 +240,6 @@ class Geometry:
     spatial: int
     temporal: int
     latent_channels: int
-    scaling_factor: float
 
     @classmethod
     def of(cls, source) -> Geometry:
@@ -249,11 +248,11 @@ class Geometry:
             spatial=vae["spatial_compression_ratio"],
             temporal=vae["temporal_compression_ratio"],
             latent_channels=vae["latent_channels"],
-            scaling_factor=vae["scaling_factor"],
         )
 
 
 def validate_request(source, request: Request) -> None:
+    common.refuse_guidance_scale_2(request)
     geometry = Geometry.of(source)
     for key in ("height", "width"):
         value = getattr(request, key)
@@ -367,7 +366,11 @@ def planning_embeds(source, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {**zeros, **{f"negative_{key}": value for key, value in zeros.items()}}
 
 
-def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtype, transformer, runtime, tp_mode):
+transformer_components = common.one_transformer
+latents_normalization = common.vae_scaling_factor
+
+
+def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtype, transformers, runtime, tp_mode):
     """The pipeline's flow-matching loop as a DenoiseLoop for `transformer` on `runtime`, and the function
     that turns its final latents into stage 2's latents and record."""
     import numpy as np
@@ -379,6 +382,7 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
     scheduler.register_to_config(shift=request.flow_shift)
     guider.guidance_scale = request.guidance_scale
     do_cfg = cfg_enabled(request.guidance_scale)
+    transformer = transformers["transformer"]
     pipe = _pipeline(source, transformer=transformer, scheduler=scheduler)
 
     prefixes = ("", "negative_") if do_cfg else ("",)  # [cond, uncond], the guider's order
@@ -396,29 +400,33 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
         return scheduler.step(noise_pred, t, latents, return_dict=False)[0], carry
 
     loop = DenoiseLoop(
-        guided=GuidedTransformer(transformer, guider, do_cfg, runtime.constrain),
+        guided=(GuidedTransformer(transformer, guider, do_cfg, runtime.constrain),),
         rules=transformer_rules(tp_mode),
         static_inputs=(*((tensor, BATCH) for tensor in text_inputs), (image_embeds, ())),
         timesteps=timesteps,
         latents=latents,
         generator=generator,
         step=step,
-        on_start=scheduler.set_begin_index,  # the flow-matching scheduler counts its own steps (--resume)
+        on_start=lambda step, carry: scheduler.set_begin_index(step),  # it counts its own steps (--resume)
     )
-    return loop, lambda latents: (latents, latents_record(scheduler, do_cfg, flow_shift=request.flow_shift))
+    return loop, lambda latents: (
+        latents,
+        latents_record(scheduler, do_cfg, common.vae_scaling_factor(source), flow_shift=request.flow_shift),
+    )
 
 
 # Stage 3 -------------------------------------------------------------------------------------------
 
 
 class Decoder(torch.nn.Module):
-    def __init__(self, vae: torch.nn.Module) -> None:
+    def __init__(self, vae: torch.nn.Module, normalization: dict) -> None:
         super().__init__()
         self.vae = make_vae_jit_safe(vae)
+        self.scaling_factor = common.recorded_scaling_factor(normalization)
 
     def forward(self, latents):
         # The pipeline's own expression: the scaling factor undone before decoding.
-        latents = latents.to(self.vae.dtype) / self.vae.config.scaling_factor
+        latents = latents.to(self.vae.dtype) / self.scaling_factor
         return self.vae.decode(latents, return_dict=False)[0]
 
 

@@ -104,10 +104,50 @@ def _hunyuanvideo15(target_size: int, shift: float) -> dict[str, tuple]:
     }
 
 
-PIPELINES: dict[str, dict[str, tuple]] = {
+# Wan 2.1 T2V 14B's transformer (Wan 2.2 T2V A14B's two experts have the same architecture).
+WAN_14B_TRANSFORMER = {
+    "patch_size": [1, 2, 2],
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 13824,
+    "num_layers": 40,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 1024,
+}
+WAN_13B_TRANSFORMER = {**WAN_14B_TRANSFORMER, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}
+# UniPC with flow sigmas, as the Diffusers folders ship it. The flow shift recorded here (3.0, the 480p
+# value) only sets the default --flow_shift; it does not change a plan.
+WAN_SCHEDULER = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0}
+
+
+def _wan(transformer: dict[str, Any], boundary_ratio: float | None = None) -> dict[str, Any]:
+    """A Wan T2V pipeline; with `boundary_ratio`, Wan 2.2's two experts (pipeline-level config keys are
+    plain values, components are (library, class, config) tuples)."""
+    pipeline: dict[str, Any] = {
+        "_class_name": ("diffusers", "WanPipeline"),
+        "transformer": ("diffusers", "WanTransformer3DModel", transformer),
+        "vae": ("diffusers", "AutoencoderKLWan", {}),  # the class defaults are the Wan 2.1 VAE
+        "scheduler": ("diffusers", "UniPCMultistepScheduler", WAN_SCHEDULER),
+    }
+    if boundary_ratio is not None:
+        pipeline["transformer_2"] = ("diffusers", "WanTransformer3DModel", transformer)
+        pipeline["boundary_ratio"] = boundary_ratio
+    return pipeline
+
+
+PIPELINES: dict[str, dict[str, Any]] = {
     "zai-org/CogVideoX1.5-5B": _cogvideox(COGVIDEOX15_5B_TRANSFORMER, "CogVideoXDPMScheduler", 0.7),
     "THUDM/CogVideoX-5b": _cogvideox(COGVIDEOX_5B_TRANSFORMER, "CogVideoXDPMScheduler", 0.7),
     "THUDM/CogVideoX-2b": _cogvideox(COGVIDEOX_2B_TRANSFORMER, "CogVideoXDDIMScheduler", 1.15258426),
     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": _hunyuanvideo15(640, 5.0),
     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v": _hunyuanvideo15(960, 9.0),
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": _wan(WAN_13B_TRANSFORMER),
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": _wan(WAN_14B_TRANSFORMER),
+    "Wan-AI/Wan2.2-T2V-A14B-Diffusers": _wan(WAN_14B_TRANSFORMER, boundary_ratio=0.875),
 }

@@ -227,3 +227,68 @@ def hunyuanvideo15(seed: int = 0):
         tokenizer_2=tokenizer_2,
         guider=guider,
     )
+
+
+# Wan 2.1 / 2.2 ------------------------------------------------------------------------------------
+
+
+def wan_transformer(seed: int = 0) -> torch.nn.Module:
+    """A random tiny WanTransformer3DModel: 8 heads x 16 (divisible by every tp of 8 devices), 2 blocks."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=8,
+        attention_head_dim=16,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ).eval()
+
+
+def wan(version: str, seed: int = 0):
+    """Random tiny Wan components, deterministic per seed. "2.2" adds a second expert and a boundary
+    (0.875, the A14B value) that the tiny presets' schedules cross mid-way."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = cogvideox_tokenizer()  # a T5 tokenizer, as Wan's UMT5 one is
+    torch.manual_seed(seed)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tokenizer),
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    ).eval()
+    # The published Wan folders' scheduler: UniPC with flow sigmas.
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+    )
+    two_experts = version == "2.2"
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=scheduler,
+        transformer=wan_transformer(seed + 2),
+        transformer_2=wan_transformer(seed + 3) if two_experts else None,
+        boundary_ratio=0.875 if two_experts else None,
+    )

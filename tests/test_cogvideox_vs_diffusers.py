@@ -85,7 +85,9 @@ def test_staged_latents_and_frames_vs_pipeline(tmp_path, reference_pipelines, pr
     assert relative_error(staged, expected) <= TOLERANCE
 
     source, family = models.resolve_model(preset)
-    frames = decode(family, source, staged, torch.float32, TorchRuntime("cpu"), Timer())
+    frames = decode(
+        family, source, staged, family.latents_normalization(source), torch.float32, TorchRuntime("cpu"), Timer()
+    )
     expected_frames = torch.from_numpy(run_pipeline(pipe, guidance_scale, "np")[0])
     assert frames.shape == expected_frames.shape == (9, 64, 96, 3)
     assert relative_error(frames, expected_frames) <= TOLERANCE
@@ -100,11 +102,13 @@ def test_torchax_decode_matches_torch_decode(width_split):
 
     source, family = models.resolve_model("tiny-cogvideox")
     latents = torch.randn(1, 4, 3, 8, 16, generator=torch.Generator().manual_seed(0))
-    on_torch = decode(family, source, latents, torch.float32, TorchRuntime("cpu"), Timer())
+    on_torch = decode(
+        family, source, latents, family.latents_normalization(source), torch.float32, TorchRuntime("cpu"), Timer()
+    )
     runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=width_split)))
     placed = runtime.to_device(latents, LATENTS_WIDTH_SPLIT).jax()
     assert placed.addressable_shards[0].data.shape[-1] == 16 // width_split
-    on_torchax = decode(family, source, latents, torch.float32, runtime, Timer())
+    on_torchax = decode(family, source, latents, family.latents_normalization(source), torch.float32, runtime, Timer())
     assert relative_error(on_torchax, on_torch) <= TOLERANCE
 
 

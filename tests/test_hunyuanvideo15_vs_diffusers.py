@@ -65,7 +65,9 @@ def test_staged_latents_and_frames_vs_pipeline(tmp_path, reference, prompt, guid
     assert relative_error(staged, expected) <= TOLERANCE
 
     source, family = models.resolve_model(PRESET)
-    frames = decode(family, source, staged, torch.float32, TorchRuntime("cpu"), Timer())
+    frames = decode(
+        family, source, staged, family.latents_normalization(source), torch.float32, TorchRuntime("cpu"), Timer()
+    )
     expected_frames = torch.from_numpy(run_pipeline(reference, prompt, guidance_scale, "np")[0])
     assert frames.shape == expected_frames.shape == (5, 32, 48, 3)
     assert relative_error(frames, expected_frames) <= TOLERANCE

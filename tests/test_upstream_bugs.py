@@ -68,3 +68,28 @@ def test_diffusers_hunyuanvideo15_forward_cannot_be_traced():
     compiled = runtime.compile(Sample(tiny_transformer()))
     with pytest.raises(Exception, match="Concretization|concrete|bool"):
         compiled(**runtime.to_device(inputs()))
+
+
+def test_torchax_type_as_casts_in_place_and_leaves_a_stale_dtype():
+    """torchax 0.0.13's Tensor.type_as mutates the array and keeps the old torch dtype, so a bf16 conv
+    after `upsample(x.float()).type_as(x)` (the Wan VAE) fails under jit.
+    Workaround: torchax_compat.cast_type_as."""
+    from torchax_compat import STOCK_TYPE_AS
+
+    class Upsampled(torch.nn.Module):
+        def __init__(self, type_as):
+            super().__init__()
+            self.type_as = type_as
+            self.conv = torch.nn.Conv2d(2, 2, 3, padding=1).to(torch.bfloat16)
+
+        def forward(self, x):
+            up = torch.nn.functional.interpolate(x.float(), scale_factor=2.0, mode="nearest-exact")
+            return self.conv(self.type_as(up, x))
+
+    runtime = TorchaxRuntime()
+    x = torch.ones(1, 2, 3, 3, dtype=torch.bfloat16)
+    fixed = runtime.compile(Upsampled(lambda tensor, other: tensor.type_as(other)))  # the patched method
+    assert runtime.to_host(fixed(runtime.to_device(x))).dtype == torch.bfloat16
+    stock = runtime.compile(Upsampled(STOCK_TYPE_AS[0]))
+    with pytest.raises(RuntimeError, match=r"Input type \(float\) and bias type \(c10::BFloat16\)"):
+        stock(runtime.to_device(x))

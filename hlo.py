@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sharding
-from models import cogvideox, hunyuanvideo15, published
+from models import cogvideox, hunyuanvideo15, published, wan
 from runtime import DP, SP, TP
 from splash_attention import SplashConfig, attention_backend
 from torchax_compat import import_torchax
@@ -64,6 +64,15 @@ def hunyuanvideo15_block():
     return hunyuanvideo15.make_jit_safe(model)
 
 
+def wan_14b_block():
+    """Wan 2.1 T2V 14B's transformer (also each Wan 2.2 A14B expert) at one block, on the meta device;
+    stage 2 runs the stock processors."""
+    from diffusers import WanTransformer3DModel
+
+    with torch.device("meta"):
+        return WanTransformer3DModel(**{**published.WAN_14B_TRANSFORMER, "num_layers": 1})
+
+
 def block_inputs(model_name: str, model, video_tokens: int, batch: int, make):
     """The block's positional inputs, each `make(shape, dtype, spec)`."""
     width = model.config.num_attention_heads * model.config.attention_head_dim
@@ -76,6 +85,13 @@ def block_inputs(model_name: str, model, video_tokens: int, batch: int, make):
             make((batch, text, width), f32, P(DP, None, None)),  # encoder_hidden_states
             make((batch, model.config.time_embed_dim), f32, P(DP, None)),  # temb
             (make((video_tokens, head_dim), f32, P()), make((video_tokens, head_dim), f32, P())),  # rotary cos, sin
+        ]
+    if model_name == "wan2.1-14b":
+        return [
+            make((batch, video_tokens, width), f32, P(DP, SP, None)),  # hidden_states
+            make((batch, wan.MAX_SEQUENCE_LENGTH, width), f32, P(DP, None, None)),  # encoder_hidden_states
+            make((batch, 6, width), f32, P(DP, None, None)),  # timestep_proj
+            (make((1, video_tokens, 1, head_dim), f32, P()), make((1, video_tokens, 1, head_dim), f32, P())),
         ]
     text = 1000 + 256 + 729  # Qwen tokens + ByT5 tokens + image tokens, after the reorder
     return [
@@ -90,13 +106,13 @@ def block_inputs(model_name: str, model, video_tokens: int, batch: int, make):
 def measure(model_name: str, tp_mode: str, mesh, video_tokens: int, attention: str) -> dict[str, object]:
     """Collectives of one transformer block of `model_name` (TRANSFORMERS) compiled on `mesh`, with
     abstract f32 weights placed by the family's rule table and inputs laid out as stage 2 lays them."""
-    family = cogvideox if model_name == "cogvideox1.5-5b" else hunyuanvideo15
-    model = cogvideox15_5b_block() if family is cogvideox else hunyuanvideo15_block()
+    family, build, blocks = BLOCKS[model_name]
+    model = build()
     table = family.transformer_rules(tp_mode)
     params = dict(model.named_parameters())
     specs = table.assign(list(params))
-    prefix = "transformer_blocks.0."
-    block = model.transformer_blocks[0]
+    prefix = f"{blocks}.0."
+    block = getattr(model, blocks)[0]
     block_specs = {name[len(prefix) :]: spec for name, spec in specs.items() if name.startswith(prefix)}
 
     def abstract(shape, dtype, spec):
@@ -106,6 +122,7 @@ def measure(model_name: str, tp_mode: str, mesh, video_tokens: int, attention: s
     weights = {name: abstract(tuple(params[prefix + name].shape), f32, spec) for name, spec in block_specs.items()}
     inputs = block_inputs(model_name, model, video_tokens, batch=2, make=abstract)
     outputs = NamedSharding(mesh, P(DP, SP, None)), NamedSharding(mesh, P(DP, None, None))
+    outputs = outputs[0] if model_name == "wan2.1-14b" else outputs  # Wan's block returns the video tokens only
 
     def run_block(weights, *inputs):
         return torch.func.functional_call(block, weights, tuple(inputs))
@@ -129,7 +146,13 @@ def measure(model_name: str, tp_mode: str, mesh, video_tokens: int, attention: s
     }
 
 
-TRANSFORMERS = ("cogvideox1.5-5b", "hunyuanvideo1.5")
+# name: (family module, one-block builder, the attribute holding the blocks)
+BLOCKS = {
+    "cogvideox1.5-5b": (cogvideox, cogvideox15_5b_block, "transformer_blocks"),
+    "hunyuanvideo1.5": (hunyuanvideo15, hunyuanvideo15_block, "transformer_blocks"),
+    "wan2.1-14b": (wan, wan_14b_block, "blocks"),
+}
+TRANSFORMERS = tuple(BLOCKS)
 TEXT_ENCODERS = {
     # name: (transformers config class, published config, tokens the pipeline feeds it)
     "t5-xxl": ("T5Config", published.T5_XXL_ENCODER, 226),

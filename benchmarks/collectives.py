@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--video_tokens", type=int, default=4096, help="image-stream tokens (default: %(default)s)")
     parser.add_argument("--attention", choices=("xla", "splash"), default="xla")
-    models = ["cogvideox1.5-5b", "hunyuanvideo1.5", "t5-xxl", "qwen2.5-vl-7b"]
+    models = ["cogvideox1.5-5b", "hunyuanvideo1.5", "wan2.1-14b", "t5-xxl", "qwen2.5-vl-7b"]
     parser.add_argument("--models", nargs="+", choices=models, default=models)
     args = parser.parse_args()
 

@@ -20,6 +20,7 @@ from utils import Request, UserError
 from . import tiny
 from .common import (
     DeviceTextEncoder,
+    constrain_block_inputs,
     one_transformer,
     recorded_scaling_factor,
     refuse_guidance_scale_2,
@@ -217,16 +218,6 @@ def transformer_rules(tp_mode: str):
     import sharding
 
     return sharding.cogvideox_transformer_rules(tp_mode)
-
-
-def constrain_block_inputs(blocks, constrain, specs: dict[str, tuple]) -> None:
-    """Pin the layout of each block's keyword inputs, so XLA does not pick a different one per block."""
-
-    def hook(module, args, kwargs):
-        return args, {name: constrain(value, specs[name]) if name in specs else value for name, value in kwargs.items()}
-
-    for block in blocks:
-        block.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 class GuidedTransformer(torch.nn.Module):

@@ -74,6 +74,19 @@ def attention_heads(source) -> int:
     return source.load_config("transformer")["num_attention_heads"]
 
 
+def constrain_block_inputs(blocks, constrain, specs: dict[str | int, tuple]) -> None:
+    """Pin the layout of each block's inputs (`specs` by keyword name or by position), so XLA's sharding
+    propagation does not pick a different one per block (e.g. the width split over `tp` that a
+    row-parallel weight suggests, which then costs an all-gather before the next linear)."""
+
+    def hook(module, args, kwargs):
+        args = tuple(constrain(value, specs[index]) if index in specs else value for index, value in enumerate(args))
+        return args, {name: constrain(value, specs[name]) if name in specs else value for name, value in kwargs.items()}
+
+    for block in blocks:
+        block.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 # Stage 1 -------------------------------------------------------------------------------------------
 
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from runtime import DP
+from runtime import DP, SP
 from utils import Request, UserError
 
 from . import tiny
-from .common import DeviceTextEncoder
+from .common import DeviceTextEncoder, constrain_block_inputs
 from .denoise import DenoiseLoop, latents_record, multistep_state, restore_multistep_state
 from .family import Preset
 
@@ -44,6 +44,11 @@ MAX_SEQUENCE_LENGTH = 512  # the pipeline's prompt layout: valid tokens, then ze
 SHIFT_KEYS = ("flow_shift", "shift")  # UniPC's name for the flow shift, FlowMatchEuler's
 
 BATCH = (DP,)  # the CFG batch on dp
+# Each block's positional inputs: video tokens (on sp between blocks), prompt tokens, its modulation
+# (batch, 6, width), and the final norm's input: all unsplit along the width. Left free, the
+# partitioner splits them over tp and all-gathers them again before the next linear (XLA:CPU, 2x1x4
+# mesh: 3 all-gathers of the video tokens per block and 3 more outside; with the pins, none).
+BLOCK_INPUTS = {0: (DP, SP, None), 1: (DP, None, None), 2: (DP, None, None)}
 
 
 # Requests ------------------------------------------------------------------------------------------
@@ -151,6 +156,8 @@ class GuidedTransformer(torch.nn.Module):
         self.do_cfg = do_cfg
         self.guidance_scale = guidance_scale
         self.constrain = constrain or (lambda tensor, spec: tensor)
+        if constrain is not None:
+            constrain_block_inputs([*transformer.blocks, transformer.norm_out], constrain, BLOCK_INPUTS)
 
     def forward(self, latents, timestep, prompt_embeds):
         model_input = latents.to(self.dtype)

@@ -34,6 +34,9 @@ def test_count_collectives_reads_ops_tensors_and_bytes():
     [
         ("cogvideox1.5-5b", 4),  # after attention, after the MLP, 2 AdaLN modulations
         ("hunyuanvideo1.5", 6),  # the same for the image and the text stream, 2 modulations
+        # after self-attention, cross-attention and the MLP; 4 small sums for the q/k RMS norms, which span
+        # all heads; modulation is local (the shared time_proj's all-reduce is once per step, outside)
+        ("wan2.1-14b", 7),
     ],
 )
 def test_transformer_block_has_the_megatron_minimum(model, tensors):
@@ -55,3 +58,13 @@ def test_text_encoder_layer_collectives(model, per_layer):
     assert found["collectives_per_layer"].keys() == {"all-reduce"}
     assert found["collectives_per_layer"]["all-reduce"]["tensors"] == per_layer
     assert found["collectives_outside_layers"] == {}
+
+
+def test_wan_block_moves_three_activations_and_four_norm_statistics():
+    """The 7 Wan tensors: 3 of (batch, tokens, width) and 4 of (batch, tokens or text tokens, 1)."""
+    mesh = sharding.make_mesh(MeshShape(2, 1, 4))
+    found = hlo.measure("wan2.1-14b", "megatron", mesh, video_tokens=256, attention="xla")
+    width, text = 5120, 512
+    activations = 3 * 256 * width * 4  # per device: one sample (dp=2), f32
+    statistics = (2 * 256 + 256 + text) * 4  # q and k of self-attention, q and k of cross-attention
+    assert found["collectives_per_block"]["all-reduce"]["bytes"] == activations + statistics

@@ -79,7 +79,7 @@ def test_read_tensors_names_the_file_and_the_problem(tmp_path, breakage, message
         (None, "stage1", "is missing (run stage1_text_encoder.py first)"),
         ("{not json", None, "is not valid JSON"),
         (json.dumps({"format_version": FORMAT_VERSION + 1}), None, "written by a newer version"),
-        (json.dumps({"prompt": "x"}), None, "has format_version None"),
+        (json.dumps({"prompt": "x"}), None, "has format_version None; this tool reads format_version 1, 2"),
         (json.dumps({"format_version": FORMAT_VERSION}), "stage2", "has no 'stage2' section"),
     ],
     ids=["missing", "not-json", "newer", "no-version", "no-section"],

@@ -228,3 +228,20 @@ def test_copied_folder_decodes_on_a_host_without_jax(good_run, tmp_path, jax_blo
     config = json.loads((elsewhere / CONFIG_FILE).read_text())
     assert len(frames) == config["stage3"]["frames"] == config["num_frames"]
     assert tuple(meta["size"]) == (config["width"], config["height"])
+
+
+def test_a_format_version_1_folder_still_decodes_identically(good_run, tmp_path):
+    """Version 1 recorded `latents_scaled_by_vae_scaling_factor: true` where 2 records the normalisation;
+    stage 3 reads both, and the decoded frames (the lossless preview) are the same."""
+    old = tmp_path / "v1"
+    shutil.copytree(good_run, old)
+    config = json.loads((old / CONFIG_FILE).read_text())
+    assert config["format_version"] == 2 and config["stage2"]["latents_normalization"]["method"] == "scaling_factor"
+    config["format_version"] = 1
+    del config["stage2"]["latents_normalization"]
+    config["stage2"]["latents_scaled_by_vae_scaling_factor"] = True
+    (old / CONFIG_FILE).write_text(json.dumps(config))
+    run_ok("stage3_vae_decoder.py", ["--input_dir", old])
+    preview = "output_video_preview.png"
+    assert (old / preview).read_bytes() == (good_run / preview).read_bytes()
+    assert json.loads((old / CONFIG_FILE).read_text())["format_version"] == 2  # stage 3 wrote it back as 2

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import models
+import plan
 import sharding
 import stage2_transformer
 from helpers import expect_user_error, relative_error, run_stage, tiny_stage1
@@ -140,6 +141,45 @@ def test_hunyuanvideo15_rule_table_matches_every_parameter_as_intended(real, tp_
     config = transformer.config
     expected = per_block * config.num_layers + per_refiner * config.num_refiner_layers
     assert sum(spec != REPLICATED for spec in specs.values()) == expected
+
+
+def wan_transformers(model: str) -> list[torch.nn.Module]:
+    """Every transformer of a published Wan pipeline (configs kept in code) on the meta device, or the tiny ones."""
+    if model.startswith("tiny"):
+        pipe = build_preset(model)
+        return [module for module in (pipe.transformer, pipe.transformer_2) if module is not None]
+    source, family = models.resolve_model(model, configs_only=True)
+    return list(plan.meta_transformers(family, source, torch.bfloat16, num_layers=40).values())
+
+
+def expected_wan_spec(name: str, tp_mode: str):
+    if name == "condition_embedder.time_proj.weight":
+        return ROW  # the one modulation linear every block shares: input split
+    if name.startswith("blocks.") and any(part in name for part in (".to_q.", ".to_k.", ".to_v.", ".net.0.proj.")):
+        return COLUMN if name.endswith("weight") else COLUMN_BIAS
+    if name.startswith("blocks.") and (".norm_q." in name or ".norm_k." in name):
+        return COLUMN_BIAS  # RMS norm over all heads: split like q/k's columns
+    if name.startswith("blocks.") and (".to_out.0." in name or ".net.2." in name) and tp_mode == "megatron":
+        return ROW if name.endswith("weight") else REPLICATED
+    return REPLICATED
+
+
+@pytest.mark.parametrize("tp_mode", sharding.TP_MODES)
+@pytest.mark.parametrize(
+    "model", ["tiny-wan2.2", "Wan-AI/Wan2.1-T2V-14B-Diffusers", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"]
+)
+def test_wan_rule_table_matches_every_parameter_as_intended(model, tp_mode):
+    transformers = wan_transformers(model)
+    assert len(transformers) == (1 if "2.1" in model else 2)
+    for transformer in transformers:
+        names = [name for name, _ in transformer.named_parameters()]
+        specs = sharding.wan_transformer_rules(tp_mode).assign(names)
+        assert specs == {name: expected_wan_spec(name, tp_mode) for name in names}
+        # q/k/v of both attentions, their q/k norms, MLP in (+ both out projections): per block; plus time_proj
+        per_block = 21 if tp_mode == "megatron" else 18
+        assert sum(spec != REPLICATED for spec in specs.values()) == per_block * transformer.config.num_layers + 1
+        if not model.startswith("tiny"):
+            assert transformer.config.num_attention_heads == 40 and transformer.config.num_layers == 40
 
 
 def test_rule_table_rejects_unmatched_parameters_and_unused_rules():

@@ -55,10 +55,12 @@ def meta_module(source, component: str, dtype: torch.dtype, **overrides) -> torc
     with torch.device("meta"):
         module = cls.from_config({**source.load_config(component), **overrides}).eval()
     torch.nn.Module.to(module, dtype)  # the plain cast: diffusers' own `to` only warns about fp32 modules
-    keep = getattr(cls, "_keep_in_fp32_modules", None) or ()
-    for name, submodule in module.named_modules():
-        if any(part in keep for part in name.split(".")):
-            torch.nn.Module.to(submodule, torch.float32)
+    # from_pretrained keeps a tensor in fp32 when any part of its name is listed (a module or a parameter,
+    # e.g. Wan's per-block `scale_shift_table`).
+    keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if keep & set(name.split(".")) and tensor.is_floating_point():
+            tensor.data = tensor.data.to(torch.float32)
     return module
 
 

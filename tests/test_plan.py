@@ -10,13 +10,17 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+import models
 import plan
+import sharding
 import stage2_transformer
 import stage3_vae_decoder
 import tpus
 from helpers import expect_user_error, run_stage, tiny_stage1
 from sharding import MeshShape
+from torchax_runtime import TorchaxRuntime
 
 
 @pytest.mark.parametrize(
@@ -69,6 +73,7 @@ def test_unknown_targets_are_refused(name, message):
 PER_BLOCK = {
     ("tiny-cogvideox", (2, 1, 4)): {"all-reduce": 4},
     ("tiny-hunyuanvideo15", (2, 1, 4)): {"all-reduce": 6},
+    ("tiny-wan2.2", (2, 1, 4)): {"all-reduce": 7},  # 3 Megatron outputs, 4 q/k RMS-norm statistics
     ("tiny-cogvideox", (1, 2, 4)): {"all-reduce": 4, "all-gather": 2, "all-to-all": 12, "collective-permute": 40},
     ("tiny-hunyuanvideo15", (1, 2, 4)): {"all-reduce": 6, "all-gather": 6, "all-to-all": 9, "collective-permute": 16},
 }
@@ -90,6 +95,24 @@ def test_tiny_presets_compile_for_v6e_with_the_real_splash_kernel(tmp_path, mode
     assert report["flops_per_device"]["attention"] > 0 and report["step_seconds_lower_bound"] > 0
     per_block = {op: value["tensors"] for op, value in report["collectives"]["per_block"].items()}
     assert per_block == PER_BLOCK[(model, mesh)]
+
+
+def test_the_second_wan_expert_counts_against_hbm(tmp_path):
+    """Both experts live on the device all run; the plan compiles expert 1's program and adds expert 2's
+    weights as placed (the same bytes place_module puts on each device)."""
+    out = tmp_path / "plan.json"
+    argv = ["--input_dir", tmp_path, "--model", "tiny-wan2.2", "--plan", "v6e-8", "--plan_json", out]
+    run_stage(stage2_transformer, argv)
+    report = json.loads(out.read_text())
+    memory = report["hbm_bytes_per_device"]
+    assert report["experts"] == 2
+    source, _ = models.resolve_model("tiny-wan2.2")
+    expert_2 = source.load("transformer_2", dtype=torch.bfloat16)  # as stage 2 loads it (fp32-kept modules too)
+    runtime = TorchaxRuntime(sharding.make_mesh(MeshShape(2, 1, 4)))
+    placed = sharding.place_module(expert_2, sharding.wan_transformer_rules(), runtime.mesh, runtime.env)
+    assert memory["other_experts_weights"] == placed["bytes_per_device"] > 0
+    parts = sum(memory[key] for key in ("arguments", "temporaries", "outputs", "code")) - memory["aliased"]
+    assert memory["total"] == parts + memory["other_experts_weights"]
 
 
 @pytest.mark.slow

@@ -369,7 +369,8 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"  latents {report['latents']} {split}; VAE tiling {'on' if report['tiling'] else 'off'}")
     memory = report["hbm_bytes_per_device"]
     if "arguments" in memory:
-        parts = ", ".join(f"{key} {gib(memory[key])}" for key in ("arguments", "temporaries", "outputs", "code"))
+        keys = ("arguments", "temporaries", "outputs", "code", "other_experts_weights")
+        parts = ", ".join(f"{key.replace('_', ' ')} {gib(memory[key])}" for key in keys if key in memory)
         print(f"  HBM per device: {parts}; total {gib(memory['total'])} of {gib(memory['capacity'])}")
     else:
         print(f"  HBM per device: the compiler needs {gib(memory['total'])}, has {gib(memory['compiler_limit'])}")

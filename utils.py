@@ -229,14 +229,14 @@ def add_request_arguments(parser, *, for_later_stage: bool) -> None:
     group.add_argument("--height", type=int, help="video height in pixels")
     group.add_argument("--width", type=int, help="video width in pixels")
     group.add_argument(
-        "--num_frames", type=int, help="number of frames (8n+1 for CogVideoX, 4n+1 for HunyuanVideo-1.5)"
+        "--num_frames", type=int, help="number of frames (8n+1 for CogVideoX, 4n+1 for HunyuanVideo-1.5 and Wan)"
     )
     group.add_argument("--fps", type=int, help="frames per second of the mp4")
     group.add_argument("--num_inference_steps", type=int, help="denoising steps")
     group.add_argument(
         "--guidance_scale",
         type=float,
-        help="classifier-free guidance scale (CogVideoX: <= 1 turns CFG off; HunyuanVideo-1.5: 1)",
+        help="classifier-free guidance scale (CogVideoX and Wan: <= 1 turns CFG off; HunyuanVideo-1.5: 1)",
     )
     group.add_argument(
         "--guidance_scale_2",

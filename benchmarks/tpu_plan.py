@@ -5,8 +5,9 @@ Each row is `stage2_transformer.py --plan ...` (or stage 3's) in its own process
 configs kept in code (no weights, no network). One stage-2 row compiles the full model plus two short
 copies (2 and 3 blocks, for the per-block collectives); on 2 CPU cores a full model takes 1.5-2.5 minutes.
 
-    python benchmarks/tpu_plan.py                 # the whole grid (14 rows)
+    python benchmarks/tpu_plan.py                 # the whole grid (18 rows)
     python benchmarks/tpu_plan.py --rows 3        # the first rows only
+    python benchmarks/tpu_plan.py --only Wan      # the rows whose label contains "Wan"
     python benchmarks/tpu_plan.py --tiles         # Splash alone: which tiles compile on which generation
 """
 
@@ -23,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 COGVIDEOX = "zai-org/CogVideoX1.5-5B"  # 768 x 1360 x 81 by default
 HUNYUAN = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v"  # 720 x 1280 x 121 by default
+WAN = {"Wan2.1-14B": "Wan-AI/Wan2.1-T2V-14B-Diffusers", "Wan2.2-A14B": "Wan-AI/Wan2.2-T2V-A14B-Diffusers"}
+WAN_VIDEOS = {"720p": ("720", "1280"), "480p": ("480", "832")}  # 81 frames, the pipeline's default
 TILES = {"3328/2816/256": (3328, 2816, 256), "2048/2048/1024": (2048, 2048, 1024), "512/512/512": (512, 512, 512)}
 
 
@@ -43,6 +46,10 @@ def grid() -> list[tuple[str, list[str]]]:
             tiles = ["--block_q", str(block_q), "--block_kv", str(block_kv), "--block_kv_compute", str(compute)]
             rows.append((f"CogVideoX1.5-5B v6e-8 tiles {name}", [*base, *tiles]))
     rows.append(("CogVideoX1.5-5B v6e-8 replicated_out", [*base, "--tp_mode", "replicated_out"]))
+    for name, model in WAN.items():
+        for video, (height, width) in WAN_VIDEOS.items():
+            flags = ["--model", model, "--plan", "v6e-8", "--height", height, "--width", width, "--num_frames", "81"]
+            rows.append((f"{name} {video} v6e-8", ["stage2_transformer.py", *flags]))
     return rows
 
 
@@ -141,6 +148,7 @@ def splash_tiles() -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, help="run only the first N rows")
+    parser.add_argument("--only", help="run only the rows whose label contains this text")
     parser.add_argument("--tiles", action="store_true", help="only compile Splash alone for each tile candidate")
     args = parser.parse_args()
     if args.tiles:
@@ -150,7 +158,7 @@ def main() -> None:
             print(f"| {row['tpu']} | {row['model']} | {row['tiles']} | {row['result']} |")
         print(json.dumps({"tiles": found}))
         return
-    rows = grid()[: args.rows]
+    rows = [row for row in grid() if args.only is None or args.only in row[0]][: args.rows]
     results = []
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:

@@ -69,7 +69,8 @@ def choose_mesh_shape(
     """The mesh for the requested axis sizes; unset axes default to dp=2 under CFG (if it fits), sp=1,
     tp=the rest.
 
-    Raises ValueError when the product is not the device count or `tp` cannot split the attention heads.
+    Raises ValueError when the product is not the device count, `tp` cannot split the attention heads,
+    or `dp` is larger than the batch (2 with CFG, else 1).
     """
     for name, value in ((DP, dp), (SP, sp), (TP, tp)):
         if value is not None and value < 1:
@@ -88,6 +89,18 @@ def choose_mesh_shape(
         )
     if heads is not None and heads % tp:
         raise ValueError(f"tp {tp} does not divide the transformer's {heads} attention heads")
+    batch = 2 if cfg else 1  # the CFG branches, or one sample
+    if dp > batch:
+        what = "the two CFG branches" if cfg else "one sample (CFG is off)"
+        try:
+            fit = choose_mesh_shape(device_count, batch, sp, None, cfg=cfg, heads=heads)
+            hint = f"; a mesh that uses every device: dp {fit.dp} x sp {fit.sp} x tp {fit.tp}"
+        except ValueError:
+            hint = ""
+        raise ValueError(
+            f"dp {dp} is more than the batch of {batch}, {what}: devices would hold identical copies doing "
+            f"identical work{hint}"
+        )
     return shape
 
 

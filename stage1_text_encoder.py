@@ -21,8 +21,10 @@ from utils import (
     Request,
     UserError,
     add_request_arguments,
+    dtype_flag,
     ensure_writable_dir,
     filter_harmless_warnings,
+    flag_names,
     log,
     parse_dtype,
     read_config,
@@ -40,14 +42,17 @@ DEFAULT_SEED = 42
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--model",
+        *flag_names("--model"),
+        dest="model",
         default=DEFAULT_MODEL,
         help=f"hub id, local diffusers folder, or preset ({', '.join(models.PRESETS)}); default: %(default)s",
     )
     parser.add_argument("--prompt", required=True, help="what the video should show")
     parser.add_argument("--negative_prompt", default="", help="what to steer away from (default: empty)")
     parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR, help="stage folder (default: %(default)s)")
-    parser.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (default: %(default)s)")
+    parser.add_argument(
+        "--dtype", type=dtype_flag, default="bf16", help="bf16, fp16 or fp32 (or float32, ...) (default: %(default)s)"
+    )
     parser.add_argument("--backend", choices=("torch", "torchax"), default="torch", help="default: %(default)s")
     parser.add_argument("--device", help="torch device for --backend torch (default: cpu)")
     parser.add_argument(
@@ -76,6 +81,7 @@ def main(argv=None) -> None:
     timer = Timer()
 
     source, family = models.resolve_model(args.model)
+    log(f"stage 1 for {family.NAME}, model {args.model}")
     defaults = {**family.request_defaults(source), "seed": DEFAULT_SEED}
     request = Request.from_flags(args, model_family=family.NAME, model_id=args.model, defaults=defaults)
     family.validate_request(source, request)
@@ -83,7 +89,7 @@ def main(argv=None) -> None:
 
     # One prompt at a time: with --backend torchax every device goes to `tp` (heads and MLP columns).
     runtime = open_runtime(args.backend, args.device, TP, compile_cache=not args.no_compile_cache)
-    log(f"{family.NAME} from {args.model}: encoding prompt on {runtime.describe()} in {args.dtype}")
+    log(f"encoding the prompt on {runtime.describe()} in {args.dtype}")
 
     with timer.phase("encode"):
         embeddings = family.encode_prompts(source, request, dtype, runtime)

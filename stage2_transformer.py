@@ -27,8 +27,10 @@ from utils import (
     Request,
     UserError,
     add_request_arguments,
+    dtype_flag,
     ensure_writable_dir,
     filter_harmless_warnings,
+    flag_names,
     log,
     parse_dtype,
     read_config,
@@ -48,8 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--input_dir", default=DEFAULT_OUTPUT_DIR, help="folder with stage 1's files (default: %(default)s)"
     )
     parser.add_argument("--output_dir", help="where to write the latents and config (default: --input_dir)")
-    parser.add_argument("--model", help="override the model recorded by stage 1 (same family only)")
-    parser.add_argument("--dtype", help="bf16, fp16 or fp32 for the transformer (default: stage 1's dtype)")
+    parser.add_argument(
+        *flag_names("--model"), dest="model", help="override the model recorded by stage 1 (same family only)"
+    )
+    parser.add_argument(
+        "--dtype", type=dtype_flag, help="bf16, fp16 or fp32 (or float32, ...) for the transformer (default: stage 1's)"
+    )
     attention = parser.add_argument_group("attention")
     attention.add_argument(
         "--attention",
@@ -93,6 +99,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--resume", action="store_true", help=f"continue from {CHECKPOINT_FILE} in --output_dir (same request)"
     )
     runtime.add_argument("--profile", metavar="DIR", help="write a JAX profiler trace of the first 3 timed steps")
+    runtime.add_argument(
+        "--enable_profiler",
+        action="store_true",
+        help=f"the reference scripts' spelling of --profile: trace into --profiler_output_dir (default: {PROFILE_DIR})",
+    )
+    runtime.add_argument("--profiler_output_dir", metavar="DIR", help="with --enable_profiler: where the trace goes")
     mesh = parser.add_argument_group("device mesh (product must equal the device count)")
     mesh.add_argument("--dp", type=int, help="data parallel: the CFG branches (default: 2 with CFG if it fits, else 1)")
     mesh.add_argument("--sp", type=int, help="sequence parallel: query tokens in attention (default: 1)")
@@ -116,6 +128,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     planning.add_argument("--plan_json", metavar="FILE", help="also save the plan's report as JSON")
     add_request_arguments(parser, for_later_stage=True)
     return parser.parse_args(argv)
+
+
+PROFILE_DIR = "./jax-trace"
+
+
+def profile_dir(args) -> str | None:
+    """Where the profiler trace goes: `--profile DIR`, or the reference scripts' `--enable_profiler` with
+    `--profiler_output_dir`; None for no trace."""
+    if args.profiler_output_dir and not args.enable_profiler:
+        raise UserError("--profiler_output_dir needs --enable_profiler (or use --profile DIR)")
+    if not args.enable_profiler:
+        return args.profile
+    if args.profile and args.profiler_output_dir and args.profile != args.profiler_output_dir:
+        raise UserError("--profile and --profiler_output_dir name different folders; give one")
+    return args.profile or args.profiler_output_dir or PROFILE_DIR
 
 
 def splash_config(args, family, generation=None):
@@ -190,6 +217,7 @@ def main(argv=None) -> None:
         return plan_main(args)
     if args.plan_json:
         raise UserError("--plan_json needs --plan")
+    trace_dir = profile_dir(args)
     if args.warmup_steps < 0:
         raise UserError(f"--warmup_steps {args.warmup_steps} must be >= 0")
     input_dir = Path(args.input_dir)
@@ -224,7 +252,7 @@ def main(argv=None) -> None:
 
     compile_cache = CompileCache(enabled=not args.no_compile_cache)
     mesh = sharding.make_mesh(mesh_shape(args, family, source, request, jax.device_count()))
-    runtime = TorchaxRuntime(mesh, profile_dir=args.profile, compile_cache=compile_cache)
+    runtime = TorchaxRuntime(mesh, profile_dir=trace_dir, compile_cache=compile_cache)
     attention = resolve_backend(args.attention)
     generation = tpus.generation_of(mesh.devices.flat[0].device_kind) if runtime.platform == "tpu" else None
     if runtime.platform == "tpu" and generation is None:

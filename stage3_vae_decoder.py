@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Stage 3: decode stage 2's latents with the pipeline's VAE and write an mp4.
 
-`--backend torch` runs plain PyTorch on CPU or CUDA and never imports JAX (for GPU hosts);
-`--backend torchax` runs the same VAE on a JAX device. The latents' normalisation that stage 2 recorded
+`--backend auto` (default) decodes where the accelerator is: torch on CUDA, else torchax on a TPU or GPU
+that JAX sees, else torch on the CPU. `--backend torch` runs plain PyTorch on CPU or CUDA and never
+imports JAX (for GPU hosts); `--backend torchax` runs the same VAE on every JAX device. The latents' normalisation that stage 2 recorded
 (the VAE scaling factor, or Wan's per-channel mean and std) is undone exactly as the diffusers
 pipeline does before decoding.
 """
@@ -13,9 +14,18 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+import torch
 
 import models
-from models.common import check_backend_flags, decode, open_runtime, write_mp4, write_preview_png
+from models.common import (
+    STAGE3_BACKENDS,
+    check_backend_flags,
+    choose_backend,
+    decode,
+    open_runtime,
+    write_mp4,
+    write_preview_png,
+)
 from runtime import SP, Timer
 from utils import (
     CONFIG_FILE,
@@ -24,8 +34,10 @@ from utils import (
     Request,
     UserError,
     check_stage2_fresh,
+    dtype_flag,
     ensure_writable_dir,
     filter_harmless_warnings,
+    flag_names,
     log,
     parse_dtype,
     read_config,
@@ -35,6 +47,7 @@ from utils import (
     stage2_normalization,
     stage_sections,
     write_stage_config,
+    write_tensors,
 )
 
 
@@ -45,10 +58,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--output_dir", help="where to write the video and config (default: --input_dir)")
     parser.add_argument("--output_name", default=VIDEO_FILE, help="video file name (default: %(default)s)")
-    parser.add_argument("--model", help="override the model recorded by stage 1 (same family only)")
-    parser.add_argument("--backend", choices=("torch", "torchax"), default="torch", help="default: %(default)s")
+    parser.add_argument(
+        "--output_video",
+        metavar="PATH",
+        help="the reference scripts' spelling: the mp4 at PATH (its folder and name), preview and frames beside it",
+    )
+    parser.add_argument(
+        *flag_names("--model"), dest="model", help="override the model recorded by stage 1 (same family only)"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=STAGE3_BACKENDS,
+        default="auto",
+        help="auto: torch on CUDA if torch sees a GPU, else torchax if JAX sees a TPU or GPU, else torch on "
+        "the CPU (default: %(default)s)",
+    )
     parser.add_argument("--device", help="torch device for --backend torch (default: cpu)")
-    parser.add_argument("--dtype", help="bf16, fp16 or fp32 for the VAE (default: the request's dtype)")
+    parser.add_argument(
+        "--dtype", type=dtype_flag, help="bf16, fp16 or fp32 (or float32, ...) for the VAE (default: the request's)"
+    )
+    parser.add_argument("--dp", type=int, help=argparse.SUPPRESS)  # the reference's Flax decoder flag: refused
+    parser.add_argument(
+        "--save_frames",
+        action="store_true",
+        help="also write <video name>_frames.safetensors: `frames` uint8 (F, H, W, 3) as encoded and "
+        "`frames_float` float32 in [0, 1] before quantisation (default: off)",
+    )
     parser.add_argument("--fps", type=int, help="override the request's frames per second")
     parser.add_argument(
         "--tiling", action="store_true", help="decode in spatial tiles (diffusers' VAE tiling) to save memory"
@@ -95,6 +130,22 @@ def preview_name(video_name: str) -> str:
     return str(Path(video_name).with_suffix("")) + "_preview.png"
 
 
+def frames_name(video_name: str) -> str:
+    return str(Path(video_name).with_suffix("")) + "_frames.safetensors"
+
+
+def output_paths(args) -> tuple[Path, str]:
+    """The video's folder and name: --output_dir/--output_name, or the reference's --output_video PATH."""
+    if args.output_video is None:
+        return Path(args.output_dir or args.input_dir), args.output_name
+    if args.output_dir is not None or args.output_name != VIDEO_FILE:
+        raise UserError("--output_video names the folder and the file; drop --output_dir and --output_name")
+    path = Path(args.output_video)
+    if path.suffix.lower() != ".mp4":
+        raise UserError(f"--output_video {path}: the video is an mp4 (name it .mp4)")
+    return path.parent, path.name
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     filter_harmless_warnings()
@@ -103,11 +154,16 @@ def main(argv=None) -> None:
     given = [f"--{name}" for name in ("plan_json", *PLAN_REQUEST_KEYS) if getattr(args, name) is not None]
     if given:
         raise UserError(f"{', '.join(given)} need --plan (stage 3 decodes the latents stage 2 wrote)")
+    if args.dp is not None:
+        raise UserError(
+            "--dp: stage 3 has no data-parallel axis; with --backend torchax it splits the latents' width over "
+            "all devices (the reference's Flax decoder took --dp); drop the flag"
+        )
     check_backend_flags(args.backend, args.device)
     if args.preview_frames < 0:
         raise UserError(f"--preview_frames {args.preview_frames} must be >= 0")
     input_dir = Path(args.input_dir)
-    output_dir = Path(args.output_dir or args.input_dir)
+    output_dir, output_name = output_paths(args)
     timer = Timer()
 
     config = read_config(input_dir, needs="stage2")
@@ -120,21 +176,26 @@ def main(argv=None) -> None:
     ensure_writable_dir(output_dir)
 
     # With --backend torchax the VAE's weights are replicated and its activations split along width.
-    runtime = open_runtime(args.backend, args.device, SP, compile_cache=not args.no_compile_cache)
+    backend, device, reason = choose_backend(args.backend, args.device)
+    log(f"--backend {args.backend}: {reason}")
+    runtime = open_runtime(backend, device, SP, compile_cache=not args.no_compile_cache)
     log(f"decoding latents {tuple(latents.shape)} with the {family.NAME} VAE, {runtime.describe()}, {dtype_name}")
     normalization = stage2_normalization(config["stage2"], lambda: family.latents_normalization(source))
     frames = decode(family, source, latents, normalization, dtype, runtime, timer, tiling=args.tiling)
     pixels = (frames.numpy() * 255).round().astype(np.uint8)
     with timer.phase("save"):
-        write_mp4(output_dir / args.output_name, pixels, request.fps)
+        write_mp4(output_dir / output_name, pixels, request.fps)
         preview = None
         if args.preview_frames:
-            preview = preview_name(args.output_name)
+            preview = preview_name(output_name)
             rows, columns = write_preview_png(output_dir / preview, pixels, count=args.preview_frames)
+        if args.save_frames:  # exactly what went into the encoder, and the decode before quantisation
+            saved = {"frames": torch.from_numpy(pixels), "frames_float": frames.float()}
+            frames_record = write_tensors(output_dir / frames_name(output_name), saved)
 
     count, height, width, _ = pixels.shape
     section = {
-        "file": args.output_name,
+        "file": output_name,
         "latents_sha256": config["stage2"]["sha256"],
         "frames": count,
         "height": height,
@@ -142,12 +203,15 @@ def main(argv=None) -> None:
         "fps": request.fps,
         "tiling": args.tiling,
         "overrides": overrides,
+        "backend_choice": reason,
         **run_record(runtime, dtype_name, timer.finish(), ("diffusers", "imageio-ffmpeg")),
     }
     if preview:
         section.update(preview=preview, preview_grid=[rows, columns])
+    if args.save_frames:
+        section["frames_file"] = frames_record
     write_stage_config(output_dir, request, stage_sections(config), "stage3", section)
-    log(f"wrote {output_dir / args.output_name}: {count} frames x {height} x {width} at {request.fps} fps")
+    log(f"wrote {output_dir / output_name}: {count} frames x {height} x {width} at {request.fps} fps")
 
 
 if __name__ == "__main__":

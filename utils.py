@@ -50,6 +50,23 @@ REQUEST_KEYS = (
 DENOISE_KEYS = tuple(key for key in REQUEST_KEYS if key != "fps")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_SPELLINGS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # torch's and diffusers' names
+
+# The reference scripts' spellings of our flags, so their users' command lines keep working: one place
+# for all of them; argparse accepts each and `--help` lists it beside ours.
+REFERENCE_ALIASES = {"--model": ("--model_id",), "--num_frames": ("--frames", "--video_length")}
+
+
+def flag_names(flag: str) -> list[str]:
+    """`flag` and its reference-script aliases, for `add_argument`."""
+    return [flag, *REFERENCE_ALIASES.get(flag, ())]
+
+
+def dtype_flag(name: str) -> str:
+    """`--dtype` as typed: torch's spellings become ours (what configs record); anything else is left for
+    parse_dtype to refuse."""
+    return DTYPE_SPELLINGS.get(name, name)
+
 
 _START = time.monotonic()
 
@@ -104,7 +121,7 @@ def filter_harmless_warnings() -> None:
 def parse_dtype(name: str) -> torch.dtype:
     """`--dtype` as a torch dtype."""
     if name not in DTYPES:
-        raise UserError(f"--dtype {name!r} is not one of {', '.join(DTYPES)}")
+        raise UserError(f"--dtype {name!r} is not one of {', '.join(DTYPES)} (or {', '.join(DTYPE_SPELLINGS)})")
     return DTYPES[name]
 
 
@@ -201,6 +218,8 @@ def read_config(directory: Path, needs: str | None = None) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         raise UserError(f"{path} is not valid JSON: {err}") from None
     version = config.get("format_version")
+    if version is None and any((directory / name).is_file() for name in (STAGE1_FILE, STAGE2_FILE)):
+        raise UserError(reference_folder_message(directory, config))
     if isinstance(version, int) and version > FORMAT_VERSION:
         raise UserError(
             f"{path} was written by a newer version of this tool (format_version {version}, this one reads "
@@ -216,6 +235,22 @@ def read_config(directory: Path, needs: str | None = None) -> dict[str, Any]:
     return config
 
 
+def reference_folder_message(directory: Path, config: dict[str, Any]) -> str:
+    """What to say about a folder the reference scripts wrote: their file names, no format_version and
+    no checksums, so nothing in it can be verified; stage 1 is the stage to redo here."""
+    model = config.get("model_id") or config.get("model")
+    prompt = config.get("prompt")
+    command = ["python stage1_text_encoder.py"]
+    command += [f"--model {model}"] if model else ["--model <the model>"]
+    command += [f"--prompt {json.dumps(prompt)}"] if isinstance(prompt, str) else ['--prompt "..."']
+    command += [f"--output_dir {directory}"]
+    return (
+        f"{directory} looks like a stage folder from the reference scripts ({CONFIG_FILE} has no "
+        "format_version and its files no sha256), which this tool cannot verify; redo stage 1 here: "
+        + " ".join(command)
+    )
+
+
 def write_config(directory: Path, config: dict[str, Any]) -> None:
     text = json.dumps(config, indent=2, sort_keys=False) + "\n"
     atomic_write(directory / CONFIG_FILE, lambda tmp: tmp.write_text(text))
@@ -229,7 +264,10 @@ def add_request_arguments(parser, *, for_later_stage: bool) -> None:
     group.add_argument("--height", type=int, help="video height in pixels")
     group.add_argument("--width", type=int, help="video width in pixels")
     group.add_argument(
-        "--num_frames", type=int, help="number of frames (8n+1 for CogVideoX, 4n+1 for HunyuanVideo-1.5 and Wan)"
+        *flag_names("--num_frames"),
+        dest="num_frames",
+        type=int,
+        help="number of frames (8n+1 for CogVideoX, 4n+1 for HunyuanVideo-1.5 and Wan)",
     )
     group.add_argument("--fps", type=int, help="frames per second of the mp4")
     group.add_argument("--num_inference_steps", type=int, help="denoising steps")

@@ -20,14 +20,45 @@ LATENTS_WIDTH_SPLIT = (None, None, None, None, SP)
 
 
 BACKENDS = ("torch", "torchax")
+STAGE3_BACKENDS = ("auto", *BACKENDS)
 
 
 def check_backend_flags(backend: str, device: str | None) -> None:
     """Refuse `--backend`/`--device` combinations up front, before any file is read."""
-    if backend not in BACKENDS:
-        raise UserError(f"--backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    if backend != "torch" and device is not None:  # it would be silently ignored: every JAX device is used
+    if backend not in STAGE3_BACKENDS:
+        raise UserError(f"--backend {backend!r} is not one of {', '.join(STAGE3_BACKENDS)}")
+    if backend == "torchax" and device is not None:  # it would be silently ignored: every JAX device is used
         raise UserError(f"--device applies to --backend torch; --backend {backend} uses every JAX device")
+
+
+def jax_platform() -> str | None:
+    """The platform of JAX's default devices ("tpu", "gpu", "cpu"), or None when JAX cannot be imported.
+    Imports JAX: called only once torch has no GPU."""
+    from runtime import libtpu_off_tpu
+
+    libtpu_off_tpu()  # as torchax_compat does: off a TPU VM, libtpu must not try to claim one
+    try:
+        import jax
+    except ImportError:
+        return None
+    return jax.devices()[0].platform
+
+
+def choose_backend(backend: str, device: str | None, cuda=None, platform=jax_platform) -> tuple[str, str | None, str]:
+    """Stage 3's `--backend auto`: torch on CUDA when torch sees a GPU (JAX never imported), else torchax
+    when JAX sees a TPU or GPU, else torch on the CPU. Returns (backend, device, the reason in words);
+    an explicit backend is kept. `cuda` and `platform` are the probes (replaced in tests)."""
+    if backend != "auto":
+        return backend, device, "as given"
+    if device is not None:
+        return "torch", device, f"--device {device} given: torch"
+    if (cuda or torch.cuda.is_available)():
+        return "torch", "cuda", "torch sees a CUDA GPU: torch on cuda"
+    found = platform()
+    if found in ("tpu", "gpu"):
+        return "torchax", None, f"torch sees no GPU, JAX sees a {found.upper()}: torchax on every JAX device"
+    jax_says = "JAX is not installed" if found is None else f"JAX sees only {found}"
+    return "torch", "cpu", f"torch sees no GPU and {jax_says}: torch on cpu"
 
 
 def open_runtime(backend: str, device: str | None, axis: str, compile_cache: bool = True) -> Runtime:

@@ -3,9 +3,9 @@
 
 `--backend auto` (default) decodes where the accelerator is: torch on CUDA, else torchax on a TPU or GPU
 that JAX sees, else torch on the CPU. `--backend torch` runs plain PyTorch on CPU or CUDA and never
-imports JAX (for GPU hosts); `--backend torchax` runs the same VAE on every JAX device. The latents' normalisation that stage 2 recorded
-(the VAE scaling factor, or Wan's per-channel mean and std) is undone exactly as the diffusers
-pipeline does before decoding.
+imports JAX (for GPU hosts); `--backend torchax` runs the same VAE on every JAX device. The latents'
+normalisation that stage 2 recorded (the VAE scaling factor, or Wan's per-channel mean and std) is
+undone exactly as the diffusers pipeline does before decoding.
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ have no such term; tests/test_splash_attention.py holds them to 1e-5 of a float6
 
 With a mesh the kernel runs under shard_map: batch on `dp`, heads on `tp`, query sequence on `sp`.
 On TPU the kernel is compiled by Mosaic; elsewhere it runs in Pallas interpret mode (slow, for tests).
+
+On NVIDIA GPUs `fused_attention` is JAX's cuDNN flash attention (`jax.nn.dot_product_attention`), with
+key and query padding passed as lengths; that is exact when each row's valid tokens come first, which
+holds for every family here (CogVideoX and Wan have no masks; HunyuanVideo-1.5 puts valid text tokens
+first by its reorder, and its refiner's tokenizer pads on the right). Other masks are refused.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ LANE = 128  # TPU lane width: block sizes are multiples of it
 # Dense (.., Sq, Skv) masks are reduced and checked only up to this size (HunyuanVideo-1.5's token
 # refiner: 1000 x 1000); at video lengths (~112k tokens) the S x S work itself is the problem.
 DENSE_MASK_LIMIT = 4096 * 4096
-BACKENDS = ("auto", "splash", "xla")
+BACKENDS = ("auto", "splash", "xla", "cudnn")
+FUSED_DTYPES = (torch.bfloat16, torch.float16)  # what cuDNN's fused attention takes
 
 
 @dataclass(frozen=True)
@@ -309,8 +315,53 @@ def xla_attention(query, key, value, attn_mask=None, *, scale: float | None = No
     return out.astype(query.dtype)
 
 
-def make_sdpa(backend: str, config: SplashConfig, mesh: Mesh | None = None):
-    """A torch-level `scaled_dot_product_attention` (diffusers' keyword names) running `backend`."""
+def _raise_if_not_prefix(not_prefix) -> None:
+    if not_prefix:
+        raise ValueError(
+            "fused (cuDNN) attention takes padding as lengths: each row's valid keys (and queries) must come "
+            "first; this mask is not such a prefix (use --attention xla)"
+        )
+
+
+def _lengths(valid):
+    """Per-row lengths of a boolean (B, S) validity that must be a prefix (True..True False..False)."""
+    lengths = valid.sum(axis=-1).astype(jnp.int32)
+    not_prefix = (valid != (jnp.arange(valid.shape[-1])[None, :] < lengths[:, None])).any()
+    if isinstance(not_prefix, jax.core.Tracer):
+        jax.debug.callback(_raise_if_not_prefix, not_prefix)
+    else:
+        _raise_if_not_prefix(bool(not_prefix))
+    return lengths
+
+
+def fused_attention(query, key, value, key_valid=None, query_valid=None, *, scale=None, implementation="cudnn"):
+    """`jax.nn.dot_product_attention` (cuDNN flash attention on NVIDIA GPUs; implementation None: XLA
+    anywhere) on (B, H, S, D) tensors, with padding masks passed as sequence lengths, so no S x S mask
+    exists. Rows with no valid key, and padded queries, give zeros, as PyTorch's SDPA and the other
+    backends here do."""
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (query, key, value))  # (B, S, H, D), JAX's layout
+    kv_lengths = None if key_valid is None else _lengths(key_valid)
+    q_lengths = None if query_valid is None else _lengths(query_valid)
+    out = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        query_seq_lengths=q_lengths,
+        key_value_seq_lengths=kv_lengths,
+        implementation=implementation,
+    ).transpose(0, 2, 1, 3)
+    rows = jnp.ones(out.shape[:1] + out.shape[2:3], dtype=bool)  # (B, Sq)
+    if query_valid is not None:
+        rows = rows & query_valid
+    if key_valid is not None:
+        rows = rows & key_valid.any(axis=-1, keepdims=True)
+    return jnp.where(rows[:, None, :, None], out, jnp.zeros((), out.dtype))
+
+
+def make_sdpa(backend: str, config: SplashConfig, mesh: Mesh | None = None, fused_implementation: str | None = "cudnn"):
+    """A torch-level `scaled_dot_product_attention` (diffusers' keyword names) running `backend`
+    (`fused_implementation` None runs the cudnn backend's call on XLA: how CPU tests exercise it)."""
     from torchax.interop import call_jax
 
     def scaled_dot_product_attention(
@@ -323,6 +374,10 @@ def make_sdpa(backend: str, config: SplashConfig, mesh: Mesh | None = None):
             if backend == "xla":
                 return xla_attention(q, k, v, mask, scale=scale)
             key_valid, query_valid = masks_from_attn_mask(mask, q.shape[0], q.shape[2], k.shape[2])
+            if backend == "cudnn":
+                return fused_attention(
+                    q, k, v, key_valid, query_valid, scale=scale, implementation=fused_implementation
+                )
             return splash_attention(q, k, v, key_valid, query_valid=query_valid, scale=scale, config=config, mesh=mesh)
 
         return call_jax(jax_attention, query, key, value, attn_mask)
@@ -330,26 +385,41 @@ def make_sdpa(backend: str, config: SplashConfig, mesh: Mesh | None = None):
     return scaled_dot_product_attention
 
 
-def resolve_backend(requested: str) -> str:
-    """`auto` is Splash on TPU and plain XLA attention elsewhere."""
+def resolve_backend(requested: str, dtype: torch.dtype, platform: str | None = None) -> tuple[str, str]:
+    """The backend to run and why: `auto` is Splash on TPU, cuDNN fused attention on a GPU (XLA in fp32,
+    which cuDNN does not take), plain XLA attention elsewhere. `cudnn` needs a GPU and bf16/fp16."""
     if requested not in BACKENDS:
         raise ValueError(f"attention backend {requested!r} is not one of {BACKENDS}")
-    if requested == "auto":
-        return "splash" if jax.devices()[0].platform == "tpu" else "xla"
-    return requested
+    platform = platform or jax.devices()[0].platform
+    fused_ok = dtype in FUSED_DTYPES
+    if requested == "cudnn" and platform != "gpu":
+        raise ValueError(f"attention cudnn needs an NVIDIA GPU; JAX's devices here are {platform}")
+    if requested == "cudnn" and not fused_ok:
+        raise ValueError(f"attention cudnn takes bf16 or fp16, not {dtype}; use xla for fp32")
+    if requested != "auto":
+        return requested, "as given"
+    if platform == "tpu":
+        return "splash", "auto: TPU"
+    if platform == "gpu" and fused_ok:
+        return "cudnn", "auto: GPU"
+    if platform == "gpu":
+        return "xla", f"auto: GPU, but cuDNN's fused attention takes bf16/fp16, not {dtype}: XLA attention"
+    return "xla", f"auto: {platform}"
 
 
 @contextlib.contextmanager
-def attention_backend(env, backend: str, config: SplashConfig, mesh: Mesh | None = None):
-    """Within the block, SDPA in the torchax environment `env` runs `backend`: "splash" (the kernel) or
-    "xla" (`xla_attention`).
+def attention_backend(
+    env, backend: str, config: SplashConfig, mesh: Mesh | None = None, fused_implementation: str | None = "cudnn"
+):
+    """Within the block, SDPA in the torchax environment `env` runs `backend`: "splash" (the kernel),
+    "xla" (`xla_attention`) or "cudnn" (`fused_attention`).
 
     torchax's public `override_op_definition` has no undo, so the previous entry of the private op
     table is put back on exit; that keeps tests and repeated in-process runs independent.
     """
     op = torch.nn.functional.scaled_dot_product_attention
     previous = env._ops.get(op)
-    env.override_op_definition(op, make_sdpa(backend, config, mesh))
+    env.override_op_definition(op, make_sdpa(backend, config, mesh, fused_implementation))
     try:
         yield
     finally:

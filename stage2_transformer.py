@@ -59,10 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     attention = parser.add_argument_group("attention")
     attention.add_argument(
         "--attention",
-        choices=("auto", "splash", "xla"),
+        choices=("auto", "splash", "xla", "cudnn"),
         default="auto",
-        help="splash: the Pallas Splash kernel (Pallas interpret mode off TPU); xla: plain XLA softmax attention "
-        "(splash_attention.xla_attention); auto: Splash on TPU, else xla (default: auto)",
+        help="splash: the Pallas Splash kernel (Pallas interpret mode off TPU); cudnn: JAX's cuDNN fused "
+        "attention (NVIDIA GPU, bf16/fp16); xla: plain XLA softmax attention (splash_attention.xla_attention); "
+        "auto: Splash on TPU, cuDNN on a GPU (XLA in fp32), else xla (default: auto)",
     )
     for name in ("block_q", "block_kv", "block_kv_compute"):
         attention.add_argument(f"--{name}", type=int, help="Splash tile size, a multiple of 128 (default: per family)")
@@ -194,6 +195,8 @@ def plan_main(args) -> None:
     )
     dtype = parse_dtype(args.dtype or request.dtype)
     shape = mesh_shape(args, family, source, request, target.devices)
+    if args.attention == "cudnn":
+        raise UserError("--attention cudnn is for NVIDIA GPUs; --plan compiles for a TPU (splash or xla)")
     attention = "splash" if args.attention == "auto" else args.attention
     log(f"planning {family.NAME} stage 2 for {target.name} ({target.topology}), mesh {shape.as_dict()}")
     splash = splash_config(args, family, target.generation)
@@ -253,12 +256,15 @@ def main(argv=None) -> None:
     compile_cache = CompileCache(enabled=not args.no_compile_cache)
     mesh = sharding.make_mesh(mesh_shape(args, family, source, request, jax.device_count()))
     runtime = TorchaxRuntime(mesh, profile_dir=trace_dir, compile_cache=compile_cache)
-    attention = resolve_backend(args.attention)
+    try:
+        attention, why = resolve_backend(args.attention, dtype, runtime.platform)
+    except ValueError as err:
+        raise UserError(f"--{err}") from None
     generation = tpus.generation_of(mesh.devices.flat[0].device_kind) if runtime.platform == "tpu" else None
     if runtime.platform == "tpu" and generation is None:
         log(f"unknown TPU generation {mesh.devices.flat[0].device_kind!r}: Splash tiles are not capped")
     splash = splash_config(args, family, generation)
-    log(f"{family.NAME} transformer, {runtime.describe()}, {dtype_name}, attention {attention}")
+    log(f"{family.NAME} transformer, {runtime.describe()}, {dtype_name}, attention {attention} ({why})")
     log(f"request overrides: {overrides or 'none'}")
     options = DenoiseOptions(tp_mode=args.tp_mode, warmup_steps=args.warmup_steps, guard=guard)
     with attention_backend(runtime.env, attention, splash, runtime.mesh), guard.stop_handler():
@@ -274,6 +280,7 @@ def main(argv=None) -> None:
         **info,
         "tp_mode": args.tp_mode,
         "attention": attention,
+        "attention_choice": why,
         **({"splash": dataclasses.asdict(splash)} if attention == "splash" else {}),
         "overrides": overrides,
         "warmup_steps": args.warmup_steps,

@@ -1,0 +1,111 @@
+"""The cuDNN fused-attention backend's call (`jax.nn.dot_product_attention` with padding as lengths),
+run here with implementation=None (XLA on CPU), against the float64 reference, and the backend choice.
+
+Tolerance: 1e-5 relative in fp32, as for Splash. On a GPU the same call runs cuDNN in bf16; the bound we
+hold there is 2e-2 relative to float64 (bf16 inputs and output), not checked here (no GPU).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_hunyuanvideo15_patches import Sample, inputs, tiny_transformer
+
+import sharding
+import stage2_transformer
+from helpers import expect_user_error, reference_attention, relative_error, tiny_stage1
+from models import hunyuanvideo15
+from splash_attention import SplashConfig, attention_backend, fused_attention, resolve_backend
+from torchax_runtime import TorchaxRuntime
+
+
+def qkv(batch=2, heads=2, q_len=40, kv_len=56, head_dim=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return (
+        rng.standard_normal((batch, heads, length, head_dim)).astype(np.float32) for length in (q_len, kv_len, kv_len)
+    )
+
+
+def prefix(lengths, size):
+    return np.arange(size)[None, :] < np.asarray(lengths)[:, None]
+
+
+@pytest.mark.parametrize("kv_lengths, q_lengths", [(None, None), ([56, 20], None), ([33, 1], [40, 7])])
+def test_lengths_vs_float64(kv_lengths, q_lengths):
+    q, k, v = qkv()
+    key_valid = None if kv_lengths is None else prefix(kv_lengths, 56)
+    query_valid = None if q_lengths is None else prefix(q_lengths, 40)
+    allowed = np.ones((2, 1, 40, 56), dtype=bool)
+    if key_valid is not None:
+        allowed &= key_valid[:, None, None, :]
+    if query_valid is not None:
+        allowed &= query_valid[:, None, :, None]
+    expected = reference_attention(q, k, v, allowed)  # rows with nothing allowed: zeros
+    got = fused_attention(q, k, v, key_valid, query_valid, implementation=None)
+    assert relative_error(got, expected) <= 1e-5
+    if q_lengths is not None:
+        assert not np.asarray(got)[1, :, 7:].any()  # padded queries give zeros, as PyTorch's SDPA
+
+
+def test_a_mask_that_is_not_a_prefix_is_refused():
+    q, k, v = qkv()
+    key_valid = prefix([56, 20], 56)
+    key_valid[0, 3] = False
+    with pytest.raises(ValueError, match="not such a prefix"):
+        fused_attention(q, k, v, key_valid, implementation=None)
+
+
+@pytest.mark.parametrize("mesh", [(1, 1, 1), (2, 1, 4)], ids=lambda m: "dp{}-sp{}-tp{}".format(*m))
+def test_hunyuanvideo15_masks_are_prefixes_and_the_fused_call_matches_eager(mesh):
+    """The family with masks: its joint per-key masks (valid tokens first after the reorder) and the
+    refiner's mask (the tokenizer pads on the right) pass as lengths, and the jitted transformer with the
+    cudnn backend's call (on XLA) equals the stock eager forward."""
+
+    def right_padded():
+        values = inputs()
+        values["encoder_attention_mask"][-1] = torch.tensor([1] * 7 + [0] * 5)  # the shared inputs have a hole
+        return values
+
+    with torch.no_grad():
+        expected = tiny_transformer()(**right_padded(), return_dict=False)[0]
+    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(*mesh)))
+    transformer = hunyuanvideo15.make_jit_safe(tiny_transformer())
+    compiled = runtime.compile(Sample(transformer), sharding.hunyuanvideo15_transformer_rules().nested("transformer."))
+    with attention_backend(runtime.env, "cudnn", SplashConfig(), runtime.mesh, fused_implementation=None):
+        got = runtime.to_host(compiled(**runtime.to_device(right_padded())))
+    assert relative_error(got, expected) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "requested, dtype, platform, expected",
+    [
+        ("auto", torch.bfloat16, "tpu", "splash"),
+        ("auto", torch.bfloat16, "gpu", "cudnn"),
+        ("auto", torch.float16, "gpu", "cudnn"),
+        ("auto", torch.float32, "gpu", "xla"),  # cuDNN takes no fp32: XLA, with the reason logged
+        ("auto", torch.bfloat16, "cpu", "xla"),
+        ("cudnn", torch.bfloat16, "gpu", "cudnn"),
+        ("xla", torch.bfloat16, "gpu", "xla"),
+    ],
+)
+def test_backend_choice(requested, dtype, platform, expected):
+    backend, why = resolve_backend(requested, dtype, platform)
+    assert backend == expected and why
+    if expected == "xla" and platform == "gpu" and requested == "auto":
+        assert "takes bf16/fp16" in why
+
+
+@pytest.mark.parametrize(
+    "dtype, platform, message",
+    [(torch.float32, "gpu", "cudnn takes bf16 or fp16"), (torch.bfloat16, "cpu", "cudnn needs an NVIDIA GPU")],
+)
+def test_cudnn_refusals(dtype, platform, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_backend("cudnn", dtype, platform)
+
+
+def test_stage2_refuses_cudnn_off_a_gpu_before_loading(capsys, tmp_path):
+    folder = tiny_stage1(tmp_path / "in")
+    expect_user_error(capsys, stage2_transformer, ["--input_dir", folder, "--attention", "cudnn", "--dtype", "bf16"],
+                      "--attention cudnn needs an NVIDIA GPU; JAX's devices here are cpu")  # fmt: skip

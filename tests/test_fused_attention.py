@@ -109,3 +109,16 @@ def test_stage2_refuses_cudnn_off_a_gpu_before_loading(capsys, tmp_path):
     folder = tiny_stage1(tmp_path / "in")
     expect_user_error(capsys, stage2_transformer, ["--input_dir", folder, "--attention", "cudnn", "--dtype", "bf16"],
                       "--attention cudnn needs an NVIDIA GPU; JAX's devices here are cpu")  # fmt: skip
+
+
+def test_the_gpu_benchmark_runs_its_cpu_smoke_configuration():
+    """benchmarks/gpu_step.py cannot be measured here (no GPU); its code path runs on the CPU."""
+    import json
+
+    from helpers import ROOT, run_script
+
+    argv = ["--models", "tiny-cogvideox", "--device", "cpu", "--attention", "xla", "--steps", "1", "--warmup", "1"]
+    result = run_script(str(ROOT / "benchmarks" / "gpu_step.py"), argv)
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["ours_median_step_seconds"] > 0 and row["eager_median_step_seconds"] > 0 and row["layers"] == 2

@@ -40,6 +40,21 @@ def cogvideox_tokenizer():
     return T5Tokenizer(vocab=vocab, extra_ids=0)
 
 
+def t5_encoder_kwargs(tokenizer) -> dict:
+    """The tiny T5 / UMT5 encoder of the CogVideoX and Wan presets: 2 layers, 4 heads x 8."""
+    return {
+        "vocab_size": len(tokenizer),
+        "d_model": 32,
+        "d_kv": 8,
+        "d_ff": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 8,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+
+
 def cogvideox(version: str, seed: int = 0):
     """Random tiny CogVideoX components (as in diffusers' own pipeline tests), deterministic per seed."""
     from diffusers import (
@@ -53,19 +68,7 @@ def cogvideox(version: str, seed: int = 0):
 
     tokenizer = cogvideox_tokenizer()
     torch.manual_seed(seed)
-    text_encoder = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
+    text_encoder = T5EncoderModel(T5Config(**t5_encoder_kwargs(tokenizer)))
     torch.manual_seed(seed + 1)
     version_kwargs = (
         {"patch_size_t": 2, "patch_bias": False, "use_rotary_positional_embeddings": True}
@@ -261,19 +264,7 @@ def wan(version: str, seed: int = 0):
 
     tokenizer = cogvideox_tokenizer()  # a T5 tokenizer, as Wan's UMT5 one is
     torch.manual_seed(seed)
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    )
+    text_encoder = UMT5EncoderModel(UMT5Config(**t5_encoder_kwargs(tokenizer)))
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLWan(
         base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]

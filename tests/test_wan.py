@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_hunyuanvideo15_patches import Sample
 
 import models
 import sharding
@@ -31,15 +32,6 @@ REQUEST = {"height": 32, "width": 48, "num_frames": 5, "num_inference_steps": 6,
 
 
 # The stock transformer under jit ---------------------------------------------------------------------
-
-
-class Sample(torch.nn.Module):
-    def __init__(self, transformer):
-        super().__init__()
-        self.transformer = transformer
-
-    def forward(self, **kwargs):
-        return self.transformer(**kwargs, return_dict=False)[0]
 
 
 def transformer_inputs(batch: int):

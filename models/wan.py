@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from runtime import DP, SP
-from utils import Request, UserError
+from utils import Request, UserError, log
 
 from . import tiny
 from .common import DeviceTextEncoder, constrain_block_inputs
@@ -246,6 +246,9 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         on_start=on_start,
     )
     switch = [i for i, t in enumerate(timesteps) if expert(i, t) == 1]
+    if boundary is not None:
+        where = f"from step {switch[0] + 1} of {len(timesteps)}" if switch else "never (the schedule stays above it)"
+        log(f"two experts: transformer_2 takes over at timesteps below {boundary:g}, {where}")
     extra = {"experts": list(names), "boundary_timestep": boundary, "expert_2_from_step": switch[0] if switch else None}
 
     def finish(latents):

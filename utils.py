@@ -106,6 +106,13 @@ HARMLESS_WARNINGS = (
     (UserWarning, "Explicitly requested dtype int64 requested in "),
     # JAX warns on any fork; imageio-ffmpeg's subprocess forks and immediately execs ffmpeg.
     (RuntimeWarning, "os.fork() was called. os.fork() is incompatible with multithreaded code"),
+    # Wan's rotary embedding writes fp32 products into a bf16 tensor (`out[..., 0::2] = ...`); torch casts
+    # on assignment and JAX 0.10 does the same cast (round to nearest), warning that a future JAX will
+    # refuse it. jax is pinned; revisit when it is upgraded.
+    (
+        FutureWarning,
+        "scatter inputs have incompatible types: cannot safely cast value from dtype=float32 to dtype=bfloat16",
+    ),
 )
 
 

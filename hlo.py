@@ -106,7 +106,7 @@ def block_inputs(model_name: str, model, video_tokens: int, batch: int, make):
 def measure(model_name: str, tp_mode: str, mesh, video_tokens: int, attention: str) -> dict[str, object]:
     """Collectives of one transformer block of `model_name` (TRANSFORMERS) compiled on `mesh`, with
     abstract f32 weights placed by the family's rule table and inputs laid out as stage 2 lays them."""
-    family, build, blocks = BLOCKS[model_name]
+    family, build, blocks, returns_text = BLOCKS[model_name]
     model = build()
     table = family.transformer_rules(tp_mode)
     params = dict(model.named_parameters())
@@ -121,8 +121,8 @@ def measure(model_name: str, tp_mode: str, mesh, video_tokens: int, attention: s
     f32 = jax.numpy.float32
     weights = {name: abstract(tuple(params[prefix + name].shape), f32, spec) for name, spec in block_specs.items()}
     inputs = block_inputs(model_name, model, video_tokens, batch=2, make=abstract)
-    outputs = NamedSharding(mesh, P(DP, SP, None)), NamedSharding(mesh, P(DP, None, None))
-    outputs = outputs[0] if model_name == "wan2.1-14b" else outputs  # Wan's block returns the video tokens only
+    video, text = NamedSharding(mesh, P(DP, SP, None)), NamedSharding(mesh, P(DP, None, None))
+    outputs = (video, text) if returns_text else video
 
     def run_block(weights, *inputs):
         return torch.func.functional_call(block, weights, tuple(inputs))
@@ -146,11 +146,12 @@ def measure(model_name: str, tp_mode: str, mesh, video_tokens: int, attention: s
     }
 
 
-# name: (family module, one-block builder, the attribute holding the blocks)
+# name: (family module, one-block builder, the attribute holding the blocks, whether a block also
+# returns the text tokens)
 BLOCKS = {
-    "cogvideox1.5-5b": (cogvideox, cogvideox15_5b_block, "transformer_blocks"),
-    "hunyuanvideo1.5": (hunyuanvideo15, hunyuanvideo15_block, "transformer_blocks"),
-    "wan2.1-14b": (wan, wan_14b_block, "blocks"),
+    "cogvideox1.5-5b": (cogvideox, cogvideox15_5b_block, "transformer_blocks", True),
+    "hunyuanvideo1.5": (hunyuanvideo15, hunyuanvideo15_block, "transformer_blocks", True),
+    "wan2.1-14b": (wan, wan_14b_block, "blocks", False),
 }
 TRANSFORMERS = tuple(BLOCKS)
 TEXT_ENCODERS = {

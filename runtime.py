@@ -30,9 +30,10 @@ class Runtime(Protocol):
     device: torch.device  # where the callers' torch tensors live between calls (the host for torchax)
     libraries: tuple[str, ...]  # distributions whose versions shape its results (recorded)
 
-    def compile(self, module: torch.nn.Module, rules: Any = None) -> Callable:
-        """The module ready to call on this runtime. `rules` is a sharding.RuleTable, or a function of
-        the mesh's axis sizes ({"dp": 2, ...}) returning one; runtimes without a mesh ignore it."""
+    def compile(self, module: torch.nn.Module, rules: Any = None, methods: tuple[str, ...] = ("forward",)) -> Any:
+        """The module ready to call on this runtime, with `methods` (e.g. ("forward", "cached")) callable
+        as attributes. `rules` is a sharding.RuleTable, or a function of the mesh's axis sizes
+        ({"dp": 2, ...}) returning one; runtimes without a mesh ignore it."""
 
     def to_device(self, tree: Any, layout: Layout | None = None) -> Any:
         """The CPU tensors in `tree` on this runtime, laid out as `layout` where there is a mesh."""
@@ -61,7 +62,7 @@ class TorchRuntime:
     def __init__(self, device: str = "cpu") -> None:
         self.device = torch.device(device)
 
-    def compile(self, module: torch.nn.Module, rules: Any = None) -> torch.nn.Module:
+    def compile(self, module: torch.nn.Module, rules: Any = None, methods: tuple[str, ...] = ("forward",)):
         return module.to(self.device)
 
     def to_device(self, tree: Any, layout: Layout | None = None) -> Any:
@@ -110,6 +111,7 @@ class Timer:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.seconds: dict[str, float] = {}
         self.step_seconds: list[float] = []
+        self.step_kinds: list[str] = []  # optional, one per step (e.g. "full", "cached" with a step cache)
         self.clock = clock
         self._start = clock()
 
@@ -119,14 +121,21 @@ class Timer:
         total = self.clock() - self._start
         self.seconds["other"] = round(max(total - sum(self.seconds.values()), 0.0), 4)
         self.seconds["total"] = round(total, 4)
-        width = max(len(name) for name in self.seconds)
+        rows = {**self.seconds, **self.median_steps()}
+        width = max(len(name) for name in rows)
         log("timing (seconds):")
-        for name, seconds in self.seconds.items():
+        for name, seconds in rows.items():
             print(f"    {name:<{width}}  {seconds:9.3f}", flush=True)
-        if self.step_seconds:
-            steps = sorted(self.step_seconds)
-            print(f"    {'median step':<{width}}  {steps[len(steps) // 2]:9.3f}", flush=True)
         return self.seconds
+
+    def median_steps(self) -> dict[str, float]:
+        """{"median step": s}, or with steps of several kinds one median per kind ("median full step")."""
+        kinds = self.step_kinds if len(self.step_kinds) == len(self.step_seconds) else [""] * len(self.step_seconds)
+        medians = {}
+        for kind in dict.fromkeys(kinds):
+            steps = sorted(s for s, k in zip(self.step_seconds, kinds, strict=True) if k == kind)
+            medians[f"median {kind} step" if len(set(kinds)) > 1 else "median step"] = steps[len(steps) // 2]
+        return medians
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

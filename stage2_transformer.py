@@ -18,6 +18,7 @@ from pathlib import Path
 import models
 from models.common import attention_heads
 from models.denoise import DenoiseGuard, DenoiseOptions, denoise
+from models.step_cache import KINDS, MAG_RATIOS_FILE, CacheSettings, read_mag_ratios
 from runtime import Timer
 from utils import (
     CHECKPOINT_FILE,
@@ -106,6 +107,45 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"the reference scripts' spelling of --profile: trace into --profiler_output_dir (default: {PROFILE_DIR})",
     )
     runtime.add_argument("--profiler_output_dir", metavar="DIR", help="with --enable_profiler: where the trace goes")
+    cache = parser.add_argument_group(
+        "step cache (reuse the transformer blocks' residual on some steps; see README, Step caching)"
+    )
+    cache.add_argument(
+        "--cache",
+        choices=KINDS,
+        default="none",
+        help="magcache: diffusers' MagCache, steps skipped while the magnitude ratios' accumulated error stays "
+        "small; interval: every step runs the first and last block, the deep blocks run on a fixed interval "
+        "(default: %(default)s)",
+    )
+    cache.add_argument(
+        "--enable_cache", action="store_true", help="the reference scripts' spelling of --cache interval"
+    )
+    cache.add_argument("--cache_threshold", type=float, help="magcache: accumulated-error threshold (default: 0.06)")
+    cache.add_argument("--cache_max_skip_steps", type=int, help="magcache: most consecutive skipped steps (default: 3)")
+    cache.add_argument(
+        "--cache_retention_ratio",
+        type=float,
+        help="magcache: the first fraction of steps is never skipped (default: 0.2)",
+    )
+    cache.add_argument(
+        "--cache_mag_ratios",
+        metavar="FILE",
+        help=f"magcache: magnitude ratios, a JSON list of numbers or the {MAG_RATIOS_FILE} --cache_calibrate "
+        f"writes (default: {MAG_RATIOS_FILE} in --input_dir, if there)",
+    )
+    cache.add_argument(
+        "--cache_calibrate",
+        action="store_true",
+        help=f"run every step in full and write the model's magnitude ratios to {MAG_RATIOS_FILE} in --output_dir",
+    )
+    cache.add_argument(
+        "--cache_start_step", type=int, help="interval: first step that may reuse (0-based) (default: 11)"
+    )
+    cache.add_argument("--cache_end_step", type=int, help="interval: steps from here on all compute (default: 45)")
+    cache.add_argument(
+        "--cache_step_interval", type=int, help="interval: within the window, compute every Nth step (default: 4)"
+    )
     mesh = parser.add_argument_group("device mesh (product must equal the device count)")
     mesh.add_argument("--dp", type=int, help="data parallel: the CFG branches (default: 2 with CFG if it fits, else 1)")
     mesh.add_argument("--sp", type=int, help="sequence parallel: query tokens in attention (default: 1)")
@@ -144,6 +184,52 @@ def profile_dir(args) -> str | None:
     if args.profile and args.profiler_output_dir and args.profile != args.profiler_output_dir:
         raise UserError("--profile and --profiler_output_dir name different folders; give one")
     return args.profile or args.profiler_output_dir or PROFILE_DIR
+
+
+MAGCACHE_FLAGS = {
+    "threshold": "cache_threshold",
+    "max_skip_steps": "cache_max_skip_steps",
+    "retention_ratio": "cache_retention_ratio",
+}
+INTERVAL_FLAGS = {
+    "start_step": "cache_start_step",
+    "end_step": "cache_end_step",
+    "step_interval": "cache_step_interval",
+}
+
+
+def cache_settings(args, input_dir: Path, model_id: str) -> CacheSettings:
+    """The step cache from the flags; a flag of the other kind, or one without --cache, is an error."""
+    kind = args.cache
+    if args.enable_cache:
+        if kind not in ("none", "interval"):
+            raise UserError(f"--enable_cache means --cache interval; it cannot go with --cache {kind}")
+        kind = "interval"
+    if args.cache_calibrate and kind == "interval":
+        raise UserError("--cache_calibrate calibrates MagCache; it cannot go with --cache interval")
+    magcache = kind == "magcache" or args.cache_calibrate
+    for flags, active, what in (
+        ([*MAGCACHE_FLAGS.values(), "cache_mag_ratios"], magcache, "--cache magcache"),
+        (INTERVAL_FLAGS.values(), kind == "interval", "--cache interval (or --enable_cache)"),
+    ):
+        given = [f"--{flag}" for flag in flags if getattr(args, flag) is not None]
+        if given and not active:
+            raise UserError(f"{', '.join(given)} only apply with {what}")
+    values = {
+        key: getattr(args, flag)
+        for key, flag in {**MAGCACHE_FLAGS, **INTERVAL_FLAGS}.items()
+        if getattr(args, flag) is not None
+    }
+    if kind == "magcache" and not args.cache_calibrate:
+        path = Path(args.cache_mag_ratios) if args.cache_mag_ratios else input_dir / MAG_RATIOS_FILE
+        if not args.cache_mag_ratios and not path.is_file():
+            raise UserError(
+                f"--cache magcache needs the model's magnitude ratios: --cache_mag_ratios FILE, or a "
+                f"{MAG_RATIOS_FILE} in {input_dir} (write one with --cache_calibrate)"
+            )
+        values["mag_ratios"] = read_mag_ratios(path, model_id)
+        log(f"MagCache ratios from {path}")
+    return CacheSettings(kind=kind, calibrate=args.cache_calibrate, **values)
 
 
 def splash_config(args, family, generation=None):
@@ -237,10 +323,11 @@ def main(argv=None) -> None:
     family.validate_request(source, request)
     embeddings = read_tensors(input_dir, config["stage1"])
     ensure_writable_dir(output_dir)
+    cache = cache_settings(args, input_dir, request.model_id)
     fingerprint = request.fingerprint()
     guard = DenoiseGuard(
         output_dir,
-        {**fingerprint, "dtype": dtype_name, "stage1_sha256": config["stage1"]["sha256"]},
+        {**fingerprint, "dtype": dtype_name, "stage1_sha256": config["stage1"]["sha256"], "cache": cache.record()},
         every=args.checkpoint_every,
         resume=args.resume,
     )
@@ -266,11 +353,14 @@ def main(argv=None) -> None:
     splash = splash_config(args, family, generation)
     log(f"{family.NAME} transformer, {runtime.describe()}, {dtype_name}, attention {attention} ({why})")
     log(f"request overrides: {overrides or 'none'}")
-    options = DenoiseOptions(tp_mode=args.tp_mode, warmup_steps=args.warmup_steps, guard=guard)
+    options = DenoiseOptions(tp_mode=args.tp_mode, warmup_steps=args.warmup_steps, guard=guard, cache=cache)
     with attention_backend(runtime.env, attention, splash, runtime.mesh), guard.stop_handler():
-        latents, info = denoise(family, source, request, embeddings, dtype, runtime, timer, options)
+        latents, info, step_cache = denoise(family, source, request, embeddings, dtype, runtime, timer, options)
     with timer.phase("save"):
         record = write_tensors(output_dir / STAGE2_FILE, {"latents": latents})
+        if args.cache_calibrate:
+            step_cache.write_ratios(output_dir, request.model_id)
+    timing = timer.finish()
 
     section = {
         **record,
@@ -285,7 +375,8 @@ def main(argv=None) -> None:
         "overrides": overrides,
         "warmup_steps": args.warmup_steps,
         "step_seconds": timer.step_seconds,
-        **run_record(runtime, dtype_name, timer.finish(), ("diffusers",)),
+        **({"step_cache": {**step_cache.record(), **timer.median_steps()}} if step_cache is not None else {}),
+        **run_record(runtime, dtype_name, timing, ("diffusers",)),
     }
     write_stage_config(output_dir, request, stage_sections(config), "stage2", section)
     guard.finished()

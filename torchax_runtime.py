@@ -153,9 +153,9 @@ class TorchaxRuntime:
     def platform(self) -> str:
         return self.mesh.devices.flat[0].platform
 
-    def compile(self, module: torch.nn.Module, rules: Any = None):
+    def compile(self, module: torch.nn.Module, rules: Any = None, methods: tuple[str, ...] = ("forward",)):
         """The module's weights placed on the mesh by `rules` (a sharding.RuleTable or a function of the
-        mesh's axis sizes returning one; default: replicated), its forward jitted."""
+        mesh's axis sizes returning one; default: replicated), its `methods` jitted (one program each)."""
         if callable(rules):
             rules = rules(dict(self.mesh.shape))
         stats = sharding.place_module(module, rules or sharding.REPLICATED_TABLE, self.mesh, self.env)
@@ -164,7 +164,7 @@ class TorchaxRuntime:
             f"parameters, {stats['buffers']} buffers, {stats['bytes_per_device'] / 2**20:.1f} MiB per device"
         )
         self.placements.append(stats)
-        return torchax.compile(module)
+        return torchax.compile(module, torchax.CompileOptions(methods_to_compile=list(methods)))
 
     def to_device(self, tree, layout: tuple | None = None):
         """The CPU tensors in `tree` as torchax tensors laid out as `layout` on the mesh (default: replicated)."""

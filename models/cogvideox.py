@@ -337,6 +337,7 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
         generator=generator,
         step=step,
         model_input=scheduler.scale_model_input,
+        cache_branches=("cond_uncond",),  # the pipeline's one cache context for its batched call
     )
 
     def finish(latents):

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from models.step_cache import CacheSettings, StepCache
 from runtime import Layout, Runtime, Timer
 from utils import CHECKPOINT_FILE, Stopped, UserError, atomic_write, log
 
@@ -84,11 +85,14 @@ class DenoiseGuard:
         metadata = {"next_step": str(next_step), "fingerprint": self.fingerprint}
         atomic_write(self.path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
-    def after_step(self, index: int, total: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Call with the loop state after step `index` (0-based) of `total`; `tensors["latents"]` is checked."""
+    def after_step(self, index: int, total: int, tensors: dict[str, torch.Tensor], more=dict) -> None:
+        """Call with the loop state after step `index` (0-based) of `total`; `tensors["latents"]` is checked.
+        `more()` gives further tensors to save, fetched only when a checkpoint is written (e.g. device state)."""
         if not tensors["latents"].isfinite().all():
             raise UserError(f"step {index + 1} of {total} produced NaN or Inf latents; nothing was written")
         done = index + 1
+        if self.stop_requested or (self.every and done % self.every == 0 and done < total):
+            tensors = {**tensors, **more()}
         if self.stop_requested:
             self.save(done, tensors)
             raise Stopped(
@@ -108,6 +112,7 @@ class DenoiseOptions:
     tp_mode: str = "megatron"
     warmup_steps: int = 0
     guard: DenoiseGuard | None = None
+    cache: CacheSettings = CacheSettings()
 
 
 @dataclass
@@ -121,7 +126,9 @@ class DenoiseLoop:
     (latents, carry): the scheduler's step, with `carry` holding its extra tensors (e.g. DPM's previous
     prediction) that a checkpoint must keep. `model_input(latents, t)` is what the denoiser gets (e.g.
     the scheduler's input scaling); `on_start(step, carry)` runs once before the first computed step,
-    with the carry a checkpoint restored.
+    with the carry a checkpoint restored. `expert_names` are the transformers' component names and
+    `cache_branches` the names of the equal batch chunks that diffusers runs in separate cache contexts
+    (the step cache keeps one state per expert and branch).
     """
 
     guided: tuple[torch.nn.Module, ...]
@@ -135,6 +142,8 @@ class DenoiseLoop:
     on_start: Callable[[int, dict], None] = lambda step, carry: None
     carry: dict[str, torch.Tensor] = field(default_factory=dict)
     expert: Callable[[int, torch.Tensor], int] = lambda i, t: 0
+    expert_names: tuple[str, ...] = ("transformer",)
+    cache_branches: tuple[str, ...] = ("batch",)
 
     def experts_used(self) -> list[int]:
         return sorted({self.expert(i, t) for i, t in enumerate(self.timesteps)})
@@ -166,24 +175,30 @@ def step_progress(steps, timer: Timer, desc: str = "denoise", trace=None, trace_
     bar.close()
 
 
-def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options: DenoiseOptions) -> torch.Tensor:
+def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options: DenoiseOptions):
     """Place and compile the guided denoisers (every expert's weights placed once, up front), warm each up,
-    then run (or resume) the timed steps; the final latents on the host."""
+    then run (or resume) the timed steps; the final latents on the host, and the step cache (or None)."""
+    cache = None
     with timer.phase("place"):
-        denoisers = [runtime.compile(guided, loop.rules.nested("transformer.")) for guided in loop.guided]
+        if options.cache.enabled:
+            cache = StepCache(options.cache, loop, runtime, loop.rules.nested("guided.transformer."))
+        else:
+            denoisers = [runtime.compile(guided, loop.rules.nested("transformer.")) for guided in loop.guided]
         static_inputs = tuple(runtime.to_device(tensor, layout) for tensor, layout in loop.static_inputs)
 
-    def predict_noise(latents, t, expert):
+    def predict_noise(latents, i, t, expert, warmup=False):
         """One denoiser evaluation; the real loop and the warmup both run exactly this."""
-        model_input = runtime.to_device((loop.model_input(latents, t), t.reshape(1)))
-        return runtime.to_host(denoisers[expert](*model_input, *static_inputs))  # to_host waits for the device
+        inputs = (*runtime.to_device((loop.model_input(latents, t), t.reshape(1))), *static_inputs)
+        if cache is not None:
+            return cache.warmup(expert, inputs) if warmup else cache(i, inputs)
+        return runtime.to_host(denoisers[expert](*inputs))  # to_host waits for the device
 
     latents, carry, timesteps = loop.latents, dict(loop.carry), loop.timesteps
     if options.warmup_steps:
         with timer.phase("compile"):  # the first call traces and compiles; results are discarded
             for expert in loop.experts_used():
                 for _ in range(options.warmup_steps):
-                    predict_noise(latents, timesteps[0], expert)
+                    predict_noise(latents, 0, timesteps[0], expert, warmup=True)
 
     guard = options.guard
     start = 0
@@ -192,28 +207,37 @@ def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options:
         state = dict(state)
         latents = state.pop("latents")
         loop.generator.set_state(state.pop("generator_state"))
+        if cache is not None:
+            cache.restore(state)
         carry.update(state)
         log(f"resuming after step {start} of {len(timesteps)}")
     loop.on_start(start, carry)
+    if cache is not None:
+        log(cache.describe())
 
     steps = list(enumerate(timesteps))[start:]
     for _, (i, t) in step_progress(steps, timer, trace=runtime.profile_trace()):
-        noise_pred = predict_noise(latents, t, loop.expert(i, t))
+        noise_pred = predict_noise(latents, i, t, loop.expert(i, t))
         latents, carry = loop.step(i, t, noise_pred, latents, carry)
         if guard is not None:
             state = {"latents": latents, "generator_state": loop.generator.get_state(), **carry}
-            guard.after_step(i, len(timesteps), state)
-    return latents
+            guard.after_step(i, len(timesteps), state, more=cache.checkpoint if cache is not None else dict)
+    if cache is not None:
+        timer.step_kinds = cache.kinds  # one per timed step: "full" or "cached"
+    return latents, cache
 
 
 def denoise(
     family, source, request, embeds, dtype: torch.dtype, runtime: Runtime, timer: Timer, options: DenoiseOptions
 ):
-    """Stage 2 for any family: load the transformer(s), run the family's loop, return (latents, record)."""
+    """Stage 2 for any family: load the transformer(s), run the family's loop; returns (latents, record,
+    the run's StepCache or None)."""
     with timer.phase("load"):
         transformers = {name: source.load(name, dtype=dtype).eval() for name in family.transformer_components(source)}
     loop, finish = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, options.tp_mode)
-    return finish(run_denoise_loop(loop, runtime, timer, options))
+    latents, cache = run_denoise_loop(loop, runtime, timer, options)
+    latents, record = finish(latents)
+    return latents, record, cache
 
 
 def latents_record(scheduler, do_cfg: bool, normalization: dict[str, Any], **extra) -> dict[str, Any]:

@@ -55,7 +55,7 @@ def t5_encoder_kwargs(tokenizer) -> dict:
     }
 
 
-def cogvideox(version: str, seed: int = 0):
+def cogvideox(version: str, seed: int = 0, num_layers: int = 2):
     """Random tiny CogVideoX components (as in diffusers' own pipeline tests), deterministic per seed."""
     from diffusers import (
         AutoencoderKLCogVideoX,
@@ -82,7 +82,7 @@ def cogvideox(version: str, seed: int = 0):
         out_channels=4,
         time_embed_dim=8,
         text_embed_dim=32,
-        num_layers=2,
+        num_layers=num_layers,
         sample_width=12,
         sample_height=8,
         sample_frames=9,

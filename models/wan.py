@@ -244,6 +244,8 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         generator=generator,
         step=step,
         on_start=on_start,
+        expert_names=tuple(names),
+        cache_branches=("cond", "uncond") if do_cfg else ("cond",),  # the pipeline's cache contexts
     )
     switch = [i for i, t in enumerate(timesteps) if expert(i, t) == 1]
     if boundary is not None:

@@ -226,7 +226,7 @@ def denoise_on(stage1_dir, mesh_shape: MeshShape, attention: str = "xla"):
     runtime = TorchaxRuntime(sharding.make_mesh(mesh_shape))
     splash = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
     with attention_backend(runtime.env, attention, splash, runtime.mesh):
-        latents, _ = denoise(family, source, request, embeds, torch.float32, runtime, Timer(), DenoiseOptions())
+        latents, _, _ = denoise(family, source, request, embeds, torch.float32, runtime, Timer(), DenoiseOptions())
     return latents
 
 

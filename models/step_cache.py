@@ -1,0 +1,473 @@
+"""Step caching for stage 2: MagCache and the interval cache, as at most two compiled programs per transformer.
+
+Both caches replace the output of a span of transformer blocks by the span's input plus a residual
+(output minus input) kept from the last step that computed it. Which steps reuse it is decided on the
+host before the loop, from the step index and precomputed numbers only, so no device value is waited
+for to choose the next program:
+
+- `magcache`: diffusers' MagCache (hooks/mag_cache.py) over every block of the transformer: a step is
+  skipped while the accumulated error of the magnitude ratios stays under a threshold. diffusers keeps
+  one cache state per `cache_context` (CogVideoX: its batched call; Wan and HunyuanVideo-1.5: the cond
+  and uncond branches, which we run as one batch) and per hooked transformer (Wan 2.2's experts); so do
+  we. Each state counts its own calls and is configured over the steps its transformer runs.
+- `interval`: the reference scripts' cache. Step i computes everything when i < start, i >= end or
+  (i - start) % interval == 0; the other steps run only the outer blocks, the first and the last, and
+  reuse the residual of the deep ones in between. The first block turns the step's new input and
+  timestep into the deep blocks' input; the last one feeds the output projection, so both keep the step
+  its own (DeepCache's split: shallow features change from step to step, deep ones slowly).
+
+Programs: `forward` is the full step; it also returns the span's new residual and, per branch, the
+MagCache magnitude ratio (used when calibrating), and takes a per-branch `reuse` flag so that a state
+that skips while its batch neighbour computes gets diffusers' result. `cached` is the cached step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime import DP, SP
+from utils import UserError, atomic_write, log
+
+KINDS = ("none", "magcache", "interval")
+MAG_RATIOS_FILE = "mag_ratios.json"
+HIDDEN_LAYOUT = (DP, SP, None)  # the residuals' layouts: the blocks' own (batch on dp, video tokens on sp)
+TEXT_LAYOUT = (DP, None, None)
+FULL, CACHED, PARTIAL = "F", "C", "P"  # schedule letters: full step, cached step, full step some branch skips
+
+
+# Settings and the host-side schedule ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """Stage 2's cache flags. MagCache's three numbers have diffusers' meaning and defaults."""
+
+    kind: str = "none"
+    threshold: float = 0.06
+    max_skip_steps: int = 3
+    retention_ratio: float = 0.2
+    mag_ratios: Any = None  # a list of numbers (every state) or {state name: list}
+    calibrate: bool = False
+    start_step: int = 11
+    end_step: int = 45
+    step_interval: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none" or self.calibrate
+
+    def record(self) -> dict[str, Any]:
+        """What the config and the checkpoint fingerprint say about the cache."""
+        if self.kind == "interval":
+            keys = ("kind", "start_step", "end_step", "step_interval")
+        else:
+            keys = ("kind", "threshold", "max_skip_steps", "retention_ratio", "mag_ratios", "calibrate")
+        values = asdict(self)
+        if self.calibrate:
+            values["kind"] = "magcache"
+        return {key: values[key] for key in keys}
+
+
+def read_mag_ratios(path: Path, model_id: str | None = None) -> Any:
+    """`--cache_mag_ratios FILE`: a JSON list of numbers (diffusers' `mag_ratios`, for every state), or
+    the file --cache_calibrate writes ({"mag_ratios": {state: list}, ...})."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"--cache_mag_ratios {path}: cannot be read ({err})") from None
+    ratios = data.get("mag_ratios") if isinstance(data, dict) else data
+    lists = ratios.values() if isinstance(ratios, dict) else [ratios]
+    if not lists or not all(isinstance(v, list) and v and all(_is_number(x) for x in v) for v in lists):
+        raise UserError(f"--cache_mag_ratios {path}: expected a list of numbers or a {MAG_RATIOS_FILE} file")
+    if isinstance(data, dict) and model_id and data.get("model") not in (None, model_id):
+        raise UserError(f"--cache_mag_ratios {path} was calibrated on {data['model']}, not {model_id}")
+    return ratios
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def state_names(expert_names, branches) -> list[str]:
+    """Each cache state's name: transformer component and diffusers' cache_context, e.g. transformer.cond."""
+    return [f"{expert}.{branch}" for expert in expert_names for branch in branches]
+
+
+def schedule(settings: CacheSettings, experts: list[int], expert_names, branches) -> list[tuple[bool, ...]]:
+    """For each step, per branch: does it reuse the cache? `experts[i]` is step i's transformer."""
+    steps = len(experts)
+    if settings.calibrate or settings.kind == "none":
+        return [(False,) * len(branches) for _ in experts]
+    if settings.kind == "interval":
+        start, end, interval = settings.start_step, settings.end_step, settings.step_interval
+        if interval < 1 or not 0 <= start < end <= steps:
+            raise UserError(
+                f"--cache_start_step {start}, --cache_end_step {end} and --cache_step_interval {interval} do not "
+                f"fit {steps} steps: need 0 <= start < end <= {steps} and an interval >= 1"
+            )
+        seen, plan = set(), []
+        for i, expert in enumerate(experts):
+            full = i < start or i >= end or (i - start) % interval == 0 or expert not in seen  # no residual yet
+            seen.add(expert)
+            plan.append((not full,) * len(branches))
+        return plan
+    states = {}
+    for e, name in enumerate(expert_names):
+        calls = experts.count(e)
+        for b, branch in enumerate(branches):
+            if calls:
+                states[e, b] = _MagCacheState(settings, _ratios_for(settings.mag_ratios, f"{name}.{branch}"), calls)
+    return [tuple(states[e, b].decide() for b in range(len(branches))) for e in experts]
+
+
+def _ratios_for(mag_ratios, name: str) -> list[float]:
+    if mag_ratios is None:
+        raise UserError(
+            "--cache magcache needs magnitude ratios: --cache_mag_ratios FILE (--cache_calibrate writes one)"
+        )
+    if isinstance(mag_ratios, dict):
+        if name not in mag_ratios:
+            raise UserError(f"--cache_mag_ratios has no ratios for {name} (it has {', '.join(mag_ratios)})")
+        return mag_ratios[name]
+    return mag_ratios
+
+
+class _MagCacheState:
+    """The decision half of diffusers' MagCacheHeadHook for one cache state, on the host: the same
+    MagCacheConfig (which interpolates the ratios to the step count) and the same arithmetic."""
+
+    def __init__(self, settings: CacheSettings, ratios: list[float], calls: int) -> None:
+        from diffusers.hooks.mag_cache import MagCacheConfig
+
+        self.config = MagCacheConfig(
+            threshold=settings.threshold,
+            max_skip_steps=settings.max_skip_steps,
+            retention_ratio=settings.retention_ratio,
+            num_inference_steps=calls,
+            mag_ratios=list(ratios),
+        )
+        self.step, self.computed = 0, False
+        self.ratio, self.err, self.skipped = 1.0, 0.0, 0
+
+    def decide(self) -> bool:
+        config, skip = self.config, False
+        scale = config.mag_ratios[self.step] if self.step < len(config.mag_ratios) else 1.0
+        if self.step >= int(config.retention_ratio * config.num_inference_steps + 0.5):
+            self.ratio *= scale
+            self.skipped += 1
+            self.err += abs(1.0 - self.ratio)
+            if self.computed and self.err <= config.threshold and self.skipped <= config.max_skip_steps:
+                skip = True
+            else:
+                self.ratio, self.skipped, self.err = 1.0, 0, 0.0
+        self.computed |= not skip
+        self.step += 1
+        return skip
+
+
+def schedule_text(plan: list[tuple[bool, ...]]) -> str:
+    """One letter per step: F full, C cached, P full with some branch reusing its cache."""
+    return "".join(CACHED if all(reuse) else PARTIAL if any(reuse) else FULL for reuse in plan)
+
+
+# The device side -----------------------------------------------------------------------------------
+
+
+class _Probed(Exception):
+    """Raised while tracing the probe: the span's input shapes, found without compiling anything."""
+
+    def __init__(self, shapes) -> None:
+        super().__init__("probe")
+        self.shapes = shapes
+
+
+def block_list(transformer: torch.nn.Module) -> torch.nn.ModuleList:
+    """The transformer's one list of blocks, found as diffusers' cache hooks find it."""
+    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+
+    lists = [
+        child
+        for name, child in transformer.named_children()
+        if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
+    ]
+    if len(lists) != 1:
+        raise ValueError(f"{type(transformer).__name__}: expected one list of transformer blocks, found {len(lists)}")
+    return lists[0]
+
+
+class BlockCache:
+    """Installed on one transformer's blocks: while a CachedDenoiser method traces, the blocks of `span`
+    (first, end) either run and report their residual (`full`) or are replaced by the cached one
+    (`cached`). Outside those methods the blocks run as they are. `branches` equal chunks of the batch
+    keep separate states (diffusers' cache contexts); `cache_text` also caches the text tokens' residual
+    where the blocks return them (the interval cache; MagCache passes them through as diffusers does)."""
+
+    def __init__(self, transformer, span: tuple[int, int], branches: int, cache_text: bool, constrain) -> None:
+        from diffusers.hooks._helpers import TransformerBlockRegistry
+
+        blocks = block_list(transformer)
+        self.metadata = TransformerBlockRegistry.get(type(blocks[0]))
+        self.span = span
+        self.branches = branches
+        self.cache_text = cache_text and self.metadata.return_encoder_hidden_states_index is not None
+        self.constrain = constrain
+        self.mode = None
+        for index, block in enumerate(blocks):
+            block.forward = _BlockForward(self, index, block.forward)
+
+    @contextlib.contextmanager
+    def tracing(self, mode: str, state=(None, None), reuse=None):
+        self.mode, self.state, self.reuse, self.found = mode, state, reuse, {}
+        try:
+            yield self.found
+        finally:
+            self.mode = self.state = self.reuse = None
+
+    def _inputs(self, args, kwargs):
+        meta = self.metadata
+        hidden = meta._get_parameter_from_args_kwargs(meta.hidden_states_argument_name, args, kwargs)
+        if meta.return_encoder_hidden_states_index is None:
+            return hidden, None
+        return hidden, meta._get_parameter_from_args_kwargs(meta.encoder_hidden_states_argument_name, args, kwargs)
+
+    def _pack(self, hidden, text, output=None):
+        meta = self.metadata
+        if meta.return_encoder_hidden_states_index is None:
+            return hidden
+        values = list(output) if output is not None else [None] * 2
+        values[meta.return_hidden_states_index] = hidden
+        values[meta.return_encoder_hidden_states_index] = text
+        return tuple(values)
+
+    def block(self, index: int, forward, args, kwargs):
+        first, end = self.span
+        if self.mode is None or not first <= index < end:
+            return forward(*args, **kwargs)
+        hidden, text = self._inputs(args, kwargs)
+        if self.mode == "probe":
+            raise _Probed([(tuple(t.shape), t.dtype) if t is not None else None for t in (hidden, text)])
+        if index == first:
+            self.entry = (hidden, text)
+        if self.mode == "cached":
+            if index == first:
+                hidden = hidden + self.state[0]
+                text = text + self.state[1] if self.cache_text else text
+            return self._pack(hidden, text)
+        output = forward(*args, **kwargs)
+        if index == end - 1:
+            meta = self.metadata
+            out_hidden = (
+                output if meta.return_encoder_hidden_states_index is None else output[meta.return_hidden_states_index]
+            )
+            out_text = (
+                None
+                if meta.return_encoder_hidden_states_index is None
+                else output[meta.return_encoder_hidden_states_index]
+            )
+            hidden, text = self._finish(out_hidden, out_text)
+            output = self._pack(hidden, text, output)
+        return output
+
+    def _finish(self, out_hidden, out_text):
+        """The span's new residuals, the magnitude ratios, and the output with reusing branches replaced."""
+        entry_hidden, entry_text = self.entry
+        previous_hidden, previous_text = self.state
+        residual = self.constrain(out_hidden - entry_hidden, HIDDEN_LAYOUT)
+        # MagCache calibration: mean over tokens of |residual| / |previous residual|, per branch
+        norms = torch.linalg.norm(residual.float(), dim=-1) / (
+            torch.linalg.norm(previous_hidden.float(), dim=-1) + 1e-8
+        )
+        self.found["ratios"] = norms.reshape(self.branches, -1).mean(-1)
+        batch = residual.shape[0]
+        reuse = self.reuse.reshape(self.branches, 1).expand(self.branches, batch // self.branches).reshape(batch, 1, 1)
+        self.found["hidden"] = torch.where(reuse, previous_hidden, residual)
+        hidden = torch.where(reuse, entry_hidden + previous_hidden, out_hidden)
+        text = out_text
+        if out_text is not None:
+            text = torch.where(reuse, entry_text, out_text)  # diffusers' skip returns the text tokens unchanged
+        if self.cache_text:
+            text_residual = self.constrain(out_text - entry_text, TEXT_LAYOUT)
+            self.found["text"] = torch.where(reuse, previous_text, text_residual)
+        return hidden, text
+
+
+class _BlockForward:
+    """A block's forward routed through its BlockCache (an object, so the block's state dict is unchanged)."""
+
+    def __init__(self, cache: BlockCache, index: int, forward) -> None:
+        self.cache, self.index, self.forward = cache, index, forward
+
+    def __call__(self, *args, **kwargs):
+        return self.cache.block(self.index, self.forward, args, kwargs)
+
+
+class CachedDenoiser(torch.nn.Module):
+    """A guided denoiser (the family's module) with a step cache. `forward(hidden_residual, text_residual,
+    reuse, *inputs)` is the full step: (noise prediction, (new residuals), per-branch ratios).
+    `cached(hidden_residual, text_residual, *inputs)` is the cached step. `probe(*inputs)` only traces up
+    to the span (raises _Probed with its input shapes). The guided module is the only child, so
+    parameter names are the guided module's under `guided.`."""
+
+    def __init__(self, guided: torch.nn.Module, cache: BlockCache) -> None:
+        super().__init__()
+        self.guided = guided
+        self.cache = cache
+
+    def forward(self, hidden_residual, text_residual, reuse, *inputs):
+        with self.cache.tracing("full", (hidden_residual, text_residual), reuse) as found:
+            noise = self.guided(*inputs)
+        return noise, (found["hidden"], found.get("text")), found["ratios"]
+
+    def cached(self, hidden_residual, text_residual, *inputs):
+        with self.cache.tracing("cached", (hidden_residual, text_residual)):
+            return self.guided(*inputs)
+
+    def probe(self, *inputs):
+        with self.cache.tracing("probe"):
+            self.guided(*inputs)
+        raise RuntimeError("the cached span's first block was never called")
+
+
+def cache_span(kind: str, blocks: int) -> tuple[int, int]:
+    """The blocks whose residual is cached: all of them (MagCache), or all but the first and the last
+    (the interval cache's outer blocks, which every step runs)."""
+    if kind == "interval":
+        if blocks < 3:
+            raise UserError(
+                f"--cache interval needs at least 3 transformer blocks (outer, deep, outer); this model has {blocks}"
+            )
+        return 1, blocks - 1
+    return 0, blocks
+
+
+def cached_denoiser(guided, settings: CacheSettings, branches: int, constrain) -> CachedDenoiser:
+    """Wrap a family's guided denoiser (its transformer is `guided.transformer`)."""
+    kind = "magcache" if settings.calibrate else settings.kind
+    span = cache_span(kind, len(block_list(guided.transformer)))
+    return CachedDenoiser(guided, BlockCache(guided.transformer, span, branches, kind == "interval", constrain))
+
+
+def probe_shapes(call) -> list:
+    """Run `call` (which traces a CachedDenoiser.probe) and return the span's input shapes."""
+    try:
+        call()
+    except _Probed as found:
+        return found.shapes
+    raise RuntimeError("the probe did not reach the cached span")
+
+
+class StepCache:
+    """One stage-2 run's cache: the schedule, the compiled programs and the device state per transformer."""
+
+    def __init__(self, settings: CacheSettings, loop, runtime, rules) -> None:
+        self.settings = settings
+        self.runtime = runtime
+        self.experts = [loop.expert(i, t) for i, t in enumerate(loop.timesteps)]
+        self.names = loop.expert_names
+        self.branches = loop.cache_branches
+        self.plan = schedule(settings, self.experts, self.names, self.branches)
+        self.modules = [cached_denoiser(g, settings, len(self.branches), runtime.constrain) for g in loop.guided]
+        self.programs = [runtime.compile(m, rules, methods=("forward", "cached", "probe")) for m in self.modules]
+        self.state: dict[int, tuple] = {}
+        self.ratios = {name: [] for name in state_names(self.names, self.branches)}
+        self.kinds: list[str] = []
+
+    def describe(self) -> str:
+        letters = schedule_text(self.plan)
+        reused = letters.count(CACHED)
+        return (
+            f"step cache {self.record()['kind']}: {len(letters) - reused} computed, {reused} cached steps "
+            f"(F full, C cached, P some branch reuses): {letters}"
+        )
+
+    def _zero_state(self, expert: int, inputs) -> tuple:
+        """Zero residuals of the span's input shapes (found by tracing the probe; nothing is compiled)."""
+        hidden, text = probe_shapes(lambda: self.programs[expert].probe(*inputs))
+        zeros = self.runtime.to_device(torch.zeros(hidden[0], dtype=hidden[1]), HIDDEN_LAYOUT)
+        if not self.modules[expert].cache.cache_text:
+            return zeros, None
+        return zeros, self.runtime.to_device(torch.zeros(text[0], dtype=text[1]), TEXT_LAYOUT)
+
+    def _state_for(self, expert: int, inputs) -> tuple:
+        if expert not in self.state:
+            self.state[expert] = self._zero_state(expert, inputs)
+        return self.state[expert]
+
+    def warmup(self, expert: int, inputs) -> None:
+        """Compile this expert's programs (results discarded, the cache state untouched)."""
+        state = self._state_for(expert, inputs)
+        reuse = self.runtime.to_device(torch.zeros(len(self.branches), dtype=torch.bool))
+        self.runtime.to_host(self.programs[expert](*state, reuse, *inputs)[0])
+        if any(all(r) for r, e in zip(self.plan, self.experts, strict=True) if e == expert):
+            self.runtime.to_host(self.programs[expert].cached(*state, *inputs))
+
+    def __call__(self, i: int, inputs):
+        """Step i's noise prediction (on the host), from the full or the cached program as scheduled."""
+        expert, reuse = self.experts[i], self.plan[i]
+        state = self._state_for(expert, inputs)
+        if all(reuse):
+            self.kinds.append("cached")
+            return self.runtime.to_host(self.programs[expert].cached(*state, *inputs))
+        self.kinds.append("full")
+        flags = self.runtime.to_device(torch.tensor(reuse, dtype=torch.bool))
+        noise, self.state[expert], ratios = self.programs[expert](*state, flags, *inputs)
+        noise = self.runtime.to_host(noise)
+        if self.settings.calibrate:
+            first = not any(self.experts[j] == expert for j in range(i))
+            values = [1.0] * len(self.branches) if first else self.runtime.to_host(ratios).tolist()
+            for branch, value in zip(self.branches, values, strict=True):
+                self.ratios[f"{self.names[expert]}.{branch}"].append(value)
+        return noise
+
+    def checkpoint(self) -> dict[str, torch.Tensor]:
+        """The device state and the calibration so far, as host tensors for a checkpoint."""
+        tensors = {}
+        for expert, (hidden, text) in self.state.items():
+            tensors[f"cache.{expert}.hidden"] = self.runtime.to_host(hidden)
+            if text is not None:
+                tensors[f"cache.{expert}.text"] = self.runtime.to_host(text)
+        for name, values in self.ratios.items():
+            if values:
+                tensors[f"cache.ratios.{name}"] = torch.tensor(values, dtype=torch.float64)
+        return tensors
+
+    def restore(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Put back what `checkpoint` saved (the keys are removed from `tensors`)."""
+        for expert in range(len(self.modules)):
+            if f"cache.{expert}.hidden" in tensors:
+                hidden = self.runtime.to_device(tensors.pop(f"cache.{expert}.hidden"), HIDDEN_LAYOUT)
+                text = tensors.pop(f"cache.{expert}.text", None)
+                self.state[expert] = (hidden, self.runtime.to_device(text, TEXT_LAYOUT) if text is not None else None)
+        for name in self.ratios:
+            if f"cache.ratios.{name}" in tensors:
+                self.ratios[name] = tensors.pop(f"cache.ratios.{name}").tolist()
+
+    def record(self) -> dict[str, Any]:
+        letters = schedule_text(self.plan)
+        reused = {name: [] for name in state_names(self.names, self.branches)}
+        for i, (expert, reuse) in enumerate(zip(self.experts, self.plan, strict=True)):
+            for branch, skip in zip(self.branches, reuse, strict=True):
+                if skip:
+                    reused[f"{self.names[expert]}.{branch}"].append(i)
+        return {
+            **self.settings.record(),
+            "schedule": letters,
+            "reused_steps": reused,  # per cache state, the steps that reused its residual
+            "computed_steps": len(letters) - letters.count(CACHED),
+            "cached_steps": letters.count(CACHED),
+        }
+
+    def write_ratios(self, directory: Path, model_id: str) -> Path:
+        """--cache_calibrate: the magnitude ratios of every state, for later --cache magcache runs."""
+        path = directory / MAG_RATIOS_FILE
+        data = {"model": model_id, "num_inference_steps": len(self.experts), "mag_ratios": self.ratios}
+        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1) + "\n"))
+        log(f"wrote {path}: magnitude ratios for {', '.join(self.ratios)}")
+        return path

@@ -93,3 +93,17 @@ def test_torchax_type_as_casts_in_place_and_leaves_a_stale_dtype():
     stock = runtime.compile(Upsampled(STOCK_TYPE_AS[0]))
     with pytest.raises(RuntimeError, match=r"Input type \(float\) and bias type \(c10::BFloat16\)"):
         stock(runtime.to_device(x))
+
+
+def test_diffusers_0_42_1_block_registry_lacks_hunyuanvideo15():
+    """diffusers 0.42.1's transformer-block registry (read by its cache hooks and by our step cache) has no
+    HunyuanVideo15TransformerBlock. Workaround: models/hunyuanvideo15.register_cache_block. A fresh
+    process, because registering is process-wide."""
+    code = (
+        "from diffusers.hooks._helpers import TransformerBlockRegistry as R\n"
+        "from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock as B\n"
+        "R.get(B)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode != 0, "diffusers registers the block now: remove register_cache_block and this test"
+    assert "HunyuanVideo15TransformerBlock" in result.stderr and "not registered" in result.stderr

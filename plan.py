@@ -109,9 +109,8 @@ _OUT_OF_HBM = re.compile(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def compile_module(module: torch.nn.Module, rules, inputs, mesh: Mesh, env) -> Compiled:
-    """Compile `module(*inputs)` for `mesh`'s devices with its parameters placed by `rules` (buffers
-    replicated); `inputs` are (tensor or tuple of tensors, layout) pairs. Traced inside `env`."""
+def _abstract_call(module: torch.nn.Module, rules, inputs, mesh: Mesh, method: str):
+    """(a JAX function of (state, *arguments) calling `module.method`, abstract state, abstract arguments)."""
     from torchax import interop
 
     specs = rules.assign([name for name, _ in module.named_parameters()])
@@ -122,11 +121,26 @@ def compile_module(module: torch.nn.Module, rules, inputs, mesh: Mesh, env) -> C
     ]
 
     def call(state, *arguments):
-        return torch.func.functional_call(module, state, tuple(arguments))
+        with torch.nn.utils.stateless._reparametrize_module(module, state):  # as torch.func.functional_call
+            return getattr(module, method)(*arguments)
 
+    return interop.jax_view(call), state, arguments
+
+
+def trace_module(module: torch.nn.Module, rules, inputs, mesh: Mesh, env, method: str = "forward") -> None:
+    """Trace `module.method(*inputs)` abstractly (jax.eval_shape): nothing is lowered or compiled."""
+    call, state, arguments = _abstract_call(module, rules, inputs, mesh, method)
+    with env:
+        jax.eval_shape(call, state, *arguments)
+
+
+def compile_module(module: torch.nn.Module, rules, inputs, mesh: Mesh, env, method: str = "forward") -> Compiled:
+    """Compile `module.method(*inputs)` for `mesh`'s devices with its parameters placed by `rules` (buffers
+    replicated); `inputs` are (tensor or tuple of tensors, layout) pairs. Traced inside `env`."""
+    call, state, arguments = _abstract_call(module, rules, inputs, mesh, method)
     start = time.perf_counter()
     with env:
-        lowered = jax.jit(interop.jax_view(call)).lower(state, *arguments)
+        lowered = jax.jit(call).lower(state, *arguments)
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as err:
@@ -162,7 +176,8 @@ def compile_module(module: torch.nn.Module, rules, inputs, mesh: Mesh, env) -> C
 def _per_block(full: dict, two: dict, three: dict, layers: int) -> tuple[dict, dict]:
     """Collectives of one block and of the rest of the program.
 
-    A block's collectives are the difference between the program at three and at two blocks: measured
+    A block's collectives are the difference between the program at three and at two blocks (four and three
+    with the interval cache, whose span needs three): measured
     on the TPU compiler, counts grow linearly from two blocks on, while a lone block can compile a
     little differently. The rest is the full program minus `layers` such blocks; where XLA merges a
     block's collective with its surroundings this can come out negative."""
@@ -230,12 +245,34 @@ def _flops(report: dict[str, Any], target: Target, xla: float, attention: float 
     report[f"{what}_seconds_lower_bound"] = (xla + attention) / target.bf16_flops_per_device
 
 
-def plan_stage2(family, source, request, embeds, dtype, target: Target, mesh_shape, tp_mode, attention, splash):
+def cache_programs(loop, kind: str, runtime, mesh, rules, inputs, env):
+    """With a step cache (`kind` magcache or interval): the guided denoiser wrapped as a real run wraps it,
+    and the (module, rules, inputs) of its full step and of its cached step; else the plain denoiser."""
+    from models import step_cache
+
+    if kind == "none":
+        return (loop.guided[0], rules, inputs), None
+    settings = step_cache.CacheSettings(kind=kind)
+    module = step_cache.cached_denoiser(loop.guided[0], settings, len(loop.cache_branches), runtime.constrain)
+    rules = loop.rules.nested("guided.transformer.")
+    hidden, text = step_cache.probe_shapes(lambda: trace_module(module, rules, inputs, mesh, env, "probe"))
+    residuals = [(torch.zeros(hidden[0], dtype=hidden[1]), step_cache.HIDDEN_LAYOUT)]
+    residuals.append(
+        (torch.zeros(text[0], dtype=text[1]), step_cache.TEXT_LAYOUT) if module.cache.cache_text else (None, ())
+    )
+    reuse = (torch.zeros(len(loop.cache_branches), dtype=torch.bool), ())
+    return (module, rules, [*residuals, reuse, *inputs]), (module, rules, [*residuals, *inputs])
+
+
+def plan_stage2(
+    family, source, request, embeds, dtype, target: Target, mesh_shape, tp_mode, attention, splash, cache="none"
+):
     """Compile stage 2's guided denoiser call (what every step runs) for `target`; the report as a dict.
 
     The program is built by the family's own `denoise_loop`, as a real run builds it, around a
     meta-device transformer. It is compiled at the model's depth (memory, FLOPs, every collective) and
-    at two and three blocks, whose difference gives the collectives of one block."""
+    at two and three blocks, whose difference gives the collectives of one block. With a step cache
+    (`cache`: magcache or interval) that is the full step, and the cached step is compiled as well."""
     from splash_attention import attention_backend, record_kernel_calls
     from torchax_runtime import TorchaxRuntime
 
@@ -244,17 +281,26 @@ def plan_stage2(family, source, request, embeds, dtype, target: Target, mesh_sha
     layers = source.load_config("transformer")["num_layers"]
     compiled, calls = {}, {}
     resident = 0  # bytes per device of the other experts' weights (Wan 2.2), on the device all along
-    for depth in sorted({layers, 2, 3}, reverse=True):
+    small = (3, 4) if cache == "interval" else (2, 3)  # the interval cache runs 2 outer blocks around its span
+    for depth in sorted({layers, *small}, reverse=True):
         transformers = meta_transformers(family, source, dtype, num_layers=depth)
         loop, _ = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, tp_mode)
         t = loop.timesteps[0]
         inputs = [(loop.model_input(loop.latents, t), ()), (t.reshape(1), ()), *loop.static_inputs]
-        rules = loop.rules.nested("transformer.")
-        with attention_backend(runtime.env, attention, splash, mesh), record_kernel_calls() as traced:
-            compiled[depth] = compile_module(loop.guided[0], rules, inputs, mesh, runtime.env)
+        with attention_backend(runtime.env, attention, splash, mesh):
+            full_step, cached_step = cache_programs(
+                loop, cache, runtime, mesh, loop.rules.nested("transformer."), inputs, runtime.env
+            )
+            with record_kernel_calls() as traced:
+                compiled[depth] = compile_module(*full_step, mesh, runtime.env)
         if depth == layers:
+            rules = loop.rules.nested("transformer.")
             resident = sum(weight_bytes_per_device(other, rules, mesh) for other in loop.guided[1:])
             compiled[depth].add_resident(resident)
+            if cached_step is not None and not compiled[depth].refused:
+                with attention_backend(runtime.env, attention, splash, mesh), record_kernel_calls() as cached_calls:
+                    cached = compile_module(*cached_step, mesh, runtime.env, method="cached")
+                cached.add_resident(resident)
         calls[depth] = traced
         if compiled[depth].refused:
             break
@@ -265,7 +311,7 @@ def plan_stage2(family, source, request, embeds, dtype, target: Target, mesh_sha
         report["hbm_bytes_per_device"]["other_experts_weights"] = resident
     if full.refused:
         return report
-    per_block, outside = _per_block(full.collectives, compiled[2].collectives, compiled[3].collectives, layers)
+    per_block, outside = _per_block(full.collectives, *(compiled[depth].collectives for depth in small), layers)
     report["collectives"] = {
         "layers": layers,
         "per_block": per_block,
@@ -275,6 +321,23 @@ def plan_stage2(family, source, request, embeds, dtype, target: Target, mesh_sha
     _flops(report, target, full.flops, sum(call.flops_per_device for call in calls[layers]))
     report["splash_custom_calls"] = full.hlo_text.count('custom_call_target="tpu_custom_call"')
     report["splash_padding"] = _padding(calls[layers])
+    if cache != "none":
+        report["step_cache"] = _cached_step_report(cache, target, cached, cached_calls)
+        report["fits"] = report["fits"] and report["step_cache"]["fits"]
+    return report
+
+
+def _cached_step_report(kind: str, target: Target, cached: Compiled, calls) -> dict[str, Any]:
+    """What the cached step needs: its HBM (the compiler's verdict) and FLOPs, like the full step's."""
+    report: dict[str, Any] = {"kind": kind, "compile_seconds": round(cached.seconds, 1)}
+    if cached.refused:
+        memory = {"total": cached.refused["required"], "capacity": target.hbm_per_device}
+        return {**report, "fits": False, "hbm_bytes_per_device": memory}
+    memory = {**cached.memory, "capacity": target.hbm_per_device}
+    attention = sum(call.flops_per_device for call in calls)
+    report.update(fits=memory["total"] <= memory["capacity"], hbm_bytes_per_device=memory)
+    report["flops_per_device"] = {"xla": cached.flops, "attention": attention, "total": cached.flops + attention}
+    report["step_seconds_lower_bound"] = (cached.flops + attention) / target.bf16_flops_per_device
     return report
 
 
@@ -399,3 +462,13 @@ def print_report(report: dict[str, Any]) -> None:
             f"({shape['q_padding_percent']}% padding), kv {shape['kv_len']} -> {shape['kv_padded']} "
             f"({shape['kv_padding_percent']}%)"
         )
+    cached = report.get("step_cache")
+    if cached:
+        memory = cached["hbm_bytes_per_device"]
+        if cached["fits"]:
+            print(
+                f"  cached step ({cached['kind']}): HBM per device {gib(memory['total'])}; FLOPs per device "
+                f"{cached['flops_per_device']['total']:.3e}, at least {cached['step_seconds_lower_bound']:.3f} s"
+            )
+        else:
+            print(f"  cached step ({cached['kind']}): does not fit, needs {gib(memory['total'])}")

@@ -198,6 +198,13 @@ INTERVAL_FLAGS = {
 }
 
 
+def cache_kind(args) -> str:
+    """none, magcache or interval, as the flags ask (--enable_cache: interval; --cache_calibrate: magcache)."""
+    if args.enable_cache:
+        return "interval"
+    return "magcache" if args.cache_calibrate else args.cache
+
+
 def cache_settings(args, input_dir: Path, model_id: str) -> CacheSettings:
     """The step cache from the flags; a flag of the other kind, or one without --cache, is an error."""
     kind = args.cache
@@ -288,7 +295,7 @@ def plan_main(args) -> None:
     splash = splash_config(args, family, target.generation)
     try:
         report = plan.plan_stage2(
-            family, source, request, embeddings, dtype, target, shape, args.tp_mode, attention, splash
+            family, source, request, embeddings, dtype, target, shape, args.tp_mode, attention, splash, cache_kind(args)
         )
     except plan.KernelDoesNotFit as err:
         tiles = f"{splash.block_q}/{splash.block_kv}/{splash.block_kv_compute}"

@@ -215,3 +215,22 @@ def test_tiles_too_large_for_v5e_vmem_are_a_user_error_with_a_fix(capsys, tmp_pa
     flags = ["--height", 480, "--width", 848, "--block_q", 3328, "--block_kv", 2816, "--block_kv_compute", 256]
     argv = ["--input_dir", tmp_path, "--model", "tiny-hunyuanvideo15", "--plan", "v5e-8", *flags]
     expect_user_error(capsys, stage2_transformer, argv, "of scoped VMEM, the limit is 16.00 MiB on v5e; use smaller")
+
+
+def test_plan_compiles_the_cached_step_too(tmp_path, capsys):
+    """With a step cache the full step also returns the residual, which adds no collective inside a block;
+    the cached step is compiled too and costs less than the full one."""
+    out = tmp_path / "plan.json"
+    argv = ["--input_dir", tmp_path, "--model", "tiny-cogvideox", "--plan", "v6e-8", "--plan_json", out]
+    run_stage(stage2_transformer, [*argv, "--cache", "magcache"])
+    report = json.loads(out.read_text())
+    cached, full = report["step_cache"], report["flops_per_device"]
+    assert cached["kind"] == "magcache" and cached["fits"] and report["fits"]
+    assert 0 < cached["flops_per_device"]["total"] < full["total"]
+    assert 0 < cached["hbm_bytes_per_device"]["total"] < cached["hbm_bytes_per_device"]["capacity"]
+    per_block = {op: value["tensors"] for op, value in report["collectives"]["per_block"].items()}
+    assert per_block == PER_BLOCK[("tiny-cogvideox", (2, 1, 4))]
+    assert "cached step (magcache)" in capsys.readouterr().out
+    # The interval cache's outer blocks need a model of 3 blocks or more; the tiny one has 2.
+    argv = ["--input_dir", tmp_path, "--model", "tiny-cogvideox", "--plan", "v6e-8", "--enable_cache"]
+    expect_user_error(capsys, stage2_transformer, argv, "needs at least 3 transformer blocks")

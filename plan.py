@@ -23,11 +23,8 @@ from jax.sharding import Mesh, NamedSharding
 
 import hlo
 import sharding
-from tpus import GIB, Target, host_layout, parse_target, topology_mesh
-from utils import CONFIG_FILE, Request, UserError, atomic_write, parse_dtype, read_config, read_tensors
-
-DOES_NOT_FIT_EXIT_STATUS = 3
-
+from tpus import Target, host_layout, parse_target, topology_mesh
+from utils import CONFIG_FILE, Request, UserError, parse_dtype, read_config, read_tensors
 
 # Abstract programs ---------------------------------------------------------------------------------
 
@@ -140,7 +137,7 @@ def compile_module(module: torch.nn.Module, rules, inputs, mesh: Mesh, env, meth
     call, state, arguments = _abstract_call(module, rules, inputs, mesh, method)
     start = time.perf_counter()
     with env:
-        lowered = jax.jit(call).lower(state, *arguments)
+        lowered = jax.jit(call, keep_unused=True).lower(state, *arguments)  # every placed weight counts
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as err:
@@ -249,10 +246,11 @@ def cache_programs(loop, kind: str, runtime, mesh, rules, inputs, env):
     """With a step cache (`kind` magcache or interval): the guided denoiser wrapped as a real run wraps it,
     and the (module, rules, inputs) of its full step and of its cached step; else the plain denoiser."""
     from models import step_cache
+    from models.cache_schedule import CacheSettings
 
     if kind == "none":
         return (loop.guided[0], rules, inputs), None
-    settings = step_cache.CacheSettings(kind=kind)
+    settings = CacheSettings(kind=kind)
     module = step_cache.cached_denoiser(loop.guided[0], settings, len(loop.cache_branches), runtime.constrain)
     rules = loop.rules.nested("guided.transformer.")
     hidden, text = step_cache.probe_shapes(lambda: trace_module(module, rules, inputs, mesh, env, "probe"))
@@ -399,76 +397,3 @@ def request_to_plan(input_dir: Path, model: str | None, flags: dict[str, Any], d
     )
     family.validate_request(source, request)
     return request, source, family, family.planning_embeds(source, parse_dtype(request.dtype))
-
-
-def finish(report: dict[str, Any], json_path: str | None) -> None:
-    """Print the report, save it as JSON if asked, and exit 3 when it does not fit."""
-    import json
-    import sys
-
-    print_report(report)
-    if json_path:
-        atomic_write(Path(json_path), lambda tmp: tmp.write_text(json.dumps(report, indent=2) + "\n"))
-    if not report["fits"]:
-        sys.exit(DOES_NOT_FIT_EXIT_STATUS)
-
-
-def print_report(report: dict[str, Any]) -> None:
-    """The plan as a few plain lines."""
-
-    def gib(value: float) -> str:
-        return f"{value / GIB:.2f} GiB" if abs(value) >= GIB else f"{value / 2**20:.1f} MiB"
-
-    mesh = " ".join(f"{axis}={size}" for axis, size in report["mesh"].items())
-    crossing = ", ".join(report["axes_across_hosts"]) or "none"
-    print(
-        f"plan: stage {report['stage']} of {report['model']} on {report['target']} ({report['topology']}): "
-        f"{report['chips']} chips, {report['devices']} devices, {report['hosts']} host(s); mesh {mesh} "
-        f"(axes across hosts: {crossing})"
-    )
-    print(f"  compiled by the TPU compiler in {report['compile_seconds']} s")
-    if report["stage"] == 3:
-        split = "split along width" if report["width_split"] else "NOT split: latent width not divisible by devices"
-        print(f"  latents {report['latents']} {split}; VAE tiling {'on' if report['tiling'] else 'off'}")
-    memory = report["hbm_bytes_per_device"]
-    if "arguments" in memory:
-        keys = ("arguments", "temporaries", "outputs", "code", "other_experts_weights")
-        parts = ", ".join(f"{key.replace('_', ' ')} {gib(memory[key])}" for key in keys if key in memory)
-        print(f"  HBM per device: {parts}; total {gib(memory['total'])} of {gib(memory['capacity'])}")
-    else:
-        print(f"  HBM per device: the compiler needs {gib(memory['total'])}, has {gib(memory['compiler_limit'])}")
-    spare = (
-        memory["capacity"] - memory["total"] if "arguments" in memory else memory["compiler_limit"] - memory["total"]
-    )
-    verdict = f"fits with {gib(spare)} to spare" if report["fits"] else f"does not fit by {gib(-spare)}"
-    print(f"  verdict: {verdict}")
-    if not report["fits"] and "arguments" not in memory:
-        return
-    for where in ("per_block", "outside_blocks") if "per_block" in report["collectives"] else ("total",):
-        found = report["collectives"][where]
-        text = "; ".join(
-            f"{op} {v['count']} ops, {v['tensors']} tensors, {v['bytes'] / 2**20:.2f} MiB" for op, v in found.items()
-        )
-        print(f"  collectives {where.replace('_', ' ')}: {text or 'none'}")
-    flops = report["flops_per_device"]
-    what = "step" if report["stage"] == 2 else "decode"
-    print(
-        f"  FLOPs per {what} per device: {flops['total']:.3e} ({flops['xla']:.3e} XLA + {flops['attention']:.3e} "
-        f"attention); at peak bf16 that is at least {report[what + '_seconds_lower_bound']:.3f} s (a lower bound)"
-    )
-    for shape in report.get("splash_padding", ()):
-        print(
-            f"  Splash x{shape['calls']}: q {shape['q_len']} -> {shape['q_padded']} "
-            f"({shape['q_padding_percent']}% padding), kv {shape['kv_len']} -> {shape['kv_padded']} "
-            f"({shape['kv_padding_percent']}%)"
-        )
-    cached = report.get("step_cache")
-    if cached:
-        memory = cached["hbm_bytes_per_device"]
-        if cached["fits"]:
-            print(
-                f"  cached step ({cached['kind']}): HBM per device {gib(memory['total'])}; FLOPs per device "
-                f"{cached['flops_per_device']['total']:.3e}, at least {cached['step_seconds_lower_bound']:.3f} s"
-            )
-        else:
-            print(f"  cached step ({cached['kind']}): does not fit, needs {gib(memory['total'])}")

@@ -16,9 +16,9 @@ import re
 from pathlib import Path
 
 import models
+from models.cache_schedule import KINDS, MAG_RATIOS_FILE, CacheSettings, read_mag_ratios
 from models.common import attention_heads
 from models.denoise import DenoiseGuard, DenoiseOptions, denoise
-from models.step_cache import KINDS, MAG_RATIOS_FILE, CacheSettings, read_mag_ratios
 from runtime import Timer
 from utils import (
     CHECKPOINT_FILE,
@@ -281,6 +281,7 @@ def mesh_shape(args, family, source, request: Request, device_count: int):
 def plan_main(args) -> None:
     """--plan: compile for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
     import plan
+    import plan_report
 
     target = plan.target_from_flag(args.plan)
     request, source, family, embeddings = plan.request_to_plan(
@@ -303,7 +304,7 @@ def plan_main(args) -> None:
             f"--plan {args.plan}: Splash with tiles {tiles} (block_q/block_kv/block_kv_compute) {err} on "
             f"{target.generation.prefix}; use smaller tiles, e.g. --block_q 1024 --block_kv 1024 --block_kv_compute 512"
         ) from None
-    plan.finish(report, args.plan_json)
+    plan_report.finish(report, args.plan_json)
 
 
 def main(argv=None) -> None:

@@ -117,13 +117,14 @@ PLAN_REQUEST_KEYS = ("height", "width", "num_frames")
 def plan_main(args) -> None:
     """--plan: compile the decode for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
     import plan
+    import plan_report
 
     target = plan.target_from_flag(args.plan)
     flags = {key: getattr(args, key) for key in PLAN_REQUEST_KEYS}
     request, source, family, _ = plan.request_to_plan(Path(args.input_dir), args.model, flags, args.dtype)
     dtype = parse_dtype(args.dtype or request.dtype)
     log(f"planning the {family.NAME} decode for {target.name} ({target.topology}), tiling {args.tiling}")
-    plan.finish(plan.plan_stage3(family, source, request, dtype, target, args.tiling), args.plan_json)
+    plan_report.finish(plan.plan_stage3(family, source, request, dtype, target, args.tiling), args.plan_json)
 
 
 def preview_name(video_name: str) -> str:

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from models.step_cache import CacheSettings, StepCache
+from models.cache_schedule import CacheSettings
+from models.step_cache import StepCache
 from runtime import Layout, Runtime, Timer
 from utils import CHECKPOINT_FILE, Stopped, UserError, atomic_write, log
 

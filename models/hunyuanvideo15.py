@@ -207,21 +207,6 @@ def make_jit_safe(transformer: torch.nn.Module) -> torch.nn.Module:
     return transformer
 
 
-def register_cache_block() -> None:
-    """Put HunyuanVideo15TransformerBlock in diffusers' transformer-block registry, as diffusers registers
-    its siblings (the block returns hidden_states, encoder_hidden_states).
-
-    diffusers 0.42.1 leaves it out, so `transformer.enable_cache(MagCacheConfig(...))` raises `Model class
-    ...HunyuanVideo15TransformerBlock not registered`, and our step cache reads the same metadata.
-    tests/test_upstream_bugs.py fails once diffusers registers it itself: then delete this.
-    """
-    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
-    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
-
-    metadata = TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1)
-    TransformerBlockRegistry.register(model_class=HunyuanVideo15TransformerBlock, metadata=metadata)
-
-
 def frame_causal_mask(n_frame: int, n_hw: int, dtype, device, batch_size: int | None = None) -> torch.Tensor:
     """AutoencoderKLHunyuanVideo15's `prepare_causal_attention_mask` without the per-token loop: token i
     sees every token of its own and earlier frames (0), nothing later (-inf)."""
@@ -398,7 +383,6 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
     guider.guidance_scale = request.guidance_scale
     do_cfg = cfg_enabled(request.guidance_scale)
     transformer = transformers["transformer"]
-    register_cache_block()
     pipe = _pipeline(source, transformer=transformer, scheduler=scheduler)
 
     prefixes = ("", "negative_") if do_cfg else ("",)  # [cond, uncond], the guider's order

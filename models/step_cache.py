@@ -3,7 +3,7 @@
 Both caches replace the output of a span of transformer blocks by the span's input plus a residual
 (output minus input) kept from the last step that computed it. Which steps reuse it is decided on the
 host before the loop, from the step index and precomputed numbers only, so no device value is waited
-for to choose the next program:
+for to choose the next program (models/cache_schedule.py):
 
 - `magcache`: diffusers' MagCache (hooks/mag_cache.py) over every block of the transformer: a step is
   skipped while the accumulated error of the magnitude ratios stays under a threshold. diffusers keeps
@@ -25,156 +25,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from models.cache_schedule import CACHED, MAG_RATIOS_FILE, CacheSettings, schedule, schedule_text, state_names
 from runtime import DP, SP
 from utils import UserError, atomic_write, log
 
-KINDS = ("none", "magcache", "interval")
-MAG_RATIOS_FILE = "mag_ratios.json"
 HIDDEN_LAYOUT = (DP, SP, None)  # the residuals' layouts: the blocks' own (batch on dp, video tokens on sp)
 TEXT_LAYOUT = (DP, None, None)
-FULL, CACHED, PARTIAL = "F", "C", "P"  # schedule letters: full step, cached step, full step some branch skips
-
-
-# Settings and the host-side schedule ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CacheSettings:
-    """Stage 2's cache flags. MagCache's three numbers have diffusers' meaning and defaults."""
-
-    kind: str = "none"
-    threshold: float = 0.06
-    max_skip_steps: int = 3
-    retention_ratio: float = 0.2
-    mag_ratios: Any = None  # a list of numbers (every state) or {state name: list}
-    calibrate: bool = False
-    start_step: int = 11
-    end_step: int = 45
-    step_interval: int = 4
-
-    @property
-    def enabled(self) -> bool:
-        return self.kind != "none" or self.calibrate
-
-    def record(self) -> dict[str, Any]:
-        """What the config and the checkpoint fingerprint say about the cache."""
-        if self.kind == "interval":
-            keys = ("kind", "start_step", "end_step", "step_interval")
-        else:
-            keys = ("kind", "threshold", "max_skip_steps", "retention_ratio", "mag_ratios", "calibrate")
-        values = asdict(self)
-        if self.calibrate:
-            values["kind"] = "magcache"
-        return {key: values[key] for key in keys}
-
-
-def read_mag_ratios(path: Path, model_id: str | None = None) -> Any:
-    """`--cache_mag_ratios FILE`: a JSON list of numbers (diffusers' `mag_ratios`, for every state), or
-    the file --cache_calibrate writes ({"mag_ratios": {state: list}, ...})."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise UserError(f"--cache_mag_ratios {path}: cannot be read ({err})") from None
-    ratios = data.get("mag_ratios") if isinstance(data, dict) else data
-    lists = ratios.values() if isinstance(ratios, dict) else [ratios]
-    if not lists or not all(isinstance(v, list) and v and all(_is_number(x) for x in v) for v in lists):
-        raise UserError(f"--cache_mag_ratios {path}: expected a list of numbers or a {MAG_RATIOS_FILE} file")
-    if isinstance(data, dict) and model_id and data.get("model") not in (None, model_id):
-        raise UserError(f"--cache_mag_ratios {path} was calibrated on {data['model']}, not {model_id}")
-    return ratios
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def state_names(expert_names, branches) -> list[str]:
-    """Each cache state's name: transformer component and diffusers' cache_context, e.g. transformer.cond."""
-    return [f"{expert}.{branch}" for expert in expert_names for branch in branches]
-
-
-def schedule(settings: CacheSettings, experts: list[int], expert_names, branches) -> list[tuple[bool, ...]]:
-    """For each step, per branch: does it reuse the cache? `experts[i]` is step i's transformer."""
-    steps = len(experts)
-    if settings.calibrate or settings.kind == "none":
-        return [(False,) * len(branches) for _ in experts]
-    if settings.kind == "interval":
-        start, end, interval = settings.start_step, settings.end_step, settings.step_interval
-        if interval < 1 or not 0 <= start < end <= steps:
-            raise UserError(
-                f"--cache_start_step {start}, --cache_end_step {end} and --cache_step_interval {interval} do not "
-                f"fit {steps} steps: need 0 <= start < end <= {steps} and an interval >= 1"
-            )
-        seen, plan = set(), []
-        for i, expert in enumerate(experts):
-            full = i < start or i >= end or (i - start) % interval == 0 or expert not in seen  # no residual yet
-            seen.add(expert)
-            plan.append((not full,) * len(branches))
-        return plan
-    states = {}
-    for e, name in enumerate(expert_names):
-        calls = experts.count(e)
-        for b, branch in enumerate(branches):
-            if calls:
-                states[e, b] = _MagCacheState(settings, _ratios_for(settings.mag_ratios, f"{name}.{branch}"), calls)
-    return [tuple(states[e, b].decide() for b in range(len(branches))) for e in experts]
-
-
-def _ratios_for(mag_ratios, name: str) -> list[float]:
-    if mag_ratios is None:
-        raise UserError(
-            "--cache magcache needs magnitude ratios: --cache_mag_ratios FILE (--cache_calibrate writes one)"
-        )
-    if isinstance(mag_ratios, dict):
-        if name not in mag_ratios:
-            raise UserError(f"--cache_mag_ratios has no ratios for {name} (it has {', '.join(mag_ratios)})")
-        return mag_ratios[name]
-    return mag_ratios
-
-
-class _MagCacheState:
-    """The decision half of diffusers' MagCacheHeadHook for one cache state, on the host: the same
-    MagCacheConfig (which interpolates the ratios to the step count) and the same arithmetic."""
-
-    def __init__(self, settings: CacheSettings, ratios: list[float], calls: int) -> None:
-        from diffusers.hooks.mag_cache import MagCacheConfig
-
-        self.config = MagCacheConfig(
-            threshold=settings.threshold,
-            max_skip_steps=settings.max_skip_steps,
-            retention_ratio=settings.retention_ratio,
-            num_inference_steps=calls,
-            mag_ratios=list(ratios),
-        )
-        self.step, self.computed = 0, False
-        self.ratio, self.err, self.skipped = 1.0, 0.0, 0
-
-    def decide(self) -> bool:
-        config, skip = self.config, False
-        scale = config.mag_ratios[self.step] if self.step < len(config.mag_ratios) else 1.0
-        if self.step >= int(config.retention_ratio * config.num_inference_steps + 0.5):
-            self.ratio *= scale
-            self.skipped += 1
-            self.err += abs(1.0 - self.ratio)
-            if self.computed and self.err <= config.threshold and self.skipped <= config.max_skip_steps:
-                skip = True
-            else:
-                self.ratio, self.skipped, self.err = 1.0, 0, 0.0
-        self.computed |= not skip
-        self.step += 1
-        return skip
-
-
-def schedule_text(plan: list[tuple[bool, ...]]) -> str:
-    """One letter per step: F full, C cached, P full with some branch reusing its cache."""
-    return "".join(CACHED if all(reuse) else PARTIAL if any(reuse) else FULL for reuse in plan)
 
 
 # The device side -----------------------------------------------------------------------------------
@@ -186,6 +47,21 @@ class _Probed(Exception):
     def __init__(self, shapes) -> None:
         super().__init__("probe")
         self.shapes = shapes
+
+
+def register_hunyuanvideo15_block() -> None:
+    """Put HunyuanVideo15TransformerBlock in diffusers' transformer-block registry, as diffusers registers
+    its siblings (the block returns hidden_states, encoder_hidden_states).
+
+    diffusers 0.42.1 leaves it out, so `transformer.enable_cache(MagCacheConfig(...))` raises `Model class
+    ...HunyuanVideo15TransformerBlock not registered`, and our step cache reads the same metadata.
+    tests/test_upstream_bugs.py fails once diffusers registers it itself: then delete this.
+    """
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
+
+    metadata = TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1)
+    TransformerBlockRegistry.register(model_class=HunyuanVideo15TransformerBlock, metadata=metadata)
 
 
 def block_list(transformer: torch.nn.Module) -> torch.nn.ModuleList:
@@ -212,6 +88,7 @@ class BlockCache:
     def __init__(self, transformer, span: tuple[int, int], branches: int, cache_text: bool, constrain) -> None:
         from diffusers.hooks._helpers import TransformerBlockRegistry
 
+        register_hunyuanvideo15_block()
         blocks = block_list(transformer)
         self.metadata = TransformerBlockRegistry.get(type(blocks[0]))
         self.span = span

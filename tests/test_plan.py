@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import models
-import plan
+import plan_report
 import sharding
 import stage2_transformer
 import stage3_vae_decoder
@@ -123,7 +123,7 @@ def test_hunyuanvideo15_720p_with_replicated_weights_does_not_fit_a_v5e_8(tmp_pa
     argv = ["--input_dir", tmp_path, "--model", model, "--plan", "v5e-8", "--dp", 2, "--sp", 4, "--tp", 1]
     with pytest.raises(SystemExit) as exit_info:
         run_stage(stage2_transformer, [*argv, "--plan_json", out])
-    assert exit_info.value.code == plan.DOES_NOT_FIT_EXIT_STATUS
+    assert exit_info.value.code == plan_report.DOES_NOT_FIT_EXIT_STATUS
     report = json.loads(out.read_text())
     assert not report["fits"] and report["video"] == {"height": 720, "width": 1280, "num_frames": 121}
     memory = report["hbm_bytes_per_device"]

@@ -5,7 +5,7 @@ MagCacheConfig(...))` on the same tiny components, with the same steps skipped, 
 every staged-vs-pipeline test: the only difference is XLA vs ATen arithmetic over a few steps); our
 calibration equals diffusers' (1e-5). Where our ratios differ per branch, diffusers is given one config
 per cache context (it has one per transformer; `per_context_configs`). HunyuanVideo-1.5's block is
-registered with diffusers' registry as models/hunyuanvideo15.register_cache_block does.
+registered with diffusers' registry as models/step_cache.register_hunyuanvideo15_block does.
 
 The interval cache equals a plain-PyTorch reference written from its definition (`IntervalReference`,
 hooks on the eager pipeline's blocks), 1e-4; with an interval of 1 it equals the uncached run (1e-6).
@@ -23,9 +23,9 @@ import models
 import stage1_text_encoder
 import stage2_transformer
 from helpers import expect_user_error, relative_error, run_stage
-from models import step_cache, tiny
+from models import cache_schedule, step_cache, tiny
+from models.cache_schedule import CacheSettings, schedule
 from models.denoise import DenoiseGuard
-from models.step_cache import CacheSettings, schedule
 from utils import CHECKPOINT_FILE, Stopped, read_config, read_tensors
 
 TOLERANCE = 1e-4
@@ -119,13 +119,13 @@ def test_interval_schedule_is_the_reference_definition():
         ("a", "b"),
         ("c",),
     )
-    assert step_cache.schedule_text(two) == "FFCFCF"
+    assert cache_schedule.schedule_text(two) == "FFCFCF"
 
 
 @pytest.mark.parametrize("window", [(11, 45, 4), (3, 2, 1), (0, 5, 0)])
 def test_interval_window_that_does_not_fit_is_an_error(window):
     settings = CacheSettings(kind="interval", start_step=window[0], end_step=window[1], step_interval=window[2])
-    with pytest.raises(step_cache.UserError, match="do not fit 8 steps"):
+    with pytest.raises(cache_schedule.UserError, match="do not fit 8 steps"):
         schedule(settings, [0] * 8, ("transformer",), ("batch",))
 
 
@@ -160,7 +160,7 @@ def test_cogvideox_calibration_equals_diffusers_and_is_used_by_the_next_run(tmp_
     request = stage1(tmp_path, "tiny-cogvideox1.0", 4, **COGVIDEOX)
     uncached, _ = stage2(tmp_path)
     calibrated, _ = stage2(tmp_path, "--cache_calibrate")
-    written = json.loads((tmp_path / step_cache.MAG_RATIOS_FILE).read_text())
+    written = json.loads((tmp_path / cache_schedule.MAG_RATIOS_FILE).read_text())
     assert written["model"] == "tiny-cogvideox1.0" and list(written["mag_ratios"]) == ["transformer.cond_uncond"]
     assert relative_error(calibrated, uncached) <= 1e-6  # calibration computes every step
 
@@ -185,7 +185,7 @@ def test_wan22_calibration_and_per_branch_magcache_equal_diffusers(tmp_path, cap
 
     request = stage1(tmp_path, "tiny-wan2.2", 6, guidance_scale=5.0)
     stage2(tmp_path, "--cache_calibrate")
-    ours = json.loads((tmp_path / step_cache.MAG_RATIOS_FILE).read_text())["mag_ratios"]
+    ours = json.loads((tmp_path / cache_schedule.MAG_RATIOS_FILE).read_text())["mag_ratios"]
     pipe = WanPipeline.from_pretrained(models.materialize_preset("tiny-wan2.2"), dtype=torch.float32)
     for transformer, calls in ((pipe.transformer, 2), (pipe.transformer_2, 4)):
         transformer.enable_cache(mag_config([], calls, calibrate=True))
@@ -238,7 +238,7 @@ def test_wan22_calibration_and_per_branch_magcache_equal_diffusers(tmp_path, cap
 def test_hunyuanvideo15_magcache_equals_diffusers_with_the_block_registered(tmp_path):
     from diffusers import HunyuanVideo15Pipeline
 
-    from models.hunyuanvideo15 import register_cache_block
+    from models.step_cache import register_hunyuanvideo15_block
 
     ratios = [1.0, 1.0, 1.0, 1.0]
     request = stage1(tmp_path, "tiny-hunyuanvideo15", 4)
@@ -247,7 +247,7 @@ def test_hunyuanvideo15_magcache_equals_diffusers_with_the_block_registered(tmp_
     latents, section = stage2(tmp_path, *flags)
     assert section["step_cache"]["schedule"] == "FCFC"  # retention: int(0.2 * 4 + 0.5) = 1 step
 
-    register_cache_block()
+    register_hunyuanvideo15_block()
     pipe = HunyuanVideo15Pipeline.from_pretrained(models.materialize_preset("tiny-hunyuanvideo15"), dtype=torch.float32)
     pipe.guider.guidance_scale = 6.0
     calls = computed_calls(pipe.transformer)

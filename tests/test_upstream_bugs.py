@@ -97,7 +97,7 @@ def test_torchax_type_as_casts_in_place_and_leaves_a_stale_dtype():
 
 def test_diffusers_0_42_1_block_registry_lacks_hunyuanvideo15():
     """diffusers 0.42.1's transformer-block registry (read by its cache hooks and by our step cache) has no
-    HunyuanVideo15TransformerBlock. Workaround: models/hunyuanvideo15.register_cache_block. A fresh
+    HunyuanVideo15TransformerBlock. Workaround: models/step_cache.register_hunyuanvideo15_block. A fresh
     process, because registering is process-wide."""
     code = (
         "from diffusers.hooks._helpers import TransformerBlockRegistry as R\n"
@@ -105,5 +105,7 @@ def test_diffusers_0_42_1_block_registry_lacks_hunyuanvideo15():
         "R.get(B)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode != 0, "diffusers registers the block now: remove register_cache_block and this test"
+    assert result.returncode != 0, (
+        "diffusers registers the block now: remove register_hunyuanvideo15_block and this test"
+    )
     assert "HunyuanVideo15TransformerBlock" in result.stderr and "not registered" in result.stderr

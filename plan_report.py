@@ -1,0 +1,84 @@
+"""Printing and saving a `--plan` report (plan.py builds it): a few plain lines, the JSON file, the exit
+status that says whether it fits."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tpus import GIB
+from utils import atomic_write
+
+DOES_NOT_FIT_EXIT_STATUS = 3
+
+
+def finish(report: dict[str, Any], json_path: str | None) -> None:
+    """Print the report, save it as JSON if asked, and exit 3 when it does not fit."""
+    print_report(report)
+    if json_path:
+        atomic_write(Path(json_path), lambda tmp: tmp.write_text(json.dumps(report, indent=2) + "\n"))
+    if not report["fits"]:
+        sys.exit(DOES_NOT_FIT_EXIT_STATUS)
+
+
+def print_report(report: dict[str, Any]) -> None:
+    """The plan as a few plain lines."""
+
+    def gib(value: float) -> str:
+        return f"{value / GIB:.2f} GiB" if abs(value) >= GIB else f"{value / 2**20:.1f} MiB"
+
+    mesh = " ".join(f"{axis}={size}" for axis, size in report["mesh"].items())
+    crossing = ", ".join(report["axes_across_hosts"]) or "none"
+    print(
+        f"plan: stage {report['stage']} of {report['model']} on {report['target']} ({report['topology']}): "
+        f"{report['chips']} chips, {report['devices']} devices, {report['hosts']} host(s); mesh {mesh} "
+        f"(axes across hosts: {crossing})"
+    )
+    print(f"  compiled by the TPU compiler in {report['compile_seconds']} s")
+    if report["stage"] == 3:
+        split = "split along width" if report["width_split"] else "NOT split: latent width not divisible by devices"
+        print(f"  latents {report['latents']} {split}; VAE tiling {'on' if report['tiling'] else 'off'}")
+    memory = report["hbm_bytes_per_device"]
+    if "arguments" in memory:
+        keys = ("arguments", "temporaries", "outputs", "code", "other_experts_weights")
+        parts = ", ".join(f"{key.replace('_', ' ')} {gib(memory[key])}" for key in keys if key in memory)
+        print(f"  HBM per device: {parts}; total {gib(memory['total'])} of {gib(memory['capacity'])}")
+    else:
+        print(f"  HBM per device: the compiler needs {gib(memory['total'])}, has {gib(memory['compiler_limit'])}")
+    spare = (
+        memory["capacity"] - memory["total"] if "arguments" in memory else memory["compiler_limit"] - memory["total"]
+    )
+    verdict = f"fits with {gib(spare)} to spare" if report["fits"] else f"does not fit by {gib(-spare)}"
+    print(f"  verdict: {verdict}")
+    if not report["fits"] and "arguments" not in memory:
+        return
+    for where in ("per_block", "outside_blocks") if "per_block" in report["collectives"] else ("total",):
+        found = report["collectives"][where]
+        text = "; ".join(
+            f"{op} {v['count']} ops, {v['tensors']} tensors, {v['bytes'] / 2**20:.2f} MiB" for op, v in found.items()
+        )
+        print(f"  collectives {where.replace('_', ' ')}: {text or 'none'}")
+    flops = report["flops_per_device"]
+    what = "step" if report["stage"] == 2 else "decode"
+    print(
+        f"  FLOPs per {what} per device: {flops['total']:.3e} ({flops['xla']:.3e} XLA + {flops['attention']:.3e} "
+        f"attention); at peak bf16 that is at least {report[what + '_seconds_lower_bound']:.3f} s (a lower bound)"
+    )
+    for shape in report.get("splash_padding", ()):
+        print(
+            f"  Splash x{shape['calls']}: q {shape['q_len']} -> {shape['q_padded']} "
+            f"({shape['q_padding_percent']}% padding), kv {shape['kv_len']} -> {shape['kv_padded']} "
+            f"({shape['kv_padding_percent']}%)"
+        )
+    cached = report.get("step_cache")
+    if cached:
+        memory = cached["hbm_bytes_per_device"]
+        if cached["fits"]:
+            print(
+                f"  cached step ({cached['kind']}): HBM per device {gib(memory['total'])}; FLOPs per device "
+                f"{cached['flops_per_device']['total']:.3e}, at least {cached['step_seconds_lower_bound']:.3g} s"
+            )
+        else:
+            print(f"  cached step ({cached['kind']}): does not fit, needs {gib(memory['total'])}")

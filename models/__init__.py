@@ -156,11 +156,17 @@ def _publish_folder(target: Path, write) -> Path:
     return target
 
 
+PUBLISHED_FOLDER_LAYOUT = 2  # bump when materialize_published writes its folders differently
+
+
 def materialize_published(hub_id: str) -> Path:
     """A diffusers folder with only the configs of a published pipeline (models/published.py): enough for
     `load_config`, schedulers and meta-device modules, never for weights."""
     pipeline = published.PIPELINES[hub_id]
-    digest = hashlib.sha256(json.dumps(pipeline, sort_keys=True).encode()).hexdigest()[:12]
+    # The digest covers how the folder is written too: a folder an older version wrote (without the
+    # class defaults, say) is never reused.
+    described = json.dumps({"layout": PUBLISHED_FOLDER_LAYOUT, **pipeline}, sort_keys=True)
+    digest = hashlib.sha256(described.encode()).hexdigest()[:12]
 
     def write(folder: Path) -> None:
         index = {"_class_name": pipeline["_class_name"][1]}

@@ -176,9 +176,9 @@ def test_checkpoint_before_the_expert_switch_resumes_bit_identically(tmp_path, m
     )
     after_step = DenoiseGuard.after_step
 
-    def stop_after_first_step(self, index, total, tensors):
+    def stop_after_first_step(self, index, total, tensors, **kwargs):
         self.stop_requested = index == 0
-        return after_step(self, index, total, tensors)
+        return after_step(self, index, total, tensors, **kwargs)
 
     monkeypatch.setattr(DenoiseGuard, "after_step", stop_after_first_step)
     with pytest.raises(Stopped, match="after step 1 of 6"):

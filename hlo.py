@@ -103,9 +103,12 @@ def block_inputs(model_name: str, model, video_tokens: int, batch: int, make):
     ]
 
 
-def measure(model_name: str, tp_mode: str, mesh, video_tokens: int, attention: str) -> dict[str, object]:
+def measure(
+    model_name: str, tp_mode: str, mesh, video_tokens: int, attention: str, sp_mode: str = "auto"
+) -> dict[str, object]:
     """Collectives of one transformer block of `model_name` (TRANSFORMERS) compiled on `mesh`, with
-    abstract f32 weights placed by the family's rule table and inputs laid out as stage 2 lays them."""
+    abstract f32 weights placed by the family's rule table and inputs laid out as stage 2 lays them;
+    `sp_mode` is how attention uses `sp` (runtime.SP_MODES)."""
     family, build, blocks, returns_text = BLOCKS[model_name]
     model = build()
     table = family.transformer_rules(tp_mode)
@@ -129,7 +132,7 @@ def measure(model_name: str, tp_mode: str, mesh, video_tokens: int, attention: s
 
     jitted = jax.jit(interop.jax_view(run_block), out_shardings=outputs)
     env = torchax.default_env()
-    splash = SplashConfig(interpret=jax.devices()[0].platform != "tpu")
+    splash = SplashConfig(interpret=jax.devices()[0].platform != "tpu", sp_mode=sp_mode)
     with env, attention_backend(env, attention, splash, mesh):
         hlo = jitted.lower(weights, *inputs).compile().as_text()
     weight_bytes = sum(
@@ -140,10 +143,17 @@ def measure(model_name: str, tp_mode: str, mesh, video_tokens: int, attention: s
         "tp_mode": tp_mode,
         "mesh": dict(mesh.shape),
         "attention": attention,
+        "sp_mode": sp_choice(sp_mode, mesh, model),
         "video_tokens": video_tokens,
         "collectives_per_block": {k: v for k, v in count_collectives(hlo).items() if v["count"]},
         "block_weight_bytes_per_device": weight_bytes,
     }
+
+
+def sp_choice(sp_mode: str, mesh, model) -> str:
+    from sequence_parallel import sp_mode_choice
+
+    return sp_mode_choice(sp_mode, dict(mesh.shape), model.config.num_attention_heads)[0]
 
 
 # name: (family module, one-block builder, the attribute holding the blocks, whether a block also

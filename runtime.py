@@ -23,6 +23,12 @@ DP, SP, TP = AXES = ("dp", "sp", "tp")
 
 Layout = tuple  # a PartitionSpec-like tuple of mesh axis names (or None) per dimension
 
+# How attention uses a sequence split on `sp` (sequence_parallel.sp_mode_choice). ulysses: an all-to-all
+# turns the sequence split into a head split, attention runs over the whole sequence for the device's
+# heads, one all-to-all turns the output back (DeepSpeed-Ulysses). gather: queries stay split and every
+# device gathers all keys and values. auto: ulysses where the heads per tp shard divide by sp, else gather.
+SP_MODES = ("auto", "ulysses", "gather")
+
 
 class Runtime(Protocol):
     """What stages and families need from a device runtime."""

@@ -8,13 +8,11 @@ the valid keys. Zeroing padded K/V instead (the reference notes' approach) leave
 score 0 in the denominator: 28% relative error at 40% padding (../shared/PITFALLS.md). Segment ids
 have no such term; tests/test_splash_attention.py holds them to 1e-5 of a float64 reference.
 
-With a mesh the kernel runs under shard_map: batch on `dp`, heads on `tp`, query sequence on `sp`.
+With a mesh the kernel runs under shard_map: batch on `dp`, heads on `tp`, and with `sp` Ulysses (SP_MODES).
 On TPU the kernel is compiled by Mosaic; elsewhere it runs in Pallas interpret mode (slow, for tests).
 
-On NVIDIA GPUs `fused_attention` is JAX's cuDNN flash attention (`jax.nn.dot_product_attention`), with
-key and query padding passed as lengths; that is exact when each row's valid tokens come first, which
-holds for every family here (CogVideoX and Wan have no masks; HunyuanVideo-1.5 puts valid text tokens
-first by its reorder, and its refiner's tokenizer pads on the right). Other masks are refused.
+On NVIDIA GPUs the `cudnn` backend is cudnn_attention.fused_attention; the `sp` schemes are in
+sequence_parallel.py.
 """
 
 from __future__ import annotations
@@ -32,7 +30,9 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from runtime import DP, SP, TP
+from cudnn_attention import fused_attention
+from runtime import DP, SP, SP_MODES, TP
+from sequence_parallel import ulysses, ulysses_applies
 
 LANE = 128  # TPU lane width: block sizes are multiples of it
 # Dense (.., Sq, Skv) masks are reduced and checked only up to this size (HunyuanVideo-1.5's token
@@ -57,8 +57,11 @@ class SplashConfig:
     interpret: bool = False
     local_window: int | None = None
     k_smoothing: bool = False
+    sp_mode: str = "auto"  # how attention uses `sp`: see SP_MODES
 
     def __post_init__(self) -> None:
+        if self.sp_mode not in SP_MODES:
+            raise ValueError(f"sp_mode {self.sp_mode!r} is not one of {', '.join(SP_MODES)}")
         for name in ("block_q", "block_kv", "block_kv_compute"):
             value = getattr(self, name)
             if value <= 0 or value % LANE:
@@ -155,8 +158,10 @@ def splash_attention(
 ):
     """Exact masked attention. query (B, H, Sq, D), key/value (B, H, Skv, D), key_valid (B, Skv) bool or None.
 
-    With a mesh, runs under shard_map: batch on `dp`, heads on `tp`, query sequence on `sp` (keys and
-    values whole on every device). Query rows that are invalid (`query_valid` False) or have no valid
+    With a mesh, runs under shard_map: batch on `dp`, heads on `tp`; with `sp`, Ulysses (queries, keys and
+    values split along the sequence, exchanged for a head split inside) or, with `config.sp_mode` gather
+    or heads that do not divide, the query sequence on `sp` with keys and values whole on every device.
+    Query rows that are invalid (`query_valid` False) or have no valid
     key at all return zeros, as PyTorch's SDPA does for fully masked rows.
     """
     batch, heads, q_len, head_dim = query.shape
@@ -164,18 +169,28 @@ def splash_attention(
     if config.local_window is not None and q_len != kv_len:
         raise ValueError(f"a local window needs self-attention; got {q_len} queries and {kv_len} keys")
     batch_axis, head_axis, q_shards = _mesh_axes(mesh, batch, heads)
-    blocks = tile_sizes(config, -(-q_len // q_shards), kv_len)
-    q_pad, kv_pad = _round_up(q_len, blocks.block_q * q_shards), _round_up(kv_len, blocks.block_kv)
     head_shards = mesh.shape[TP] if head_axis else 1
-    if config.local_window is None:
-        # A full mask is the same on every shard, so each device gets a kernel for its local shape.
-        # (Building one global kernel with q_seq_shards > 1 fails for a mask without partial blocks in
-        # jax 0.10.2: process_mask concatenates an empty mask_next list.)
-        kernel = _kernel(heads // head_shards, q_pad // q_shards, kv_pad, blocks, config.interpret, None, 1, 1)
+    use_ulysses = ulysses_applies(config.sp_mode, mesh, heads)
+    if use_ulysses:
+        # Each device attends over the whole (padded) sequence for heads / (tp * sp) heads.
+        sp = mesh.shape[SP]
+        blocks = tile_sizes(config, q_len, kv_len)
+        q_pad = _round_up(q_len, math.lcm(blocks.block_q, sp))
+        kv_pad = _round_up(kv_len, math.lcm(blocks.block_kv, sp))
+        kernel = _kernel(heads // head_shards // sp, q_pad, kv_pad, blocks, config.interpret, config.local_window, 1, 1)
         kernel_layout = P(None, None)
     else:
-        kernel = _kernel(heads, q_pad, kv_pad, blocks, config.interpret, config.local_window, head_shards, q_shards)
-        kernel_layout = P(head_axis, SP)
+        blocks = tile_sizes(config, -(-q_len // q_shards), kv_len)
+        q_pad, kv_pad = _round_up(q_len, blocks.block_q * q_shards), _round_up(kv_len, blocks.block_kv)
+        if config.local_window is None:
+            # A full mask is the same on every shard, so each device gets a kernel for its local shape.
+            # (Building one global kernel with q_seq_shards > 1 fails for a mask without partial blocks in
+            # jax 0.10.2: process_mask concatenates an empty mask_next list.)
+            kernel = _kernel(heads // head_shards, q_pad // q_shards, kv_pad, blocks, config.interpret, None, 1, 1)
+            kernel_layout = P(None, None)
+        else:
+            kernel = _kernel(heads, q_pad, kv_pad, blocks, config.interpret, config.local_window, head_shards, q_shards)
+            kernel_layout = P(head_axis, SP)
 
     if key_valid is None:
         key_valid = jnp.ones((batch, kv_len), dtype=bool)
@@ -199,22 +214,28 @@ def splash_attention(
 
         return jax.vmap(one_row)(q, k, v, q_seg, kv_seg)
 
-    if mesh is not None and mesh.size > 1:
-        q_spec = P(batch_axis, head_axis, SP, None)
-        kv_spec = P(batch_axis, head_axis, None, None)
-        kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, kernel_layout))
-        attend = jax.shard_map(
-            attend,
-            mesh=mesh,
-            in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, P(batch_axis, SP), P(batch_axis, None)),
-            out_specs=q_spec,
-            check_vma=False,
-        )
     local_batch = batch // mesh.shape[DP] if batch_axis else batch
-    local_heads = heads // head_shards
-    work = 4 * local_batch * local_heads * (q_pad // q_shards) * kv_pad * head_dim
+    work = 4 * local_batch * (heads // head_shards) * (q_pad // q_shards) * kv_pad * head_dim  # Ulysses: the same
     _record(KernelCall(q_len, kv_len, q_pad, kv_pad, work))
-    out = attend(kernel, pad(query, q_pad), pad(key, kv_pad), pad(value, kv_pad), q_segments, kv_segments)
+    q, k, v = pad(query, q_pad), pad(key, kv_pad), pad(value, kv_pad)
+    if use_ulysses:
+        whole = P(batch_axis, None)
+        specs = (kernel.manual_sharding_spec(NamedSharding(mesh, kernel_layout)), whole, whole)
+        local = ulysses(mesh, batch_axis, head_axis, lambda q, k, v, *rest: attend(rest[0], q, k, v, *rest[1:]), specs)
+        out = local(q, k, v, kernel, q_segments, kv_segments)
+    else:
+        if mesh is not None and mesh.size > 1:
+            q_spec = P(batch_axis, head_axis, SP, None)
+            kv_spec = P(batch_axis, head_axis, None, None)
+            kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, kernel_layout))
+            attend = jax.shard_map(
+                attend,
+                mesh=mesh,
+                in_specs=(kernel_spec, q_spec, kv_spec, kv_spec, P(batch_axis, SP), P(batch_axis, None)),
+                out_specs=q_spec,
+                check_vma=False,
+            )
+        out = attend(kernel, q, k, v, q_segments, kv_segments)
     out = out[:, :, :q_len].astype(query.dtype)
     keep = _rows_with_a_key(key_valid, q_len, config.local_window)[:, None, :, None]
     if query_valid is not None:
@@ -315,48 +336,36 @@ def xla_attention(query, key, value, attn_mask=None, *, scale: float | None = No
     return out.astype(query.dtype)
 
 
-def _raise_if_not_prefix(not_prefix) -> None:
-    if not_prefix:
-        raise ValueError(
-            "fused (cuDNN) attention takes padding as lengths: each row's valid keys (and queries) must come "
-            "first; this mask is not such a prefix (use --attention xla)"
-        )
+def xla_ulysses_attention(query, key, value, attn_mask, *, scale: float | None, mesh: Mesh):
+    """`xla_attention` under Ulysses on `mesh` (see SP_MODES); a boolean mask travels as its key and
+    query validity (masks_from_attn_mask), padded where the sequence is padded to divide by `sp`."""
+    batch, heads, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    batch_axis, head_axis, sp = _mesh_axes(mesh, batch, heads)
+    key_valid, query_valid = masks_from_attn_mask(attn_mask, batch, q_len, kv_len)
+    q_pad, kv_pad = _round_up(q_len, sp), _round_up(kv_len, sp)
 
+    def padded(valid, length, padded_length):
+        valid = jnp.ones((batch, length), dtype=bool) if valid is None else jnp.broadcast_to(valid, (batch, length))
+        return jnp.pad(valid, ((0, 0), (0, padded_length - length)))
 
-def _lengths(valid):
-    """Per-row lengths of a boolean (B, S) validity that must be a prefix (True..True False..False)."""
-    lengths = valid.sum(axis=-1).astype(jnp.int32)
-    not_prefix = (valid != (jnp.arange(valid.shape[-1])[None, :] < lengths[:, None])).any()
-    if isinstance(not_prefix, jax.core.Tracer):
-        jax.debug.callback(_raise_if_not_prefix, not_prefix)
-    else:
-        _raise_if_not_prefix(bool(not_prefix))
-    return lengths
+    def pad(tensor, length):
+        return jnp.pad(tensor, ((0, 0), (0, 0), (0, length - tensor.shape[2]), (0, 0)))
 
+    def local(q, k, v, key_valid, query_valid):
+        allowed = query_valid[:, None, :, None] & key_valid[:, None, None, :]
+        return xla_attention(q, k, v, allowed, scale=scale)
 
-def fused_attention(query, key, value, key_valid=None, query_valid=None, *, scale=None, implementation="cudnn"):
-    """`jax.nn.dot_product_attention` (cuDNN flash attention on NVIDIA GPUs; implementation None: XLA
-    anywhere) on (B, H, S, D) tensors, with padding masks passed as sequence lengths, so no S x S mask
-    exists. Rows with no valid key, and padded queries, give zeros, as PyTorch's SDPA and the other
-    backends here do."""
-    q, k, v = (x.transpose(0, 2, 1, 3) for x in (query, key, value))  # (B, S, H, D), JAX's layout
-    kv_lengths = None if key_valid is None else _lengths(key_valid)
-    q_lengths = None if query_valid is None else _lengths(query_valid)
-    out = jax.nn.dot_product_attention(
-        q,
-        k,
-        v,
-        scale=scale,
-        query_seq_lengths=q_lengths,
-        key_value_seq_lengths=kv_lengths,
-        implementation=implementation,
-    ).transpose(0, 2, 1, 3)
-    rows = jnp.ones(out.shape[:1] + out.shape[2:3], dtype=bool)  # (B, Sq)
-    if query_valid is not None:
-        rows = rows & query_valid
-    if key_valid is not None:
-        rows = rows & key_valid.any(axis=-1, keepdims=True)
-    return jnp.where(rows[:, None, :, None], out, jnp.zeros((), out.dtype))
+    whole = P(batch_axis, None)
+    attend = ulysses(mesh, batch_axis, head_axis, local, (whole, whole))
+    out = attend(
+        pad(query, q_pad),
+        pad(key, kv_pad),
+        pad(value, kv_pad),
+        padded(key_valid, kv_len, kv_pad),
+        padded(query_valid, q_len, q_pad),
+    )
+    return out[:, :, :q_len]
 
 
 def make_sdpa(backend: str, config: SplashConfig, mesh: Mesh | None = None, fused_implementation: str | None = "cudnn"):
@@ -372,6 +381,9 @@ def make_sdpa(backend: str, config: SplashConfig, mesh: Mesh | None = None, fuse
 
         def jax_attention(q, k, v, mask):
             if backend == "xla":
+                boolean = mask is None or mask.dtype == jnp.bool_
+                if boolean and ulysses_applies(config.sp_mode, mesh, q.shape[1]):
+                    return xla_ulysses_attention(q, k, v, mask, scale=scale, mesh=mesh)
                 return xla_attention(q, k, v, mask, scale=scale)
             key_valid, query_valid = masks_from_attn_mask(mask, q.shape[0], q.shape[2], k.shape[2])
             if backend == "cudnn":

@@ -19,7 +19,7 @@ import models
 from models.cache_schedule import KINDS, MAG_RATIOS_FILE, CacheSettings, read_mag_ratios
 from models.common import attention_heads
 from models.denoise import DenoiseGuard, DenoiseOptions, denoise
-from runtime import Timer
+from runtime import SP_MODES, Timer
 from utils import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
@@ -148,7 +148,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     mesh = parser.add_argument_group("device mesh (product must equal the device count)")
     mesh.add_argument("--dp", type=int, help="data parallel: the CFG branches (default: 2 with CFG if it fits, else 1)")
-    mesh.add_argument("--sp", type=int, help="sequence parallel: query tokens in attention (default: 1)")
+    mesh.add_argument("--sp", type=int, help="sequence parallel: the video tokens split between blocks (default: 1)")
+    mesh.add_argument(
+        "--sp_mode",
+        choices=SP_MODES,
+        default="auto",
+        help="attention over the split sequence. ulysses: all-to-alls trade the sequence split for a head "
+        "split (needs the heads per tp shard to divide by sp); gather: queries stay split and every device "
+        "gathers all keys and values; auto: ulysses where the heads allow, else gather (default: %(default)s)",
+    )
     mesh.add_argument("--tp", type=int, help="tensor parallel: heads and MLP columns (default: the remaining devices)")
     mesh.add_argument(
         "--tp_mode",
@@ -255,7 +263,11 @@ def splash_config(args, family, generation=None):
     blocks.update({name: getattr(args, name) for name in names if getattr(args, name) is not None})
     try:
         return SplashConfig(
-            **blocks, interpret=generation is None, local_window=args.local_window, k_smoothing=args.k_smoothing
+            **blocks,
+            interpret=generation is None,
+            local_window=args.local_window,
+            k_smoothing=args.k_smoothing,
+            sp_mode=args.sp_mode,
         )
     except ValueError as err:
         raise UserError(f"--{err}") from None
@@ -278,6 +290,19 @@ def mesh_shape(args, family, source, request: Request, device_count: int):
         raise UserError(re.sub(r"\b(dp|sp|tp)\b", r"--\1", str(err))) from None
 
 
+def sequence_parallel(args, source, shape) -> tuple[str, str]:
+    """The sequence-parallel scheme (runtime.SP_MODES) for this model's heads on this mesh, logged."""
+    from sequence_parallel import sp_mode_choice
+
+    try:
+        choice, why = sp_mode_choice(args.sp_mode, shape.as_dict(), attention_heads(source))
+    except ValueError as err:
+        raise UserError(f"--{err}") from None
+    if choice != "none":
+        log(f"sequence parallel: {choice} ({why})")
+    return choice, why
+
+
 def plan_main(args) -> None:
     """--plan: compile for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
     import plan
@@ -289,6 +314,7 @@ def plan_main(args) -> None:
     )
     dtype = parse_dtype(args.dtype or request.dtype)
     shape = mesh_shape(args, family, source, request, target.devices)
+    sequence_parallel(args, source, shape)
     if args.attention == "cudnn":
         raise UserError("--attention cudnn is for NVIDIA GPUs; --plan compiles for a TPU (splash or xla)")
     attention = "splash" if args.attention == "auto" else args.attention
@@ -349,7 +375,9 @@ def main(argv=None) -> None:
     from torchax_runtime import CompileCache, TorchaxRuntime
 
     compile_cache = CompileCache(enabled=not args.no_compile_cache)
-    mesh = sharding.make_mesh(mesh_shape(args, family, source, request, jax.device_count()))
+    shape = mesh_shape(args, family, source, request, jax.device_count())
+    sp_choice, sp_why = sequence_parallel(args, source, shape)
+    mesh = sharding.make_mesh(shape)
     runtime = TorchaxRuntime(mesh, profile_dir=trace_dir, compile_cache=compile_cache)
     try:
         attention, why = resolve_backend(args.attention, dtype, runtime.platform)
@@ -379,6 +407,7 @@ def main(argv=None) -> None:
         "tp_mode": args.tp_mode,
         "attention": attention,
         "attention_choice": why,
+        "sequence_parallel": {"mode": sp_choice, "why": sp_why},
         **({"splash": dataclasses.asdict(splash)} if attention == "splash" else {}),
         "overrides": overrides,
         "warmup_steps": args.warmup_steps,

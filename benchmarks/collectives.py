@@ -12,6 +12,7 @@ difference is one layer's cost and the rest is the embedding and final norm.
     python benchmarks/collectives.py                      # 8 virtual CPU devices, mesh dp=2 sp=1 tp=4
     python benchmarks/collectives.py --dp 1 --tp 8 --video_tokens 8192
     python benchmarks/collectives.py --models t5-xxl qwen2.5-vl-7b
+    python benchmarks/collectives.py --dp 1 --sp 2 --tp 4 --sp_mode gather --tp_mode megatron
 
 Bytes scale linearly with --video_tokens; counts do not.
 """
@@ -32,6 +33,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--video_tokens", type=int, default=4096, help="image-stream tokens (default: %(default)s)")
     parser.add_argument("--attention", choices=("xla", "splash"), default="xla")
+    parser.add_argument("--sp_mode", choices=("auto", "ulysses", "gather"), default="auto")
+    parser.add_argument("--tp_mode", choices=("megatron", "replicated_out"), help="default: both")
     models = ["cogvideox1.5-5b", "hunyuanvideo1.5", "wan2.1-14b", "t5-xxl", "qwen2.5-vl-7b"]
     parser.add_argument("--models", nargs="+", choices=models, default=models)
     args = parser.parse_args()
@@ -51,8 +54,9 @@ def main() -> None:
             stage1_mesh = sharding.make_mesh(sharding.MeshShape(tp=jax.device_count()))
             print(json.dumps(hlo.measure_text_encoder(model_name, stage1_mesh)), flush=True)
             continue
-        for tp_mode in sharding.TP_MODES:
-            print(json.dumps(hlo.measure(model_name, tp_mode, mesh, args.video_tokens, args.attention)), flush=True)
+        for tp_mode in [args.tp_mode] if args.tp_mode else sharding.TP_MODES:
+            found = hlo.measure(model_name, tp_mode, mesh, args.video_tokens, args.attention, args.sp_mode)
+            print(json.dumps(found), flush=True)
 
 
 if __name__ == "__main__":

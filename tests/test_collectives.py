@@ -68,3 +68,27 @@ def test_wan_block_moves_three_activations_and_four_norm_statistics():
     activations = 3 * 256 * width * 4  # per device: one sample (dp=2), f32
     statistics = (2 * 256 + 256 + text) * 4  # q and k of self-attention, q and k of cross-attention
     assert found["collectives_per_block"]["all-reduce"]["bytes"] == activations + statistics
+
+
+@pytest.mark.parametrize("sp_mode", ["auto", "gather"])
+def test_wan_block_under_ulysses_has_exactly_its_all_to_alls(sp_mode):
+    """sp=8 at real width (40 heads, tp=1). Ulysses: 8 all-to-alls per block, q, k and v in and the
+    output back for self- and for cross-attention, and nothing else (no K/V gather, no all-reduce with
+    tp=1). The gather scheme instead all-gathers the self-attention keys and values (2 all-gathers)."""
+    mesh = sharding.make_mesh(MeshShape(1, 8, 1))
+    found = hlo.measure("wan2.1-14b", "megatron", mesh, video_tokens=256, attention="xla", sp_mode=sp_mode)
+    counts = {op: value["count"] for op, value in found["collectives_per_block"].items()}
+    if sp_mode == "auto":
+        assert found["sp_mode"] == "ulysses" and counts == {"all-to-all": 8}
+    else:
+        assert found["sp_mode"] == "gather" and counts == {"all-gather": 2}
+
+
+def test_cogvideox_block_under_ulysses_gathers_no_keys():
+    """CogVideoX at sp=8: Ulysses drops the K/V all-gathers (one small one is left); the joint
+    text+video sequence is still re-split around attention (all-to-alls and permutes beyond Ulysses' 4)."""
+    mesh = sharding.make_mesh(MeshShape(1, 8, 1))
+    found = hlo.measure("cogvideox1.5-5b", "megatron", mesh, video_tokens=4096, attention="xla")
+    gathers = found["collectives_per_block"]["all-gather"]
+    assert found["sp_mode"] == "ulysses" and gathers["count"] == 1
+    assert gathers["bytes"] < 4096 * 3072 * 4 / 8  # hundreds of tokens (5.4 MiB), not the video's K/V

@@ -14,9 +14,10 @@ from test_hunyuanvideo15_patches import Sample, inputs, tiny_transformer
 
 import sharding
 import stage2_transformer
+from cudnn_attention import fused_attention
 from helpers import expect_user_error, reference_attention, relative_error, tiny_stage1
 from models import hunyuanvideo15
-from splash_attention import SplashConfig, attention_backend, fused_attention, resolve_backend
+from splash_attention import SplashConfig, attention_backend, resolve_backend
 from torchax_runtime import TorchaxRuntime
 
 

@@ -104,7 +104,7 @@ def test_blocks_pass_per_key_masks_never_dense_ones(monkeypatch):
 
 @pytest.mark.parametrize("attention", ["xla", "splash"])
 @pytest.mark.parametrize(
-    "mesh", [(1, 1, 1), (2, 1, 4), (1, 2, 4), (2, 2, 2)], ids=lambda m: "dp{}-sp{}-tp{}".format(*m)
+    "mesh", [(1, 1, 1), (2, 1, 4), (1, 2, 4), (2, 2, 2), (1, 4, 2)], ids=lambda m: "dp{}-sp{}-tp{}".format(*m)
 )
 def test_jitted_sharded_forward_matches_stock_eager(attention, mesh):
     with torch.no_grad():

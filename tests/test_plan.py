@@ -68,23 +68,42 @@ def test_unknown_targets_are_refused(name, message):
         tpus.parse_target(name)
 
 
-# Per block, from the TPU HLO. 2x1x4: Megatron minimum (as on XLA:CPU). 1x2x4: today's sp (queries split,
-# keys gathered, the joint sequence resharded around attention; the Ulysses issue replaces this).
+# Per block, from the TPU HLO. 2x1x4: Megatron minimum (as on XLA:CPU). 1x2x4, sp_mode gather: queries
+# split, keys and values gathered. Ulysses (auto) removes CogVideoX's K/V gathers (HunyuanVideo-1.5
+# keeps 4 smaller ones), but both joint text+video models still pay all-to-alls and collective-permutes
+# to re-split the concatenated sequence around attention: not yet Ulysses' 4 all-to-alls per attention.
 PER_BLOCK = {
-    ("tiny-cogvideox", (2, 1, 4)): {"all-reduce": 4},
-    ("tiny-hunyuanvideo15", (2, 1, 4)): {"all-reduce": 6},
-    ("tiny-wan2.2", (2, 1, 4)): {"all-reduce": 7},  # 3 Megatron outputs, 4 q/k RMS-norm statistics
-    ("tiny-cogvideox", (1, 2, 4)): {"all-reduce": 4, "all-gather": 2, "all-to-all": 12, "collective-permute": 40},
-    ("tiny-hunyuanvideo15", (1, 2, 4)): {"all-reduce": 6, "all-gather": 6, "all-to-all": 9, "collective-permute": 16},
+    ("tiny-cogvideox", (2, 1, 4), "auto"): {"all-reduce": 4},
+    ("tiny-hunyuanvideo15", (2, 1, 4), "auto"): {"all-reduce": 6},
+    ("tiny-wan2.2", (2, 1, 4), "auto"): {"all-reduce": 7},  # 3 Megatron outputs, 4 q/k RMS-norm statistics
+    ("tiny-cogvideox", (1, 2, 4), "gather"): {
+        "all-reduce": 4,
+        "all-gather": 2,
+        "all-to-all": 12,
+        "collective-permute": 40,
+    },
+    ("tiny-hunyuanvideo15", (1, 2, 4), "gather"): {
+        "all-reduce": 6,
+        "all-gather": 6,
+        "all-to-all": 9,
+        "collective-permute": 16,
+    },
+    ("tiny-cogvideox", (1, 2, 4), "auto"): {"all-reduce": 4, "all-to-all": 16, "collective-permute": 48},
+    ("tiny-hunyuanvideo15", (1, 2, 4), "auto"): {
+        "all-reduce": 6,
+        "all-gather": 4,
+        "all-to-all": 13,
+        "collective-permute": 24,
+    },
 }
 
 
-@pytest.mark.parametrize("model, mesh", list(PER_BLOCK), ids=lambda value: str(value))
-def test_tiny_presets_compile_for_v6e_with_the_real_splash_kernel(tmp_path, model, mesh):
+@pytest.mark.parametrize("model, mesh, sp_mode", list(PER_BLOCK), ids=lambda value: str(value))
+def test_tiny_presets_compile_for_v6e_with_the_real_splash_kernel(tmp_path, model, mesh, sp_mode):
     dp, sp, tp = mesh
     out = tmp_path / "plan.json"
     argv = ["--input_dir", tmp_path, "--model", model, "--plan", "v6e:2x4", "--plan_json", out]
-    run_stage(stage2_transformer, [*argv, "--dp", dp, "--sp", sp, "--tp", tp])
+    run_stage(stage2_transformer, [*argv, "--dp", dp, "--sp", sp, "--tp", tp, "--sp_mode", sp_mode])
     report = json.loads(out.read_text())
     assert [path.name for path in tmp_path.iterdir()] == ["plan.json"]  # a plan writes nothing else
     assert report["fits"] and report["mesh"] == {"dp": dp, "sp": sp, "tp": tp} and report["devices"] == 8
@@ -94,7 +113,7 @@ def test_tiny_presets_compile_for_v6e_with_the_real_splash_kernel(tmp_path, mode
     assert 0 < memory["arguments"] <= memory["total"] < memory["capacity"] == 32 * 2**30
     assert report["flops_per_device"]["attention"] > 0 and report["step_seconds_lower_bound"] > 0
     per_block = {op: value["tensors"] for op, value in report["collectives"]["per_block"].items()}
-    assert per_block == PER_BLOCK[(model, mesh)]
+    assert per_block == PER_BLOCK[(model, mesh, sp_mode)]
 
 
 def test_the_second_wan_expert_counts_against_hbm(tmp_path):
@@ -229,7 +248,7 @@ def test_plan_compiles_the_cached_step_too(tmp_path, capsys):
     assert 0 < cached["flops_per_device"]["total"] < full["total"]
     assert 0 < cached["hbm_bytes_per_device"]["total"] < cached["hbm_bytes_per_device"]["capacity"]
     per_block = {op: value["tensors"] for op, value in report["collectives"]["per_block"].items()}
-    assert per_block == PER_BLOCK[("tiny-cogvideox", (2, 1, 4))]
+    assert per_block == PER_BLOCK[("tiny-cogvideox", (2, 1, 4), "auto")]
     assert "cached step (magcache)" in capsys.readouterr().out
     # The interval cache's outer blocks need a model of 3 blocks or more; the tiny one has 2.
     argv = ["--input_dir", tmp_path, "--model", "tiny-cogvideox", "--plan", "v6e-8", "--enable_cache"]

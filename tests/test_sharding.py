@@ -249,6 +249,19 @@ def test_sharded_splash_stage2_equals_single_device(stage1_outputs, unsharded, m
     assert relative_error(latents, unsharded["xla"]) <= TOLERANCE
 
 
+@pytest.mark.parametrize("mesh, sp_mode", [((1, 4, 2), "auto"), ((1, 8, 1), "auto"), ((1, 4, 2), "gather")])
+def test_sequence_parallel_stage2_through_the_cli(stage1_outputs, unsharded, tmp_path, mesh, sp_mode):
+    """The real stage-2 CLI with Splash: Ulysses (auto) at sp=4 x tp=2 and sp=8, and the gather scheme,
+    equal the single-device run, and the section says which scheme ran."""
+    dp, sp, tp = mesh
+    argv = ["--input_dir", stage1_outputs, "--output_dir", tmp_path, "--dp", dp, "--sp", sp, "--tp", tp]
+    run_stage(stage2_transformer, [*argv, "--attention", "splash", "--sp_mode", sp_mode])
+    config = read_config(tmp_path)
+    assert config["stage2"]["sequence_parallel"]["mode"] == ("ulysses" if sp_mode == "auto" else "gather")
+    latents = read_tensors(tmp_path, config["stage2"])["latents"]
+    assert relative_error(latents, unsharded["splash"]) <= TOLERANCE
+
+
 def test_stage2_records_mesh_and_placement(stage1_outputs, tmp_path):
     run_stage(stage2_transformer, ["--input_dir", stage1_outputs, "--output_dir", tmp_path, "--sp", 2])
     stage2 = json.loads((tmp_path / "generation_config.json").read_text())["stage2"]

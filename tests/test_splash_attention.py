@@ -5,6 +5,8 @@ approximation, so only fp32 rounding of the kernel's online softmax remains (~3e
 2e-2, because rounding q, k, v to bf16 alone moves the result by ~5e-3.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,15 @@ import torch
 
 import sharding
 from helpers import reference_attention, relative_error
-from splash_attention import SplashConfig, attention_backend, masks_from_attn_mask, splash_attention, tile_sizes
+from sequence_parallel import sp_mode_choice, ulysses_applies
+from splash_attention import (
+    SplashConfig,
+    attention_backend,
+    masks_from_attn_mask,
+    splash_attention,
+    tile_sizes,
+    xla_ulysses_attention,
+)
 
 SMALL_TILES = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
 
@@ -181,6 +191,7 @@ def test_cogvideox_stage2_with_splash_matches_xla(tmp_path, monkeypatch, capsys)
         "interpret": True,
         "local_window": None,
         "k_smoothing": False,
+        "sp_mode": "auto",
     }
     assert relative_error(latents["splash"], latents["xla"]) <= 1e-5
 
@@ -258,20 +269,91 @@ def test_local_window_vs_float64(valid_counts):
 # Sharded over the mesh ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mesh", [(2, 1, 4), (1, 2, 4), (2, 2, 2)], ids=lambda m: "dp{}-sp{}-tp{}".format(*m))
+CASES = {"heads-split": (8, None), "heads-replicated": (6, None), "local-window": (8, 40)}
+SHARDED = [  # every case on the sp <= 2 meshes, in both modes where sp > 1; sp 8 and 4 x tp 2 for Ulysses
+    *[(mesh, "auto", case) for mesh in [(2, 1, 4), (1, 2, 4), (2, 2, 2)] for case in CASES],
+    *[(mesh, "gather", case) for mesh in [(1, 2, 4), (2, 2, 2)] for case in CASES],
+    *[(mesh, "auto", case) for mesh in [(1, 8, 1), (1, 4, 2)] for case in ("heads-split", "local-window")],
+    ((1, 8, 1), "gather", "local-window"),
+]
+
+
 @pytest.mark.parametrize(
-    "heads, window", [(8, None), (6, None), (8, 40)], ids=["heads-split", "heads-replicated", "local-window"]
+    "mesh, sp_mode, case", SHARDED, ids=lambda v: "dp{}-sp{}-tp{}".format(*v) if isinstance(v, tuple) else v
 )
-def test_sharded_equals_unsharded(mesh, heads, window):
-    """8 heads split over tp; 6 heads (tp=4 cannot split them) computed whole on every tp device."""
+def test_sharded_equals_unsharded(mesh, sp_mode, case):
+    """8 heads split over tp; 6 heads (tp=4 cannot split them) computed whole on every tp device. With
+    sp > 1, auto runs Ulysses where the heads per tp shard divide by sp (an all-to-all in the program)."""
+    heads, window = CASES[case]
+    dp, sp, tp = mesh
+    if window and sp_mode == "gather" and sp == 8:
+        # jax 0.10.2's Splash cannot shard a local-window mask's queries 8 ways at this length (an
+        # assertion in splash_attention_mask_info); Ulysses (auto) runs the window unsharded per head.
+        with pytest.raises(AssertionError):
+            run_splash(
+                *random_qkv(2, heads, 300, 300, 64),
+                None,
+                config=SplashConfig(
+                    block_q=128,
+                    block_kv=128,
+                    block_kv_compute=128,
+                    interpret=True,
+                    local_window=window,
+                    sp_mode="gather",
+                ),
+                mesh=sharding.make_mesh(sharding.MeshShape(*mesh)),
+            )
+        return
+    local_heads = heads // tp if heads % tp == 0 else heads
+    expect_ulysses = sp_mode == "auto" and sp > 1 and local_heads % sp == 0
     mesh = sharding.make_mesh(sharding.MeshShape(*mesh))
     q, k, v = random_qkv(2, heads, 300, 300, 64, seed=9)
     mask = key_mask(2, 300, [300, 111])
     config = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True, local_window=window)
     single = run_splash(q, k, v, mask, config=config)
+    config = dataclasses.replace(config, sp_mode=sp_mode)
     sharded = run_splash(q, k, v, mask, config=config, mesh=mesh)
     assert relative_error(sharded, single) <= 1e-6
     assert relative_error(sharded, masked_reference(q, k, v, mask, window=window)) <= 1e-5
+    assert ulysses_applies(sp_mode, mesh, heads) == expect_ulysses
+    lowered = jax.jit(lambda q, k, v, m: splash_attention(q, k, v, m, config=config, mesh=mesh)).lower(q, k, v, mask)
+    assert ("all-to-all" in lowered.compile().as_text()) == expect_ulysses
+
+
+@pytest.mark.parametrize("mesh", [(1, 2, 4), (2, 2, 2), (1, 8, 1)], ids=lambda m: "dp{}-sp{}-tp{}".format(*m))
+@pytest.mark.parametrize("kv_len", [300, 77], ids=["self", "cross"])
+def test_ulysses_xla_attention_with_query_and_key_masks(mesh, kv_len):
+    """XLA attention under Ulysses: a dense boolean (query x key) mask travels as the two validities;
+    the padding to a multiple of sp is masked too (300 and 77 tokens do not divide by 8)."""
+    mesh = sharding.make_mesh(sharding.MeshShape(*mesh))
+    q, k, v = random_qkv(2, 8, 300, kv_len, 32, seed=12)
+    key_valid, query_valid = key_mask(2, kv_len, [kv_len, kv_len // 2]), key_mask(2, 300, [280, 300])
+    dense = query_valid[:, None, :, None] & key_valid[:, None, None, :]
+    fn = jax.jit(lambda q, k, v, m: xla_ulysses_attention(q, k, v, m, scale=None, mesh=mesh))
+    out = np.asarray(fn(q, k, v, dense))
+    assert relative_error(out, masked_reference(q, k, v, key_valid, query_valid=query_valid)) <= 1e-5
+    assert "all-to-all" in fn.lower(q, k, v, dense).compile().as_text()
+
+
+@pytest.mark.parametrize(
+    "sp_mode, mesh, heads, expected",
+    [
+        ("auto", {"dp": 1, "sp": 2, "tp": 4}, 48, "ulysses"),
+        ("auto", {"dp": 1, "sp": 8, "tp": 1}, 16, "ulysses"),
+        ("auto", {"dp": 1, "sp": 4, "tp": 2}, 40, "ulysses"),
+        ("auto", {"dp": 1, "sp": 8, "tp": 1}, 40, "ulysses"),
+        ("auto", {"dp": 1, "sp": 2, "tp": 4}, 12, "gather"),  # 3 heads per tp shard
+        ("gather", {"dp": 1, "sp": 2, "tp": 4}, 48, "gather"),
+        ("auto", {"dp": 2, "sp": 1, "tp": 4}, 48, "none"),
+    ],
+)
+def test_sp_mode_choice(sp_mode, mesh, heads, expected):
+    assert sp_mode_choice(sp_mode, mesh, heads)[0] == expected
+
+
+def test_ulysses_that_the_heads_do_not_allow_is_an_error():
+    with pytest.raises(ValueError, match="the 10 heads per tp shard do not divide by sp=4"):
+        sp_mode_choice("ulysses", {"dp": 1, "sp": 4, "tp": 2}, 20)
 
 
 def test_k_smoothing_centres_valid_keys_only():

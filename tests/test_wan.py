@@ -45,7 +45,14 @@ def transformer_inputs(batch: int):
 
 @pytest.mark.parametrize(
     "mesh, batch, attention",
-    [((1, 1, 1), 1, "xla"), ((1, 1, 8), 1, "xla"), ((2, 1, 4), 2, "splash"), ((1, 2, 4), 2, "xla")],
+    [
+        ((1, 1, 1), 1, "xla"),
+        ((1, 1, 8), 1, "xla"),
+        ((2, 1, 4), 2, "splash"),
+        ((1, 2, 4), 2, "xla"),
+        ((1, 8, 1), 2, "splash"),  # Ulysses over 8 for self- and cross-attention
+        ((1, 4, 2), 2, "xla"),
+    ],
     ids=lambda value: "x".join(map(str, value)) if isinstance(value, tuple) else str(value),
 )
 def test_stock_transformer_jitted_and_sharded_equals_eager(mesh, batch, attention):

@@ -217,13 +217,15 @@ def test_default_splash_tiles_are_capped_where_scoped_vmem_cannot_hold_them(gene
 
     flags = dict.fromkeys(("block_q", "block_kv", "block_kv_compute", "local_window"), None)
     config = stage2_transformer.splash_config(
-        SimpleNamespace(**flags, k_smoothing=False), cogvideox, tpus.GENERATIONS[generation]
+        SimpleNamespace(**flags, k_smoothing=False, sp_mode="auto"), cogvideox, tpus.GENERATIONS[generation]
     )
     defaults = tuple(cogvideox.SPLASH_BLOCK_SIZES.values())
     assert (config.block_q, config.block_kv, config.block_kv_compute) == (expected or defaults)
     assert not config.interpret
     given = stage2_transformer.splash_config(
-        SimpleNamespace(**{**flags, "block_q": 2048}, k_smoothing=False), cogvideox, tpus.GENERATIONS[generation]
+        SimpleNamespace(**{**flags, "block_q": 2048}, k_smoothing=False, sp_mode="auto"),
+        cogvideox,
+        tpus.GENERATIONS[generation],
     )
     assert given.block_q == 2048  # what the user asks for is kept (a plan then says whether it compiles)
 

@@ -297,7 +297,7 @@ class StepCache:
         noise, self.state[expert], ratios = self.programs[expert](*state, flags, *inputs)
         noise = self.runtime.to_host(noise)
         if self.settings.calibrate:
-            first = not any(self.experts[j] == expert for j in range(i))
+            first = self.experts.index(expert) == i  # its first call has no previous residual
             values = [1.0] * len(self.branches) if first else self.runtime.to_host(ratios).tolist()
             for branch, value in zip(self.branches, values, strict=True):
                 self.ratios[f"{self.names[expert]}.{branch}"].append(value)

@@ -44,6 +44,8 @@ from utils import (
     write_tensors,
 )
 
+CACHE_DEFAULTS = CacheSettings()  # the cache flags' defaults, stated once (diffusers' for MagCache)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,12 +123,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     cache.add_argument(
         "--enable_cache", action="store_true", help="the reference scripts' spelling of --cache interval"
     )
-    cache.add_argument("--cache_threshold", type=float, help="magcache: accumulated-error threshold (default: 0.06)")
-    cache.add_argument("--cache_max_skip_steps", type=int, help="magcache: most consecutive skipped steps (default: 3)")
+    cache.add_argument(
+        "--cache_threshold",
+        type=float,
+        help=f"magcache: accumulated-error threshold (default: {CACHE_DEFAULTS.threshold})",
+    )
+    cache.add_argument(
+        "--cache_max_skip_steps",
+        type=int,
+        help=f"magcache: most consecutive skipped steps (default: {CACHE_DEFAULTS.max_skip_steps})",
+    )
     cache.add_argument(
         "--cache_retention_ratio",
         type=float,
-        help="magcache: the first fraction of steps is never skipped (default: 0.2)",
+        help=f"magcache: the first fraction of steps is never skipped (default: {CACHE_DEFAULTS.retention_ratio})",
     )
     cache.add_argument(
         "--cache_mag_ratios",
@@ -140,11 +150,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"run every step in full and write the model's magnitude ratios to {MAG_RATIOS_FILE} in --output_dir",
     )
     cache.add_argument(
-        "--cache_start_step", type=int, help="interval: first step that may reuse (0-based) (default: 11)"
+        "--cache_start_step",
+        type=int,
+        help=f"interval: first step that may reuse (0-based) (default: {CACHE_DEFAULTS.start_step})",
     )
-    cache.add_argument("--cache_end_step", type=int, help="interval: steps from here on all compute (default: 45)")
     cache.add_argument(
-        "--cache_step_interval", type=int, help="interval: within the window, compute every Nth step (default: 4)"
+        "--cache_end_step",
+        type=int,
+        help=f"interval: steps from here on all compute (default: {CACHE_DEFAULTS.end_step})",
+    )
+    cache.add_argument(
+        "--cache_step_interval",
+        type=int,
+        help=f"interval: within the window, compute every Nth step (default: {CACHE_DEFAULTS.step_interval})",
     )
     mesh = parser.add_argument_group("device mesh (product must equal the device count)")
     mesh.add_argument("--dp", type=int, help="data parallel: the CFG branches (default: 2 with CFG if it fits, else 1)")

@@ -25,9 +25,11 @@ Layout = tuple  # a PartitionSpec-like tuple of mesh axis names (or None) per di
 
 # How attention uses a sequence split on `sp` (sequence_parallel.sp_mode_choice). ulysses: an all-to-all
 # turns the sequence split into a head split, attention runs over the whole sequence for the device's
-# heads, one all-to-all turns the output back (DeepSpeed-Ulysses). gather: queries stay split and every
-# device gathers all keys and values. auto: ulysses where the heads per tp shard divide by sp, else gather.
-SP_MODES = ("auto", "ulysses", "gather")
+# heads, one all-to-all turns the output back (DeepSpeed-Ulysses). ring: queries stay split and key/value
+# chunks pass round the sp devices, merged exactly by log-sum-exp. gather: queries stay split and every
+# device gathers all keys and values. auto: ulysses where the heads per tp shard divide by sp, else ring
+# (gather with a Splash local window, which ring cannot shift).
+SP_MODES = ("auto", "ulysses", "ring", "gather")
 
 
 class Runtime(Protocol):

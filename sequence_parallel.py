@@ -1,33 +1,31 @@
-"""Attention over a sequence split on the mesh's `sp` axis: which scheme runs (runtime.SP_MODES) and
-DeepSpeed-Ulysses' two all-to-alls around any per-device attention (splash_attention uses both).
+"""Attention over a sequence split on the mesh's `sp` axis: which scheme runs (runtime.SP_MODES), and
+the collectives of the two schemes that keep the split inside attention (splash_attention uses both).
 
 Ulysses: q, k and v arrive split along the sequence; one all-to-all each trades that for a split of the
 `tp`-local heads over `sp`, so each device attends over the whole sequence for its heads, and one
 all-to-all trades the output back. Per attention that is 4 all-to-alls of about S x width / (tp x sp)
 elements per device, where gathering keys and values moves about 2 x S x width / tp.
+
+Ring: every device keeps its query chunk and passes its key/value chunk (with the chunk's key validity)
+to the next device sp - 1 times, attending to each chunk as it passes; the partial results merge
+exactly through their log-sum-exp. It needs no head split, so it runs where Ulysses cannot; each device
+still receives all keys and values, but one chunk at a time (memory S / sp), and on TPU the permute
+overlaps the next chunk's attention.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from runtime import SP, TP
 
 
-def ulysses_applies(sp_mode: str, mesh: Mesh | None, heads: int) -> bool:
-    """Whether attention with `heads` heads runs Ulysses on `mesh` (see SP_MODES): `sp` > 1, not
-    `gather`, and the heads a device keeps after `tp` divide by `sp`."""
-    if mesh is None or mesh.shape[SP] == 1 or sp_mode == "gather":
-        return False
-    tp = mesh.shape[TP] if heads % mesh.shape[TP] == 0 else 1
-    return (heads // tp) % mesh.shape[SP] == 0
-
-
-def sp_mode_choice(sp_mode: str, mesh_shape: dict[str, int], heads: int) -> tuple[str, str]:
-    """The sequence-parallel scheme a run uses for its model's attention heads, and why; ValueError
-    where `ulysses` is asked for and the heads do not allow it."""
+def sp_mode_choice(sp_mode: str, mesh_shape: dict[str, int], heads: int, local_window: bool = False) -> tuple[str, str]:
+    """The sequence-parallel scheme ("none", "ulysses", "ring" or "gather") a run uses for its model's
+    attention heads, and why; ValueError where the scheme asked for cannot run."""
     sp, tp = mesh_shape[SP], mesh_shape[TP]
     if sp == 1:
         return "none", "sp=1: the sequence is not split"
@@ -36,12 +34,29 @@ def sp_mode_choice(sp_mode: str, mesh_shape: dict[str, int], heads: int) -> tupl
     if sp_mode == "ulysses" and not fits:
         raise ValueError(
             f"sp_mode ulysses: the {local} heads per tp shard do not divide by sp={sp} ({heads} heads, tp={tp}); "
-            "use a smaller sp or tp, or sp_mode gather"
+            "use a smaller sp or tp, or sp_mode ring"
         )
-    if sp_mode == "gather" or not fits:
-        why = "asked for" if sp_mode == "gather" else f"auto: {local} heads per tp shard do not divide by sp={sp}"
-        return "gather", why
-    return "ulysses", f"{sp_mode}: {local} heads per tp shard, {local // sp} per device inside attention"
+    if sp_mode == "ring" and local_window:
+        raise ValueError(
+            "sp_mode ring cannot run a local window (each chunk's window moves as keys pass round the ring); "
+            "use sp_mode ulysses or gather"
+        )
+    if sp_mode in ("ring", "gather"):
+        return sp_mode, "asked for"
+    if fits:
+        return "ulysses", f"{sp_mode}: {local} heads per tp shard, {local // sp} per device inside attention"
+    if local_window:
+        return "gather", f"auto: {local} heads per tp shard do not divide by sp={sp}, and ring has no local window"
+    return "ring", f"auto: {local} heads per tp shard do not divide by sp={sp}"
+
+
+def attention_scheme(sp_mode: str, mesh: Mesh | None, heads: int, self_attention: bool, local_window: bool = False):
+    """The scheme one attention call runs (sp_mode_choice; None without a split sequence). Cross-attention
+    to a short text never rings: its keys are whole on every device already, so `gather` moves nothing."""
+    if mesh is None or mesh.shape[SP] == 1:
+        return None
+    choice = sp_mode_choice(sp_mode, dict(mesh.shape), heads, local_window)[0]
+    return "gather" if choice == "ring" and not self_attention else choice
 
 
 def ulysses(mesh: Mesh, batch_axis, head_axis, local_attention, masks_spec):
@@ -57,4 +72,40 @@ def ulysses(mesh: Mesh, batch_axis, head_axis, local_attention, masks_spec):
 
     return jax.shard_map(
         attend, mesh=mesh, in_specs=(seq_spec, seq_spec, seq_spec, *masks_spec), out_specs=seq_spec, check_vma=False
+    )
+
+
+def merge_partials(out, lse, part, part_lse):
+    """Softmax attention over keys A and B from its parts over A and over B: outputs (normalised, float32)
+    weighted by exp(lse - combined lse). A part with no visible key has lse -inf and weight 0."""
+    combined = jnp.logaddexp(lse, part_lse)
+    safe = jnp.where(jnp.isfinite(combined), combined, 0.0)
+    return out * jnp.exp(lse - safe)[..., None] + part * jnp.exp(part_lse - safe)[..., None], combined
+
+
+def ring(mesh: Mesh, batch_axis, head_axis, local_attention, extra_spec=()):
+    """`local_attention(q, k, v, key_valid, *extra)` -> (output, log-sum-exp over the given keys, -inf
+    where none is valid) run as ring attention under shard_map: q, k, v and key_valid (B, S) arrive split
+    along the sequence on `sp`, and the output leaves split the same way, in float32. `extra_spec` is the
+    shard_map spec of each further argument (passed unchanged)."""
+    sp = mesh.shape[SP]
+    seq_spec = P(batch_axis, head_axis, SP, None)
+    to_next = [(i, (i + 1) % sp) for i in range(sp)]
+
+    def attend(q, k, v, key_valid, *extra):
+        out = jnp.zeros(q.shape, jnp.float32)
+        lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+        for step in range(sp):
+            if step:
+                k, v, key_valid = (jax.lax.ppermute(x, SP, to_next) for x in (k, v, key_valid))
+            part, part_lse = local_attention(q, k, v, key_valid, *extra)
+            out, lse = merge_partials(out, lse, part.astype(jnp.float32), part_lse)
+        return out
+
+    return jax.shard_map(
+        attend,
+        mesh=mesh,
+        in_specs=(seq_spec, seq_spec, seq_spec, P(batch_axis, SP), *extra_spec),
+        out_specs=seq_spec,
+        check_vma=False,
     )

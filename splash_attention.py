@@ -30,14 +30,13 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from attention_masks import masks_from_attn_mask, pad_sequence, round_up, rows_with_a_key
 from cudnn_attention import fused_attention
 from runtime import DP, SP, SP_MODES, TP
-from sequence_parallel import ulysses, ulysses_applies
+from sequence_parallel import attention_scheme, ring, ulysses
+from xla_attention import xla_attention, xla_sequence_parallel_attention
 
 LANE = 128  # TPU lane width: block sizes are multiples of it
-# Dense (.., Sq, Skv) masks are reduced and checked only up to this size (HunyuanVideo-1.5's token
-# refiner: 1000 x 1000); at video lengths (~112k tokens) the S x S work itself is the problem.
-DENSE_MASK_LIMIT = 4096 * 4096
 BACKENDS = ("auto", "splash", "xla", "cudnn")
 FUSED_DTYPES = (torch.bfloat16, torch.float16)  # what cuDNN's fused attention takes
 
@@ -72,14 +71,10 @@ class SplashConfig:
             raise ValueError(f"local_window {self.local_window} must be >= 0")
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def tile_sizes(config: SplashConfig, q_len: int, kv_len: int) -> splash_kernel.BlockSizes:
     """Clamp the configured tiles to the sequence, keeping the kernel's divisibility rules."""
-    block_q = min(config.block_q, _round_up(q_len, LANE))
-    block_kv = min(config.block_kv, _round_up(kv_len, LANE))
+    block_q = min(config.block_q, round_up(q_len, LANE))
+    block_kv = min(config.block_kv, round_up(kv_len, LANE))
     compute = min(config.block_kv_compute, block_kv)
     while block_kv % compute:
         compute -= LANE
@@ -96,8 +91,10 @@ def _kernel(
     local_window: int | None,
     head_shards: int,
     q_seq_shards: int,
+    save_residuals: bool = False,
 ):
-    """The kernel for one (global) shape, built once. Its mask tables must be concrete arrays, not
+    """The kernel for one (global) shape, built once (`save_residuals`: it also returns the log-sum-exp,
+    which ring attention merges by). Its mask tables must be concrete arrays, not
     tracers of whichever jit happened to build it first, or the cached kernel would leak them into the
     next trace."""
     shape = (q_len, kv_len)
@@ -111,6 +108,7 @@ def _kernel(
             block_sizes=blocks,
             head_shards=head_shards,
             q_seq_shards=q_seq_shards,
+            save_residuals=save_residuals,
             interpret=interpret,
         )
 
@@ -133,18 +131,6 @@ def _mesh_axes(mesh: Mesh | None, batch: int, heads: int) -> tuple[str | None, s
     return batch_axis, head_axis, mesh.shape[SP]
 
 
-def _rows_with_a_key(key_valid, q_len: int, window: int | None):
-    """(B, Sq): whether query i can see any valid key (within its window, if any). The kernel's softmax
-    is undefined for the others; PyTorch returns zeros there, and so do we."""
-    if window is None:
-        return jnp.broadcast_to(key_valid.any(axis=1)[:, None], (key_valid.shape[0], q_len))
-    counts = jnp.pad(jnp.cumsum(key_valid.astype(jnp.int32), axis=1), ((0, 0), (1, 0)))
-    positions = jnp.arange(q_len)
-    last = jnp.minimum(positions + window + 1, key_valid.shape[1])
-    first = jnp.maximum(positions - window, 0)
-    return (counts[:, last] - counts[:, first]) > 0
-
-
 def splash_attention(
     query,
     key,
@@ -158,38 +144,47 @@ def splash_attention(
 ):
     """Exact masked attention. query (B, H, Sq, D), key/value (B, H, Skv, D), key_valid (B, Skv) bool or None.
 
-    With a mesh, runs under shard_map: batch on `dp`, heads on `tp`; with `sp`, Ulysses (queries, keys and
-    values split along the sequence, exchanged for a head split inside) or, with `config.sp_mode` gather
-    or heads that do not divide, the query sequence on `sp` with keys and values whole on every device.
-    Query rows that are invalid (`query_valid` False) or have no valid
-    key at all return zeros, as PyTorch's SDPA does for fully masked rows.
+    With a mesh, runs under shard_map: batch on `dp`, heads on `tp`; with `sp`, the scheme that
+    sequence_parallel.attention_scheme picks: Ulysses (queries, keys and values split along the sequence,
+    exchanged for a head split inside), ring (key/value chunks passed round `sp`), or gather (the query
+    sequence on `sp` with keys and values whole on every device). Query rows that are invalid
+    (`query_valid` False) or have no valid key at all return zeros, as PyTorch's SDPA does for fully
+    masked rows.
     """
     batch, heads, q_len, head_dim = query.shape
     kv_len = key.shape[2]
-    if config.local_window is not None and q_len != kv_len:
+    window = config.local_window
+    if window is not None and q_len != kv_len:
         raise ValueError(f"a local window needs self-attention; got {q_len} queries and {kv_len} keys")
     batch_axis, head_axis, q_shards = _mesh_axes(mesh, batch, heads)
     head_shards = mesh.shape[TP] if head_axis else 1
-    use_ulysses = ulysses_applies(config.sp_mode, mesh, heads)
-    if use_ulysses:
+    scheme = attention_scheme(config.sp_mode, mesh, heads, q_len == kv_len, window is not None)
+    if scheme == "ulysses":
         # Each device attends over the whole (padded) sequence for heads / (tp * sp) heads.
         sp = mesh.shape[SP]
         blocks = tile_sizes(config, q_len, kv_len)
-        q_pad = _round_up(q_len, math.lcm(blocks.block_q, sp))
-        kv_pad = _round_up(kv_len, math.lcm(blocks.block_kv, sp))
-        kernel = _kernel(heads // head_shards // sp, q_pad, kv_pad, blocks, config.interpret, config.local_window, 1, 1)
+        q_pad = round_up(q_len, math.lcm(blocks.block_q, sp))
+        kv_pad = round_up(kv_len, math.lcm(blocks.block_kv, sp))
+        kernel = _kernel(heads // head_shards // sp, q_pad, kv_pad, blocks, config.interpret, window, 1, 1)
+        kernel_layout = P(None, None)
+    elif scheme == "ring":
+        # Each device attends its query chunk to one key chunk at a time (sp chunks of each).
+        blocks = tile_sizes(config, -(-q_len // q_shards), -(-kv_len // q_shards))
+        q_pad, kv_pad = round_up(q_len, blocks.block_q * q_shards), round_up(kv_len, blocks.block_kv * q_shards)
+        local_heads = heads // head_shards
+        kernel = _kernel(local_heads, q_pad // q_shards, kv_pad // q_shards, blocks, config.interpret, None, 1, 1, True)
         kernel_layout = P(None, None)
     else:
         blocks = tile_sizes(config, -(-q_len // q_shards), kv_len)
-        q_pad, kv_pad = _round_up(q_len, blocks.block_q * q_shards), _round_up(kv_len, blocks.block_kv)
-        if config.local_window is None:
+        q_pad, kv_pad = round_up(q_len, blocks.block_q * q_shards), round_up(kv_len, blocks.block_kv)
+        if window is None:
             # A full mask is the same on every shard, so each device gets a kernel for its local shape.
             # (Building one global kernel with q_seq_shards > 1 fails for a mask without partial blocks in
             # jax 0.10.2: process_mask concatenates an empty mask_next list.)
             kernel = _kernel(heads // head_shards, q_pad // q_shards, kv_pad, blocks, config.interpret, None, 1, 1)
             kernel_layout = P(None, None)
         else:
-            kernel = _kernel(heads, q_pad, kv_pad, blocks, config.interpret, config.local_window, head_shards, q_shards)
+            kernel = _kernel(heads, q_pad, kv_pad, blocks, config.interpret, window, head_shards, q_shards)
             kernel_layout = P(head_axis, SP)
 
     if key_valid is None:
@@ -197,16 +192,13 @@ def splash_attention(
     key_valid = jnp.broadcast_to(key_valid.astype(bool), (batch, kv_len))
     if config.k_smoothing:
         key = _smooth_keys(key, key_valid)
-    kv_segments = jnp.pad(jnp.where(key_valid, 0, 1), ((0, 0), (0, kv_pad - kv_len)), constant_values=1)
-    kv_segments = kv_segments.astype(jnp.int32)
+    padded_valid = jnp.pad(key_valid, ((0, 0), (0, kv_pad - kv_len)))
+    kv_segments = jnp.where(padded_valid, 0, 1).astype(jnp.int32)
     q_segments = jnp.zeros((batch, q_pad), dtype=jnp.int32)
 
     # Splash does not scale scores itself; scaling q first is the same product.
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     query = query * jnp.asarray(scale, dtype=query.dtype)
-
-    def pad(tensor, length):
-        return jnp.pad(tensor, ((0, 0), (0, 0), (0, length - tensor.shape[2]), (0, 0)))
 
     def attend(kernel, q, k, v, q_seg, kv_seg):
         def one_row(q, k, v, q_seg, kv_seg):
@@ -215,19 +207,35 @@ def splash_attention(
         return jax.vmap(one_row)(q, k, v, q_seg, kv_seg)
 
     local_batch = batch // mesh.shape[DP] if batch_axis else batch
-    work = 4 * local_batch * (heads // head_shards) * (q_pad // q_shards) * kv_pad * head_dim  # Ulysses: the same
+    work = 4 * local_batch * (heads // head_shards) * (q_pad // q_shards) * kv_pad * head_dim  # all schemes
     _record(KernelCall(q_len, kv_len, q_pad, kv_pad, work))
-    q, k, v = pad(query, q_pad), pad(key, kv_pad), pad(value, kv_pad)
-    if use_ulysses:
+    q, k, v = pad_sequence(query, q_pad), pad_sequence(key, kv_pad), pad_sequence(value, kv_pad)
+    if mesh is not None and mesh.size > 1:
+        kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, kernel_layout))
+    if scheme == "ulysses":
         whole = P(batch_axis, None)
-        specs = (kernel.manual_sharding_spec(NamedSharding(mesh, kernel_layout)), whole, whole)
-        local = ulysses(mesh, batch_axis, head_axis, lambda q, k, v, *rest: attend(rest[0], q, k, v, *rest[1:]), specs)
+        local = ulysses(
+            mesh,
+            batch_axis,
+            head_axis,
+            lambda q, k, v, *rest: attend(rest[0], q, k, v, *rest[1:]),
+            (kernel_spec, whole, whole),
+        )
         out = local(q, k, v, kernel, q_segments, kv_segments)
+    elif scheme == "ring":
+
+        def chunk(q, k, v, chunk_valid, kernel, q_seg):
+            out, (lse,) = attend(kernel, q, k, v, q_seg, jnp.where(chunk_valid, 0, 1).astype(jnp.int32))
+            # A chunk without a valid key for a row contributes nothing (the kernel's value there is not a softmax).
+            seen = chunk_valid.any(axis=1)[:, None, None]
+            return jnp.where(seen[..., None], out, 0), jnp.where(seen, lse, -jnp.inf)
+
+        local = ring(mesh, batch_axis, head_axis, chunk, (kernel_spec, P(batch_axis, SP)))
+        out = local(q, k, v, padded_valid, kernel, q_segments)
     else:
         if mesh is not None and mesh.size > 1:
             q_spec = P(batch_axis, head_axis, SP, None)
             kv_spec = P(batch_axis, head_axis, None, None)
-            kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, kernel_layout))
             attend = jax.shard_map(
                 attend,
                 mesh=mesh,
@@ -237,7 +245,7 @@ def splash_attention(
             )
         out = attend(kernel, q, k, v, q_segments, kv_segments)
     out = out[:, :, :q_len].astype(query.dtype)
-    keep = _rows_with_a_key(key_valid, q_len, config.local_window)[:, None, :, None]
+    keep = rows_with_a_key(key_valid, q_len, window)[:, None, :, None]
     if query_valid is not None:
         keep = keep & jnp.broadcast_to(query_valid, (batch, q_len))[:, None, :, None]
     return jnp.where(keep, out, jnp.zeros_like(out))
@@ -274,100 +282,6 @@ def _record(call: KernelCall) -> None:
         calls.append(call)
 
 
-def _raise_if_inexact(inexact) -> None:
-    if inexact:
-        raise ValueError(
-            "splash attention got a dense attention mask that is not (valid query) x (valid key); "
-            "only key-padding masks and their outer-product form can be computed exactly"
-        )
-
-
-def masks_from_attn_mask(attn_mask, batch: int, q_len: int, kv_len: int):
-    """(key_valid (B, Skv), query_valid (B, Sq) or None) from a boolean SDPA mask.
-
-    Accepts (B, Skv), (B, 1, 1, Skv) and the dense (B, H or 1, Sq, Skv) form `valid_q & valid_k` that
-    HunyuanVideo-1.5 builds (per head in its token refiner). The dense form is reduced with `any` over
-    each axis (XLA fuses the reductions, so no second S x S array appears); a dense mask that is not
-    such an outer product cannot be expressed and raises, through a host callback of one scalar when
-    traced.
-    """
-    if attn_mask is None:
-        return None, None
-    if attn_mask.dtype != jnp.bool_:
-        raise ValueError(f"splash attention takes boolean masks; got {attn_mask.dtype}")
-    if attn_mask.ndim == 2:
-        return jnp.broadcast_to(attn_mask, (batch, kv_len)), None
-    if attn_mask.ndim != 4:
-        raise ValueError(
-            "splash attention takes masks shaped (B, Skv), (B, 1, 1, Skv) or (B, H or 1, Sq, Skv); "
-            f"got {tuple(attn_mask.shape)}"
-        )
-    if attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1:
-        return jnp.broadcast_to(attn_mask[:, 0, 0, :], (batch, kv_len)), None
-    if q_len * kv_len > DENSE_MASK_LIMIT:
-        raise ValueError(
-            f"splash attention refuses a dense {q_len} x {kv_len} attention mask (limit {DENSE_MASK_LIMIT} "
-            "entries): pass the per-key mask, shaped (B, Skv) or (B, 1, 1, Skv)"
-        )
-    dense = jnp.broadcast_to(attn_mask, (batch, attn_mask.shape[1], q_len, kv_len))
-    key_valid, query_valid = dense.any(axis=(1, 2)), dense.any(axis=(1, 3))
-    inexact = (dense != (query_valid[:, None, :, None] & key_valid[:, None, None, :])).any()
-    if isinstance(inexact, jax.core.Tracer):
-        jax.debug.callback(_raise_if_inexact, inexact)
-    else:
-        _raise_if_inexact(bool(inexact))
-    return key_valid, query_valid
-
-
-def xla_attention(query, key, value, attn_mask=None, *, scale: float | None = None):
-    """Softmax attention as plain XLA ops, for any boolean or additive mask. Rows with no allowed key
-    give zeros, as PyTorch's SDPA does (torchax's own lowering gives NaN there, which HunyuanVideo-1.5's
-    fully masked padding rows would spread to every token in the next block)."""
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = jnp.einsum("bhqd,bhkd->bhqk", query, key, preferred_element_type=jnp.float32) * scale
-    if attn_mask is not None and attn_mask.dtype == jnp.bool_:
-        scores = jnp.where(attn_mask, scores, -jnp.inf)
-    elif attn_mask is not None:
-        scores = scores + attn_mask.astype(jnp.float32)
-    top = jnp.max(scores, axis=-1, keepdims=True)
-    weights = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
-    total = weights.sum(axis=-1, keepdims=True)
-    out = jnp.einsum("bhqk,bhkd->bhqd", weights, value.astype(jnp.float32)) / jnp.where(total > 0, total, 1.0)
-    return out.astype(query.dtype)
-
-
-def xla_ulysses_attention(query, key, value, attn_mask, *, scale: float | None, mesh: Mesh):
-    """`xla_attention` under Ulysses on `mesh` (see SP_MODES); a boolean mask travels as its key and
-    query validity (masks_from_attn_mask), padded where the sequence is padded to divide by `sp`."""
-    batch, heads, q_len, _ = query.shape
-    kv_len = key.shape[2]
-    batch_axis, head_axis, sp = _mesh_axes(mesh, batch, heads)
-    key_valid, query_valid = masks_from_attn_mask(attn_mask, batch, q_len, kv_len)
-    q_pad, kv_pad = _round_up(q_len, sp), _round_up(kv_len, sp)
-
-    def padded(valid, length, padded_length):
-        valid = jnp.ones((batch, length), dtype=bool) if valid is None else jnp.broadcast_to(valid, (batch, length))
-        return jnp.pad(valid, ((0, 0), (0, padded_length - length)))
-
-    def pad(tensor, length):
-        return jnp.pad(tensor, ((0, 0), (0, 0), (0, length - tensor.shape[2]), (0, 0)))
-
-    def local(q, k, v, key_valid, query_valid):
-        allowed = query_valid[:, None, :, None] & key_valid[:, None, None, :]
-        return xla_attention(q, k, v, allowed, scale=scale)
-
-    whole = P(batch_axis, None)
-    attend = ulysses(mesh, batch_axis, head_axis, local, (whole, whole))
-    out = attend(
-        pad(query, q_pad),
-        pad(key, kv_pad),
-        pad(value, kv_pad),
-        padded(key_valid, kv_len, kv_pad),
-        padded(query_valid, q_len, q_pad),
-    )
-    return out[:, :, :q_len]
-
-
 def make_sdpa(backend: str, config: SplashConfig, mesh: Mesh | None = None, fused_implementation: str | None = "cudnn"):
     """A torch-level `scaled_dot_product_attention` (diffusers' keyword names) running `backend`
     (`fused_implementation` None runs the cudnn backend's call on XLA: how CPU tests exercise it)."""
@@ -382,8 +296,9 @@ def make_sdpa(backend: str, config: SplashConfig, mesh: Mesh | None = None, fuse
         def jax_attention(q, k, v, mask):
             if backend == "xla":
                 boolean = mask is None or mask.dtype == jnp.bool_
-                if boolean and ulysses_applies(config.sp_mode, mesh, q.shape[1]):
-                    return xla_ulysses_attention(q, k, v, mask, scale=scale, mesh=mesh)
+                scheme = attention_scheme(config.sp_mode, mesh, q.shape[1], q.shape[2] == k.shape[2])
+                if boolean and scheme in ("ulysses", "ring"):
+                    return xla_sequence_parallel_attention(q, k, v, mask, scale=scale, mesh=mesh, scheme=scheme)
                 return xla_attention(q, k, v, mask, scale=scale)
             key_valid, query_valid = masks_from_attn_mask(mask, q.shape[0], q.shape[2], k.shape[2])
             if backend == "cudnn":

@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=("auto", "splash", "xla", "cudnn"),
         default="auto",
         help="splash: the Pallas Splash kernel (Pallas interpret mode off TPU); cudnn: JAX's cuDNN fused "
-        "attention (NVIDIA GPU, bf16/fp16); xla: plain XLA softmax attention (splash_attention.xla_attention); "
+        "attention (NVIDIA GPU, bf16/fp16); xla: plain XLA softmax attention (xla_attention.py); "
         "auto: Splash on TPU, cuDNN on a GPU (XLA in fp32), else xla (default: auto)",
     )
     for name in ("block_q", "block_kv", "block_kv_compute"):
@@ -172,8 +172,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=SP_MODES,
         default="auto",
         help="attention over the split sequence. ulysses: all-to-alls trade the sequence split for a head "
-        "split (needs the heads per tp shard to divide by sp); gather: queries stay split and every device "
-        "gathers all keys and values; auto: ulysses where the heads allow, else gather (default: %(default)s)",
+        "split (needs the heads per tp shard to divide by sp); ring: key/value chunks pass round the sp devices "
+        "(any head count, no --local_window); gather: queries stay split and every device gathers all keys "
+        "and values; auto: ulysses where the heads allow, else ring (gather with --local_window) "
+        "(default: %(default)s)",
     )
     mesh.add_argument("--tp", type=int, help="tensor parallel: heads and MLP columns (default: the remaining devices)")
     mesh.add_argument(
@@ -313,7 +315,9 @@ def sequence_parallel(args, source, shape) -> tuple[str, str]:
     from sequence_parallel import sp_mode_choice
 
     try:
-        choice, why = sp_mode_choice(args.sp_mode, shape.as_dict(), attention_heads(source))
+        choice, why = sp_mode_choice(
+            args.sp_mode, shape.as_dict(), attention_heads(source), args.local_window is not None
+        )
     except ValueError as err:
         raise UserError(f"--{err}") from None
     if choice != "none":

@@ -25,6 +25,9 @@ import os
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from runtime import SP_MODES  # noqa: E402  (plain strings: no JAX imported yet)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,7 +36,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--video_tokens", type=int, default=4096, help="image-stream tokens (default: %(default)s)")
     parser.add_argument("--attention", choices=("xla", "splash"), default="xla")
-    parser.add_argument("--sp_mode", choices=("auto", "ulysses", "gather"), default="auto")
+    parser.add_argument("--sp_mode", choices=SP_MODES, default="auto")
     parser.add_argument("--tp_mode", choices=("megatron", "replicated_out"), help="default: both")
     models = ["cogvideox1.5-5b", "hunyuanvideo1.5", "wan2.1-14b", "t5-xxl", "qwen2.5-vl-7b"]
     parser.add_argument("--models", nargs="+", choices=models, default=models)
@@ -42,7 +45,6 @@ def main() -> None:
     # 8 virtual CPU devices unless a platform is chosen; set before JAX is imported.
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import jax
 
     import hlo

@@ -70,16 +70,20 @@ def test_wan_block_moves_three_activations_and_four_norm_statistics():
     assert found["collectives_per_block"]["all-reduce"]["bytes"] == activations + statistics
 
 
-@pytest.mark.parametrize("sp_mode", ["auto", "gather"])
+@pytest.mark.parametrize("sp_mode", ["auto", "ring", "gather"])
 def test_wan_block_under_ulysses_has_exactly_its_all_to_alls(sp_mode):
     """sp=8 at real width (40 heads, tp=1). Ulysses: 8 all-to-alls per block, q, k and v in and the
     output back for self- and for cross-attention, and nothing else (no K/V gather, no all-reduce with
-    tp=1). The gather scheme instead all-gathers the self-attention keys and values (2 all-gathers)."""
+    tp=1). Ring: 21 permutes, keys, values and their validity passed on 7 times in self-attention (the
+    512 text keys of cross-attention are whole on every device already). The gather scheme instead
+    all-gathers the self-attention keys and values (2 all-gathers)."""
     mesh = sharding.make_mesh(MeshShape(1, 8, 1))
     found = hlo.measure("wan2.1-14b", "megatron", mesh, video_tokens=256, attention="xla", sp_mode=sp_mode)
     counts = {op: value["count"] for op, value in found["collectives_per_block"].items()}
     if sp_mode == "auto":
         assert found["sp_mode"] == "ulysses" and counts == {"all-to-all": 8}
+    elif sp_mode == "ring":
+        assert found["sp_mode"] == "ring" and counts == {"collective-permute": 3 * (8 - 1)}
     else:
         assert found["sp_mode"] == "gather" and counts == {"all-gather": 2}
 

@@ -104,14 +104,23 @@ def test_blocks_pass_per_key_masks_never_dense_ones(monkeypatch):
 
 @pytest.mark.parametrize("attention", ["xla", "splash"])
 @pytest.mark.parametrize(
-    "mesh", [(1, 1, 1), (2, 1, 4), (1, 2, 4), (2, 2, 2), (1, 4, 2)], ids=lambda m: "dp{}-sp{}-tp{}".format(*m)
+    "mesh, sp_mode",
+    [
+        ((1, 1, 1), "auto"),
+        ((2, 1, 4), "auto"),
+        ((1, 2, 4), "auto"),
+        ((2, 2, 2), "auto"),
+        ((1, 4, 2), "auto"),
+        ((1, 4, 2), "ring"),
+    ],
+    ids=lambda v: "dp{}-sp{}-tp{}".format(*v) if isinstance(v, tuple) else v,
 )
-def test_jitted_sharded_forward_matches_stock_eager(attention, mesh):
+def test_jitted_sharded_forward_matches_stock_eager(attention, mesh, sp_mode):
     with torch.no_grad():
         expected = tiny_transformer()(**inputs(), return_dict=False)[0]
     transformer = hunyuanvideo15.make_jit_safe(tiny_transformer())
     runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(*mesh)))
-    splash = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
+    splash = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True, sp_mode=sp_mode)
     compiled = runtime.compile(Sample(transformer), sharding.hunyuanvideo15_transformer_rules().nested("transformer."))
     with attention_backend(runtime.env, attention, splash, runtime.mesh):
         got = runtime.to_host(compiled(**runtime.to_device(inputs())))

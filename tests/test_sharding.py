@@ -249,17 +249,27 @@ def test_sharded_splash_stage2_equals_single_device(stage1_outputs, unsharded, m
     assert relative_error(latents, unsharded["xla"]) <= TOLERANCE
 
 
-@pytest.mark.parametrize("mesh, sp_mode", [((1, 4, 2), "auto"), ((1, 8, 1), "auto"), ((1, 4, 2), "gather")])
-def test_sequence_parallel_stage2_through_the_cli(stage1_outputs, unsharded, tmp_path, mesh, sp_mode):
-    """The real stage-2 CLI with Splash: Ulysses (auto) at sp=4 x tp=2 and sp=8, and the gather scheme,
-    equal the single-device run, and the section says which scheme ran."""
+@pytest.mark.parametrize(
+    "mesh, sp_mode, attention",
+    [
+        ((1, 4, 2), "auto", "splash"),
+        ((1, 8, 1), "auto", "splash"),
+        ((1, 4, 2), "gather", "splash"),
+        ((1, 4, 2), "ring", "splash"),
+        ((1, 8, 1), "ring", "xla"),
+    ],
+)
+def test_sequence_parallel_stage2_through_the_cli(stage1_outputs, unsharded, tmp_path, mesh, sp_mode, attention):
+    """The real stage-2 CLI: Ulysses (auto) at sp=4 x tp=2 and sp=8, ring and the gather scheme equal the
+    single-device run (CogVideoX's joint text+video attention, text padding masked), and the section says
+    which scheme ran."""
     dp, sp, tp = mesh
     argv = ["--input_dir", stage1_outputs, "--output_dir", tmp_path, "--dp", dp, "--sp", sp, "--tp", tp]
-    run_stage(stage2_transformer, [*argv, "--attention", "splash", "--sp_mode", sp_mode])
+    run_stage(stage2_transformer, [*argv, "--attention", attention, "--sp_mode", sp_mode])
     config = read_config(tmp_path)
-    assert config["stage2"]["sequence_parallel"]["mode"] == ("ulysses" if sp_mode == "auto" else "gather")
+    assert config["stage2"]["sequence_parallel"]["mode"] == ("ulysses" if sp_mode == "auto" else sp_mode)
     latents = read_tensors(tmp_path, config["stage2"])["latents"]
-    assert relative_error(latents, unsharded["splash"]) <= TOLERANCE
+    assert relative_error(latents, unsharded[attention]) <= TOLERANCE
 
 
 def test_stage2_records_mesh_and_placement(stage1_outputs, tmp_path):
@@ -275,6 +285,7 @@ def test_stage2_records_mesh_and_placement(stage1_outputs, tmp_path):
     [
         (["--dp", 3], "--dp 3 x --sp 1 x --tp 2 = 6 devices, but 8 are available"),
         (["--dp", 1, "--tp", 8, "--sp", 2], "= 16 devices"),
+        (["--sp", 2, "--sp_mode", "ring", "--local_window", 8], "--sp_mode ring cannot run a local window"),
     ],
 )
 def test_stage2_mesh_errors_come_before_loading(capsys, stage1_outputs, tmp_path, flags, message):

@@ -14,16 +14,11 @@ import pytest
 import torch
 
 import sharding
+from attention_masks import masks_from_attn_mask
 from helpers import reference_attention, relative_error
-from sequence_parallel import sp_mode_choice, ulysses_applies
-from splash_attention import (
-    SplashConfig,
-    attention_backend,
-    masks_from_attn_mask,
-    splash_attention,
-    tile_sizes,
-    xla_ulysses_attention,
-)
+from sequence_parallel import attention_scheme, merge_partials, sp_mode_choice
+from splash_attention import SplashConfig, attention_backend, splash_attention, tile_sizes
+from xla_attention import attention_with_lse, xla_attention, xla_sequence_parallel_attention
 
 SMALL_TILES = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
 
@@ -239,7 +234,7 @@ def test_dense_mask_that_is_not_key_padding_raises():
 
 
 def test_large_dense_masks_are_refused_not_approximated():
-    from splash_attention import DENSE_MASK_LIMIT
+    from attention_masks import DENSE_MASK_LIMIT
 
     side = int(DENSE_MASK_LIMIT**0.5) + 1
     mask = jax.ShapeDtypeStruct((1, 1, side, side), jnp.bool_)
@@ -270,10 +265,15 @@ def test_local_window_vs_float64(valid_counts):
 
 
 CASES = {"heads-split": (8, None), "heads-replicated": (6, None), "local-window": (8, 40)}
-SHARDED = [  # every case on the sp <= 2 meshes, in both modes where sp > 1; sp 8 and 4 x tp 2 for Ulysses
+SHARDED = [  # every case on the sp <= 2 meshes in auto and gather; sp 8 and 4 x tp 2 for Ulysses and ring
     *[(mesh, "auto", case) for mesh in [(2, 1, 4), (1, 2, 4), (2, 2, 2)] for case in CASES],
     *[(mesh, "gather", case) for mesh in [(1, 2, 4), (2, 2, 2)] for case in CASES],
     *[(mesh, "auto", case) for mesh in [(1, 8, 1), (1, 4, 2)] for case in ("heads-split", "local-window")],
+    *[
+        (mesh, "ring", case)
+        for mesh in [(1, 2, 4), (1, 8, 1), (1, 4, 2)]
+        for case in ("heads-split", "heads-replicated")
+    ],
     ((1, 8, 1), "gather", "local-window"),
 ]
 
@@ -283,7 +283,8 @@ SHARDED = [  # every case on the sp <= 2 meshes, in both modes where sp > 1; sp 
 )
 def test_sharded_equals_unsharded(mesh, sp_mode, case):
     """8 heads split over tp; 6 heads (tp=4 cannot split them) computed whole on every tp device. With
-    sp > 1, auto runs Ulysses where the heads per tp shard divide by sp (an all-to-all in the program)."""
+    sp > 1, auto runs Ulysses where the heads per tp shard divide by sp (an all-to-all in the program),
+    else ring (collective-permutes: 6 heads at 2x2x2); gather has no all-to-all."""
     heads, window = CASES[case]
     dp, sp, tp = mesh
     if window and sp_mode == "gather" and sp == 8:
@@ -305,7 +306,7 @@ def test_sharded_equals_unsharded(mesh, sp_mode, case):
             )
         return
     local_heads = heads // tp if heads % tp == 0 else heads
-    expect_ulysses = sp_mode == "auto" and sp > 1 and local_heads % sp == 0
+    expected = None if sp == 1 else sp_mode if sp_mode != "auto" else "ulysses" if local_heads % sp == 0 else "ring"
     mesh = sharding.make_mesh(sharding.MeshShape(*mesh))
     q, k, v = random_qkv(2, heads, 300, 300, 64, seed=9)
     mask = key_mask(2, 300, [300, 111])
@@ -315,24 +316,53 @@ def test_sharded_equals_unsharded(mesh, sp_mode, case):
     sharded = run_splash(q, k, v, mask, config=config, mesh=mesh)
     assert relative_error(sharded, single) <= 1e-6
     assert relative_error(sharded, masked_reference(q, k, v, mask, window=window)) <= 1e-5
-    assert ulysses_applies(sp_mode, mesh, heads) == expect_ulysses
+    assert attention_scheme(sp_mode, mesh, heads, self_attention=True, local_window=bool(window)) == expected
     lowered = jax.jit(lambda q, k, v, m: splash_attention(q, k, v, m, config=config, mesh=mesh)).lower(q, k, v, mask)
-    assert ("all-to-all" in lowered.compile().as_text()) == expect_ulysses
+    program = lowered.compile().as_text()
+    assert ("all-to-all" in program) == (expected == "ulysses")
+    if expected == "ring":  # (XLA may reshard with a permute elsewhere too, so only the ring's own is checked)
+        assert "collective-permute" in program
 
 
 @pytest.mark.parametrize("mesh", [(1, 2, 4), (2, 2, 2), (1, 8, 1)], ids=lambda m: "dp{}-sp{}-tp{}".format(*m))
 @pytest.mark.parametrize("kv_len", [300, 77], ids=["self", "cross"])
-def test_ulysses_xla_attention_with_query_and_key_masks(mesh, kv_len):
-    """XLA attention under Ulysses: a dense boolean (query x key) mask travels as the two validities;
-    the padding to a multiple of sp is masked too (300 and 77 tokens do not divide by 8)."""
+@pytest.mark.parametrize("scheme, collective", [("ulysses", "all-to-all"), ("ring", "collective-permute")])
+def test_sequence_parallel_xla_attention_with_query_and_key_masks(mesh, kv_len, scheme, collective):
+    """XLA attention under Ulysses and ring: a dense boolean (query x key) mask travels as the two
+    validities; the padding to a multiple of sp is masked too (300 and 77 tokens do not divide by 8), and
+    the second row's keys end inside the ring's first chunks, so later chunks see no valid key."""
     mesh = sharding.make_mesh(sharding.MeshShape(*mesh))
     q, k, v = random_qkv(2, 8, 300, kv_len, 32, seed=12)
-    key_valid, query_valid = key_mask(2, kv_len, [kv_len, kv_len // 2]), key_mask(2, 300, [280, 300])
+    key_valid, query_valid = key_mask(2, kv_len, [kv_len, kv_len // 5]), key_mask(2, 300, [280, 300])
     dense = query_valid[:, None, :, None] & key_valid[:, None, None, :]
-    fn = jax.jit(lambda q, k, v, m: xla_ulysses_attention(q, k, v, m, scale=None, mesh=mesh))
+    fn = jax.jit(lambda q, k, v, m: xla_sequence_parallel_attention(q, k, v, m, scale=None, mesh=mesh, scheme=scheme))
     out = np.asarray(fn(q, k, v, dense))
     assert relative_error(out, masked_reference(q, k, v, key_valid, query_valid=query_valid)) <= 1e-5
-    assert "all-to-all" in fn.lower(q, k, v, dense).compile().as_text()
+    assert collective in fn.lower(q, k, v, dense).compile().as_text()
+
+
+def test_merging_partial_softmaxes_is_exact_and_ignores_parts_without_keys():
+    """Ring attention's merge: attention over keys A + B from the parts over A and over B (float64
+    reference, 1e-6), and a part whose row sees no key (lse -inf, output 0) changes nothing, even when
+    every part is empty (zeros, not NaN)."""
+    q, k, v = random_qkv(1, 2, 30, 40, 16, seed=13)
+    valid = np.ones((1, 40), bool)
+    valid[:, 25:] = False
+    allowed = np.broadcast_to(valid[:, None, None, :], (1, 2, 30, 40))
+    parts = [
+        attention_with_lse(q, k[:, :, s], v[:, :, s], jnp.asarray(allowed[..., s]))
+        for s in (slice(0, 20), slice(20, 40))
+    ]
+    out, lse = jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf)
+    for part, part_lse in parts:
+        out, lse = merge_partials(out, lse, part, part_lse)
+    assert relative_error(np.asarray(out), masked_reference(q, k, v, valid)) <= 1e-6
+    _, whole_lse = attention_with_lse(q, k, v, jnp.asarray(allowed))
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(whole_lse), rtol=1e-6)
+    nothing = np.zeros((1, 2, 30, 40), bool)
+    empty, empty_lse = attention_with_lse(q, k, v, jnp.asarray(nothing))
+    out, lse = merge_partials(jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], -jnp.inf), empty, empty_lse)
+    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
 
 
 @pytest.mark.parametrize(
@@ -342,13 +372,23 @@ def test_ulysses_xla_attention_with_query_and_key_masks(mesh, kv_len):
         ("auto", {"dp": 1, "sp": 8, "tp": 1}, 16, "ulysses"),
         ("auto", {"dp": 1, "sp": 4, "tp": 2}, 40, "ulysses"),
         ("auto", {"dp": 1, "sp": 8, "tp": 1}, 40, "ulysses"),
-        ("auto", {"dp": 1, "sp": 2, "tp": 4}, 12, "gather"),  # 3 heads per tp shard
+        ("auto", {"dp": 1, "sp": 2, "tp": 4}, 12, "ring"),  # 3 heads per tp shard
+        ("auto", {"dp": 1, "sp": 8, "tp": 2}, 20, "ring"),  # Wan 2.1 1.3B's 12 heads would be too
+        ("ring", {"dp": 1, "sp": 2, "tp": 4}, 48, "ring"),
         ("gather", {"dp": 1, "sp": 2, "tp": 4}, 48, "gather"),
         ("auto", {"dp": 2, "sp": 1, "tp": 4}, 48, "none"),
     ],
 )
 def test_sp_mode_choice(sp_mode, mesh, heads, expected):
     assert sp_mode_choice(sp_mode, mesh, heads)[0] == expected
+
+
+def test_auto_with_a_local_window_falls_back_to_gather_not_ring():
+    assert sp_mode_choice("auto", {"dp": 1, "sp": 2, "tp": 4}, 12, local_window=True)[0] == "gather"
+    with pytest.raises(ValueError, match="ring cannot run a local window"):
+        sp_mode_choice("ring", {"dp": 1, "sp": 2, "tp": 4}, 48, local_window=True)
+    mesh = sharding.make_mesh(sharding.MeshShape(1, 2, 4))
+    assert attention_scheme("ring", mesh, 48, self_attention=False) == "gather"  # short text keys stay whole
 
 
 def test_ulysses_that_the_heads_do_not_allow_is_an_error():
@@ -373,8 +413,6 @@ def test_k_smoothing_centres_valid_keys_only():
 
 
 def test_xla_attention_takes_any_mask_exactly_and_zeroes_fully_masked_rows():
-    from splash_attention import xla_attention
-
     q, k, v = random_qkv(2, 2, 40, 50, 16, seed=11)
     rng = np.random.default_rng(12)
     mask = rng.random((2, 2, 40, 50)) > 0.3  # arbitrary per-head pattern

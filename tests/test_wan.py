@@ -44,25 +44,27 @@ def transformer_inputs(batch: int):
 
 
 @pytest.mark.parametrize(
-    "mesh, batch, attention",
+    "mesh, batch, attention, sp_mode",
     [
-        ((1, 1, 1), 1, "xla"),
-        ((1, 1, 8), 1, "xla"),
-        ((2, 1, 4), 2, "splash"),
-        ((1, 2, 4), 2, "xla"),
-        ((1, 8, 1), 2, "splash"),  # Ulysses over 8 for self- and cross-attention
-        ((1, 4, 2), 2, "xla"),
+        ((1, 1, 1), 1, "xla", "auto"),
+        ((1, 1, 8), 1, "xla", "auto"),
+        ((2, 1, 4), 2, "splash", "auto"),
+        ((1, 2, 4), 2, "xla", "auto"),
+        ((1, 8, 1), 2, "splash", "auto"),  # Ulysses over 8 for self- and cross-attention
+        ((1, 4, 2), 2, "xla", "auto"),
+        ((1, 4, 2), 2, "splash", "ring"),  # ring for self-attention; the text keys stay whole
+        ((1, 8, 1), 2, "xla", "ring"),
     ],
     ids=lambda value: "x".join(map(str, value)) if isinstance(value, tuple) else str(value),
 )
-def test_stock_transformer_jitted_and_sharded_equals_eager(mesh, batch, attention):
+def test_stock_transformer_jitted_and_sharded_equals_eager(mesh, batch, attention, sp_mode):
     """The rotary embedding's in-place strided writes (`out[..., 0::2] = ...`) compile correctly here,
     at batch 1 unsharded too (where CogVideoX's in-place slice write did not): no patch is needed."""
     with torch.no_grad():
         expected = tiny.wan_transformer()(**transformer_inputs(batch), return_dict=False)[0]
     runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(*mesh)))
     compiled = runtime.compile(Sample(tiny.wan_transformer()), wan.transformer_rules("megatron").nested("transformer."))
-    splash = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
+    splash = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True, sp_mode=sp_mode)
     with attention_backend(runtime.env, attention, splash, runtime.mesh):
         got = runtime.to_host(compiled(**runtime.to_device(transformer_inputs(batch))))
     assert relative_error(got, expected) <= 1e-5

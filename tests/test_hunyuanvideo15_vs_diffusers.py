@@ -95,11 +95,16 @@ def test_flow_shift_override_is_used_and_recorded(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_splash_on_a_2x1x4_mesh_vs_pipeline(tmp_path, reference):
-    """Splash (interpret mode) with the exact per-key mask, CFG batch on dp=2, heads on tp=4."""
+@pytest.mark.parametrize("mesh, sp_mode", [((2, 1, 4), "auto"), ((1, 4, 2), "ring")], ids=["2x1x4", "1x4x2-ring"])
+def test_splash_on_a_mesh_vs_pipeline(tmp_path, reference, mesh, sp_mode):
+    """Splash (interpret mode) with the exact per-key mask: CFG batch on dp=2, heads on tp=4; and the
+    joint text+video sequence split 4 ways under ring attention (text padding masked in every chunk)."""
     prompt = 'A shop sign that reads "OPEN" at night'
-    staged, config = staged_latents(tmp_path, prompt, 6.0, "--attention", "splash", "--dp", 2, "--tp", 4)
-    assert config["stage2"]["attention"] == "splash" and config["stage2"]["mesh"] == {"dp": 2, "sp": 1, "tp": 4}
+    dp, sp, tp = mesh
+    flags = ["--attention", "splash", "--dp", dp, "--sp", sp, "--tp", tp, "--sp_mode", sp_mode]
+    staged, config = staged_latents(tmp_path, prompt, 6.0, *flags)
+    assert config["stage2"]["attention"] == "splash" and config["stage2"]["mesh"] == {"dp": dp, "sp": sp, "tp": tp}
+    assert config["stage2"]["sequence_parallel"]["mode"] == ("none" if sp == 1 else sp_mode)
     assert relative_error(staged, run_pipeline(reference, prompt, 6.0, "latent")) <= TOLERANCE
 
 

@@ -139,9 +139,13 @@ def test_wan22_two_experts_switch_where_the_pipeline_switches(tmp_path, pipeline
     check_frames("tiny-wan2.2", latents, config, run_pipeline(pipe, 5.0, "np", guidance_scale_2=2.0)[0])
 
 
-def test_wan22_splash_on_a_2x1x4_mesh_vs_pipeline(tmp_path, pipelines):
-    latents, config = staged(tmp_path, "tiny-wan2.2", 4.0, "--attention", "splash", "--dp", 2, "--tp", 4)
-    assert config["stage2"]["attention"] == "splash" and config["stage2"]["mesh"] == {"dp": 2, "sp": 1, "tp": 4}
+@pytest.mark.parametrize("mesh", [(2, 1, 4), (1, 8, 1)], ids=["2x1x4", "1x8x1-ulysses"])
+def test_wan22_splash_on_a_mesh_vs_pipeline(tmp_path, pipelines, mesh):
+    """CFG on dp and heads on tp; and the video tokens split 8 ways under Ulysses (8 heads, one per device)."""
+    dp, sp, tp = mesh
+    latents, config = staged(tmp_path, "tiny-wan2.2", 4.0, "--attention", "splash", "--dp", dp, "--sp", sp, "--tp", tp)
+    assert config["stage2"]["attention"] == "splash" and config["stage2"]["mesh"] == {"dp": dp, "sp": sp, "tp": tp}
+    assert config["stage2"]["sequence_parallel"]["mode"] == ("none" if sp == 1 else "ulysses")
     assert relative_error(latents, run_pipeline(pipelines["tiny-wan2.2"], 4.0, "latent")) <= TOLERANCE
 
 

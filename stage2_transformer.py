@@ -15,8 +15,9 @@ import dataclasses
 import re
 from pathlib import Path
 
+import distributed
 import models
-from models.cache_schedule import KINDS, MAG_RATIOS_FILE, CacheSettings, read_mag_ratios
+from models.cache_schedule import CacheSettings, add_cache_arguments, kind_from_flags, settings_from_flags
 from models.common import attention_heads
 from models.denoise import DenoiseGuard, DenoiseOptions, denoise
 from runtime import SP_MODES, Timer
@@ -39,12 +40,11 @@ from utils import (
     request_flags,
     run_cli,
     run_record,
+    set_logging,
     stage_sections,
     write_stage_config,
     write_tensors,
 )
-
-CACHE_DEFAULTS = CacheSettings()  # the cache flags' defaults, stated once (diffusers' for MagCache)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -109,61 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"the reference scripts' spelling of --profile: trace into --profiler_output_dir (default: {PROFILE_DIR})",
     )
     runtime.add_argument("--profiler_output_dir", metavar="DIR", help="with --enable_profiler: where the trace goes")
-    cache = parser.add_argument_group(
-        "step cache (reuse the transformer blocks' residual on some steps; see README, Step caching)"
-    )
-    cache.add_argument(
-        "--cache",
-        choices=KINDS,
-        default="none",
-        help="magcache: diffusers' MagCache, steps skipped while the magnitude ratios' accumulated error stays "
-        "small; interval: every step runs the first and last block, the deep blocks run on a fixed interval "
-        "(default: %(default)s)",
-    )
-    cache.add_argument(
-        "--enable_cache", action="store_true", help="the reference scripts' spelling of --cache interval"
-    )
-    cache.add_argument(
-        "--cache_threshold",
-        type=float,
-        help=f"magcache: accumulated-error threshold (default: {CACHE_DEFAULTS.threshold})",
-    )
-    cache.add_argument(
-        "--cache_max_skip_steps",
-        type=int,
-        help=f"magcache: most consecutive skipped steps (default: {CACHE_DEFAULTS.max_skip_steps})",
-    )
-    cache.add_argument(
-        "--cache_retention_ratio",
-        type=float,
-        help=f"magcache: the first fraction of steps is never skipped (default: {CACHE_DEFAULTS.retention_ratio})",
-    )
-    cache.add_argument(
-        "--cache_mag_ratios",
-        metavar="FILE",
-        help=f"magcache: magnitude ratios, a JSON list of numbers or the {MAG_RATIOS_FILE} --cache_calibrate "
-        f"writes (default: {MAG_RATIOS_FILE} in --input_dir, if there)",
-    )
-    cache.add_argument(
-        "--cache_calibrate",
-        action="store_true",
-        help=f"run every step in full and write the model's magnitude ratios to {MAG_RATIOS_FILE} in --output_dir",
-    )
-    cache.add_argument(
-        "--cache_start_step",
-        type=int,
-        help=f"interval: first step that may reuse (0-based) (default: {CACHE_DEFAULTS.start_step})",
-    )
-    cache.add_argument(
-        "--cache_end_step",
-        type=int,
-        help=f"interval: steps from here on all compute (default: {CACHE_DEFAULTS.end_step})",
-    )
-    cache.add_argument(
-        "--cache_step_interval",
-        type=int,
-        help=f"interval: within the window, compute every Nth step (default: {CACHE_DEFAULTS.step_interval})",
-    )
+    add_cache_arguments(parser)
     mesh = parser.add_argument_group("device mesh (product must equal the device count)")
     mesh.add_argument("--dp", type=int, help="data parallel: the CFG branches (default: 2 with CFG if it fits, else 1)")
     mesh.add_argument("--sp", type=int, help="sequence parallel: the video tokens split between blocks (default: 1)")
@@ -185,6 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="megatron: attention-out and MLP-out row-parallel; replicated_out: those stay replicated "
         "(more memory; see README) (default: %(default)s)",
     )
+    distributed.add_arguments(parser)
     planning = parser.add_argument_group("planning for a TPU (from any host, no TPU, no weights)")
     planning.add_argument(
         "--plan",
@@ -214,59 +161,6 @@ def profile_dir(args) -> str | None:
     return args.profile or args.profiler_output_dir or PROFILE_DIR
 
 
-MAGCACHE_FLAGS = {
-    "threshold": "cache_threshold",
-    "max_skip_steps": "cache_max_skip_steps",
-    "retention_ratio": "cache_retention_ratio",
-}
-INTERVAL_FLAGS = {
-    "start_step": "cache_start_step",
-    "end_step": "cache_end_step",
-    "step_interval": "cache_step_interval",
-}
-
-
-def cache_kind(args) -> str:
-    """none, magcache or interval, as the flags ask (--enable_cache: interval; --cache_calibrate: magcache)."""
-    if args.enable_cache:
-        return "interval"
-    return "magcache" if args.cache_calibrate else args.cache
-
-
-def cache_settings(args, input_dir: Path, model_id: str) -> CacheSettings:
-    """The step cache from the flags; a flag of the other kind, or one without --cache, is an error."""
-    kind = args.cache
-    if args.enable_cache:
-        if kind not in ("none", "interval"):
-            raise UserError(f"--enable_cache means --cache interval; it cannot go with --cache {kind}")
-        kind = "interval"
-    if args.cache_calibrate and kind == "interval":
-        raise UserError("--cache_calibrate calibrates MagCache; it cannot go with --cache interval")
-    magcache = kind == "magcache" or args.cache_calibrate
-    for flags, active, what in (
-        ([*MAGCACHE_FLAGS.values(), "cache_mag_ratios"], magcache, "--cache magcache"),
-        (INTERVAL_FLAGS.values(), kind == "interval", "--cache interval (or --enable_cache)"),
-    ):
-        given = [f"--{flag}" for flag in flags if getattr(args, flag) is not None]
-        if given and not active:
-            raise UserError(f"{', '.join(given)} only apply with {what}")
-    values = {
-        key: getattr(args, flag)
-        for key, flag in {**MAGCACHE_FLAGS, **INTERVAL_FLAGS}.items()
-        if getattr(args, flag) is not None
-    }
-    if kind == "magcache" and not args.cache_calibrate:
-        path = Path(args.cache_mag_ratios) if args.cache_mag_ratios else input_dir / MAG_RATIOS_FILE
-        if not args.cache_mag_ratios and not path.is_file():
-            raise UserError(
-                f"--cache magcache needs the model's magnitude ratios: --cache_mag_ratios FILE, or a "
-                f"{MAG_RATIOS_FILE} in {input_dir} (write one with --cache_calibrate)"
-            )
-        values["mag_ratios"] = read_mag_ratios(path, model_id)
-        log(f"MagCache ratios from {path}")
-    return CacheSettings(kind=kind, calibrate=args.cache_calibrate, **values)
-
-
 def splash_config(args, family, generation=None):
     """Splash tiles and options: the family's default tiles (replaced by the generation's measured cap where
     its scoped VMEM cannot hold them: tpus.Generation.splash_tile_cap), then the tile flags as given. `generation` None:
@@ -293,8 +187,9 @@ def splash_config(args, family, generation=None):
         raise UserError(f"--{err}") from None
 
 
-def mesh_shape(args, family, source, request: Request, device_count: int):
-    """The dp/sp/tp mesh from the flags, checked against the device count and the head count."""
+def mesh_shape(args, family, source, request: Request, device_count: int, devices_per_host: int | None = None):
+    """The dp/sp/tp mesh from the flags, checked against the device count and the head count (and, on
+    several hosts, keeping tp within one: sharding.choose_mesh_shape)."""
     import sharding
 
     try:
@@ -305,6 +200,7 @@ def mesh_shape(args, family, source, request: Request, device_count: int):
             args.tp,
             cfg=family.cfg_enabled(request.guidance_scale),
             heads=attention_heads(source),
+            devices_per_host=devices_per_host,
         )
     except ValueError as err:  # the library names mesh axes; the flags have the same names
         raise UserError(re.sub(r"\b(dp|sp|tp)\b", r"--\1", str(err))) from None
@@ -335,7 +231,7 @@ def plan_main(args) -> None:
         Path(args.input_dir), args.model, request_flags(args), args.dtype
     )
     dtype = parse_dtype(args.dtype or request.dtype)
-    shape = mesh_shape(args, family, source, request, target.devices)
+    shape = mesh_shape(args, family, source, request, target.devices, target.devices_per_host)
     sequence_parallel(args, source, shape)
     if args.attention == "cudnn":
         raise UserError("--attention cudnn is for NVIDIA GPUs; --plan compiles for a TPU (splash or xla)")
@@ -344,7 +240,17 @@ def plan_main(args) -> None:
     splash = splash_config(args, family, target.generation)
     try:
         report = plan.plan_stage2(
-            family, source, request, embeddings, dtype, target, shape, args.tp_mode, attention, splash, cache_kind(args)
+            family,
+            source,
+            request,
+            embeddings,
+            dtype,
+            target,
+            shape,
+            args.tp_mode,
+            attention,
+            splash,
+            kind_from_flags(args),
         )
     except plan.KernelDoesNotFit as err:
         tiles = f"{splash.block_q}/{splash.block_kv}/{splash.block_kv_compute}"
@@ -362,33 +268,85 @@ def main(argv=None) -> None:
         return plan_main(args)
     if args.plan_json:
         raise UserError("--plan_json needs --plan")
+    settings = distributed.launch_settings(args.coordinator_address, args.num_processes, args.process_id)
+    # Several processes: JAX's distributed runtime starts first, so they can agree on their inputs.
+    processes = distributed.Processes.start(settings, args.peer_timeout)
+    set_logging(processes.is_main)
+    with processes.agreeing("inputs"):
+        run = validated_run(args, processes)
+    run.guard.share_restored()
+    with processes.failures_shared():
+        denoise_and_write(args, run, processes)
+    processes.finish()
+
+
+@dataclasses.dataclass
+class ValidatedRun:
+    """What stage 2 knows once its inputs are checked (in every process), before JAX does any work."""
+
+    input_dir: Path
+    output_dir: Path
+    config: dict
+    request: Request
+    overrides: dict
+    source: object
+    family: object
+    dtype_name: str
+    embeddings: dict
+    cache: CacheSettings
+    guard: DenoiseGuard
+    trace_dir: str | None
+    timer: Timer
+
+
+def validated_run(args, processes) -> ValidatedRun:
+    """Read and check the flags and stage 1's folder (every process reads its own copy; only process 0
+    prepares the output folder)."""
+    timer = Timer()
     trace_dir = profile_dir(args)
     if args.warmup_steps < 0:
         raise UserError(f"--warmup_steps {args.warmup_steps} must be >= 0")
     input_dir = Path(args.input_dir)
     output_dir = Path(args.output_dir or args.input_dir)
-    timer = Timer()
-
     config = read_config(input_dir, needs="stage1")
     request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides(
         {**request_flags(args), "model_id": args.model}
     )
     source, family = models.resolve_model_for_request(request)
     dtype_name = args.dtype or request.dtype
-    dtype = parse_dtype(dtype_name)
+    parse_dtype(dtype_name)
     family.validate_request(source, request)
     embeddings = read_tensors(input_dir, config["stage1"])
-    ensure_writable_dir(output_dir)
-    cache = cache_settings(args, input_dir, request.model_id)
+    if processes.is_main:
+        ensure_writable_dir(output_dir)
+    cache = settings_from_flags(args, input_dir, request.model_id)
     fingerprint = request.fingerprint()
     guard = DenoiseGuard(
         output_dir,
         {**fingerprint, "dtype": dtype_name, "stage1_sha256": config["stage1"]["sha256"], "cache": cache.record()},
         every=args.checkpoint_every,
         resume=args.resume,
+        processes=processes,
+    )
+    return ValidatedRun(
+        input_dir,
+        output_dir,
+        config,
+        request,
+        overrides,
+        source,
+        family,
+        dtype_name,
+        embeddings,
+        cache,
+        guard,
+        trace_dir,
+        timer,
     )
 
-    # JAX is imported only once the inputs are known good.
+
+def denoise_and_write(args, run: ValidatedRun, processes) -> None:
+    """Place, compile and run the loop on the mesh; process 0 writes the latents and the config section."""
     import jax
 
     import sharding
@@ -396,11 +354,14 @@ def main(argv=None) -> None:
     from splash_attention import attention_backend, resolve_backend
     from torchax_runtime import CompileCache, TorchaxRuntime
 
+    family, source, request, timer, guard = run.family, run.source, run.request, run.timer, run.guard
+    dtype = parse_dtype(run.dtype_name)
     compile_cache = CompileCache(enabled=not args.no_compile_cache)
-    shape = mesh_shape(args, family, source, request, jax.device_count())
+    per_host = jax.local_device_count() if processes.count > 1 else None
+    shape = mesh_shape(args, family, source, request, jax.device_count(), per_host)
     sp_choice, sp_why = sequence_parallel(args, source, shape)
     mesh = sharding.make_mesh(shape)
-    runtime = TorchaxRuntime(mesh, profile_dir=trace_dir, compile_cache=compile_cache)
+    runtime = TorchaxRuntime(mesh, profile_dir=run.trace_dir, compile_cache=compile_cache)
     try:
         attention, why = resolve_backend(args.attention, dtype, runtime.platform)
     except ValueError as err:
@@ -409,37 +370,43 @@ def main(argv=None) -> None:
     if runtime.platform == "tpu" and generation is None:
         log(f"unknown TPU generation {mesh.devices.flat[0].device_kind!r}: Splash tiles are not capped")
     splash = splash_config(args, family, generation)
-    log(f"{family.NAME} transformer, {runtime.describe()}, {dtype_name}, attention {attention} ({why})")
-    log(f"request overrides: {overrides or 'none'}")
-    options = DenoiseOptions(tp_mode=args.tp_mode, warmup_steps=args.warmup_steps, guard=guard, cache=cache)
+    hosts = f", {processes.count} processes" if processes.count > 1 else ""
+    log(f"{family.NAME} transformer, {runtime.describe()}{hosts}, {run.dtype_name}, attention {attention} ({why})")
+    log(f"request overrides: {run.overrides or 'none'}")
+    options = DenoiseOptions(tp_mode=args.tp_mode, warmup_steps=args.warmup_steps, guard=guard, cache=run.cache)
     with attention_backend(runtime.env, attention, splash, runtime.mesh), guard.stop_handler():
-        latents, info, step_cache = denoise(family, source, request, embeddings, dtype, runtime, timer, options)
+        latents, info, step_cache = denoise(family, source, request, run.embeddings, dtype, runtime, timer, options)
+    if not processes.is_main:
+        processes.agree("written", None)  # wait for process 0's files, and fail if it failed
+        return
     with timer.phase("save"):
-        record = write_tensors(output_dir / STAGE2_FILE, {"latents": latents})
+        record = write_tensors(run.output_dir / STAGE2_FILE, {"latents": latents})
         if args.cache_calibrate:
-            step_cache.write_ratios(output_dir, request.model_id)
+            step_cache.write_ratios(run.output_dir, request.model_id)
     timing = timer.finish()
 
     section = {
         **record,
-        "stage1_sha256": config["stage1"]["sha256"],
-        "request": fingerprint,
+        "stage1_sha256": run.config["stage1"]["sha256"],
+        "request": request.fingerprint(),
         "resumed": args.resume,
         **info,
         "tp_mode": args.tp_mode,
         "attention": attention,
         "attention_choice": why,
         "sequence_parallel": {"mode": sp_choice, "why": sp_why},
+        "processes": processes.count,
         **({"splash": dataclasses.asdict(splash)} if attention == "splash" else {}),
-        "overrides": overrides,
+        "overrides": run.overrides,
         "warmup_steps": args.warmup_steps,
         "step_seconds": timer.step_seconds,
         **({"step_cache": {**step_cache.record(), **timer.median_steps()}} if step_cache is not None else {}),
-        **run_record(runtime, dtype_name, timing, ("diffusers",)),
+        **run_record(runtime, run.dtype_name, timing, ("diffusers",)),
     }
-    write_stage_config(output_dir, request, stage_sections(config), "stage2", section)
+    write_stage_config(run.output_dir, request, stage_sections(run.config), "stage2", section)
     guard.finished()
-    log(f"wrote {output_dir / STAGE2_FILE}: latents {tuple(latents.shape)} ({info['latents_layout']})")
+    processes.agree("written", None)
+    log(f"wrote {run.output_dir / STAGE2_FILE}: latents {tuple(latents.shape)} ({info['latents_layout']})")
 
 
 if __name__ == "__main__":

@@ -175,8 +175,14 @@ class TorchaxRuntime:
         return sharding.constrain(tensor, self.mesh, sharding.P(*layout))
 
     def to_host(self, tensor) -> torch.Tensor:
-        """A CPU torch tensor; blocks until the device has computed it."""
-        array = np.array(jax.device_get(tensor.jax()))  # a writable host copy
+        """A CPU torch tensor; blocks until the device has computed it. With several processes each gets
+        the whole value (every host runs the same scheduler step on it)."""
+        array = tensor.jax()
+        if not array.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            array = multihost_utils.process_allgather(array, tiled=True)
+        array = np.array(jax.device_get(array))  # a writable host copy
         if array.dtype == jax.numpy.bfloat16:  # numpy has no bf16 that torch reads: move the bits as uint16
             return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
         return torch.from_numpy(array)

@@ -90,6 +90,10 @@ class Target:
         """How chips group into hosts (v5e-8 and v6e-8 are one host of 2x4 chips; others 2x2 per host)."""
         return [2, 4, 1] if self.chips == 8 and self.generation.single_host_chips == 8 else [2, 2, 1]
 
+    @property
+    def devices_per_host(self) -> int:
+        return min(math.prod(self.chips_per_host_bounds), self.chips) * self.generation.devices_per_chip
+
 
 def parse_target(name: str) -> Target:
     """`v6e-8`, `v5litepod-8`, `v5p-8`, `tpu7x-8` (accelerator types) or `v6e:2x4` (a topology name)."""

@@ -95,9 +95,23 @@ def run_cli(main: Callable[[], None]) -> None:
         sys.exit(STOPPED_EXIT_STATUS)
 
 
+_LOGGING = {"enabled": True}
+
+
+def set_logging(enabled: bool) -> None:
+    """Turn this process's log lines and progress bars on or off (off in all but process 0 of a
+    multi-host run, so one log tells the story)."""
+    _LOGGING["enabled"] = enabled
+
+
+def logging_enabled() -> bool:
+    return _LOGGING["enabled"]
+
+
 def log(message: str) -> None:
     """Plain log line prefixed with seconds since the process started."""
-    print(f"[{time.monotonic() - _START:7.1f}s] {message}", flush=True)
+    if _LOGGING["enabled"]:
+        print(f"[{time.monotonic() - _START:7.1f}s] {message}", flush=True)
 
 
 # Library warnings known to be harmless here, by exact message start. Nothing else is hidden.

@@ -19,10 +19,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from distributed import Processes
 from models.cache_schedule import CacheSettings
 from models.step_cache import StepCache
 from runtime import Layout, Runtime, Timer
-from utils import CHECKPOINT_FILE, Stopped, UserError, atomic_write, log
+from utils import CHECKPOINT_FILE, Stopped, UserError, atomic_write, log, logging_enabled
 
 LATENTS_LAYOUT = "BCFHW"  # stage 2's latents file, for every family
 
@@ -34,34 +35,59 @@ class DenoiseGuard:
     A checkpoint holds the loop's tensors (latents and any scheduler carry), the CPU generator's state
     and the next step index, plus a fingerprint of the request and the stage-1 file, so a checkpoint
     cannot be resumed into a different run. Written atomically; removed once the final latents are saved.
+    With several processes (distributed.py) only process 0 reads and writes it: the others get its
+    bytes (`share_restored`), and all stop at the same step when any of them is sent SIGTERM.
     """
 
-    def __init__(self, directory: Path, fingerprint: dict[str, Any], every: int = 0, resume: bool = False) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        fingerprint: dict[str, Any],
+        every: int = 0,
+        resume: bool = False,
+        processes: Processes | None = None,
+    ) -> None:
         if every < 0:
             raise UserError(f"--checkpoint_every {every} must be >= 0")
         self.path = directory / CHECKPOINT_FILE
         self.fingerprint = json.dumps(fingerprint, sort_keys=True)
         self.every = every
+        self.resume = resume
+        self.processes = processes or Processes()
         self.stop_requested = False
-        self.restored: tuple[int, dict[str, torch.Tensor]] | None = self._load() if resume else None
+        self._checkpoint = self._read() if resume and self.processes.is_main else None
+        self.restored: tuple[int, dict[str, torch.Tensor]] | None = None
+        if self._checkpoint is not None:
+            self.restored = self._parse(self._checkpoint)
 
-    def _load(self) -> tuple[int, dict[str, torch.Tensor]]:
-        from safetensors import safe_open
-
+    def _read(self) -> bytes:
         if not self.path.is_file():
             raise UserError(f"--resume: there is no checkpoint {self.path}")
-        try:
-            with safe_open(str(self.path), framework="pt") as handle:
-                metadata = handle.metadata() or {}
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-        except Exception as err:  # safetensors raises several types for a damaged file
-            raise UserError(f"--resume: {self.path} cannot be read ({err})") from None
+        data = self.path.read_bytes()
+        metadata = self._parse(data, check_only=True)
         if metadata.get("fingerprint") != self.fingerprint:
             raise UserError(
                 f"--resume: {self.path} belongs to a different request or stage-1 file; "
                 "rerun without --resume to start over"
             )
-        return int(metadata["next_step"]), tensors
+        return data
+
+    def _parse(self, data: bytes, check_only: bool = False):
+        """(next step, tensors) from a checkpoint's bytes; with `check_only`, just its metadata."""
+        from safetensors.torch import load
+
+        try:
+            header_length = int.from_bytes(data[:8], "little")
+            metadata = json.loads(data[8 : 8 + header_length]).get("__metadata__") or {}
+            tensors = load(data)
+        except Exception as err:  # safetensors raises several types for a damaged file
+            raise UserError(f"--resume: {self.path} cannot be read ({err})") from None
+        return metadata if check_only else (int(metadata["next_step"]), tensors)
+
+    def share_restored(self) -> None:
+        """After every process agreed its inputs are valid: all resume from process 0's checkpoint."""
+        if self.resume and self.processes.count > 1:
+            self.restored = self._parse(self.processes.broadcast_bytes(self._checkpoint))
 
     @property
     def start_step(self) -> int:
@@ -82,28 +108,36 @@ class DenoiseGuard:
             signal.signal(signal.SIGTERM, previous)
 
     def save(self, next_step: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Write the checkpoint (process 0 only; the others hold the same state)."""
+        if not self.processes.is_main:
+            return
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items() if t is not None}
         metadata = {"next_step": str(next_step), "fingerprint": self.fingerprint}
         atomic_write(self.path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
     def after_step(self, index: int, total: int, tensors: dict[str, torch.Tensor], more=dict) -> None:
         """Call with the loop state after step `index` (0-based) of `total`; `tensors["latents"]` is checked.
-        `more()` gives further tensors to save, fetched only when a checkpoint is written (e.g. device state)."""
+        `more()` gives further tensors to save, fetched only when a checkpoint is written (e.g. device state;
+        every process fetches them, since that may take a collective)."""
         if not tensors["latents"].isfinite().all():
             raise UserError(f"step {index + 1} of {total} produced NaN or Inf latents; nothing was written")
         done = index + 1
-        if self.stop_requested or (self.every and done % self.every == 0 and done < total):
+        stop = self.processes.any(f"stop/{done}", self.stop_requested)
+        due = self.every and done % self.every == 0 and done < total
+        if stop or due:
             tensors = {**tensors, **more()}
-        if self.stop_requested:
+        if stop:
             self.save(done, tensors)
+            self.processes.agree(f"saved/{done}", None)  # no process leaves before the checkpoint exists
             raise Stopped(
                 f"SIGTERM after step {done} of {total}; saved {self.path}. Continue with the same command plus --resume"
             )
-        if self.every and done % self.every == 0 and done < total:
+        if due:
             self.save(done, tensors)
 
     def finished(self) -> None:
-        self.path.unlink(missing_ok=True)
+        if self.processes.is_main:
+            self.path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -160,7 +194,7 @@ def step_progress(steps, timer: Timer, desc: str = "denoise", trace=None, trace_
     from tqdm import tqdm
 
     tracing = contextlib.ExitStack()
-    bar = tqdm(total=len(steps), desc=desc, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=len(steps), desc=desc, unit="step", dynamic_ncols=True, disable=not logging_enabled())
     with timer.phase(desc), tracing:
         for index, step in enumerate(steps):
             if index == 0 and trace is not None:

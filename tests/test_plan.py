@@ -54,6 +54,15 @@ def test_report_says_how_the_mesh_spans_hosts(name, hosts, across):
     assert tpus.host_layout(tpus.topology_mesh(target, shape)) == {"hosts": hosts, "axes_across_hosts": across}
 
 
+def test_the_default_multi_host_mesh_keeps_tp_within_a_host():
+    """v6e-16 is 4 hosts of 4 chips: the default mesh is 2x2x4 with only dp and sp crossing hosts."""
+    target = tpus.parse_target("v6e-16")
+    shape = sharding.choose_mesh_shape(target.devices, devices_per_host=target.devices_per_host)
+    assert shape == MeshShape(2, 2, 4)
+    layout = tpus.host_layout(tpus.topology_mesh(target, shape))
+    assert layout == {"hosts": 4, "axes_across_hosts": ["dp", "sp"]}
+
+
 @pytest.mark.parametrize(
     "name, message",
     [

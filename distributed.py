@@ -106,6 +106,9 @@ class Processes:
 
         # CPU devices of several processes talk through gloo (TPUs and GPUs have their own collectives).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # JAX's preemption service catches SIGTERM in C++ and only logs it (jax 0.10.2), so a SIGTERM
+        # before the loop's own handler would be swallowed; stops are agreed by DenoiseGuard instead.
+        jax.config.update("jax_enable_preemption_service", False)
         # JAX's own heartbeat check aborts a process without an `error:` line; ours comes first.
         jax.distributed.initialize(**settings, heartbeat_timeout_seconds=int(peer_timeout) + 30)
         processes = cls(jax.process_index(), jax.process_count(), peer_timeout)

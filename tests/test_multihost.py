@@ -182,6 +182,20 @@ def test_a_killed_process_makes_the_other_exit_with_an_error(long_request, tmp_p
     assert not (folders[0] / STAGE2_FILE).exists()
 
 
+def test_sigterm_before_the_loop_still_ends_the_process():
+    """JAX's preemption service would catch SIGTERM and carry on; Processes.start turns it off."""
+    code = (
+        "import os, signal, sys, time; from distributed import Processes; "
+        f"Processes.start({{'coordinator_address': '127.0.0.1:{free_port()}', 'num_processes': 1, 'process_id': 0}}); "
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5); sys.exit(0)"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == -signal.SIGTERM, result.stderr[-2000:]
+
+
 # When stage 2 starts several processes, and its mesh across hosts ---------------------------------
 
 

@@ -106,3 +106,12 @@ def test_family_fills_in_the_interface(family):
 def test_presets_are_unique_and_registered():
     names = [name for family in models.FAMILIES.values() for name in family.PRESETS]
     assert len(names) == len(set(names)) == len(models.PRESETS)
+
+
+def test_the_package_lists_every_top_level_module():
+    """A non-editable install (`pip install .`) ships only the modules pyproject.toml names."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(config["tool"]["setuptools"]["py-modules"])
+    assert listed == {path.stem for path in ROOT.glob("*.py")}

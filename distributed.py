@@ -133,12 +133,17 @@ class Processes:
 
     @contextlib.contextmanager
     def agreeing(self, phase: str) -> Iterator[None]:
-        """Run the block in every process, then `agree` on whether it raised a UserError anywhere."""
+        """Run the block in every process, then `agree` on whether it raised anywhere. A UserError becomes
+        the agreed `error:` line; any other exception keeps its traceback here, the others name it."""
         try:
             yield
         except UserError as err:
             self.agree(phase, str(err))
             raise  # only reached with one process: agree raised otherwise
+        except Exception as err:
+            with contextlib.suppress(UserError):
+                self.agree(phase, f"{type(err).__name__}: {err}")
+            raise
         self.agree(phase, None)
 
     def any(self, phase: str, flag: bool) -> bool:

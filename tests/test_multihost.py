@@ -117,7 +117,7 @@ def test_a_corrupted_copy_on_one_host_stops_both_before_loading(stage1, tmp_path
 
 # Preemption across processes --------------------------------------------------------------------
 
-LONG = ["--num_inference_steps", "120", "--checkpoint_every", "10"]
+LONG = ["--num_inference_steps", "60", "--checkpoint_every", "10"]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def long_request(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("long")
     argv = ["--model", "tiny-cogvideox", "--prompt", "a cat", "--dtype", "fp32", "--output_dir", out]
-    run_stage(stage1_text_encoder, [*argv, "--num_inference_steps", 120])
+    run_stage(stage1_text_encoder, [*argv, "--num_inference_steps", 60])
     return out
 
 

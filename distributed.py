@@ -117,17 +117,23 @@ class Processes:
 
     # Agreement ------------------------------------------------------------------------------------
 
+    def _exchange(self, phase: str, value: str) -> list[tuple[int, str]]:
+        """Every process posts `value` for `phase`; after all have, each gets (process, value) for all."""
+        client = _client()
+        client.key_value_set(f"{NAMESPACE}/{phase}/{self.index}", value)
+        client.wait_at_barrier(f"{NAMESPACE}/{phase}", BARRIER_TIMEOUT_MS)
+        reports = (
+            (int(key.rsplit("/", 1)[1]), text) for key, text in client.key_value_dir_get(f"{NAMESPACE}/{phase}/")
+        )
+        return sorted(reports)
+
     def agree(self, phase: str, error: str | None) -> None:
         """Every process reports `error` (None: fine) for `phase`; all raise UserError unless all were fine."""
         if self.count == 1:
             if error is not None:
                 raise UserError(error)
             return
-        client = _client()
-        client.key_value_set(f"{NAMESPACE}/{phase}/{self.index}", error or "")
-        client.wait_at_barrier(f"{NAMESPACE}/{phase}", BARRIER_TIMEOUT_MS)
-        reports = sorted(client.key_value_dir_get(f"{NAMESPACE}/{phase}/"), key=lambda kv: int(kv[0].rsplit("/", 1)[1]))
-        failed = [(int(key.rsplit("/", 1)[1]), message) for key, message in reports if message]
+        failed = [(index, message) for index, message in self._exchange(phase, error or "") if message]
         if failed:
             raise UserError("; ".join(f"process {index}: {message}" for index, message in failed))
 
@@ -150,10 +156,7 @@ class Processes:
         """Whether `flag` is set in any process (e.g. a stop request), the same answer everywhere."""
         if self.count == 1:
             return flag
-        client = _client()
-        client.key_value_set(f"{NAMESPACE}/{phase}/{self.index}", "1" if flag else "")
-        client.wait_at_barrier(f"{NAMESPACE}/{phase}", BARRIER_TIMEOUT_MS)
-        return any(value for _, value in client.key_value_dir_get(f"{NAMESPACE}/{phase}/"))
+        return any(value for _, value in self._exchange(phase, "1" if flag else ""))
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         """Process 0's `data` in every process (two broadcasts over the devices: the length, the bytes)."""

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from runtime import SP, TP
+from runtime import DP, SP, TP
 
 
 def sp_mode_choice(sp_mode: str, mesh_shape: dict[str, int], heads: int, local_window: bool = False) -> tuple[str, str]:
@@ -57,6 +57,16 @@ def attention_scheme(sp_mode: str, mesh: Mesh | None, heads: int, self_attention
         return None
     choice = sp_mode_choice(sp_mode, dict(mesh.shape), heads, local_window)[0]
     return "gather" if choice == "ring" and not self_attention else choice
+
+
+def mesh_axes(mesh: Mesh | None, batch: int, heads: int) -> tuple[str | None, str | None, int]:
+    """Mesh axes for batch and heads (None where the axis does not divide them: that dimension is then
+    computed whole on every device of the axis) and the number of query-sequence shards."""
+    if mesh is None:
+        return None, None, 1
+    batch_axis = DP if batch % mesh.shape[DP] == 0 else None
+    head_axis = TP if heads % mesh.shape[TP] == 0 else None
+    return batch_axis, head_axis, mesh.shape[SP]
 
 
 def ulysses(mesh: Mesh, batch_axis, head_axis, local_attention, masks_spec):

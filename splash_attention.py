@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from attention_masks import masks_from_attn_mask, pad_sequence, round_up, rows_with_a_key
 from cudnn_attention import fused_attention
 from runtime import DP, SP, SP_MODES, TP
-from sequence_parallel import attention_scheme, ring, ulysses
+from sequence_parallel import attention_scheme, mesh_axes, ring, ulysses
 from xla_attention import xla_attention, xla_sequence_parallel_attention
 
 LANE = 128  # TPU lane width: block sizes are multiples of it
@@ -121,16 +121,6 @@ def _smooth_keys(key, key_valid):
     return jnp.where(valid, key - mean.astype(key.dtype), jnp.zeros_like(key))
 
 
-def _mesh_axes(mesh: Mesh | None, batch: int, heads: int) -> tuple[str | None, str | None, int]:
-    """Mesh axes for batch and heads (None where the axis does not divide them: that dimension is then
-    computed whole on every device of the axis) and the number of query-sequence shards."""
-    if mesh is None:
-        return None, None, 1
-    batch_axis = DP if batch % mesh.shape[DP] == 0 else None
-    head_axis = TP if heads % mesh.shape[TP] == 0 else None
-    return batch_axis, head_axis, mesh.shape[SP]
-
-
 def splash_attention(
     query,
     key,
@@ -156,7 +146,7 @@ def splash_attention(
     window = config.local_window
     if window is not None and q_len != kv_len:
         raise ValueError(f"a local window needs self-attention; got {q_len} queries and {kv_len} keys")
-    batch_axis, head_axis, q_shards = _mesh_axes(mesh, batch, heads)
+    batch_axis, head_axis, q_shards = mesh_axes(mesh, batch, heads)
     head_shards = mesh.shape[TP] if head_axis else 1
     scheme = attention_scheme(config.sp_mode, mesh, heads, q_len == kv_len, window is not None)
     if scheme == "ulysses":

@@ -292,6 +292,7 @@ class ValidatedRun:
     source: object
     family: object
     dtype_name: str
+    dtype: object  # torch.dtype
     embeddings: dict
     cache: CacheSettings
     guard: DenoiseGuard
@@ -314,7 +315,7 @@ def validated_run(args, processes) -> ValidatedRun:
     )
     source, family = models.resolve_model_for_request(request)
     dtype_name = args.dtype or request.dtype
-    parse_dtype(dtype_name)
+    dtype = parse_dtype(dtype_name)
     family.validate_request(source, request)
     embeddings = read_tensors(input_dir, config["stage1"])
     if processes.is_main:
@@ -337,6 +338,7 @@ def validated_run(args, processes) -> ValidatedRun:
         source,
         family,
         dtype_name,
+        dtype,
         embeddings,
         cache,
         guard,
@@ -355,7 +357,7 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
     from torchax_runtime import CompileCache, TorchaxRuntime
 
     family, source, request, timer, guard = run.family, run.source, run.request, run.timer, run.guard
-    dtype = parse_dtype(run.dtype_name)
+    dtype = run.dtype
     compile_cache = CompileCache(enabled=not args.no_compile_cache)
     per_host = jax.local_device_count() if processes.count > 1 else None
     shape = mesh_shape(args, family, source, request, jax.device_count(), per_host)

@@ -10,8 +10,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from attention_masks import masks_from_attn_mask, pad_sequence, padded_validity, round_up
-from runtime import DP, SP, TP
-from sequence_parallel import ring, ulysses
+from runtime import SP
+from sequence_parallel import mesh_axes, ring, ulysses
 
 
 def attention_with_lse(query, key, value, attn_mask=None, *, scale: float | None = None):
@@ -45,9 +45,7 @@ def xla_sequence_parallel_attention(query, key, value, attn_mask, *, scale, mesh
     padded where the sequence is padded to divide by `sp`."""
     batch, heads, q_len, _ = query.shape
     kv_len = key.shape[2]
-    batch_axis = DP if batch % mesh.shape[DP] == 0 else None
-    head_axis = TP if heads % mesh.shape[TP] == 0 else None
-    sp = mesh.shape[SP]
+    batch_axis, head_axis, sp = mesh_axes(mesh, batch, heads)
     key_valid, query_valid = masks_from_attn_mask(attn_mask, batch, q_len, kv_len)
     q_pad, kv_pad = round_up(q_len, sp), round_up(kv_len, sp)
     key_valid = padded_validity(key_valid, batch, kv_len, kv_pad)

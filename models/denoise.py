@@ -58,22 +58,15 @@ class DenoiseGuard:
         self._checkpoint = self._read() if resume and self.processes.is_main else None
         self.restored: tuple[int, dict[str, torch.Tensor]] | None = None
         if self._checkpoint is not None:
-            self.restored = self._parse(self._checkpoint)
+            self.restored = self._restore(self._checkpoint)
 
     def _read(self) -> bytes:
         if not self.path.is_file():
             raise UserError(f"--resume: there is no checkpoint {self.path}")
-        data = self.path.read_bytes()
-        metadata = self._parse(data, check_only=True)
-        if metadata.get("fingerprint") != self.fingerprint:
-            raise UserError(
-                f"--resume: {self.path} belongs to a different request or stage-1 file; "
-                "rerun without --resume to start over"
-            )
-        return data
+        return self.path.read_bytes()
 
-    def _parse(self, data: bytes, check_only: bool = False):
-        """(next step, tensors) from a checkpoint's bytes; with `check_only`, just its metadata."""
+    def _restore(self, data: bytes) -> tuple[int, dict[str, torch.Tensor]]:
+        """(next step, tensors) from a checkpoint's bytes, which must belong to this request."""
         from safetensors.torch import load
 
         try:
@@ -82,12 +75,17 @@ class DenoiseGuard:
             tensors = load(data)
         except Exception as err:  # safetensors raises several types for a damaged file
             raise UserError(f"--resume: {self.path} cannot be read ({err})") from None
-        return metadata if check_only else (int(metadata["next_step"]), tensors)
+        if metadata.get("fingerprint") != self.fingerprint:
+            raise UserError(
+                f"--resume: {self.path} belongs to a different request or stage-1 file; "
+                "rerun without --resume to start over"
+            )
+        return int(metadata["next_step"]), tensors
 
     def share_restored(self) -> None:
         """After every process agreed its inputs are valid: all resume from process 0's checkpoint."""
         if self.resume and self.processes.count > 1:
-            self.restored = self._parse(self.processes.broadcast_bytes(self._checkpoint))
+            self.restored = self._restore(self.processes.broadcast_bytes(self._checkpoint))
 
     @property
     def start_step(self) -> int:

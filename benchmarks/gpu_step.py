@@ -9,7 +9,8 @@ weights (seeded), bf16, CFG batch of 2, the family's own stage-2 loop inputs at 
   - eager: the same guided denoiser module (the same diffusers transformer and CFG combination) in
     eager PyTorch on CUDA with PyTorch's default SDPA dispatch. For HunyuanVideo-1.5 that module passes
     per-key masks (B, 1, 1, S), where the stock processor builds a dense (B, 1, S, S) mask.
-Median of `--steps` steps after `--warmup` calls each. JAX and PyTorch share the GPU
+Median of `--steps` steps after `--warmup` calls each; the two predictions' relative difference is
+reported too (both bf16, so it measures bf16 rounding, not a bug). JAX and PyTorch share the GPU
 (XLA_PYTHON_CLIENT_PREALLOCATE=false, set here before JAX is imported).
 
     python benchmarks/gpu_step.py                                   # both models, all layers, on the GPU
@@ -35,19 +36,19 @@ sys.path.insert(0, str(ROOT))
 MODELS = ("zai-org/CogVideoX1.5-5B", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v")
 
 
-def median_step(step, steps: int, warmup: int) -> tuple[float, float]:
-    """(first call seconds, median seconds of `steps` calls after `warmup` calls)."""
+def median_step(step, steps: int, warmup: int):
+    """(first call seconds, median seconds of `steps` calls after `warmup` calls, the last result)."""
     start = time.perf_counter()
-    step()
+    result = step()
     first = time.perf_counter() - start
     for _ in range(max(warmup - 1, 0)):
         step()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        step()
+        result = step()
         times.append(time.perf_counter() - start)
-    return first, statistics.median(times)
+    return first, statistics.median(times), result
 
 
 def random_transformer(source, layers: int | None, dtype):
@@ -102,7 +103,7 @@ def measure(model: str, args) -> dict:
     eager_runtime = TorchRuntime(args.device)
     eager = step_of(eager_runtime, eager_transformer)
     with torch.no_grad():
-        _, eager_seconds = median_step(eager, args.steps, args.warmup)
+        _, eager_seconds, expected = median_step(eager, args.steps, args.warmup)
     del eager, eager_transformer
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -110,7 +111,8 @@ def measure(model: str, args) -> dict:
     runtime = TorchaxRuntime.on_all_devices("tp")
     ours = step_of(runtime, transformer)
     with attention_backend(runtime.env, args.attention, SplashConfig(), runtime.mesh):
-        first, ours_seconds = median_step(ours, args.steps, args.warmup)
+        first, ours_seconds, got = median_step(ours, args.steps, args.warmup)
+    expected, got = expected.double(), got.double()
     device = jax.devices()[0]
     return {
         "model": model,
@@ -124,6 +126,8 @@ def measure(model: str, args) -> dict:
         "eager_median_step_seconds": round(eager_seconds, 4),
         "ours_over_eager": round(ours_seconds / eager_seconds, 3),
         "ours_first_call_seconds": round(first, 1),
+        # The same weights and inputs: how far our bf16 prediction is from eager's (||a - b|| / ||b||).
+        "relative_error_vs_eager": float(f"{((got - expected).norm() / expected.norm()).item():.2e}"),
         "steps": args.steps,
         "versions": {
             "python": sys.version.split()[0],

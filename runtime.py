@@ -113,6 +113,28 @@ def libtpu_off_tpu() -> None:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
+def with_cpu_platform(platforms: str | None) -> str | None:
+    """A JAX_PLATFORMS value with `cpu` appended when it names only accelerators ("cuda" -> "cuda,cpu")."""
+    if not platforms or "cpu" in platforms.split(","):
+        return platforms
+    return f"{platforms},cpu"
+
+
+def keep_cpu_backend() -> None:
+    """Keep JAX's CPU backend beside the accelerator, before JAX starts its backends.
+
+    The in-graph mask checks (cudnn_attention, attention_masks) raise through `jax.debug.callback`,
+    and JAX runs every host callback on a CPU device: with JAX_PLATFORMS=cuda (or tpu) alone a step fails
+    with "jax.debug.callback failed to find a local CPU device" (seen on an H100 with JAX 0.11.2). The CPU
+    backend costs nothing there, and JAX still picks the accelerator as the default backend.
+    """
+    import jax
+
+    platforms = jax.config.jax_platforms
+    if with_cpu_platform(platforms) != platforms:
+        jax.config.update("jax_platforms", with_cpu_platform(platforms))
+
+
 class Timer:
     """Collects named wall-clock phases ({"load": 1.2, "denoise": 30.5}) and per-step seconds."""
 

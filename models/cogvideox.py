@@ -19,6 +19,7 @@ from utils import Request, UserError
 
 from . import tiny
 from .common import (
+    NOISE_DTYPE,
     DeviceTextEncoder,
     constrain_block_inputs,
     one_transformer,
@@ -297,10 +298,10 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
         request.num_frames + pad_frames * geometry.temporal,
         request.height,
         request.width,
-        prompt_embeds.dtype,
+        NOISE_DTYPE,
         "cpu",
         generator,
-    )
+    ).to(dtype)
     extra_step_kwargs = pipe.prepare_extra_step_kwargs(generator, 0.0)
     image_rotary_emb = None
     if transformer.config.use_rotary_positional_embeddings:

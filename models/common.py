@@ -19,6 +19,12 @@ from utils import UserError, atomic_write
 LATENTS_WIDTH_SPLIT = (None, None, None, None, SP)
 
 
+# Stage 2's initial noise is drawn in fp32 on the CPU and then cast to the run's dtype, so a seed gives
+# the same latents on every host: torch 2.11's CPU randn draws another sequence in bf16 than in fp32
+# (torch 2.13 draws the fp32 values, rounded), while its fp32 draws equal torch 2.13's (checked on the
+# GPU host, whose torch is 2.11). The pipelines draw in the run's dtype; on torch 2.13 that is the same.
+NOISE_DTYPE = torch.float32
+
 BACKENDS = ("torch", "torchax")
 STAGE3_BACKENDS = ("auto", *BACKENDS)
 

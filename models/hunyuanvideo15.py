@@ -36,7 +36,7 @@ from runtime import DP
 from utils import Request, UserError
 
 from . import common, tiny
-from .common import DeviceTextEncoder
+from .common import NOISE_DTYPE, DeviceTextEncoder
 from .denoise import DenoiseLoop, latents_record
 from .family import Preset
 
@@ -392,8 +392,8 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
     sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]
     timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", sigmas=sigmas)
     latents = pipe.prepare_latents(
-        1, geometry.latent_channels, request.height, request.width, request.num_frames, dtype, "cpu", generator
-    )
+        1, geometry.latent_channels, request.height, request.width, request.num_frames, NOISE_DTYPE, "cpu", generator
+    ).to(dtype)
     image_embeds = torch.zeros(1, pipe.vision_num_semantic_tokens, transformer.config.image_embed_dim, dtype=dtype)
 
     def step(i, t, noise_pred, latents, carry):

@@ -26,7 +26,7 @@ from runtime import DP, SP
 from utils import Request, UserError, log
 
 from . import tiny
-from .common import DeviceTextEncoder, constrain_block_inputs
+from .common import NOISE_DTYPE, DeviceTextEncoder, constrain_block_inputs
 from .denoise import DenoiseLoop, latents_record, multistep_state, restore_multistep_state
 from .family import Preset
 
@@ -217,7 +217,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         request.height,
         request.width,
         request.num_frames,
-        torch.float32,
+        NOISE_DTYPE,
         "cpu",
         generator,
     )

@@ -12,7 +12,7 @@ from PIL import Image
 import stage2_transformer
 import stage3_vae_decoder
 from helpers import run_script, run_stage, tiny_stage1
-from runtime import Timer
+from runtime import Timer, with_cpu_platform
 from utils import STAGE2_FILE, read_config, read_tensors
 
 STEPS = 3
@@ -35,6 +35,16 @@ def test_warmup_does_not_change_the_result(stage1_dir, tmp_path):
     assert torch.equal(cold, warm)
     assert "compile" not in cold_info["seconds"] and warm_info["seconds"]["compile"] > 0
     assert warm_info["warmup_steps"] == 3
+
+
+@pytest.mark.parametrize(
+    "platforms, expected",
+    [("cuda", "cuda,cpu"), ("tpu", "tpu,cpu"), ("cuda,cpu", "cuda,cpu"), ("cpu", "cpu"), ("", ""), (None, None)],
+)
+def test_an_accelerator_only_platform_list_keeps_the_cpu_backend(platforms, expected):
+    """JAX runs host callbacks (the in-graph mask checks) on a CPU device: JAX_PLATFORMS=cuda alone broke
+    stage 2 on an H100 (runtime.keep_cpu_backend appends cpu before the backends start)."""
+    assert with_cpu_platform(platforms) == expected
 
 
 def test_timer_phases_accumulate_and_other_is_the_rest():

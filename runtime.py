@@ -55,6 +55,9 @@ class Runtime(Protocol):
     def profile_trace(self) -> contextlib.AbstractContextManager:
         """A profiler trace around the block, or a context that does nothing."""
 
+    def precision(self, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+        """Around a stage's work in `dtype`: fp32 means fp32 matmuls where the runtime's default is less."""
+
     def describe(self) -> str:
         """Where it runs, for log lines."""
 
@@ -84,6 +87,9 @@ class TorchRuntime:
 
     def profile_trace(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def precision(self, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # torch's matmuls are full fp32 unless allow_tf32 is set
 
     def describe(self) -> str:
         return f"torch on {self.device}"

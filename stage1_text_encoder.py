@@ -91,7 +91,7 @@ def main(argv=None) -> None:
     runtime = open_runtime(args.backend, args.device, TP, compile_cache=not args.no_compile_cache)
     log(f"encoding the prompt on {runtime.describe()} in {args.dtype}")
 
-    with timer.phase("encode"):
+    with timer.phase("encode"), runtime.precision(dtype):
         embeddings = family.encode_prompts(source, request, dtype, runtime)
     with timer.phase("save"):
         record = write_tensors(output_dir / STAGE1_FILE, embeddings)

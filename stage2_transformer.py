@@ -354,7 +354,7 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
     import sharding
     import tpus
     from splash_attention import attention_backend, resolve_backend
-    from torchax_runtime import CompileCache, TorchaxRuntime, matmul_precision
+    from torchax_runtime import CompileCache, TorchaxRuntime
 
     family, source, request, timer, guard = run.family, run.source, run.request, run.timer, run.guard
     dtype = run.dtype
@@ -377,7 +377,7 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
     log(f"request overrides: {run.overrides or 'none'}")
     options = DenoiseOptions(tp_mode=args.tp_mode, warmup_steps=args.warmup_steps, guard=guard, cache=run.cache)
     backend = attention_backend(runtime.env, attention, splash, runtime.mesh)
-    with backend, matmul_precision(dtype), guard.stop_handler():
+    with backend, runtime.precision(dtype), guard.stop_handler():
         latents, info, step_cache = denoise(family, source, request, run.embeddings, dtype, runtime, timer, options)
     if not processes.is_main:
         processes.agree("written", None)  # wait for process 0's files, and fail if it failed

@@ -182,7 +182,8 @@ def main(argv=None) -> None:
     runtime = open_runtime(backend, device, SP, compile_cache=not args.no_compile_cache)
     log(f"decoding latents {tuple(latents.shape)} with the {family.NAME} VAE, {runtime.describe()}, {dtype_name}")
     normalization = stage2_normalization(config["stage2"], lambda: family.latents_normalization(source))
-    frames = decode(family, source, latents, normalization, dtype, runtime, timer, tiling=args.tiling)
+    with runtime.precision(dtype):
+        frames = decode(family, source, latents, normalization, dtype, runtime, timer, tiling=args.tiling)
     pixels = (frames.numpy() * 255).round().astype(np.uint8)
     with timer.phase("save"):
         write_mp4(output_dir / output_name, pixels, request.fps)

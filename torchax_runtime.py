@@ -55,14 +55,6 @@ def _install_gather(env) -> None:
         env.override_op_definition(torch.ops.aten.gather, take_along_axis_gather(current.func))
 
 
-def matmul_precision(dtype: torch.dtype) -> contextlib.AbstractContextManager:
-    """fp32 runs with fp32 matmuls. JAX's default precision lets float32 dots run in TF32 on NVIDIA
-    GPUs (and in bf16 passes on TPUs, per JAX's docs): on an H100, tiny HunyuanVideo-1.5's fp32 stage-2
-    latents differed from the CPU's by 6.1e-4 relative, and by 5.6e-7 with this. bf16 and fp16 keep the
-    default: their matmuls already accumulate in fp32."""
-    return jax.default_matmul_precision("highest") if dtype == torch.float32 else contextlib.nullcontext()
-
-
 def compile_cache_dir() -> Path:
     """JAX_COMPILATION_CACHE_DIR, else a folder in this tool's per-user cache."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -173,6 +165,13 @@ class TorchaxRuntime:
         )
         self.placements.append(stats)
         return torchax.compile(module, torchax.CompileOptions(methods_to_compile=list(methods)))
+
+    def precision(self, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+        """fp32 runs with fp32 matmuls. JAX's default precision lets float32 dots run in TF32 on NVIDIA
+        GPUs (and in bf16 passes on TPUs, per JAX's docs): on an H100, tiny HunyuanVideo-1.5's fp32 stage-2
+        latents differed from the CPU's by 6.1e-4 relative, and by 5.6e-7 with this. bf16 and fp16 keep
+        the default: their matmuls already accumulate in fp32."""
+        return jax.default_matmul_precision("highest") if dtype == torch.float32 else contextlib.nullcontext()
 
     def to_device(self, tree, layout: tuple | None = None):
         """The CPU tensors in `tree` as torchax tensors laid out as `layout` on the mesh (default: replicated)."""

@@ -47,6 +47,26 @@ def test_an_accelerator_only_platform_list_keeps_the_cpu_backend(platforms, expe
     assert with_cpu_platform(platforms) == expected
 
 
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "HIGHEST"), (torch.bfloat16, "DEFAULT")])
+def test_torchax_runs_fp32_matmuls_at_full_precision(dtype, precision):
+    """JAX's DEFAULT lets f32 dots run in TF32 on NVIDIA GPUs (6.1e-4 off the CPU's fp32 latents on an
+    H100); the stages trace under runtime.precision(dtype), which asks for HIGHEST in fp32 only."""
+    import jax
+    import jax.numpy as jnp
+
+    import sharding
+    from runtime import TorchRuntime
+    from torchax_runtime import TorchaxRuntime
+
+    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(1, 1, 1)))
+    x = jnp.ones((4, 4), jnp.float32)
+    with runtime.precision(dtype):
+        text = jax.jit(jnp.dot).lower(x, x).as_text()
+    assert f"precision = [{precision}, {precision}]" in text
+    with TorchRuntime().precision(dtype):  # torch's own matmuls are already full fp32
+        assert torch.get_float32_matmul_precision() == "highest"
+
+
 def test_timer_phases_accumulate_and_other_is_the_rest():
     """On a scripted clock: a phase entered twice adds up, `other` is what no phase covered."""
     ticks = iter([0.0, 1.0, 3.0, 4.0, 10.0, 10.5, 11.0, 12.0])

@@ -33,17 +33,23 @@ def prefix(lengths, size):
     return np.arange(size)[None, :] < np.asarray(lengths)[:, None]
 
 
+def allowed_pairs(key_valid, query_valid, q_len, kv_len):
+    """The (B, 1, Sq, Skv) boolean mask the validity vectors (None: all valid) stand for."""
+    allowed = np.ones((2, 1, q_len, kv_len), dtype=bool)
+    if key_valid is not None:
+        allowed &= key_valid[:, None, None, :]
+    if query_valid is not None:
+        allowed &= query_valid[:, None, :, None]
+    return allowed
+
+
 @pytest.mark.parametrize("kv_lengths, q_lengths", [(None, None), ([56, 20], None), ([33, 1], [40, 7])])
 def test_lengths_vs_float64(kv_lengths, q_lengths):
     q, k, v = qkv()
     key_valid = None if kv_lengths is None else prefix(kv_lengths, 56)
     query_valid = None if q_lengths is None else prefix(q_lengths, 40)
-    allowed = np.ones((2, 1, 40, 56), dtype=bool)
-    if key_valid is not None:
-        allowed &= key_valid[:, None, None, :]
-    if query_valid is not None:
-        allowed &= query_valid[:, None, :, None]
-    expected = reference_attention(q, k, v, allowed)  # rows with nothing allowed: zeros
+    # Rows with nothing allowed: zeros.
+    expected = reference_attention(q, k, v, allowed_pairs(key_valid, query_valid, 40, 56))
     got = fused_attention(q, k, v, key_valid, query_valid, implementation=None)
     assert relative_error(got, expected) <= 1e-5
     if q_lengths is not None:
@@ -69,11 +75,7 @@ def test_cudnn_on_a_gpu_vs_float64(kv_lengths, q_lengths):
     q, k, v = (x.astype(jnp.bfloat16) for x in qkv(heads=4, q_len=512, kv_len=1024, head_dim=64))
     key_valid = None if kv_lengths is None else prefix(kv_lengths, 1024)
     query_valid = None if q_lengths is None else prefix(q_lengths, 512)
-    allowed = np.ones((2, 1, 512, 1024), dtype=bool)
-    if key_valid is not None:
-        allowed &= key_valid[:, None, None, :]
-    if query_valid is not None:
-        allowed &= query_valid[:, None, :, None]
+    allowed = allowed_pairs(key_valid, query_valid, 512, 1024)
     expected = reference_attention(*(np.asarray(x, dtype=np.float64) for x in (q, k, v)), allowed)
     gpu = _gpus()[0]
     got = jax.jit(fused_attention)(*(jax.device_put(x, gpu) for x in (q, k, v, key_valid, query_valid)))

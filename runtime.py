@@ -137,8 +137,9 @@ def keep_cpu_backend() -> None:
     import jax
 
     platforms = jax.config.jax_platforms
-    if with_cpu_platform(platforms) != platforms:
-        jax.config.update("jax_platforms", with_cpu_platform(platforms))
+    wanted = with_cpu_platform(platforms)
+    if wanted != platforms:
+        jax.config.update("jax_platforms", wanted)
 
 
 class Timer:

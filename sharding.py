@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from runtime import AXES, DP, SP, TP
+from runtime.interface import AXES, DP, SP, TP
 
 TP_MODES = ("megatron", "replicated_out")
 P = PartitionSpec

@@ -30,11 +30,11 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from attention_masks import masks_from_attn_mask, pad_sequence, round_up, rows_with_a_key
-from cudnn_attention import fused_attention
-from runtime import DP, SP, SP_MODES, TP
-from sequence_parallel import attention_scheme, mesh_axes, ring, ulysses
-from xla_attention import xla_attention, xla_sequence_parallel_attention
+from attention.cudnn import fused_attention
+from attention.masks import masks_from_attn_mask, pad_sequence, round_up, rows_with_a_key
+from attention.sequence_parallel import attention_scheme, mesh_axes, ring, ulysses
+from attention.xla import xla_attention, xla_sequence_parallel_attention
+from runtime.interface import DP, SP, SP_MODES, TP
 
 LANE = 128  # TPU lane width: block sizes are multiples of it
 BACKENDS = ("auto", "splash", "xla", "cudnn")

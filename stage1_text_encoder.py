@@ -14,7 +14,7 @@ from pathlib import Path
 
 import models
 from models.common import check_backend_flags, open_runtime
-from runtime import TP, Timer
+from runtime.interface import TP, Timer
 from utils import (
     DEFAULT_OUTPUT_DIR,
     STAGE1_FILE,

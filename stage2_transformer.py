@@ -15,12 +15,12 @@ import dataclasses
 import re
 from pathlib import Path
 
-import distributed
 import models
 from models.cache_schedule import CacheSettings, add_cache_arguments, kind_from_flags, settings_from_flags
 from models.common import attention_heads
 from models.denoise import DenoiseGuard, DenoiseOptions, denoise
-from runtime import SP_MODES, Timer
+from runtime import distributed
+from runtime.interface import SP_MODES, Timer
 from utils import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
@@ -208,7 +208,7 @@ def mesh_shape(args, family, source, request: Request, device_count: int, device
 
 def sequence_parallel(args, source, shape) -> tuple[str, str]:
     """The sequence-parallel scheme (runtime.SP_MODES) for this model's heads on this mesh, logged."""
-    from sequence_parallel import sp_mode_choice
+    from attention.sequence_parallel import sp_mode_choice
 
     try:
         choice, why = sp_mode_choice(
@@ -223,8 +223,8 @@ def sequence_parallel(args, source, shape) -> tuple[str, str]:
 
 def plan_main(args) -> None:
     """--plan: compile for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
-    import plan
-    import plan_report
+    from planning import plan
+    from planning import report as plan_report
 
     target = plan.target_from_flag(args.plan)
     request, source, family, embeddings = plan.request_to_plan(
@@ -352,9 +352,9 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
     import jax
 
     import sharding
-    import tpus
+    from planning import tpus
+    from runtime.torchax_runtime import CompileCache, TorchaxRuntime
     from splash_attention import attention_backend, resolve_backend
-    from torchax_runtime import CompileCache, TorchaxRuntime
 
     family, source, request, timer, guard = run.family, run.source, run.request, run.timer, run.guard
     dtype = run.dtype

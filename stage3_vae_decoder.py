@@ -26,7 +26,7 @@ from models.common import (
     write_mp4,
     write_preview_png,
 )
-from runtime import SP, Timer
+from runtime.interface import SP, Timer
 from utils import (
     CONFIG_FILE,
     DEFAULT_OUTPUT_DIR,
@@ -116,8 +116,8 @@ PLAN_REQUEST_KEYS = ("height", "width", "num_frames")
 
 def plan_main(args) -> None:
     """--plan: compile the decode for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
-    import plan
-    import plan_report
+    from planning import plan
+    from planning import report as plan_report
 
     target = plan.target_from_flag(args.plan)
     flags = {key: getattr(args, key) for key in PLAN_REQUEST_KEYS}

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from runtime import DP, SP, TP
+from runtime.interface import DP, SP, TP
 
 
 def sp_mode_choice(sp_mode: str, mesh_shape: dict[str, int], heads: int, local_window: bool = False) -> tuple[str, str]:

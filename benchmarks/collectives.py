@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime import SP_MODES  # noqa: E402  (plain strings: no JAX imported yet)
+from runtime.interface import SP_MODES  # noqa: E402  (plain strings: no JAX imported yet)
 
 
 def main() -> None:
@@ -47,8 +47,8 @@ def main() -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    import hlo
     import sharding
+    from planning import hlo
 
     mesh = sharding.make_mesh(sharding.MeshShape(args.dp, args.sp, args.tp))
     for model_name in args.models:

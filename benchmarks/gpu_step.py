@@ -74,9 +74,9 @@ def measure(model: str, args) -> dict:
     import torch
 
     import models
-    from runtime import TorchRuntime
+    from runtime.interface import TorchRuntime
+    from runtime.torchax_runtime import TorchaxRuntime
     from splash_attention import SplashConfig, attention_backend
-    from torchax_runtime import TorchaxRuntime
     from utils import library_versions
 
     dtype = torch.bfloat16

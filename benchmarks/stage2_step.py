@@ -84,7 +84,7 @@ def interleaved_medians(calls: dict, steps: int, warmup: int = 2) -> dict[str, f
 
 def step_times(steps: int) -> dict[str, float]:
     from models.cogvideox import GuidedTransformer, make_jit_safe
-    from torchax_runtime import TorchaxRuntime
+    from runtime.torchax_runtime import TorchaxRuntime
 
     transformer = make_jit_safe(build_transformer(**STEP_MODEL))
     latents, timestep, embeds, rotary, guidance = inputs(transformer)
@@ -112,7 +112,7 @@ def step_times(steps: int) -> dict[str, float]:
 def first_call_seconds() -> float:
     """Child process: configure the cache, compile the step model once, report the first call's time."""
     from models.cogvideox import GuidedTransformer, make_jit_safe
-    from torchax_runtime import CompileCache, TorchaxRuntime
+    from runtime.torchax_runtime import CompileCache, TorchaxRuntime
 
     cache = CompileCache(enabled=True)
 
@@ -142,7 +142,7 @@ def peak_load_ratio(folder: str) -> dict[str, float]:
     from diffusers import CogVideoXTransformer3DModel
 
     import sharding
-    from torchax_runtime import TorchaxRuntime
+    from runtime.torchax_runtime import TorchaxRuntime
 
     runtime = TorchaxRuntime()
     before = peak_rss_bytes()

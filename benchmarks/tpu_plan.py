@@ -114,7 +114,7 @@ def splash_tiles() -> list[dict]:
     from jax.sharding import PartitionSpec as P
 
     import sharding
-    import tpus
+    from planning import tpus
     from splash_attention import SplashConfig, splash_attention
 
     found = []

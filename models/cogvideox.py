@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from runtime import DP, SP
+from runtime.interface import DP, SP
 from utils import Request, UserError
 
 from . import tiny

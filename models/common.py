@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from runtime import SP, TP, Runtime, Timer, TorchRuntime
+from runtime.interface import SP, TP, Runtime, Timer, TorchRuntime
 from utils import UserError, atomic_write
 
 # Stage 3: (B, C, F, H, W) latents split along width over the mesh's `sp` axis.
@@ -40,9 +40,9 @@ def check_backend_flags(backend: str, device: str | None) -> None:
 def jax_platform() -> str | None:
     """The platform of JAX's default devices ("tpu", "gpu", "cpu"), or None when JAX cannot be imported.
     Imports JAX: called only once torch has no GPU."""
-    from runtime import libtpu_off_tpu
+    from workarounds.libtpu import libtpu_off_tpu
 
-    libtpu_off_tpu()  # as torchax_compat does: off a TPU VM, libtpu must not try to claim one
+    libtpu_off_tpu()  # as workarounds.torchax does: off a TPU VM, libtpu must not try to claim one
     try:
         import jax
     except ImportError:
@@ -74,7 +74,7 @@ def open_runtime(backend: str, device: str | None, axis: str, compile_cache: boo
     if backend == "torch":
         return TorchRuntime(device or "cpu")
     try:
-        import torchax_runtime
+        from runtime import torchax_runtime
     except ImportError as err:
         raise UserError(
             f"--backend torchax needs JAX and torchax ({err}); install them with "

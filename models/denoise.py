@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from distributed import Processes
 from models.cache_schedule import CacheSettings
 from models.step_cache import StepCache
-from runtime import Layout, Runtime, Timer
+from runtime.distributed import Processes
+from runtime.interface import Layout, Runtime, Timer
 from utils import CHECKPOINT_FILE, Stopped, UserError, atomic_write, log, logging_enabled
 
 LATENTS_LAYOUT = "BCFHW"  # stage 2's latents file, for every family

@@ -15,7 +15,7 @@ import torch
 
 if TYPE_CHECKING:  # annotations only
     from models.denoise import DenoiseLoop
-    from runtime import Runtime
+    from runtime.interface import Runtime
     from utils import Request
 
 

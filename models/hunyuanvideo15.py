@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from runtime import DP
+from runtime.interface import DP
 from utils import Request, UserError
 
 from . import common, tiny

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from models.cache_schedule import CACHED, MAG_RATIOS_FILE, CacheSettings, schedule, schedule_text, state_names
-from runtime import DP, SP
+from runtime.interface import DP, SP
 from utils import UserError, atomic_write, log
 
 HIDDEN_LAYOUT = (DP, SP, None)  # the residuals' layouts: the blocks' own (batch on dp, video tokens on sp)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from runtime import DP, SP
+from runtime.interface import DP, SP
 from utils import Request, UserError, log
 
 from . import tiny

@@ -18,9 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 import sharding
 from models import cogvideox, hunyuanvideo15, published, wan
-from runtime import DP, SP, TP
+from runtime.interface import DP, SP, TP
 from splash_attention import SplashConfig, attention_backend
-from torchax_compat import import_torchax
+from workarounds.torchax import import_torchax
 
 torchax = import_torchax()
 from torchax import interop  # noqa: E402
@@ -151,7 +151,7 @@ def measure(
 
 
 def sp_choice(sp_mode: str, mesh, model) -> str:
-    from sequence_parallel import sp_mode_choice
+    from attention.sequence_parallel import sp_mode_choice
 
     return sp_mode_choice(sp_mode, dict(mesh.shape), model.config.num_attention_heads)[0]
 

@@ -21,9 +21,9 @@ import jax
 import torch
 from jax.sharding import Mesh, NamedSharding
 
-import hlo
 import sharding
-from tpus import Target, host_layout, parse_target, topology_mesh
+from planning import hlo
+from planning.tpus import Target, host_layout, parse_target, topology_mesh
 from utils import CONFIG_FILE, Request, UserError, parse_dtype, read_config, read_tensors
 
 # Abstract programs ---------------------------------------------------------------------------------
@@ -271,8 +271,8 @@ def plan_stage2(
     meta-device transformer. It is compiled at the model's depth (memory, FLOPs, every collective) and
     at two and three blocks, whose difference gives the collectives of one block. With a step cache
     (`cache`: magcache or interval) that is the full step, and the cached step is compiled as well."""
+    from runtime.torchax_runtime import TorchaxRuntime
     from splash_attention import attention_backend, record_kernel_calls
-    from torchax_runtime import TorchaxRuntime
 
     mesh = topology_mesh(target, mesh_shape)
     runtime = TorchaxRuntime(mesh)  # only its environment and `constrain` are used: nothing is placed
@@ -344,8 +344,8 @@ def plan_stage3(family, source, request, dtype, target: Target, tiling: bool):
     device) for `target`; the report as a dict. The latents' shape comes from the family's own stage-2
     loop (built around a one-block meta transformer), so it is the shape stage 2 writes."""
     from models.common import LATENTS_WIDTH_SPLIT
+    from runtime.torchax_runtime import TorchaxRuntime
     from sharding import REPLICATED_TABLE, MeshShape
-    from torchax_runtime import TorchaxRuntime
 
     mesh = topology_mesh(target, MeshShape(sp=target.devices))
     runtime = TorchaxRuntime(mesh)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tpus import GIB
+from planning.tpus import GIB
 from utils import atomic_write
 
 DOES_NOT_FIT_EXIT_STATUS = 3

@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import sharding
-from runtime import libtpu_off_tpu
+from workarounds.libtpu import libtpu_off_tpu
 
 GIB = 2**30
 

@@ -16,7 +16,8 @@ renewing its heartbeat key and the others exit after `peer_timeout` seconds. Bot
 line in every process, never JAX's 300 s initialization wait or a hang in a collective.
 
 The key-value store and barriers are JAX's coordination service client, reached through the private
-`jax._src.distributed.global_state` (JAX has no public key-value API); only `_client` touches it.
+`jax._src.distributed.global_state` (JAX has no public key-value API), through
+workarounds.jax.coordination_client.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 from collections.abc import Iterator, Mapping
 
 from utils import Stopped, UserError
+from workarounds.jax import coordination_client
 
 NAMESPACE = "tpu_video_stage2"
 HEARTBEAT_SECONDS = 1.0
@@ -119,7 +121,7 @@ class Processes:
 
     def _exchange(self, phase: str, value: str) -> list[tuple[int, str]]:
         """Every process posts `value` for `phase`; after all have, each gets (process, value) for all."""
-        client = _client()
+        client = coordination_client()
         client.key_value_set(f"{NAMESPACE}/{phase}/{self.index}", value)
         client.wait_at_barrier(f"{NAMESPACE}/{phase}", BARRIER_TIMEOUT_MS)
         reports = (
@@ -184,7 +186,7 @@ class Processes:
             if self.count == 1:
                 raise
             with contextlib.suppress(Exception):
-                _client().key_value_set(f"{NAMESPACE}/failed/{self.index}", f"{type(err).__name__}: {err}")
+                coordination_client().key_value_set(f"{NAMESPACE}/failed/{self.index}", f"{type(err).__name__}: {err}")
             if isinstance(err, UserError):
                 raise
             if type(err).__name__ == "JaxRuntimeError":
@@ -200,7 +202,7 @@ class Processes:
     def _watch(self) -> None:
         """Renew this process's heartbeat key every second; exit with an `error:` line when a peer has
         published a failure, or its heartbeat has not changed for `peer_timeout` seconds."""
-        client = _client()
+        client = coordination_client()
         beats, seen = 0, {peer: (None, time.monotonic()) for peer in range(self.count) if peer != self.index}
         while not self._stop_watching.wait(HEARTBEAT_SECONDS):
             try:
@@ -220,12 +222,6 @@ class Processes:
                 if self._stop_watching.is_set():
                     return
                 _give_up(f"lost contact with process 0, which coordinates the run ({type(err).__name__})")
-
-
-def _client():
-    from jax._src import distributed
-
-    return distributed.global_state.client
 
 
 def _try_get(client, key: str) -> str | None:

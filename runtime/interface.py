@@ -98,50 +98,6 @@ class TorchRuntime:
         return {"backend": "torch", "device": str(self.device)}
 
 
-def libtpu_off_tpu() -> None:
-    """Make libtpu behave on hosts without TPU chips, where it only compiles (--plan).
-
-    libtpu (the tpu extra; `make test` installs it for --plan) prints several lines to stderr when JAX
-    starts its backends, or when --plan asks it for a topology ("could not determine TPU accelerator
-    type", worker hostnames, "Logging before InitGoogle"); with TPU_ACCELERATOR_TYPE and
-    TPU_WORKER_HOSTNAMES set it stays quiet and JAX still runs on the CPU. It also takes a lock file
-    that makes a second process fail ("libtpu multi-process lockfile") while one holds it; with no
-    chips to share, ALLOW_MULTIPLE_LIBTPU_LOAD lets plans run side by side. TPU VMs expose their chips
-    as /dev/accel* or /dev/vfio: there nothing is changed, and a value the user set is never replaced.
-    """
-    import os
-    from pathlib import Path
-
-    if any(Path("/dev").glob("accel*")) or Path("/dev/vfio").exists():
-        return
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v6e-8")  # any valid type; only read to stay quiet
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-
-def with_cpu_platform(platforms: str | None) -> str | None:
-    """A JAX_PLATFORMS value with `cpu` appended when it names only accelerators ("cuda" -> "cuda,cpu")."""
-    if not platforms or "cpu" in platforms.split(","):
-        return platforms
-    return f"{platforms},cpu"
-
-
-def keep_cpu_backend() -> None:
-    """Keep JAX's CPU backend beside the accelerator, before JAX starts its backends.
-
-    The in-graph mask checks (cudnn_attention, attention_masks) raise through `jax.debug.callback`,
-    and JAX runs every host callback on a CPU device: with JAX_PLATFORMS=cuda (or tpu) alone a step fails
-    with "jax.debug.callback failed to find a local CPU device" (seen on an H100 with JAX 0.11.2). The CPU
-    backend costs nothing there, and JAX still picks the accelerator as the default backend.
-    """
-    import jax
-
-    platforms = jax.config.jax_platforms
-    wanted = with_cpu_platform(platforms)
-    if wanted != platforms:
-        jax.config.update("jax_platforms", wanted)
-
-
 class Timer:
     """Collects named wall-clock phases ({"load": 1.2, "denoise": 30.5}) and per-step seconds."""
 

@@ -21,8 +21,8 @@ import torch
 from jax.sharding import Mesh
 
 import sharding
-from torchax_compat import import_torchax
 from utils import log
+from workarounds.torchax import import_torchax
 
 torchax = import_torchax()
 

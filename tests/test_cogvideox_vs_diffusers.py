@@ -17,7 +17,7 @@ import stage2_transformer
 from helpers import relative_error, run_stage
 from models import cogvideox
 from models.common import LATENTS_WIDTH_SPLIT, decode
-from runtime import Timer, TorchRuntime
+from runtime.interface import Timer, TorchRuntime
 from utils import STAGE2_FILE, read_config, read_tensors
 
 TOLERANCE = 1e-4
@@ -98,7 +98,7 @@ def test_torchax_decode_matches_torch_decode(width_split):
     """Stage 3's two backends decode the same latents to the same frames (fp32, same tolerance), also
     with the activations split along width over 8 devices as stage 3 does (latent width 16)."""
     import sharding
-    from torchax_runtime import TorchaxRuntime
+    from runtime.torchax_runtime import TorchaxRuntime
 
     source, family = models.resolve_model("tiny-cogvideox")
     latents = torch.randn(1, 4, 3, 8, 16, generator=torch.Generator().manual_seed(0))

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-import hlo
 import sharding
+from planning import hlo
 from sharding import MeshShape
 
 # One all-reduce op of two f32 tensors and one all-gather, as XLA:CPU prints them after the partitioner.

@@ -15,11 +15,11 @@ from test_hunyuanvideo15_patches import Sample, inputs, tiny_transformer
 
 import sharding
 import stage2_transformer
-from cudnn_attention import fused_attention
+from attention.cudnn import fused_attention
 from helpers import expect_user_error, reference_attention, relative_error, tiny_stage1
 from models import hunyuanvideo15
+from runtime.torchax_runtime import TorchaxRuntime
 from splash_attention import SplashConfig, attention_backend, resolve_backend
-from torchax_runtime import TorchaxRuntime
 
 
 def qkv(batch=2, heads=2, q_len=40, kv_len=56, head_dim=16, seed=0):

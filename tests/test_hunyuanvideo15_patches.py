@@ -12,8 +12,8 @@ import torch
 import sharding
 from helpers import relative_error
 from models import hunyuanvideo15, tiny
+from runtime.torchax_runtime import TorchaxRuntime
 from splash_attention import SplashConfig, attention_backend
-from torchax_runtime import TorchaxRuntime
 
 TEXT, BYT5, IMAGE = 12, 6, 5
 

@@ -16,7 +16,7 @@ import stage1_text_encoder
 import stage2_transformer
 from helpers import relative_error, run_stage
 from models.common import decode
-from runtime import Timer, TorchRuntime
+from runtime.interface import Timer, TorchRuntime
 from utils import read_config, read_tensors
 
 TOLERANCE = 1e-4

@@ -13,14 +13,14 @@ import pytest
 import torch
 
 import models
-import plan_report
 import sharding
 import stage2_transformer
 import stage3_vae_decoder
-import tpus
 from helpers import expect_user_error, run_stage, tiny_stage1
+from planning import report as plan_report
+from planning import tpus
+from runtime.torchax_runtime import TorchaxRuntime
 from sharding import MeshShape
-from torchax_runtime import TorchaxRuntime
 
 
 @pytest.mark.parametrize(

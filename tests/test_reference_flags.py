@@ -20,7 +20,7 @@ import stage2_transformer
 import stage3_vae_decoder
 from helpers import expect_user_error, run_script, run_stage
 from models.common import choose_backend, decode
-from runtime import Timer, TorchRuntime
+from runtime.interface import Timer, TorchRuntime
 from utils import CONFIG_FILE, STAGE1_FILE, STAGE2_FILE, read_config, read_tensors
 
 REQUEST = ["--prompt", "a cat", "--height", "32", "--width", "48", "--num_inference_steps", "2"]

@@ -12,8 +12,9 @@ from PIL import Image
 import stage2_transformer
 import stage3_vae_decoder
 from helpers import run_script, run_stage, tiny_stage1
-from runtime import Timer, with_cpu_platform
+from runtime.interface import Timer
 from utils import STAGE2_FILE, read_config, read_tensors
+from workarounds.jax import with_cpu_platform
 
 STEPS = 3
 
@@ -43,7 +44,7 @@ def test_warmup_does_not_change_the_result(stage1_dir, tmp_path):
 )
 def test_an_accelerator_only_platform_list_keeps_the_cpu_backend(platforms, expected):
     """JAX runs host callbacks (the in-graph mask checks) on a CPU device: JAX_PLATFORMS=cuda alone broke
-    stage 2 on an H100 (runtime.keep_cpu_backend appends cpu before the backends start)."""
+    stage 2 on an H100 (workarounds.jax.keep_cpu_backend appends cpu before the backends start)."""
     assert with_cpu_platform(platforms) == expected
 
 
@@ -55,8 +56,8 @@ def test_torchax_runs_fp32_matmuls_at_full_precision(dtype, precision):
     import jax.numpy as jnp
 
     import sharding
-    from runtime import TorchRuntime
-    from torchax_runtime import TorchaxRuntime
+    from runtime.interface import TorchRuntime
+    from runtime.torchax_runtime import TorchaxRuntime
 
     runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(1, 1, 1)))
     x = jnp.ones((4, 4), jnp.float32)

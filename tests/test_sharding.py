@@ -12,16 +12,16 @@ import pytest
 import torch
 
 import models
-import plan
 import sharding
 import stage2_transformer
 from helpers import expect_user_error, relative_error, run_stage, tiny_stage1
 from models import published, tiny
 from models.denoise import DenoiseOptions, denoise
-from runtime import Timer
+from planning import plan
+from runtime.interface import Timer
+from runtime.torchax_runtime import TorchaxRuntime
 from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, RuleTable, choose_mesh_shape
 from splash_attention import SplashConfig, attention_backend
-from torchax_runtime import TorchaxRuntime
 from utils import Request, read_config, read_tensors
 
 TOLERANCE = 1e-5

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import sharding
-from attention_masks import masks_from_attn_mask
+from attention.masks import masks_from_attn_mask
+from attention.sequence_parallel import attention_scheme, merge_partials, sp_mode_choice
+from attention.xla import attention_with_lse, xla_attention, xla_sequence_parallel_attention
 from helpers import reference_attention, relative_error
-from sequence_parallel import attention_scheme, merge_partials, sp_mode_choice
 from splash_attention import SplashConfig, attention_backend, splash_attention, tile_sizes
-from xla_attention import attention_with_lse, xla_attention, xla_sequence_parallel_attention
 
 SMALL_TILES = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
 
@@ -122,7 +122,7 @@ def test_tile_sizes_clamp_to_short_sequences_and_keep_divisibility():
 def test_torchax_sdpa_override_calls_splash_and_matches_torch(monkeypatch):
     """Inside the torchax environment, F.scaled_dot_product_attention with a key mask runs Splash."""
     import splash_attention as module
-    from torchax_runtime import TorchaxRuntime
+    from runtime.torchax_runtime import TorchaxRuntime
 
     calls = []
     monkeypatch.setattr(module, "splash_attention", lambda *a, **kw: calls.append(1) or splash_attention(*a, **kw))
@@ -234,7 +234,7 @@ def test_dense_mask_that_is_not_key_padding_raises():
 
 
 def test_large_dense_masks_are_refused_not_approximated():
-    from attention_masks import DENSE_MASK_LIMIT
+    from attention.masks import DENSE_MASK_LIMIT
 
     side = int(DENSE_MASK_LIMIT**0.5) + 1
     mask = jax.ShapeDtypeStruct((1, 1, side, side), jnp.bool_)

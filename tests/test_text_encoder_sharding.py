@@ -17,8 +17,8 @@ import stage1_text_encoder
 from helpers import relative_error, run_stage
 from models.common import DeviceTextEncoder
 from models.published import QWEN25_VL_7B_TEXT, T5_XXL_ENCODER
+from runtime.torchax_runtime import TorchaxRuntime
 from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, P
-from torchax_runtime import TorchaxRuntime
 
 TOLERANCE = 1e-5
 

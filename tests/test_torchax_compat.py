@@ -7,11 +7,11 @@ import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import torchax_runtime
 from models.hunyuanvideo15 import reorder_text_tokens
+from runtime import torchax_runtime
+from runtime.torchax_runtime import TorchaxRuntime
 from sharding import MeshShape, make_mesh
-from torchax_compat import MISSING_OVERLOADS, import_torchax, tolerate_missing_overloads
-from torchax_runtime import TorchaxRuntime
+from workarounds.torchax import MISSING_OVERLOADS, import_torchax, tolerate_missing_overloads
 
 
 def test_shimmed_import_works_and_names_what_was_missing():

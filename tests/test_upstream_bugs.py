@@ -16,8 +16,8 @@ from test_torchax_compat import collectives_in
 
 from helpers import relative_error
 from models import cogvideox, tiny
+from runtime.torchax_runtime import TorchaxRuntime
 from sharding import MeshShape, make_mesh
-from torchax_runtime import TorchaxRuntime
 
 pytestmark = pytest.mark.upstream_bug
 
@@ -74,7 +74,7 @@ def test_torchax_type_as_casts_in_place_and_leaves_a_stale_dtype():
     """torchax 0.0.13's Tensor.type_as mutates the array and keeps the old torch dtype, so a bf16 conv
     after `upsample(x.float()).type_as(x)` (the Wan VAE) fails under jit.
     Workaround: torchax_compat.cast_type_as."""
-    from torchax_compat import STOCK_TYPE_AS
+    from workarounds.torchax import STOCK_TYPE_AS
 
     class Upsampled(torch.nn.Module):
         def __init__(self, type_as):

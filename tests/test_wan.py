@@ -21,9 +21,9 @@ import stage2_transformer
 from helpers import expect_user_error, read_mp4, relative_error, run_script, run_stage
 from models import tiny, wan
 from models.common import decode
-from runtime import Timer, TorchRuntime
+from runtime.interface import Timer, TorchRuntime
+from runtime.torchax_runtime import TorchaxRuntime
 from splash_attention import SplashConfig, attention_backend
-from torchax_runtime import TorchaxRuntime
 from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, VIDEO_FILE, Stopped, read_config, read_tensors
 
 TOLERANCE = 1e-4

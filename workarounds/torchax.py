@@ -71,9 +71,10 @@ STOCK_TYPE_AS: list = []  # torchax's own Tensor.type_as, kept for the canary te
 def import_torchax():
     """Return the torchax module with its default environment built (the shim covers both steps).
 
-    Building it starts JAX's backends, so they are set up for this host first (runtime.libtpu_off_tpu,
-    runtime.keep_cpu_backend)."""
-    from runtime import keep_cpu_backend, libtpu_off_tpu
+    Building it starts JAX's backends, so they are set up for this host first (workarounds.libtpu.libtpu_off_tpu,
+    workarounds.jax.keep_cpu_backend)."""
+    from workarounds.jax import keep_cpu_backend
+    from workarounds.libtpu import libtpu_off_tpu
 
     libtpu_off_tpu()
     keep_cpu_backend()

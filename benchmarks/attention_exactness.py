@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
-from helpers import reference_attention  # noqa: E402  (the tests' float64 reference)
+sys.path.insert(0, ROOT)
+from attention.reference import reference_attention  # noqa: E402
 from splash_attention import SplashConfig, splash_attention  # noqa: E402
 
 

@@ -51,9 +51,15 @@ def build_pipeline(folder: Path) -> None:
 
 
 def run(module, argv) -> None:
-    from helpers import run_stage
+    """A stage's main() in this process, as its `__main__` block runs it."""
+    from utils import run_cli
 
-    run_stage(module, argv)
+    run_cli(lambda: module.main([str(arg) for arg in argv]))
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).norm() / expected.norm()).item()
 
 
 def psnr(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -68,11 +74,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--frames", type=int, default=17)
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
     import stage1_text_encoder
     import stage2_transformer
     import stage3_vae_decoder
-    from helpers import relative_error
     from utils import read_config, read_tensors
 
     work = Path(tempfile.mkdtemp(prefix="step-cache-"))

@@ -27,3 +27,16 @@ def harmless_warnings_filtered():
     from utils import filter_harmless_warnings
 
     filter_harmless_warnings()
+
+
+BLOCKER = "raise ImportError('jax is blocked for this test: stage 1 and stage 3 --backend torch must not need it')\n"
+
+
+@pytest.fixture
+def jax_blocked(tmp_path):
+    """A PYTHONPATH folder whose jax, jaxlib and torchax packages raise ImportError when imported."""
+    folder = tmp_path / "blocked"
+    for name in ("jax", "jaxlib", "torchax"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "__init__.py").write_text(BLOCKER)
+    return folder

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from attention.reference import reference_attention  # noqa: F401  (re-exported for the tests)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,24 +26,6 @@ def relative_error(actual, expected) -> float:
     """||actual - expected|| / ||expected|| over the whole tensor, in float64."""
     actual, expected = _float64(actual), _float64(expected)
     return ((actual - expected).norm() / expected.norm()).item()
-
-
-def reference_attention(query, key, value, allowed=None, *, bias=None, scale=None) -> np.ndarray:
-    """Softmax attention in float64, the one reference every attention test compares against.
-
-    Inputs (B, H, S, D). `allowed` is a boolean mask and `bias` an additive one, each broadcastable to
-    (B, H, Sq, Skv). Rows with no allowed key give zeros, as PyTorch's SDPA does."""
-    query, key, value = (np.asarray(x, dtype=np.float64) for x in (query, key, value))
-    scale = 1 / np.sqrt(query.shape[-1]) if scale is None else scale
-    scores = np.einsum("bhqd,bhkd->bhqk", query, key) * scale
-    if bias is not None:
-        scores = scores + np.asarray(bias, dtype=np.float64)
-    if allowed is not None:
-        scores = np.where(np.asarray(allowed), scores, -np.inf)
-    top = np.max(scores, axis=-1, keepdims=True)
-    weights = np.exp(scores - np.where(np.isfinite(top), top, 0))
-    weights = weights / np.maximum(weights.sum(-1, keepdims=True), 1e-300)
-    return np.einsum("bhqk,bhkd->bhqd", weights, value)
 
 
 def run_stage(module, argv: list[str]) -> None:
@@ -100,3 +84,58 @@ def tiny_stage1(out: Path, *flags) -> Path:
     argv = ["--model", "tiny-cogvideox", "--prompt", "a red cat", "--output_dir", out, "--dtype", "fp32", *flags]
     run_stage(stage1_text_encoder, argv)
     return out
+
+
+# HunyuanVideo-1.5 transformer inputs shared by the patch, fused-attention and canary tests.
+TEXT, BYT5, IMAGE = 12, 6, 5
+
+
+def tiny_hunyuan_transformer():
+    """A tiny HunyuanVideo-1.5 transformer for the forward-patch tests (seeded)."""
+    from models import tiny
+
+    return tiny.hunyuanvideo15_transformer(seed=0)
+
+
+class Sample(torch.nn.Module):
+    """The transformer's output tensor, so jit sees no Python `return_dict` argument."""
+
+    def __init__(self, transformer):
+        super().__init__()
+        self.transformer = transformer
+
+    def forward(self, **kwargs):
+        return self.transformer(**kwargs, return_dict=False)[0]
+
+
+def hunyuan_inputs(batch=2, seed=1):
+    """Text masks with padding at the end, in the middle, and a row with no ByT5 text at all."""
+    generator = torch.Generator().manual_seed(seed)
+    text_mask = torch.ones(batch, TEXT, dtype=torch.int64)
+    text_mask[0, 9:] = 0
+    text_mask[-1, 3:5] = 0
+    byt5_mask = torch.zeros(batch, BYT5, dtype=torch.int64)
+    byt5_mask[0, :4] = 1
+    return {
+        "hidden_states": torch.randn(batch, 9, 3, 4, 6, generator=generator),
+        "timestep": torch.tensor([700.0] * batch),
+        "encoder_hidden_states": torch.randn(batch, TEXT, 16, generator=generator),
+        "encoder_attention_mask": text_mask,
+        "encoder_hidden_states_2": torch.randn(batch, BYT5, 8, generator=generator),
+        "encoder_attention_mask_2": byt5_mask,
+        "image_embeds": torch.zeros(batch, IMAGE, 12),
+    }
+
+
+def collectives_in(jax_function, shapes, mesh) -> list[str]:
+    """The collective ops in `jax_function` compiled for inputs of `shapes` with the batch on `dp`."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from runtime import torchax_runtime
+
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("dp"))) for shape, dtype in shapes]
+    with torchax_runtime.torchax.default_env():
+        hlo = jax.jit(jax_function).lower(*args).compile().as_text()
+    return [name for name in ("all-reduce", "all-gather", "collective-permute", "all-to-all") if f" {name}" in hlo]

@@ -11,12 +11,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_hunyuanvideo15_patches import Sample, inputs, tiny_transformer
 
 import sharding
 import stage2_transformer
 from attention.cudnn import fused_attention
-from helpers import expect_user_error, reference_attention, relative_error, tiny_stage1
+from helpers import (
+    Sample,
+    expect_user_error,
+    hunyuan_inputs,
+    reference_attention,
+    relative_error,
+    tiny_hunyuan_transformer,
+    tiny_stage1,
+)
 from models import hunyuanvideo15
 from runtime.torchax_runtime import TorchaxRuntime
 from splash_attention import SplashConfig, attention_backend, resolve_backend
@@ -97,14 +104,14 @@ def test_hunyuanvideo15_masks_are_prefixes_and_the_fused_call_matches_eager(mesh
     cudnn backend's call (on XLA) equals the stock eager forward."""
 
     def right_padded():
-        values = inputs()
+        values = hunyuan_inputs()
         values["encoder_attention_mask"][-1] = torch.tensor([1] * 7 + [0] * 5)  # the shared inputs have a hole
         return values
 
     with torch.no_grad():
-        expected = tiny_transformer()(**right_padded(), return_dict=False)[0]
+        expected = tiny_hunyuan_transformer()(**right_padded(), return_dict=False)[0]
     runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(*mesh)))
-    transformer = hunyuanvideo15.make_jit_safe(tiny_transformer())
+    transformer = hunyuanvideo15.make_jit_safe(tiny_hunyuan_transformer())
     compiled = runtime.compile(Sample(transformer), sharding.hunyuanvideo15_transformer_rules().nested("transformer."))
     with attention_backend(runtime.env, "cudnn", SplashConfig(), runtime.mesh, fused_implementation=None):
         got = runtime.to_host(compiled(**runtime.to_device(right_padded())))

@@ -10,46 +10,10 @@ import pytest
 import torch
 
 import sharding
-from helpers import relative_error
+from helpers import BYT5, IMAGE, TEXT, Sample, hunyuan_inputs, relative_error, tiny_hunyuan_transformer
 from models import hunyuanvideo15, tiny
 from runtime.torchax_runtime import TorchaxRuntime
 from splash_attention import SplashConfig, attention_backend
-
-TEXT, BYT5, IMAGE = 12, 6, 5
-
-
-def tiny_transformer():
-    return tiny.hunyuanvideo15_transformer(seed=0)
-
-
-class Sample(torch.nn.Module):
-    """The transformer's output tensor, so jit sees no Python `return_dict` argument."""
-
-    def __init__(self, transformer):
-        super().__init__()
-        self.transformer = transformer
-
-    def forward(self, **kwargs):
-        return self.transformer(**kwargs, return_dict=False)[0]
-
-
-def inputs(batch=2, seed=1):
-    """Text masks with padding at the end, in the middle, and a row with no ByT5 text at all."""
-    generator = torch.Generator().manual_seed(seed)
-    text_mask = torch.ones(batch, TEXT, dtype=torch.int64)
-    text_mask[0, 9:] = 0
-    text_mask[-1, 3:5] = 0
-    byt5_mask = torch.zeros(batch, BYT5, dtype=torch.int64)
-    byt5_mask[0, :4] = 1
-    return {
-        "hidden_states": torch.randn(batch, 9, 3, 4, 6, generator=generator),
-        "timestep": torch.tensor([700.0] * batch),
-        "encoder_hidden_states": torch.randn(batch, TEXT, 16, generator=generator),
-        "encoder_attention_mask": text_mask,
-        "encoder_hidden_states_2": torch.randn(batch, BYT5, 8, generator=generator),
-        "encoder_attention_mask_2": byt5_mask,
-        "image_embeds": torch.zeros(batch, IMAGE, 12),
-    }
 
 
 def test_reorder_matches_boolean_indexing():
@@ -76,11 +40,11 @@ def test_reorder_matches_boolean_indexing():
 
 
 def test_traceable_forward_equals_stock_forward_in_eager_pytorch():
-    stock = tiny_transformer()
-    patched = hunyuanvideo15.make_jit_safe(tiny_transformer())
+    stock = tiny_hunyuan_transformer()
+    patched = hunyuanvideo15.make_jit_safe(tiny_hunyuan_transformer())
     with torch.no_grad():
-        expected = stock(**inputs(), return_dict=False)[0]
-        got = patched(**inputs(), return_dict=False)[0]
+        expected = stock(**hunyuan_inputs(), return_dict=False)[0]
+        got = patched(**hunyuan_inputs(), return_dict=False)[0]
     assert torch.equal(got, expected)
 
 
@@ -95,7 +59,7 @@ def test_blocks_pass_per_key_masks_never_dense_ones(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
     with torch.no_grad():
-        hunyuanvideo15.make_jit_safe(tiny_transformer())(**inputs(), return_dict=False)
+        hunyuanvideo15.make_jit_safe(tiny_hunyuan_transformer())(**hunyuan_inputs(), return_dict=False)
     joint = 3 * 4 * 6 + TEXT + BYT5 + IMAGE
     joint_shapes = [shape for shape in shapes if shape and shape[-1] == joint]
     assert len(joint_shapes) == 2 and all(shape == (2, 1, 1, joint) for shape in joint_shapes)
@@ -117,13 +81,13 @@ def test_blocks_pass_per_key_masks_never_dense_ones(monkeypatch):
 )
 def test_jitted_sharded_forward_matches_stock_eager(attention, mesh, sp_mode):
     with torch.no_grad():
-        expected = tiny_transformer()(**inputs(), return_dict=False)[0]
-    transformer = hunyuanvideo15.make_jit_safe(tiny_transformer())
+        expected = tiny_hunyuan_transformer()(**hunyuan_inputs(), return_dict=False)[0]
+    transformer = hunyuanvideo15.make_jit_safe(tiny_hunyuan_transformer())
     runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(*mesh)))
     splash = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True, sp_mode=sp_mode)
     compiled = runtime.compile(Sample(transformer), sharding.hunyuanvideo15_transformer_rules().nested("transformer."))
     with attention_backend(runtime.env, attention, splash, runtime.mesh):
-        got = runtime.to_host(compiled(**runtime.to_device(inputs())))
+        got = runtime.to_host(compiled(**runtime.to_device(hunyuan_inputs())))
     assert torch.isfinite(got).all()
     assert relative_error(got, expected) <= 1e-5
 

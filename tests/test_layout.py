@@ -161,3 +161,17 @@ def test_the_wheel_ships_every_module(tmp_path):
     shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith(".py")}
     expected = {str(path.relative_to(ROOT)) for path in project_modules().values()}
     assert shipped == expected
+
+
+def test_no_test_module_imports_another_and_no_benchmark_imports_a_test():
+    """Shared test code lives in tests/helpers.py and tests/conftest.py; benchmarks stand on the product."""
+    test_modules = {path.stem for path in (ROOT / "tests").glob("test_*.py")}
+    for path in [*(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]:
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module.split(".")[0])
+        forbidden = test_modules | ({"helpers", "conftest"} if path.parent.name == "benchmarks" else set())
+        assert not imported & forbidden, f"{path.relative_to(ROOT)} imports {sorted(imported & forbidden)}"

@@ -4,18 +4,6 @@ import pytest
 
 from helpers import run_script
 
-BLOCKER = "raise ImportError('jax is blocked for this test: stage 1 and stage 3 --backend torch must not need it')\n"
-
-
-@pytest.fixture
-def jax_blocked(tmp_path):
-    """A PYTHONPATH folder whose jax, jaxlib and torchax packages raise ImportError when imported."""
-    folder = tmp_path / "blocked"
-    for name in ("jax", "jaxlib", "torchax"):
-        (folder / name).mkdir(parents=True)
-        (folder / name / "__init__.py").write_text(BLOCKER)
-    return folder
-
 
 @pytest.mark.slow
 def test_stage1_and_stage3_torch_backend_never_import_jax(jax_blocked, tmp_path):

@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_no_jax_stages import jax_blocked  # noqa: F401  (fixture)
 
 import models
 import stage1_text_encoder

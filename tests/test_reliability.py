@@ -16,7 +16,6 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_no_jax_stages import jax_blocked  # noqa: F401  (fixture)
 
 from helpers import ROOT, read_mp4, run_script
 from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE1_FILE, STAGE2_FILE, VIDEO_FILE, write_tensors

@@ -4,11 +4,9 @@ values; tests/test_upstream_bugs.py holds the canaries that fail once torchax no
 import jax
 import pytest
 import torch
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from helpers import collectives_in
 from models.hunyuanvideo15 import reorder_text_tokens
-from runtime import torchax_runtime
 from runtime.torchax_runtime import TorchaxRuntime
 from sharding import MeshShape, make_mesh
 from workarounds.torchax import MISSING_OVERLOADS, import_torchax, tolerate_missing_overloads
@@ -54,14 +52,6 @@ def test_gather_lowering_equals_torch_gather(input_shape, dim, index_shape):
     with runtime.env:
         actual = torch.gather(runtime.to_device(values), dim, runtime.to_device(index))
     assert torch.equal(runtime.to_host(actual), torch.gather(values, dim, index))
-
-
-def collectives_in(jax_function, shapes, mesh) -> list[str]:
-    """The collective ops in `jax_function` compiled for inputs of `shapes` with the batch on `dp`."""
-    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("dp"))) for shape, dtype in shapes]
-    with torchax_runtime.torchax.default_env():
-        hlo = jax.jit(jax_function).lower(*args).compile().as_text()
-    return [name for name in ("all-reduce", "all-gather", "collective-permute", "all-to-all") if f" {name}" in hlo]
 
 
 def test_token_reorder_needs_no_collectives_on_a_dp_sharded_batch():

@@ -11,10 +11,8 @@ import sys
 import jax
 import pytest
 import torch
-from test_hunyuanvideo15_patches import Sample, inputs, tiny_transformer
-from test_torchax_compat import collectives_in
 
-from helpers import relative_error
+from helpers import Sample, collectives_in, hunyuan_inputs, relative_error, tiny_hunyuan_transformer
 from models import cogvideox, tiny
 from runtime.torchax_runtime import TorchaxRuntime
 from sharding import MeshShape, make_mesh
@@ -65,9 +63,9 @@ def test_diffusers_hunyuanvideo15_forward_cannot_be_traced():
     """diffusers 0.42.1's HunyuanVideo15Transformer3DModel.forward branches on tensor values
     (`if torch.all(image_embeds == 0)`). Workaround: hunyuanvideo15.traceable_forward."""
     runtime = TorchaxRuntime()
-    compiled = runtime.compile(Sample(tiny_transformer()))
+    compiled = runtime.compile(Sample(tiny_hunyuan_transformer()))
     with pytest.raises(Exception, match="Concretization|concrete|bool"):
-        compiled(**runtime.to_device(inputs()))
+        compiled(**runtime.to_device(hunyuan_inputs()))
 
 
 def test_torchax_type_as_casts_in_place_and_leaves_a_stale_dtype():

@@ -12,13 +12,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_hunyuanvideo15_patches import Sample
 
 import models
 import sharding
 import stage1_text_encoder
 import stage2_transformer
-from helpers import expect_user_error, read_mp4, relative_error, run_script, run_stage
+from helpers import Sample, expect_user_error, read_mp4, relative_error, run_script, run_stage
 from models import tiny, wan
 from models.common import decode
 from runtime.interface import Timer, TorchRuntime

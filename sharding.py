@@ -140,6 +140,27 @@ def fit_spec(spec: PartitionSpec | tuple, shape: Sequence[int], mesh: Mesh) -> P
     return P(*fitted)
 
 
+# torch dtypes as JAX holds them: JAX runs without x64, as torchax does, so 64-bit types narrow.
+JAX_DTYPES = {
+    torch.float32: jax.numpy.float32,
+    torch.float64: jax.numpy.float32,
+    torch.bfloat16: jax.numpy.bfloat16,
+    torch.float16: jax.numpy.float16,
+    torch.int64: jax.numpy.int32,
+    torch.int32: jax.numpy.int32,
+    torch.bool: jax.numpy.bool_,
+}
+
+
+def abstract(shape: Sequence[int], dtype, layout: PartitionSpec | tuple = (), *, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    """What an array placed on `mesh` as `layout` looks like to the compiler: shape, dtype (torch or JAX)
+    and sharding, no data. The planner and the collective counts compile over these."""
+    shape = tuple(shape)
+    return jax.ShapeDtypeStruct(
+        shape, JAX_DTYPES.get(dtype, dtype), sharding=NamedSharding(mesh, fit_spec(layout, shape, mesh))
+    )
+
+
 # Rule tables ---------------------------------------------------------------------------------------
 
 

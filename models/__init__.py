@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runtime.interface import cache_root
 from utils import UserError
 
 from . import cogvideox, hunyuanvideo15, published, wan
@@ -28,8 +29,6 @@ from .family import Family, Preset
 FAMILIES: dict[str, Family] = {family.NAME: family for family in (cogvideox, hunyuanvideo15, wan)}
 
 PRESETS: dict[str, Preset] = {name: preset for family in FAMILIES.values() for name, preset in family.PRESETS.items()}
-
-CACHE_ENV = "TPU_VIDEO_CACHE"
 
 
 @dataclass(frozen=True)
@@ -135,10 +134,6 @@ def detect_family(index: dict[str, Any], model: str) -> Family:
     raise UserError(f"--model {model!r} is a {pipeline_class!r} pipeline; supported: {supported}")
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tpu-video")
-
-
 def _publish_folder(target: Path, write) -> Path:
     """Fill `target` through `write(staging_folder)` once, atomically (another process may race us)."""
     if (target / "model_index.json").is_file():
@@ -190,7 +185,7 @@ def materialize_published(hub_id: str) -> Path:
             (folder / component / cls.config_name).write_text(text)
         (folder / "model_index.json").write_text(json.dumps(index))
 
-    return _publish_folder(_cache_root() / "published" / f"{hub_id.replace('/', '--')}-{digest}", write)
+    return _publish_folder(cache_root() / "published" / f"{hub_id.replace('/', '--')}-{digest}", write)
 
 
 def materialize_preset(name: str) -> Path:
@@ -208,4 +203,4 @@ def materialize_preset(name: str) -> Path:
     # Keys starting with "_" are bookkeeping (some are unordered sets), not part of the model.
     configs = {name: {k: v for k, v in c.items() if not k.startswith("_")} for name, c in configs.items()}
     digest = hashlib.sha256(json.dumps(configs, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return _publish_folder(_cache_root() / "presets" / f"{name}-{digest}", pipe.save_pretrained)
+    return _publish_folder(cache_root() / "presets" / f"{name}-{digest}", pipe.save_pretrained)

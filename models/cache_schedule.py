@@ -171,14 +171,8 @@ INTERVAL_FLAGS = {
 
 
 def kind_from_flags(args) -> str:
-    """none, magcache or interval, as the flags ask (--enable_cache: interval; --cache_calibrate: magcache)."""
-    if args.enable_cache:
-        return "interval"
-    return "magcache" if args.cache_calibrate else args.cache
-
-
-def settings_from_flags(args, input_dir: Path, model_id: str) -> CacheSettings:
-    """The step cache from the flags; a flag of the other kind, or one without --cache, is an error."""
+    """none, magcache or interval, as the flags ask (--enable_cache: interval; --cache_calibrate: magcache);
+    a flag of the other kind, or one without --cache, is an error. A run and --plan both check here."""
     kind = args.cache
     if args.enable_cache:
         if kind not in ("none", "interval"):
@@ -194,6 +188,12 @@ def settings_from_flags(args, input_dir: Path, model_id: str) -> CacheSettings:
         given = [f"--{flag}" for flag in flags if getattr(args, flag) is not None]
         if given and not active:
             raise UserError(f"{', '.join(given)} only apply with {what}")
+    return "magcache" if magcache else kind
+
+
+def settings_from_flags(args, input_dir: Path, model_id: str) -> CacheSettings:
+    """The step cache from the flags (checked by kind_from_flags), with MagCache's ratios read."""
+    kind = kind_from_flags(args)
     values = {
         key: getattr(args, flag)
         for key, flag in {**MAGCACHE_FLAGS, **INTERVAL_FLAGS}.items()

@@ -29,6 +29,7 @@ from .common import (
 )
 from .denoise import DenoiseLoop, latents_record
 from .family import Preset
+from .guidance import BATCH, Guided, cfg_combination
 
 NAME = "cogvideox"
 PIPELINE_CLASSES = ("CogVideoXPipeline",)
@@ -206,7 +207,6 @@ def make_jit_safe(transformer: torch.nn.Module) -> torch.nn.Module:
 
 # Activation layouts on the mesh (mesh axis per dimension): the CFG batch on dp, video tokens on sp
 # between blocks.
-BATCH = (DP,)
 BLOCK_INPUTS = {"hidden_states": (DP, SP, None), "encoder_hidden_states": (DP, None, None)}
 
 
@@ -221,36 +221,31 @@ def transformer_rules(tp_mode: str):
     return sharding.cogvideox_transformer_rules(tp_mode)
 
 
-class GuidedTransformer(torch.nn.Module):
+class GuidedTransformer(Guided):
     """One denoiser evaluation: the transformer on [uncond, cond] and the CFG combination, as one graph.
 
     Mirrors CogVideoXPipeline.__call__'s loop body; the guidance scale is a tensor so dynamic CFG
     would not recompile. `constrain(tensor, spec)` pins activation layouts on the runtime's mesh.
     """
 
+    CFG_ORDER = ("uncond", "cond")
+
     def __init__(self, transformer: torch.nn.Module, do_cfg: bool, constrain=None) -> None:
-        super().__init__()
-        self.transformer = transformer
-        self.do_cfg = do_cfg
-        self.constrain = constrain or (lambda tensor, spec: tensor)
+        super().__init__(transformer, do_cfg, constrain)
         if constrain is not None:
             constrain_block_inputs(transformer.transformer_blocks, constrain, BLOCK_INPUTS)
 
     def forward(self, latents, timestep, prompt_embeds, image_rotary_emb, guidance_scale):
-        latent_model_input = torch.cat([latents] * 2) if self.do_cfg else latents
-        latent_model_input = self.constrain(latent_model_input, BATCH)
-        noise_pred = self.transformer(
-            hidden_states=latent_model_input,
-            encoder_hidden_states=prompt_embeds,
-            timestep=timestep.expand(latent_model_input.shape[0]),
-            image_rotary_emb=image_rotary_emb,
-            return_dict=False,
-        )[0]
-        noise_pred = noise_pred.float()
-        if self.do_cfg:
-            noise_pred_uncond, noise_pred_text = noise_pred.chunk(2)
-            noise_pred = noise_pred_uncond + guidance_scale * (noise_pred_text - noise_pred_uncond)
-        return noise_pred
+        def predict(model_input):
+            return self.transformer(
+                hidden_states=model_input,
+                encoder_hidden_states=prompt_embeds,
+                timestep=timestep.expand(model_input.shape[0]),
+                image_rotary_emb=image_rotary_emb,
+                return_dict=False,
+            )[0].float()
+
+        return self.guided(latents, predict, functools.partial(cfg_combination, guidance_scale=guidance_scale))
 
 
 def planning_embeds(source, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from runtime.interface import DP
 from utils import Request, UserError
 
 from . import common, tiny
 from .common import NOISE_DTYPE, DeviceTextEncoder
 from .denoise import DenoiseLoop, latents_record
 from .family import Preset
+from .guidance import BATCH, Guided
 
 NAME = "hunyuanvideo15"
 PIPELINE_CLASSES = ("HunyuanVideo15Pipeline",)
@@ -55,7 +55,6 @@ RESOLUTION_DEFAULTS = {
 COMMON_DEFAULTS = {"num_frames": 121, "fps": 24, "num_inference_steps": 50, "guidance_scale": 6.0}
 
 # Activation layout (mesh axis per dimension): the CFG batch on dp.
-BATCH = (DP,)
 PROMPT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
 
 
@@ -318,38 +317,35 @@ def cfg_enabled(guidance_scale: float) -> bool:
     return not math.isclose(guidance_scale, 1.0)
 
 
-class GuidedTransformer(torch.nn.Module):
+class GuidedTransformer(Guided):
     """One denoiser evaluation: [cond, uncond] as one batch of 2 (on `dp`) and the guider's combination,
     where the pipeline runs the two branches one after the other at batch 1."""
 
+    CFG_ORDER = ("cond", "uncond")
+
     def __init__(self, transformer: torch.nn.Module, guider, do_cfg: bool, constrain=None) -> None:
-        super().__init__()
-        self.transformer = make_jit_safe(transformer)
+        super().__init__(make_jit_safe(transformer), do_cfg, constrain)
         self.guider = guider
-        self.do_cfg = do_cfg
-        self.constrain = constrain or (lambda tensor, spec: tensor)
 
     def forward(self, latents, timestep, text, text_mask, text_2, text_mask_2, image_embeds):
         # Text-to-video: zero condition latents and a zero mask channel (prepare_cond_latents_and_mask).
         model_input = torch.cat([latents, torch.zeros_like(latents), torch.zeros_like(latents[:, :1])], dim=1)
-        if self.do_cfg:
-            model_input = torch.cat([model_input] * 2)
-        model_input = self.constrain(model_input, BATCH)
-        batch = model_input.shape[0]
-        noise_pred = self.transformer(
-            hidden_states=model_input,
-            image_embeds=image_embeds.expand(batch, -1, -1),
-            timestep=timestep.expand(batch).to(model_input.dtype),
-            encoder_hidden_states=text,
-            encoder_attention_mask=text_mask,
-            encoder_hidden_states_2=text_2,
-            encoder_attention_mask_2=text_mask_2,
-            return_dict=False,
-        )[0]
-        if not self.do_cfg:
-            return noise_pred
-        pred_cond, pred_uncond = noise_pred.chunk(2)
-        return self.guider.forward(pred_cond, pred_uncond).pred  # the guider's own combination
+
+        def predict(model_input):
+            batch = model_input.shape[0]
+            return self.transformer(
+                hidden_states=model_input,
+                image_embeds=image_embeds.expand(batch, -1, -1),
+                timestep=timestep.expand(batch).to(model_input.dtype),
+                encoder_hidden_states=text,
+                encoder_attention_mask=text_mask,
+                encoder_hidden_states_2=text_2,
+                encoder_attention_mask_2=text_mask_2,
+                return_dict=False,
+            )[0]
+
+        # the guider's own combination
+        return self.guided(model_input, predict, lambda cond, uncond: self.guider.forward(cond, uncond).pred)
 
 
 def planning_embeds(source, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ from . import tiny
 from .common import NOISE_DTYPE, DeviceTextEncoder, constrain_block_inputs
 from .denoise import DenoiseLoop, latents_record, multistep_state, restore_multistep_state
 from .family import Preset
+from .guidance import BATCH, Guided, cfg_combination
 
 NAME = "wan"
 PIPELINE_CLASSES = ("WanPipeline",)
@@ -43,7 +44,6 @@ DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "fps": 16, "num_infer
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's prompt layout: valid tokens, then zeros up to 512
 SHIFT_KEYS = ("flow_shift", "shift")  # UniPC's name for the flow shift, FlowMatchEuler's
 
-BATCH = (DP,)  # the CFG batch on dp
 # Each block's positional inputs: video tokens (on sp between blocks), prompt tokens, its modulation
 # (batch, 6, width), and the final norm's input: all unsplit along the width. Left free, the
 # partitioner splits them over tp and all-gathers them again before the next linear (XLA:CPU, 2x1x4
@@ -145,35 +145,30 @@ def transformer_rules(tp_mode: str):
     return sharding.wan_transformer_rules(tp_mode)
 
 
-class GuidedTransformer(torch.nn.Module):
+class GuidedTransformer(Guided):
     """One expert's denoiser evaluation: [cond, uncond] as one batch of 2 (on `dp`), where the pipeline
     makes two batch-1 calls, and its guidance expression with this expert's scale."""
 
+    CFG_ORDER = ("cond", "uncond")
+
     def __init__(self, transformer, dtype: torch.dtype, do_cfg: bool, guidance_scale: float, constrain=None) -> None:
-        super().__init__()
-        self.transformer = transformer
+        super().__init__(transformer, do_cfg, constrain)
         self.dtype = dtype  # the pipeline's `transformer_dtype` (fp32-kept modules aside)
-        self.do_cfg = do_cfg
         self.guidance_scale = guidance_scale
-        self.constrain = constrain or (lambda tensor, spec: tensor)
         if constrain is not None:
             constrain_block_inputs([*transformer.blocks, transformer.norm_out], constrain, BLOCK_INPUTS)
 
     def forward(self, latents, timestep, prompt_embeds):
-        model_input = latents.to(self.dtype)
-        if self.do_cfg:
-            model_input = torch.cat([model_input] * 2)
-        model_input = self.constrain(model_input, BATCH)
-        noise_pred = self.transformer(
-            hidden_states=model_input,
-            timestep=timestep.expand(model_input.shape[0]),
-            encoder_hidden_states=prompt_embeds,
-            return_dict=False,
-        )[0]
-        if not self.do_cfg:
-            return noise_pred
-        noise_cond, noise_uncond = noise_pred.chunk(2)
-        return noise_uncond + self.guidance_scale * (noise_cond - noise_uncond)
+        def predict(model_input):
+            return self.transformer(
+                hidden_states=model_input,
+                timestep=timestep.expand(model_input.shape[0]),
+                encoder_hidden_states=prompt_embeds,
+                return_dict=False,
+            )[0]
+
+        combine = functools.partial(cfg_combination, guidance_scale=self.guidance_scale)
+        return self.guided(latents.to(self.dtype), predict, combine)
 
 
 def planning_embeds(source, dtype: torch.dtype) -> dict[str, torch.Tensor]:

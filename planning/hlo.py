@@ -8,6 +8,7 @@ benchmarks/collectives.py prints these; tests/test_collectives.py holds the coun
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -118,8 +119,7 @@ def measure(
     block = getattr(model, blocks)[0]
     block_specs = {name[len(prefix) :]: spec for name, spec in specs.items() if name.startswith(prefix)}
 
-    def abstract(shape, dtype, spec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, sharding.fit_spec(spec, shape, mesh)))
+    abstract = functools.partial(sharding.abstract, mesh=mesh)
 
     f32 = jax.numpy.float32
     weights = {name: abstract(tuple(params[prefix + name].shape), f32, spec) for name, spec in block_specs.items()}
@@ -185,8 +185,7 @@ def text_encoder_collectives(model_name: str, layers: int, mesh) -> tuple[dict, 
     params = dict(model.named_parameters())
     specs = table.assign(list(params))
 
-    def abstract(shape, dtype, spec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, sharding.fit_spec(spec, shape, mesh)))
+    abstract = functools.partial(sharding.abstract, mesh=mesh)
 
     bf16, i32 = jax.numpy.bfloat16, jax.numpy.int32
     weights = {name: abstract(tuple(params[name].shape), bf16, spec) for name, spec in specs.items()}

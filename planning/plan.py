@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 import torch
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 import sharding
 from planning import hlo
@@ -27,22 +27,6 @@ from planning.tpus import Target, host_layout, parse_target, topology_mesh
 from utils import CONFIG_FILE, Request, UserError, parse_dtype, read_config, read_tensors
 
 # Abstract programs ---------------------------------------------------------------------------------
-
-_JAX_DTYPES = {
-    torch.float32: jax.numpy.float32,
-    torch.float64: jax.numpy.float32,  # JAX without x64, as torchax runs
-    torch.bfloat16: jax.numpy.bfloat16,
-    torch.float16: jax.numpy.float16,
-    torch.int64: jax.numpy.int32,
-    torch.int32: jax.numpy.int32,
-    torch.bool: jax.numpy.bool_,
-}
-
-
-def abstract(tensor: torch.Tensor, mesh: Mesh, layout: tuple = ()) -> jax.ShapeDtypeStruct:
-    """What a placed tensor looks like to the compiler: shape, dtype and sharding, no data."""
-    spec = sharding.fit_spec(sharding.P(*layout), tuple(tensor.shape), mesh)
-    return jax.ShapeDtypeStruct(tuple(tensor.shape), _JAX_DTYPES[tensor.dtype], sharding=NamedSharding(mesh, spec))
 
 
 def meta_module(source, component: str, dtype: torch.dtype, **overrides) -> torch.nn.Module:
@@ -111,10 +95,18 @@ def _abstract_call(module: torch.nn.Module, rules, inputs, mesh: Mesh, method: s
     from torchax import interop
 
     specs = rules.assign([name for name, _ in module.named_parameters()])
-    state = {name: abstract(param, mesh, tuple(specs[name])) for name, param in module.named_parameters()}
-    state.update({name: abstract(buffer, mesh) for name, buffer in module.named_buffers()})
+    state = {
+        name: sharding.abstract(param.shape, param.dtype, specs[name], mesh=mesh)
+        for name, param in module.named_parameters()
+    }
+    state.update(
+        {name: sharding.abstract(buffer.shape, buffer.dtype, mesh=mesh) for name, buffer in module.named_buffers()}
+    )
     arguments = [
-        jax.tree.map(lambda tensor, layout=layout: abstract(tensor, mesh, layout), value) for value, layout in inputs
+        jax.tree.map(
+            lambda tensor, layout=layout: sharding.abstract(tensor.shape, tensor.dtype, layout, mesh=mesh), value
+        )
+        for value, layout in inputs
     ]
 
     def call(state, *arguments):

@@ -9,8 +9,10 @@ places weights on a dp/sp/tp JAX mesh and jits. This module never imports JAX, s
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -30,6 +32,12 @@ Layout = tuple  # a PartitionSpec-like tuple of mesh axis names (or None) per di
 # device gathers all keys and values. auto: ulysses where the heads per tp shard divide by sp, else ring
 # (gather with a Splash local window, which ring cannot shift).
 SP_MODES = ("auto", "ulysses", "ring", "gather")
+
+
+def cache_root() -> Path:
+    """This tool's per-user cache: materialized presets, published configs, the JAX compilation cache.
+    TPU_VIDEO_CACHE moves it (the tests give each session its own)."""
+    return Path(os.environ.get("TPU_VIDEO_CACHE") or Path.home() / ".cache" / "tpu-video")
 
 
 class Runtime(Protocol):

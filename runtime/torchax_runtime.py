@@ -21,6 +21,7 @@ import torch
 from jax.sharding import Mesh
 
 import sharding
+from runtime.interface import cache_root
 from utils import log
 from workarounds.torchax import import_torchax
 
@@ -59,8 +60,7 @@ def compile_cache_dir() -> Path:
     """JAX_COMPILATION_CACHE_DIR, else a folder in this tool's per-user cache."""
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
-    root = os.environ.get("TPU_VIDEO_CACHE") or Path.home() / ".cache" / "tpu-video"
-    return Path(root) / "jax-compilation-cache"
+    return cache_root() / "jax-compilation-cache"
 
 
 class CompileCache:

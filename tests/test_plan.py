@@ -175,6 +175,15 @@ def test_plan_from_a_stage1_folder_uses_its_request(tmp_path, capsys):
         (["--plan", "v6e-8"], "--plan needs stage-1 files"),
         (["--plan", "v6e-16", "--model", "tiny-hunyuanvideo15", "--dp", 1, "--tp", 16], "--tp 16 does not divide"),
         (["--plan_json", "x.json"], "--plan_json needs --plan"),
+        # the run's own cache-flag check, before anything compiles
+        (
+            ["--plan", "v6e-8", "--model", "tiny-cogvideox", "--enable_cache", "--cache", "magcache"],
+            "--enable_cache means --cache interval; it cannot go with --cache magcache",
+        ),
+        (
+            ["--plan", "v6e-8", "--model", "tiny-cogvideox", "--cache_threshold", "0.1"],
+            "only apply with --cache magcache",
+        ),
     ],
 )
 def test_plan_errors(capsys, tmp_path, flags, message):

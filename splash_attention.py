@@ -35,6 +35,7 @@ from attention.masks import masks_from_attn_mask, pad_sequence, round_up, rows_w
 from attention.sequence_parallel import attention_scheme, mesh_axes, ring, ulysses
 from attention.xla import xla_attention, xla_sequence_parallel_attention
 from runtime.interface import DP, SP, SP_MODES, TP
+from workarounds.torchax import op_definition, restore_op_definition
 
 LANE = 128  # TPU lane width: block sizes are multiples of it
 BACKENDS = ("auto", "splash", "xla", "cudnn")
@@ -331,16 +332,13 @@ def attention_backend(
     """Within the block, SDPA in the torchax environment `env` runs `backend`: "splash" (the kernel),
     "xla" (`xla_attention`) or "cudnn" (`fused_attention`).
 
-    torchax's public `override_op_definition` has no undo, so the previous entry of the private op
-    table is put back on exit; that keeps tests and repeated in-process runs independent.
+    The previous lowering is put back on exit (workarounds.torchax.restore_op_definition), which keeps
+    tests and repeated in-process runs independent.
     """
     op = torch.nn.functional.scaled_dot_product_attention
-    previous = env._ops.get(op)
+    previous = op_definition(env, op)
     env.override_op_definition(op, make_sdpa(backend, config, mesh, fused_implementation))
     try:
         yield
     finally:
-        if previous is None:
-            env._ops.pop(op, None)
-        else:
-            env._ops[op] = previous
+        restore_op_definition(env, op, previous)

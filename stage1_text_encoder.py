@@ -23,7 +23,6 @@ from utils import (
     add_request_arguments,
     dtype_flag,
     ensure_writable_dir,
-    filter_harmless_warnings,
     flag_names,
     log,
     parse_dtype,
@@ -34,6 +33,7 @@ from utils import (
     write_stage_config,
     write_tensors,
 )
+from workarounds.warning_filters import filter_harmless_warnings
 
 DEFAULT_MODEL = "zai-org/CogVideoX1.5-5B"
 DEFAULT_SEED = 42

@@ -31,7 +31,6 @@ from utils import (
     add_request_arguments,
     dtype_flag,
     ensure_writable_dir,
-    filter_harmless_warnings,
     flag_names,
     log,
     parse_dtype,
@@ -45,6 +44,7 @@ from utils import (
     write_stage_config,
     write_tensors,
 )
+from workarounds.warning_filters import filter_harmless_warnings
 
 
 def parse_args(argv=None) -> argparse.Namespace:

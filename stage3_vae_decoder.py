@@ -36,7 +36,6 @@ from utils import (
     check_stage2_fresh,
     dtype_flag,
     ensure_writable_dir,
-    filter_harmless_warnings,
     flag_names,
     log,
     parse_dtype,
@@ -49,6 +48,7 @@ from utils import (
     write_stage_config,
     write_tensors,
 )
+from workarounds.warning_filters import filter_harmless_warnings
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -6,7 +6,6 @@ Stage 2's shared loop is in models/denoise.py.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 
 from runtime.interface import SP, TP, Runtime, Timer, TorchRuntime
 from utils import UserError, atomic_write
+from workarounds.torchax import quiet_attribute_scan
 
 # Stage 3: (B, C, F, H, W) latents split along width over the mesh's `sp` axis.
 LATENTS_WIDTH_SPLIT = (None, None, None, None, SP)
@@ -160,26 +160,6 @@ class _EncoderOutputs(torch.nn.Module):
         return (output.last_hidden_state, *output.hidden_states)
 
 
-@contextlib.contextmanager
-def _quiet_attribute_scan():
-    """torchax 0.0.13's JittableModule finds a module's tensors by reading every attribute of every
-    submodule (`dir` + `getattr`). On a transformers model that evaluates two properties that only
-    warn: `is_gradient_checkpointing` (a FutureWarning) and `loss_function` (a "loss_type=None" log
-    line). Neither matters for inference; silence exactly those two while torchax scans."""
-    import warnings
-
-    from transformers.utils import logging as transformers_logging
-
-    verbosity = transformers_logging.get_verbosity()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        transformers_logging.set_verbosity_error()
-        try:
-            yield
-        finally:
-            transformers_logging.set_verbosity(verbosity)
-
-
 class DeviceTextEncoder(torch.nn.Module):
     """A text encoder on a runtime, called as diffusers pipelines call one on the host: CPU token ids in,
     a CPU `BaseModelOutput` out (`[0]` and, if built with `hidden_states`, every layer's
@@ -191,7 +171,7 @@ class DeviceTextEncoder(torch.nn.Module):
         self.config = encoder.config
         self.encoder_dtype = encoder.dtype
         self.runtime = runtime
-        with _quiet_attribute_scan():
+        with quiet_attribute_scan():
             self.jitted = runtime.compile(_EncoderOutputs(encoder, hidden_states), text_encoder_rules(encoder.config))
 
     @property

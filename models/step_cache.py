@@ -33,6 +33,7 @@ import torch
 from models.cache_schedule import CACHED, MAG_RATIOS_FILE, CacheSettings, schedule, schedule_text, state_names
 from runtime.interface import DP, SP
 from utils import UserError, atomic_write, log
+from workarounds.diffusers import register_hunyuanvideo15_block
 
 HIDDEN_LAYOUT = (DP, SP, None)  # the residuals' layouts: the blocks' own (batch on dp, video tokens on sp)
 TEXT_LAYOUT = (DP, None, None)
@@ -47,21 +48,6 @@ class _Probed(Exception):
     def __init__(self, shapes) -> None:
         super().__init__("probe")
         self.shapes = shapes
-
-
-def register_hunyuanvideo15_block() -> None:
-    """Put HunyuanVideo15TransformerBlock in diffusers' transformer-block registry, as diffusers registers
-    its siblings (the block returns hidden_states, encoder_hidden_states).
-
-    diffusers 0.42.1 leaves it out, so `transformer.enable_cache(MagCacheConfig(...))` raises `Model class
-    ...HunyuanVideo15TransformerBlock not registered`, and our step cache reads the same metadata.
-    tests/test_upstream_bugs.py fails once diffusers registers it itself: then delete this.
-    """
-    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
-    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
-
-    metadata = TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1)
-    TransformerBlockRegistry.register(model_class=HunyuanVideo15TransformerBlock, metadata=metadata)
 
 
 def block_list(transformer: torch.nn.Module) -> torch.nn.ModuleList:

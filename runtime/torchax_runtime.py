@@ -4,7 +4,7 @@
 `--backend torchax`) hand modules to `TorchaxRuntime.compile`, which places the weights on the mesh by
 a rule table (sharding.py) and returns the module's forward under `jax.jit`. Attention is torchax's
 lowering of `torch.nn.functional.scaled_dot_product_attention` unless splash_attention.attention_backend
-overrides it; `torch.gather` is lowered by `take_along_axis_gather` (see there). `CompileCache` turns
+overrides it; `torch.gather` is lowered by workarounds.torchax.take_along_axis_gather. `CompileCache` turns
 on JAX's persistent compilation cache.
 """
 
@@ -23,37 +23,9 @@ from jax.sharding import Mesh
 import sharding
 from runtime.interface import cache_root
 from utils import log
-from workarounds.torchax import import_torchax
+from workarounds.torchax import import_torchax, install_gather
 
 torchax = import_torchax()
-
-
-def take_along_axis_gather(stock_gather):
-    """`aten.gather` as `jnp.take_along_axis` when the index has the input's shape outside `dim`.
-
-    torchax 0.0.13 lowers gather to advanced indexing over a full index grid. On a batch sharded over
-    `dp`, XLA's partitioner then adds 2 all-reduces and 2 collective-permutes to HunyuanVideo-1.5's
-    per-sample token reorder, which `take_along_axis` (the same values) compiles without. Other index
-    shapes keep torchax's lowering (`stock_gather`, a JAX function). tests/test_torchax_compat.py shows
-    both the values and the collectives, and fails once torchax's own lowering stops adding them.
-    """
-    from torchax.interop import call_jax
-
-    def gather(input, dim, index, *, sparse_grad=False):
-        dim = dim % max(input.ndim, 1)
-        outside = [d for d in range(input.ndim) if d != dim]
-        if input.ndim and input.ndim == index.ndim and all(input.shape[d] == index.shape[d] for d in outside):
-            return call_jax(lambda x, i: jax.numpy.take_along_axis(x, i, axis=dim), input, index)
-        return call_jax(stock_gather, input, dim, index)
-
-    gather.stock_gather = stock_gather
-    return gather
-
-
-def _install_gather(env) -> None:
-    current = env._ops[torch.ops.aten.gather]  # private table: the public override has no getter
-    if not hasattr(current.func, "stock_gather"):  # installed once per environment
-        env.override_op_definition(torch.ops.aten.gather, take_along_axis_gather(current.func))
 
 
 def compile_cache_dir() -> Path:
@@ -113,7 +85,7 @@ class TorchaxRuntime:
         self, mesh: Mesh | None = None, profile_dir: str | None = None, compile_cache: CompileCache | None = None
     ) -> None:
         self.env = torchax.default_env()
-        _install_gather(self.env)
+        install_gather(self.env)
         self.mesh = mesh if mesh is not None else sharding.make_mesh(sharding.MeshShape())
         self.placements: list[dict[str, object]] = []  # every compiled module's, in order
         self.profile_dir = profile_dir

@@ -23,8 +23,8 @@ def preset_cache(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def harmless_warnings_filtered():
-    """The stages' own warning filter (utils.HARMLESS_WARNINGS), also for tests that call library code directly."""
-    from utils import filter_harmless_warnings
+    """The stages' own warning filter (workarounds.warning_filters), also for tests that call library code directly."""
+    from workarounds.warning_filters import filter_harmless_warnings
 
     filter_harmless_warnings()
 

@@ -5,7 +5,7 @@ MagCacheConfig(...))` on the same tiny components, with the same steps skipped, 
 every staged-vs-pipeline test: the only difference is XLA vs ATen arithmetic over a few steps); our
 calibration equals diffusers' (1e-5). Where our ratios differ per branch, diffusers is given one config
 per cache context (it has one per transformer; `per_context_configs`). HunyuanVideo-1.5's block is
-registered with diffusers' registry as models/step_cache.register_hunyuanvideo15_block does.
+registered with diffusers' registry as workarounds.diffusers.register_hunyuanvideo15_block does.
 
 The interval cache equals a plain-PyTorch reference written from its definition (`IntervalReference`,
 hooks on the eager pipeline's blocks), 1e-4; with an interval of 1 it equals the uncached run (1e-6).
@@ -238,7 +238,7 @@ def test_wan22_calibration_and_per_branch_magcache_equal_diffusers(tmp_path, cap
 def test_hunyuanvideo15_magcache_equals_diffusers_with_the_block_registered(tmp_path):
     from diffusers import HunyuanVideo15Pipeline
 
-    from models.step_cache import register_hunyuanvideo15_block
+    from workarounds.diffusers import register_hunyuanvideo15_block
 
     ratios = [1.0, 1.0, 1.0, 1.0]
     request = stage1(tmp_path, "tiny-hunyuanvideo15", 4)

@@ -33,7 +33,7 @@ def test_shim_restores_normal_lookup_after_the_block():
     assert torch.ops.aten.prod.default is not None
 
 
-# torch.gather's lowering (torchax_runtime.take_along_axis_gather) --------------------------------------
+# torch.gather's lowering (workarounds.torchax.take_along_axis_gather) --------------------------------------
 
 GATHER_CASES = [
     ((2, 7, 5), 1, (2, 7, 5)),  # take_along_axis: a permutation along dim 1

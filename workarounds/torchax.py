@@ -1,5 +1,5 @@
-"""Import torchax on a torch that has dropped the named-dimension (Dimname) op overloads, and mend
-torchax's `Tensor.type_as`.
+"""torchax 0.0.13: importing it on torch 2.13, its `Tensor.type_as`, its `aten.gather` lowering, and
+the private op table that its public override API lacks a getter and an undo for.
 
 torchax 0.0.13 looks up about twenty ``aten.<op>.<Dimname overload>`` attributes while it is imported
 and while its default environment is first built (AMP cast tables, decomposition lists). torch 2.13
@@ -88,3 +88,68 @@ def import_torchax():
         STOCK_TYPE_AS[:] = [torchax.tensor.Tensor.type_as]
         torchax.tensor.Tensor.type_as = cast_type_as
     return torchax
+
+
+def op_definition(env, op):
+    """The torchax environment's current lowering of `op`, or None. Private table (`env._ops`): the public
+    `override_op_definition` has no getter."""
+    return env._ops.get(op)
+
+
+def restore_op_definition(env, op, previous) -> None:
+    """Undo `override_op_definition` (which has no undo) by putting back what op_definition returned."""
+    if previous is None:
+        env._ops.pop(op, None)
+    else:
+        env._ops[op] = previous
+
+
+def take_along_axis_gather(stock_gather):
+    """`aten.gather` as `jnp.take_along_axis` when the index has the input's shape outside `dim`.
+
+    torchax 0.0.13 lowers gather to advanced indexing over a full index grid. On a batch sharded over
+    `dp`, XLA's partitioner then adds 2 all-reduces and 2 collective-permutes to HunyuanVideo-1.5's
+    per-sample token reorder, which `take_along_axis` (the same values) compiles without. Other index
+    shapes keep torchax's lowering (`stock_gather`, a JAX function). tests/test_torchax_compat.py shows
+    both the values and the collectives; tests/test_upstream_bugs.py fails once torchax's own lowering
+    stops adding them (then delete this and install_gather).
+    """
+    import jax
+    from torchax.interop import call_jax
+
+    def gather(input, dim, index, *, sparse_grad=False):
+        dim = dim % max(input.ndim, 1)
+        outside = [d for d in range(input.ndim) if d != dim]
+        if input.ndim and input.ndim == index.ndim and all(input.shape[d] == index.shape[d] for d in outside):
+            return call_jax(lambda x, i: jax.numpy.take_along_axis(x, i, axis=dim), input, index)
+        return call_jax(stock_gather, input, dim, index)
+
+    gather.stock_gather = stock_gather
+    return gather
+
+
+def install_gather(env) -> None:
+    """Put take_along_axis_gather into torchax environment `env`, once."""
+    current = op_definition(env, torch.ops.aten.gather)
+    if not hasattr(current.func, "stock_gather"):  # installed once per environment
+        env.override_op_definition(torch.ops.aten.gather, take_along_axis_gather(current.func))
+
+
+@contextlib.contextmanager
+def quiet_attribute_scan():
+    """torchax 0.0.13's JittableModule finds a module's tensors by reading every attribute of every
+    submodule (`dir` + `getattr`). On a transformers model that evaluates two properties that only
+    warn: `is_gradient_checkpointing` (a FutureWarning) and `loss_function` (a "loss_type=None" log
+    line). Neither matters for inference; silence exactly those two while torchax scans."""
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        transformers_logging.set_verbosity_error()
+        try:
+            yield
+        finally:
+            transformers_logging.set_verbosity(verbosity)

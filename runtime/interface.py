@@ -96,8 +96,16 @@ class TorchRuntime:
     def profile_trace(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def precision(self, dtype: torch.dtype) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()  # torch's matmuls are full fp32 unless allow_tf32 is set
+    @contextlib.contextmanager
+    def precision(self, dtype: torch.dtype) -> Iterator[None]:
+        """fp32: full-precision fp32 matmuls even where the caller allowed TF32 (torch's "high"/"medium")."""
+        previous = torch.get_float32_matmul_precision()
+        if dtype == torch.float32:
+            torch.set_float32_matmul_precision("highest")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(previous)
 
     def describe(self) -> str:
         return f"torch on {self.device}"

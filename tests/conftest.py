@@ -1,4 +1,5 @@
-"""Test setup: 8 virtual CPU devices (set before JAX is imported) and a private preset cache."""
+"""Test setup: 8 virtual CPU devices (set before JAX is imported), one private cache per run shared by the
+xdist workers, the slow tests scheduled first, and the fixtures several test modules share."""
 
 import os
 import sys
@@ -15,10 +16,19 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def preset_cache(tmp_path_factory):
-    """Presets are materialized once per test session, in a temp folder (inherited by subprocesses)."""
-    path = tmp_path_factory.mktemp("preset-cache")
+    """Presets (and JAX's compilation cache) live in a temp folder for the whole run, inherited by
+    subprocesses. Under xdist the workers share it: presets are published atomically, so the first worker
+    to need one builds it and the other reads it."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "tpu-video-cache"
+    path.mkdir(exist_ok=True)
     os.environ["TPU_VIDEO_CACHE"] = str(path)
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests first, so that under xdist no long test starts last and keeps one worker busy alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(autouse=True)
@@ -40,3 +50,15 @@ def jax_blocked(tmp_path):
         (folder / name).mkdir(parents=True)
         (folder / name / "__init__.py").write_text(BLOCKER)
     return folder
+
+
+@pytest.fixture
+def no_weights_loaded(monkeypatch):
+    """For "refused before loading" tests: any component load (models.ModelSource.load, the one path to
+    `from_pretrained`) fails the test."""
+    import models
+
+    def refuse(self, component, dtype=None):
+        raise AssertionError(f"{component} was loaded before the refusal")
+
+    monkeypatch.setattr(models.ModelSource, "load", refuse)

@@ -146,8 +146,9 @@ def test_cudnn_refusals(dtype, platform, message):
         resolve_backend("cudnn", dtype, platform)
 
 
-def test_stage2_refuses_cudnn_off_a_gpu_before_loading(capsys, tmp_path):
+def test_stage2_refuses_cudnn_off_a_gpu_before_loading(capsys, tmp_path, request):
     folder = tiny_stage1(tmp_path / "in")
+    request.getfixturevalue("no_weights_loaded")  # after stage 1, which loads its encoders
     expect_user_error(capsys, stage2_transformer, ["--input_dir", folder, "--attention", "cudnn", "--dtype", "bf16"],
                       "--attention cudnn needs an NVIDIA GPU; JAX's devices here are cpu")  # fmt: skip
 

@@ -26,6 +26,8 @@ from helpers import ROOT, relative_error, run_stage
 from runtime.distributed import launch_settings
 from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, UserError
 
+pytestmark = pytest.mark.slow  # several processes each, 10-60 s a test
+
 TOLERANCE = 1e-5
 STAGE2 = ["--attention", "splash", "--dp", "2", "--tp", "4"]  # CFG on dp, which here is the host axis
 

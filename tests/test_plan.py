@@ -107,6 +107,7 @@ PER_BLOCK = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, mesh, sp_mode", list(PER_BLOCK), ids=lambda value: str(value))
 def test_tiny_presets_compile_for_v6e_with_the_real_splash_kernel(tmp_path, model, mesh, sp_mode):
     dp, sp, tp = mesh

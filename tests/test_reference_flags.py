@@ -83,7 +83,7 @@ def test_enable_profiler_writes_the_trace_where_profiler_output_dir_says(encoded
         (["--dtype", "float64"], "--dtype 'float64' is not one of bf16, fp16, fp32 (or bfloat16, float16, float32)"),
     ],
 )
-def test_stage2_refusals_come_before_loading(capsys, encoded, tmp_path, flags, message):
+def test_stage2_refusals_come_before_loading(capsys, encoded, tmp_path, flags, message, no_weights_loaded):
     line = expect_user_error(capsys, stage2_transformer, ["--input_dir", encoded, "--output_dir", tmp_path, *flags],
                              message)  # fmt: skip
     if "--dp 8" in " ".join(map(str, flags)):

@@ -64,8 +64,14 @@ def test_torchax_runs_fp32_matmuls_at_full_precision(dtype, precision):
     with runtime.precision(dtype):
         text = jax.jit(jnp.dot).lower(x, x).as_text()
     assert f"precision = [{precision}, {precision}]" in text
-    with TorchRuntime().precision(dtype):  # torch's own matmuls are already full fp32
-        assert torch.get_float32_matmul_precision() == "highest"
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")  # as a caller that allowed TF32 / bf16 passes would
+    try:
+        with TorchRuntime().precision(dtype):
+            assert torch.get_float32_matmul_precision() == ("highest" if dtype == torch.float32 else "medium")
+        assert torch.get_float32_matmul_precision() == "medium"  # put back
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 def test_timer_phases_accumulate_and_other_is_the_rest():

@@ -288,7 +288,7 @@ def test_stage2_records_mesh_and_placement(stage1_outputs, tmp_path):
         (["--sp", 2, "--sp_mode", "ring", "--local_window", 8], "--sp_mode ring cannot run a local window"),
     ],
 )
-def test_stage2_mesh_errors_come_before_loading(capsys, stage1_outputs, tmp_path, flags, message):
+def test_stage2_mesh_errors_come_before_loading(capsys, stage1_outputs, tmp_path, flags, message, no_weights_loaded):
     expect_user_error(
         capsys, stage2_transformer, ["--input_dir", stage1_outputs, "--output_dir", tmp_path, *flags], message
     )

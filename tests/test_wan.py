@@ -217,7 +217,7 @@ def test_checkpoint_before_the_expert_switch_resumes_bit_identically(tmp_path, m
         (["--guidance_scale_2", "3"], "--guidance_scale_2 applies to two-expert models"),
     ],
 )
-def test_wan21_request_errors_before_loading(capsys, tmp_path, flags, message):
+def test_wan21_request_errors_before_loading(capsys, tmp_path, flags, message, no_weights_loaded):
     argv = ["--model", "tiny-wan2.1", "--prompt", "x", "--output_dir", tmp_path, *flags]
     expect_user_error(capsys, stage1_text_encoder, argv, message)
 

@@ -5,14 +5,14 @@ Exactness. Splash needs sequence lengths that are multiples of its tiles, so que
 padded. Padded (and user-masked) keys are excluded with the kernel's segment ids: every query gets
 segment 0, valid keys segment 0 and excluded keys segment 1, so a query's softmax runs over exactly
 the valid keys. Zeroing padded K/V instead (the reference notes' approach) leaves each padded key at
-score 0 in the denominator: 28% relative error at 40% padding (../shared/PITFALLS.md). Segment ids
+score 0 in the denominator: 28% relative error at 40% padding (benchmarks/attention_exactness.py). Segment ids
 have no such term; tests/test_splash_attention.py holds them to 1e-5 of a float64 reference.
 
 With a mesh the kernel runs under shard_map: batch on `dp`, heads on `tp`, and with `sp` Ulysses (SP_MODES).
 On TPU the kernel is compiled by Mosaic; elsewhere it runs in Pallas interpret mode (slow, for tests).
 
-On NVIDIA GPUs the `cudnn` backend is cudnn_attention.fused_attention; the `sp` schemes are in
-sequence_parallel.py.
+On NVIDIA GPUs the `cudnn` backend is attention.cudnn.fused_attention; the `sp` schemes are in
+attention/sequence_parallel.py.
 """
 
 from __future__ import annotations

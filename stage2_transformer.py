@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=("auto", "splash", "xla", "cudnn"),
         default="auto",
         help="splash: the Pallas Splash kernel (Pallas interpret mode off TPU); cudnn: JAX's cuDNN fused "
-        "attention (NVIDIA GPU, bf16/fp16); xla: plain XLA softmax attention (xla_attention.py); "
+        "attention (NVIDIA GPU, bf16/fp16); xla: plain XLA softmax attention (attention/xla.py); "
         "auto: Splash on TPU, cuDNN on a GPU (XLA in fp32), else xla (default: auto)",
     )
     for name in ("block_q", "block_kv", "block_kv_compute"):
@@ -129,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=("megatron", "replicated_out"),
         default="megatron",
         help="megatron: attention-out and MLP-out row-parallel; replicated_out: those stay replicated "
-        "(more memory; see README) (default: %(default)s)",
+        "(more memory; see docs/sharding.md) (default: %(default)s)",
     )
     distributed.add_arguments(parser)
     planning = parser.add_argument_group("planning for a TPU (from any host, no TPU, no weights)")

@@ -1,5 +1,5 @@
 """Softmax attention as plain XLA ops: the backend off TPU and GPU, for any mask, and its exact
-sequence-parallel forms (sequence_parallel.py) for boolean masks."""
+sequence-parallel forms (attention/sequence_parallel.py) for boolean masks."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def xla_attention(query, key, value, attn_mask=None, *, scale: float | None = No
 
 def xla_sequence_parallel_attention(query, key, value, attn_mask, *, scale, mesh: Mesh, scheme: str):
     """`xla_attention` with the sequence split on `mesh`'s `sp` axis, by `scheme` "ulysses" or "ring"
-    (sequence_parallel.py). A boolean mask travels as its key and query validity (masks_from_attn_mask),
+    (attention/sequence_parallel.py). A boolean mask travels as its key and query validity (masks_from_attn_mask),
     padded where the sequence is padded to divide by `sp`."""
     batch, heads, q_len, _ = query.shape
     kv_len = key.shape[2]

@@ -3,7 +3,7 @@
 Builds CogVideoX1.5-5B's and HunyuanVideo-1.5's transformers from their published configs on the meta
 device (no weights, no download), with the attention processors stage 2 installs, compiles one block
 with abstract (shape-only) weights and inputs placed by sharding.py's rule tables, and counts the
-collectives XLA inserted (hlo.py). Prints one JSON line per (model, tp_mode).
+collectives XLA inserted (planning/hlo.py). Prints one JSON line per (model, tp_mode).
 
 Stage 1's text encoders (T5-XXL v1.1 at 226 tokens, the Qwen2.5-VL-7B text model at 1108) are measured
 on stage 1's mesh (every device on `tp`): the whole encoder compiled at 1 and at 2 layers, so the

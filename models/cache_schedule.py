@@ -217,7 +217,7 @@ CACHE_DEFAULTS = CacheSettings()  # the cache flags' defaults, stated once (diff
 def add_cache_arguments(parser) -> None:
     """Stage 2's step-cache flags (read back by settings_from_flags)."""
     cache = parser.add_argument_group(
-        "step cache (reuse the transformer blocks' residual on some steps; see README, Step caching)"
+        "step cache (reuse the transformer blocks' residual on some steps; see docs/caching.md)"
     )
     cache.add_argument(
         "--cache",

@@ -35,7 +35,7 @@ class DenoiseGuard:
     A checkpoint holds the loop's tensors (latents and any scheduler carry), the CPU generator's state
     and the next step index, plus a fingerprint of the request and the stage-1 file, so a checkpoint
     cannot be resumed into a different run. Written atomically; removed once the final latents are saved.
-    With several processes (distributed.py) only process 0 reads and writes it: the others get its
+    With several processes (runtime/distributed.py) only process 0 reads and writes it: the others get its
     bytes (`share_restored`), and all stop at the same step when any of them is sent SIGTERM.
     """
 
@@ -275,7 +275,7 @@ def denoise(
 
 def latents_record(scheduler, do_cfg: bool, normalization: dict[str, Any], **extra) -> dict[str, Any]:
     """What stage 2's section says about its latents: the layout and how they are normalised relative to
-    the VAE's latents (stage 3 undoes exactly that, never guesses; utils.LATENTS_NORMALIZATIONS)."""
+    the VAE's latents (stage 3 undoes exactly that, never guesses; the family's `latents_normalization`)."""
     return {
         "latents_layout": LATENTS_LAYOUT,
         "latents_normalization": normalization,

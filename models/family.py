@@ -1,6 +1,6 @@
 """The family interface: what one model-family module (`models/<family>.py`) provides to the stages.
 
-A family module fills in `Family` with module-level names; `tests/test_families.py` checks every
+A family module fills in `Family` with module-level names; `tests/test_layout.py` checks every
 registered family has each of them. What all families share (the denoising loop, decode, text
 encoders on a runtime, request checks) lives in `models/common.py` and `utils.Request`.
 """

@@ -8,7 +8,7 @@ Two spots of `HunyuanVideo15Transformer3DModel.forward` cannot be traced by jax.
   concatenated validity mask gives the same order with static shapes, and a gather applies it.
 
 The VAE's attention builds its frame-causal mask with a Python loop over every token (64 s to trace
-at 2048 tokens, ../shared/PITFALLS.md); `frame_causal_mask` builds the identical mask from a
+at 2048 tokens, measured here); `frame_causal_mask` builds the identical mask from a
 comparison of frame indices.
 
 Attention: the stock processor expands the text mask to a dense (B, 1, S, S) `valid_i & valid_j` mask

@@ -1,4 +1,4 @@
-"""The collective counts the README states, read from compiled HLO at real widths (hlo.py).
+"""The collective counts docs/sharding.md states, read from compiled HLO at real widths (planning/hlo.py).
 
 Counts are exact integers from the partitioner, not timings: a rule-table or patch change that adds a
 weight gather or an extra all-reduce fails here. The blocks carry the attention processors stage 2

@@ -102,6 +102,35 @@ def test_no_import_cycle_among_our_modules():
     assert find_cycle(graph) is None, find_cycle(graph)
 
 
+# docs/architecture.md draws these layers: a module imports from its own layer or the ones below.
+LAYERS = [
+    ("utils", "runtime", "runtime.interface", "workarounds"),  # "runtime": the package opening only
+    ("sharding", "attention"),
+    ("splash_attention", "runtime.torchax_runtime", "runtime.distributed"),
+    ("models",),
+    ("planning",),
+    ("stage1_text_encoder", "stage2_transformer", "stage3_vae_decoder"),
+]
+
+
+def layer_of(name: str) -> int:
+    matches = [
+        (len(prefix), index)
+        for index, names in enumerate(LAYERS)
+        for prefix in names
+        if name == prefix or name.startswith(prefix + ".")
+    ]
+    assert matches, f"{name} is in no layer of docs/architecture.md"
+    return max(matches)[1]
+
+
+def test_imports_go_down_the_layers():
+    graph = import_graph()
+    upward = [(a, b) for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a)]
+    assert not upward, upward
+    assert layer_of("runtime.torchax_runtime") == 2  # the longest matching name wins
+
+
 def test_find_cycle_sees_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 

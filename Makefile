@@ -28,7 +28,7 @@ demo: install
 
 # Every core (pytest-xdist); the slow tests are scheduled first (tests/conftest.py).
 test: install
-	$(BIN)/python -m pytest -q -n auto
+	$(BIN)/python -m pytest -q -n auto --dist loadscope --durations=15
 
 # A quick local loop (under 3 minutes on 2 cores): the file contract, CLI errors, CogVideoX's parity with
 # its diffusers pipeline, the Splash kernel's exactness on one device.

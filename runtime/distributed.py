@@ -238,5 +238,6 @@ def _give_up(reason: str) -> None:
     if getattr(_give_up, "done", False):
         return
     _give_up.done = True
-    print(f"error: {reason}; stopping this process too", file=sys.stderr, flush=True)
+    # A newline first: the main thread's progress bar may hold the current line (no newline of its own).
+    print(f"\nerror: {reason}; stopping this process too", file=sys.stderr, flush=True)
     os._exit(PEER_FAILED_EXIT_STATUS)

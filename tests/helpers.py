@@ -35,6 +35,14 @@ def run_stage(module, argv: list[str]) -> None:
     run_cli(lambda: module.main([str(arg) for arg in argv]))
 
 
+def run_stages(steps: list[tuple[str, list]]) -> None:
+    """Run (script file name, argv) pairs in this process, in order, as their command lines would."""
+    import importlib
+
+    for script, argv in steps:
+        run_stage(importlib.import_module(Path(script).stem), argv)
+
+
 def expect_user_error(capsys, module, argv: list[str], message: str) -> str:
     """Assert the stage exits with status 2 and one `error:` line containing `message`."""
     with pytest.raises(SystemExit) as exit_info:

@@ -1,12 +1,13 @@
-"""The real loading path through the real command line: tiny components saved with save_pretrained,
-three stages as subprocesses with `--model <folder>`, and the mp4 read back."""
+"""The real loading path through the stages' command lines: tiny components saved with save_pretrained,
+three stages run in this process with `--model <folder>` (tests/test_user_errors.py and
+tests/test_no_jax_stages.py run the scripts as processes), and the mp4 read back."""
 
 import json
 
 import numpy as np
 import pytest
 
-from helpers import read_mp4, run_script
+from helpers import read_mp4, run_stages
 from models import tiny
 from utils import CONFIG_FILE, VIDEO_FILE
 
@@ -21,17 +22,15 @@ def saved_model(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_three_stages_from_a_saved_folder_make_the_requested_mp4(saved_model, tmp_path):
+def test_three_stages_from_a_saved_folder_make_the_requested_mp4(saved_model, tmp_path, capsys):
     out = tmp_path / "stage_outputs"
     steps = [
         ("stage1_text_encoder.py", ["--model", saved_model, "--prompt", "a red cat", "--output_dir", out, *FLAGS]),
         ("stage2_transformer.py", ["--input_dir", out]),
         ("stage3_vae_decoder.py", ["--input_dir", out]),
     ]
-    for script, argv in steps:
-        result = run_script(script, argv)
-        assert result.returncode == 0, f"{script} failed:\n{result.stderr[-3000:]}"
-    assert "17 frames x 48 x 80 at 6 fps" in result.stdout
+    run_stages(steps)
+    assert "17 frames x 48 x 80 at 6 fps" in capsys.readouterr().out
 
     meta, frames = read_mp4(out / VIDEO_FILE)
     assert tuple(meta["size"]) == (80, 48) and meta["fps"] == 6
@@ -63,9 +62,7 @@ def test_hunyuanvideo15_from_a_saved_folder_through_the_cli(tmp_path):
         ("stage2_transformer.py", ["--input_dir", out, "--flow_shift", "7"]),
         ("stage3_vae_decoder.py", ["--input_dir", out]),
     ]
-    for script, argv in steps:
-        result = run_script(script, argv)
-        assert result.returncode == 0, f"{script} failed:\n{result.stderr[-3000:]}"
+    run_stages(steps)
 
     meta, frames = read_mp4(out / VIDEO_FILE)
     assert tuple(meta["size"]) == (64, 48) and meta["fps"] == 12

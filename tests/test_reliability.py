@@ -17,14 +17,27 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import ROOT, read_mp4, run_script
+import stage1_text_encoder
+import stage2_transformer
+import stage3_vae_decoder
+from helpers import ROOT, expect_user_error, read_mp4, run_script, run_stage
 from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE1_FILE, STAGE2_FILE, VIDEO_FILE, write_tensors
 
 TINY = ["--model", "tiny-cogvideox", "--prompt", "a cat", "--dtype", "fp32", "--num_inference_steps", "3"]
 
 
-def run_ok(script, argv, **kwargs):
-    result = run_script(script, argv, **kwargs)
+STAGES = {"stage1_text_encoder.py": stage1_text_encoder, "stage2_transformer.py": stage2_transformer}
+STAGES["stage3_vae_decoder.py"] = stage3_vae_decoder
+
+
+def run_ok(script, argv):
+    """A stage in this process (its __main__ path: a user error exits 2, which fails the caller)."""
+    run_stage(STAGES[script], argv)
+
+
+def run_process_ok(script, argv):
+    """A stage as its own process, where the test compares with another process's output bit for bit."""
+    result = run_script(script, argv)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -43,11 +56,9 @@ def snapshot(folder):
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}
 
 
-def expect_cli_error(script, argv, message):
-    result = run_script(script, argv)
-    assert result.returncode == 2, result.stderr[-3000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and message in errors[0], result.stderr[-3000:]
+def expect_cli_error(capsys, script, argv, message):
+    """Exit status 2 and one `error:` line, in this process (test_user_errors runs the real command line)."""
+    expect_user_error(capsys, STAGES[script], argv, message)
 
 
 def truncate(folder):
@@ -123,20 +134,20 @@ BREAKAGES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("breakage", BREAKAGES, ids=lambda f: f.__name__)
-def test_bad_inputs_fail_cleanly_and_keep_previous_outputs(good_run, tmp_path, breakage):
+def test_bad_inputs_fail_cleanly_and_keep_previous_outputs(good_run, tmp_path, breakage, capsys):
     folder = tmp_path / "copy"
     shutil.copytree(good_run, folder)
     script, message = breakage(folder)
     before = snapshot(folder)
-    expect_cli_error(script, ["--input_dir", folder], message)
+    expect_cli_error(capsys, script, ["--input_dir", folder], message)
     assert snapshot(folder) == before
 
 
-def test_unwritable_output_folder_fails_before_work(good_run, tmp_path):
+def test_unwritable_output_folder_fails_before_work(good_run, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     expect_cli_error(
-        "stage2_transformer.py", ["--input_dir", good_run, "--output_dir", blocker / "out"], "cannot create"
+        capsys, "stage2_transformer.py", ["--input_dir", good_run, "--output_dir", blocker / "out"], "cannot create"
     )
 
 
@@ -156,7 +167,7 @@ def long_request(tmp_path_factory):
 @pytest.fixture(scope="module")
 def uninterrupted(long_request, tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
-    run_ok("stage2_transformer.py", ["--input_dir", long_request, "--output_dir", out])
+    run_process_ok("stage2_transformer.py", ["--input_dir", long_request, "--output_dir", out])
     return load_file(str(out / STAGE2_FILE))["latents"]
 
 
@@ -185,7 +196,7 @@ def test_resume_after_interruption_is_bit_identical(long_request, uninterrupted,
         assert "stopped: SIGTERM after step" in stderr and "--resume" in stderr
     assert (out / CHECKPOINT_FILE).exists() and not (out / STAGE2_FILE).exists()
 
-    result = run_ok("stage2_transformer.py", ["--input_dir", long_request, "--output_dir", out, "--resume"])
+    result = run_process_ok("stage2_transformer.py", ["--input_dir", long_request, "--output_dir", out, "--resume"])
     assert "resuming after step" in result.stdout
     resumed = load_file(str(out / STAGE2_FILE))["latents"]
     assert torch.equal(resumed, uninterrupted)
@@ -193,8 +204,9 @@ def test_resume_after_interruption_is_bit_identical(long_request, uninterrupted,
     assert json.loads((out / CONFIG_FILE).read_text())["stage2"]["resumed"] is True
 
 
-def test_resume_needs_a_matching_checkpoint(good_run, tmp_path):
+def test_resume_needs_a_matching_checkpoint(good_run, tmp_path, capsys):
     expect_cli_error(
+        capsys,
         "stage2_transformer.py",
         ["--input_dir", good_run, "--output_dir", tmp_path, "--resume"],
         "there is no checkpoint",
@@ -203,6 +215,7 @@ def test_resume_needs_a_matching_checkpoint(good_run, tmp_path):
 
     save_file(torch_state, str(tmp_path / CHECKPOINT_FILE), metadata={"next_step": "1", "fingerprint": "{}"})
     expect_cli_error(
+        capsys,
         "stage2_transformer.py",
         ["--input_dir", good_run, "--output_dir", tmp_path, "--resume"],
         "belongs to a different request or stage-1 file",

@@ -17,7 +17,7 @@ import models
 import sharding
 import stage1_text_encoder
 import stage2_transformer
-from helpers import Sample, expect_user_error, read_mp4, relative_error, run_script, run_stage
+from helpers import Sample, expect_user_error, read_mp4, relative_error, run_stage, run_stages
 from models import tiny, wan
 from models.common import decode
 from runtime.interface import Timer, TorchRuntime
@@ -265,6 +265,7 @@ def test_wan_vae_decode_under_torchax_equals_torch():
 
 @pytest.mark.slow
 def test_wan22_from_a_saved_folder_through_the_cli(tmp_path):
+    """In this process, through each stage's main(), as tests/test_cli_real_loading.py does."""
     folder = tmp_path / "tiny-wan2.2-saved"
     tiny.wan("2.2", seed=4).save_pretrained(folder)
     out = tmp_path / "stage_outputs"
@@ -274,9 +275,7 @@ def test_wan22_from_a_saved_folder_through_the_cli(tmp_path):
         ("stage2_transformer.py", ["--input_dir", out, "--guidance_scale_2", "3"]),
         ("stage3_vae_decoder.py", ["--input_dir", out, "--backend", "torchax"]),
     ]
-    for script, argv in steps:
-        result = run_script(script, argv)
-        assert result.returncode == 0, f"{script} failed:\n{result.stderr[-3000:]}"
+    run_stages(steps)
     meta, frames = read_mp4(out / VIDEO_FILE)
     assert tuple(meta["size"]) == (64, 48) and meta["fps"] == 16  # the pipeline's 16 fps
     assert len(frames) == 9 and np.std(np.stack(frames)) > 1.0

@@ -29,6 +29,7 @@ from utils import (
     read_config,
     run_cli,
     run_record,
+    stage_parser,
     stage_sections,
     write_stage_config,
     write_tensors,
@@ -40,7 +41,7 @@ DEFAULT_SEED = 42
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = stage_parser(__file__, __doc__)
     parser.add_argument(
         *flag_names("--model"),
         dest="model",
@@ -93,6 +94,14 @@ def main(argv=None) -> None:
 
     with timer.phase("encode"), runtime.precision(dtype):
         embeddings = family.encode_prompts(source, request, dtype, runtime)
+    non_finite = [
+        name for name, tensor in embeddings.items() if tensor.is_floating_point() and not tensor.isfinite().all()
+    ]
+    if non_finite:
+        raise UserError(
+            f"the text encoders produced NaN or Inf in {', '.join(non_finite)} ({args.dtype}; try --dtype fp32); "
+            "nothing was written"
+        )
     with timer.phase("save"):
         record = write_tensors(output_dir / STAGE1_FILE, embeddings)
 

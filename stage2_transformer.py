@@ -40,6 +40,7 @@ from utils import (
     run_cli,
     run_record,
     set_logging,
+    stage_parser,
     stage_sections,
     write_stage_config,
     write_tensors,
@@ -48,7 +49,7 @@ from workarounds.warning_filters import filter_harmless_warnings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = stage_parser(__file__, __doc__)
     parser.add_argument(
         "--input_dir", default=DEFAULT_OUTPUT_DIR, help="folder with stage 1's files (default: %(default)s)"
     )

@@ -44,6 +44,7 @@ from utils import (
     run_cli,
     run_record,
     stage2_normalization,
+    stage_parser,
     stage_sections,
     write_stage_config,
     write_tensors,
@@ -52,7 +53,7 @@ from workarounds.warning_filters import filter_harmless_warnings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = stage_parser(__file__, __doc__)
     parser.add_argument(
         "--input_dir", default=DEFAULT_OUTPUT_DIR, help="folder with stage 2's files (default: %(default)s)"
     )
@@ -184,6 +185,12 @@ def main(argv=None) -> None:
     normalization = stage2_normalization(config["stage2"], lambda: family.latents_normalization(source))
     with runtime.precision(dtype):
         frames = decode(family, source, latents, normalization, dtype, runtime, timer, tiling=args.tiling)
+    if not torch.isfinite(frames).all():
+        raise UserError(
+            f"the decoded frames hold NaN or Inf: the VAE overflowed in {dtype_name} (try --dtype fp32), or the "
+            f"latents are extreme (abs max {latents.float().abs().max().item():.3g}; a very large --guidance_scale?); "
+            "nothing was written"
+        )
     pixels = (frames.numpy() * 255).round().astype(np.uint8)
     with timer.phase("save"):
         write_mp4(output_dir / output_name, pixels, request.fps)

@@ -1,16 +1,17 @@
 """The stage-file contract and the CLI conventions around it.
 
-File names and format version; checked reads and atomic writes of safetensors files and
-generation_config.json; the generation request (`Request`) with its overrides and staleness checks;
-`UserError`/`run_cli` (one `error:` line, exit 2) and logging. Imported by all three stages and by
-`models`, so it never imports JAX.
+File names and format version; checked reads and atomic writes of safetensors files and strict-JSON
+generation_config.json; the request (`Request`) with its overrides and staleness checks; `UserError`/`run_cli`
+(one `error:` line, exit 2) and logging. Imported by all three stages and `models`: it never imports JAX.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -34,17 +35,8 @@ CHECKPOINT_FILE = "stage2_checkpoint.safetensors"
 DEFAULT_OUTPUT_DIR = "./stage_outputs"
 
 # The generation request's keys that later stages may override from their command line.
-REQUEST_KEYS = (
-    "height",
-    "width",
-    "num_frames",
-    "fps",
-    "num_inference_steps",
-    "guidance_scale",
-    "guidance_scale_2",
-    "seed",
-    "flow_shift",
-)
+REQUEST_KEYS = ("height", "width", "num_frames", "fps", "num_inference_steps")
+REQUEST_KEYS += ("guidance_scale", "guidance_scale_2", "seed", "flow_shift")
 # Those that shape stage 2's latents (fps only matters to the mp4): a stage-2 section records them, and
 # a later change to one of them makes that section stale.
 DENOISE_KEYS = tuple(key for key in REQUEST_KEYS if key != "fps")
@@ -80,11 +72,35 @@ class Stopped(Exception):
 
 
 STOPPED_EXIT_STATUS = 143  # 128 + SIGTERM, what a shell reports for a terminated process
+INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, what a shell reports after Ctrl-C
+
+
+class StageArgumentParser(argparse.ArgumentParser):
+    """argparse with the stages' error convention: a bad flag is one `error:` line (pointing at --help) and
+    exit status 2, not a usage block whose last line starts with the program's name."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def stage_parser(script: str, description: str | None) -> StageArgumentParser:
+    """A stage's parser, named after its file (also when run in-process), with its docstring as help."""
+    formatter = argparse.RawDescriptionHelpFormatter
+    return StageArgumentParser(prog=Path(script).name, description=description, formatter_class=formatter)
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a float that is neither NaN nor infinite (JSON and the maths need finite numbers)."""
+    value = float(text)  # argparse words a ValueError as "invalid finite_float value"
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def run_cli(main: Callable[[], None]) -> None:
     """Run a stage's main(): user errors become one `error:` line and exit status 2; a requested stop one
-    `stopped:` line and status 143; bugs keep their traceback."""
+    `stopped:` line and status 143 (130 after Ctrl-C); bugs keep their traceback."""
     try:
         main()
     except UserError as err:
@@ -93,6 +109,9 @@ def run_cli(main: Callable[[], None]) -> None:
     except Stopped as stop:
         print(f"stopped: {stop}", file=sys.stderr, flush=True)
         sys.exit(STOPPED_EXIT_STATUS)
+    except KeyboardInterrupt:  # writes are atomic, so nothing partial is left
+        print("\nstopped: interrupted (Ctrl-C); no partial file was written", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED_EXIT_STATUS)
 
 
 _LOGGING = {"enabled": True}
@@ -213,6 +232,10 @@ def read_config(directory: Path, needs: str | None = None) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise UserError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{path} holds a JSON {type(config).__name__}, not an object (was it edited by hand?)")
+    if bad := non_finite_keys(config):
+        raise UserError(f"{path}: {', '.join(bad)} is NaN or infinite; strict JSON and the request need finite numbers")
     version = config.get("format_version")
     if version is None and any((directory / name).is_file() for name in (STAGE1_FILE, STAGE2_FILE)):
         raise UserError(reference_folder_message(directory, config))
@@ -247,8 +270,25 @@ def reference_folder_message(directory: Path, config: dict[str, Any]) -> str:
     )
 
 
+def non_finite_keys(value: Any, where: str = "") -> list[str]:
+    """Dotted paths of the NaN or infinite numbers inside a parsed JSON value (Python's json reads
+    NaN/Infinity, which strict JSON has not)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [where or "(top level)"]
+    if isinstance(value, dict):
+        return [key for name, item in value.items() for key in non_finite_keys(item, f"{where}.{name}".lstrip("."))]
+    if isinstance(value, list):
+        return [key for index, item in enumerate(value) for key in non_finite_keys(item, f"{where}[{index}]")]
+    return []
+
+
+def strict_json(value: Any, **kwargs) -> str:
+    """json.dumps refusing NaN and Infinity, so every file we write is strict JSON."""
+    return json.dumps(value, allow_nan=False, **kwargs)
+
+
 def write_config(directory: Path, config: dict[str, Any]) -> None:
-    text = json.dumps(config, indent=2, sort_keys=False) + "\n"
+    text = strict_json(config, indent=2, sort_keys=False) + "\n"
     atomic_write(directory / CONFIG_FILE, lambda tmp: tmp.write_text(text))
 
 
@@ -269,17 +309,17 @@ def add_request_arguments(parser, *, for_later_stage: bool) -> None:
     group.add_argument("--num_inference_steps", type=int, help="denoising steps")
     group.add_argument(
         "--guidance_scale",
-        type=float,
+        type=finite_float,
         help="classifier-free guidance scale (CogVideoX and Wan: <= 1 turns CFG off; HunyuanVideo-1.5: 1)",
     )
     group.add_argument(
         "--guidance_scale_2",
-        type=float,
+        type=finite_float,
         help="Wan 2.2 A14B: guidance scale of the low-noise expert (default: --guidance_scale)",
     )
     group.add_argument(
         "--flow_shift",
-        type=float,
+        type=finite_float,
         help="flow-matching timestep shift (HunyuanVideo-1.5: 5.0 at 480p, 9.0 at 720p; Wan: the model "
         "folder's scheduler value)",
     )

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from utils import UserError, log
+from utils import UserError, finite_float, log, non_finite_keys
 
 KINDS = ("none", "magcache", "interval")
 MAG_RATIOS_FILE = "mag_ratios.json"
@@ -60,6 +60,8 @@ def read_mag_ratios(path: Path, model_id: str | None = None) -> Any:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
         raise UserError(f"--cache_mag_ratios {path}: cannot be read ({err})") from None
+    if bad := non_finite_keys(data):
+        raise UserError(f"--cache_mag_ratios {path}: {', '.join(bad)} is NaN or infinite")
     ratios = data.get("mag_ratios") if isinstance(data, dict) else data
     lists = ratios.values() if isinstance(ratios, dict) else [ratios]
     if not lists or not all(isinstance(v, list) and v and all(_is_number(x) for x in v) for v in lists):
@@ -232,7 +234,7 @@ def add_cache_arguments(parser) -> None:
     )
     cache.add_argument(
         "--cache_threshold",
-        type=float,
+        type=finite_float,
         help=f"magcache: accumulated-error threshold (default: {CACHE_DEFAULTS.threshold})",
     )
     cache.add_argument(
@@ -242,7 +244,7 @@ def add_cache_arguments(parser) -> None:
     )
     cache.add_argument(
         "--cache_retention_ratio",
-        type=float,
+        type=finite_float,
         help=f"magcache: the first fraction of steps is never skipped (default: {CACHE_DEFAULTS.retention_ratio})",
     )
     cache.add_argument(

@@ -24,7 +24,6 @@ that skips while its batch neighbour computes gets diffusers' result. `cached` i
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ import torch
 
 from models.cache_schedule import CACHED, MAG_RATIOS_FILE, CacheSettings, schedule, schedule_text, state_names
 from runtime.interface import DP, SP
-from utils import UserError, atomic_write, log
+from utils import UserError, atomic_write, log, strict_json
 from workarounds.diffusers import register_hunyuanvideo15_block
 
 HIDDEN_LAYOUT = (DP, SP, None)  # the residuals' layouts: the blocks' own (batch on dp, video tokens on sp)
@@ -331,6 +330,6 @@ class StepCache:
         """--cache_calibrate: the magnitude ratios of every state, for later --cache magcache runs."""
         path = directory / MAG_RATIOS_FILE
         data = {"model": model_id, "num_inference_steps": len(self.experts), "mag_ratios": self.ratios}
-        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1) + "\n"))
+        atomic_write(path, lambda tmp: tmp.write_text(strict_json(data, indent=1) + "\n"))
         log(f"wrote {path}: magnitude ratios for {', '.join(self.ratios)}")
         return path

@@ -3,13 +3,12 @@ status that says whether it fits."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from planning.tpus import GIB
-from utils import atomic_write
+from utils import atomic_write, strict_json
 
 DOES_NOT_FIT_EXIT_STATUS = 3
 
@@ -18,7 +17,7 @@ def finish(report: dict[str, Any], json_path: str | None) -> None:
     """Print the report, save it as JSON if asked, and exit 3 when it does not fit."""
     print_report(report)
     if json_path:
-        atomic_write(Path(json_path), lambda tmp: tmp.write_text(json.dumps(report, indent=2) + "\n"))
+        atomic_write(Path(json_path), lambda tmp: tmp.write_text(strict_json(report, indent=2) + "\n"))
     if not report["fits"]:
         sys.exit(DOES_NOT_FIT_EXIT_STATUS)
 

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 
-from utils import Stopped, UserError
+from utils import Stopped, UserError, finite_float
 from workarounds.jax import coordination_client
 
 NAMESPACE = "tpu_video_stage2"
@@ -51,7 +51,7 @@ def add_arguments(parser) -> None:
     group.add_argument("--process_id", type=int, help="this process's number, 0 to --num_processes - 1")
     group.add_argument(
         "--peer_timeout",
-        type=float,
+        type=finite_float,
         default=DEFAULT_PEER_TIMEOUT,
         help="seconds without a heartbeat from another process before this one stops with an error "
         "(default: %(default)s)",

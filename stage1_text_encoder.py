@@ -14,7 +14,7 @@ from pathlib import Path
 
 import models
 from models.common import check_backend_flags, open_runtime
-from runtime.interface import TP, Timer
+from runtime.interface import TP, Timer, run_record
 from utils import (
     DEFAULT_OUTPUT_DIR,
     STAGE1_FILE,
@@ -28,7 +28,6 @@ from utils import (
     parse_dtype,
     read_config,
     run_cli,
-    run_record,
     stage_parser,
     stage_sections,
     write_stage_config,
@@ -85,7 +84,7 @@ def main(argv=None) -> None:
     log(f"stage 1 for {family.NAME}, model {args.model}")
     defaults = {**family.request_defaults(source), "seed": DEFAULT_SEED}
     request = Request.from_flags(args, model_family=family.NAME, model_id=args.model, defaults=defaults)
-    family.validate_request(source, request)
+    models.validate_request(family, source, request)
     ensure_writable_dir(output_dir)
 
     # One prompt at a time: with --backend torchax every device goes to `tp` (heads and MLP columns).
@@ -106,7 +105,8 @@ def main(argv=None) -> None:
         record = write_tensors(output_dir / STAGE1_FILE, embeddings)
 
     versions = ("transformers", "diffusers")
-    section = {**record, **run_record(runtime, args.dtype, timer.finish(), versions)}
+    prompts = {"prompt": request.prompt, "negative_prompt": request.negative_prompt}  # check_stage1_fresh
+    section = {**record, "prompts": prompts, **run_record(runtime, args.dtype, timer.finish(), versions)}
     write_stage_config(output_dir, request, later_sections(output_dir), "stage1", section)
     shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in embeddings.items())
     log(f"wrote {output_dir / STAGE1_FILE}: {shapes}")

@@ -20,7 +20,7 @@ from models.cache_schedule import CacheSettings, add_cache_arguments, kind_from_
 from models.common import attention_heads
 from models.denoise import DenoiseGuard, DenoiseOptions, denoise
 from runtime import distributed
-from runtime.interface import SP_MODES, Timer
+from runtime.interface import SP_MODES, Timer, run_record
 from utils import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
@@ -29,6 +29,7 @@ from utils import (
     Request,
     UserError,
     add_request_arguments,
+    check_stage1_fresh,
     dtype_flag,
     ensure_writable_dir,
     flag_names,
@@ -38,7 +39,6 @@ from utils import (
     read_tensors,
     request_flags,
     run_cli,
-    run_record,
     set_logging,
     stage_parser,
     stage_sections,
@@ -269,6 +269,8 @@ def main(argv=None) -> None:
         return plan_main(args)
     if args.plan_json:
         raise UserError("--plan_json needs --plan")
+    if args.peer_timeout <= 0:
+        raise UserError(f"--peer_timeout {args.peer_timeout} must be a positive number of seconds")
     settings = distributed.launch_settings(args.coordinator_address, args.num_processes, args.process_id)
     # Several processes: JAX's distributed runtime starts first, so they can agree on their inputs.
     processes = distributed.Processes.start(settings, args.peer_timeout)
@@ -314,10 +316,11 @@ def validated_run(args, processes) -> ValidatedRun:
     request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides(
         {**request_flags(args), "model_id": args.model}
     )
+    check_stage1_fresh(input_dir, config, request)
     source, family = models.resolve_model_for_request(request)
     dtype_name = args.dtype or request.dtype
     dtype = parse_dtype(dtype_name)
-    family.validate_request(source, request)
+    models.validate_request(family, source, request)
     embeddings = read_tensors(input_dir, config["stage1"])
     if processes.is_main:
         ensure_writable_dir(output_dir)

@@ -26,13 +26,14 @@ from models.common import (
     write_mp4,
     write_preview_png,
 )
-from runtime.interface import SP, Timer
+from runtime.interface import SP, Timer, run_record
 from utils import (
     CONFIG_FILE,
     DEFAULT_OUTPUT_DIR,
     VIDEO_FILE,
     Request,
     UserError,
+    check_stage1_fresh,
     check_stage2_fresh,
     dtype_flag,
     ensure_writable_dir,
@@ -42,7 +43,6 @@ from utils import (
     read_config,
     read_tensors,
     run_cli,
-    run_record,
     stage2_normalization,
     stage_parser,
     stage_sections,
@@ -171,6 +171,7 @@ def main(argv=None) -> None:
     config = read_config(input_dir, needs="stage2")
     request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides({"fps": args.fps})
     source, family = models.resolve_model_for_request(request, args.model)
+    check_stage1_fresh(input_dir, config, request)
     check_stage2_fresh(input_dir, config, request)
     dtype_name = args.dtype or request.dtype
     dtype = parse_dtype(dtype_name)

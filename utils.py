@@ -144,19 +144,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def library_versions(*names: str) -> dict[str, str]:
-    """Versions of the installed distributions that shaped a stage's output."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in names:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            pass
-    return found
-
-
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -359,8 +346,10 @@ class Request:
         for key in ("guidance_scale", "guidance_scale_2"):
             if (getattr(self, key) or 0) < 0:
                 raise UserError(f"--{key} {getattr(self, key)} must not be negative")
-        if self.fps <= 0:
-            raise UserError(f"--fps {self.fps} must be positive")
+        if not 0 < self.fps <= 1000:
+            raise UserError(f"--fps {self.fps} must be from 1 to 1000")
+        if not 0 <= self.seed < 2**64:
+            raise UserError(f"--seed {self.seed} must be from 0 to 2**64 - 1 (the CPU generator's seeds)")
 
     @classmethod
     def from_flags(cls, args, *, model_family: str, model_id: str, defaults: dict[str, Any]) -> Request:
@@ -415,12 +404,17 @@ def stage_sections(config: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in config.items() if key.startswith("stage")}
 
 
-def run_record(runtime, dtype: str, seconds: dict[str, float], versions: tuple[str, ...]) -> dict[str, Any]:
-    """The fields every stage section shares: where it ran (the runtime's report: backend, devices,
-    mesh, placement, compile cache), the dtype, the timing table and the library versions that shaped
-    its output (`versions` plus the runtime's own). Call once, at the end of the stage."""
-    names = dict.fromkeys((*versions, *runtime.libraries))  # ordered, without repeats
-    return {**runtime.report(), "dtype": dtype, "seconds": seconds, "versions": library_versions(*names)}
+def check_stage1_fresh(directory: Path, config: dict[str, Any], request: Request) -> None:
+    """Refuse stage-1 embeddings whose prompts are not the request's (a hand-edited config). Folders from
+    before stage 1 recorded them (no "prompts" key) are taken as they are."""
+    encoded = config["stage1"].get("prompts")
+    asked = {"prompt": request.prompt, "negative_prompt": request.negative_prompt}
+    if encoded is not None and encoded != asked:
+        changed = [key for key in asked if encoded.get(key) != asked[key]]
+        raise UserError(
+            f"{directory / CONFIG_FILE}: {', '.join(changed)} differs from what stage 1 encoded; rerun stage 1 "
+            "to change the prompt"
+        )
 
 
 def check_stage2_fresh(directory: Path, config: dict[str, Any], request: Request) -> None:

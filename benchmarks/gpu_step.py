@@ -74,10 +74,9 @@ def measure(model: str, args) -> dict:
     import torch
 
     import models
-    from runtime.interface import TorchRuntime
+    from runtime.interface import TorchRuntime, library_versions
     from runtime.torchax_runtime import TorchaxRuntime
     from splash_attention import SplashConfig, attention_backend
-    from utils import library_versions
 
     dtype = torch.bfloat16
     source, family = models.resolve_model(model, configs_only=True)

@@ -108,6 +108,18 @@ def resolve_model_for_request(
     return source, family
 
 
+def validate_request(family: Family, source: ModelSource, request) -> None:
+    """Before any weights load: what every family's request must respect in the model's configs (steps
+    within the scheduler's training timesteps), then the family's own checks (geometry, extras)."""
+    train_steps = source.load_config("scheduler").get("num_train_timesteps", 1000)
+    if request.num_inference_steps > train_steps:
+        raise UserError(
+            f"--num_inference_steps {request.num_inference_steps} is more than the scheduler's {train_steps} "
+            "training timesteps"
+        )
+    family.validate_request(source, request)
+
+
 def _read_model_index(model: str, location: str) -> dict[str, Any]:
     if os.path.isdir(location):
         path = Path(location) / "model_index.json"

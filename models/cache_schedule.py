@@ -172,6 +172,14 @@ INTERVAL_FLAGS = {
 }
 
 
+# Values outside these change nothing or mean nothing (a negative threshold skips no step).
+MAGCACHE_RANGES = {
+    "cache_threshold": (lambda value: value > 0, "greater than 0"),
+    "cache_max_skip_steps": (lambda value: value >= 1, "at least 1"),
+    "cache_retention_ratio": (lambda value: 0 <= value < 1, "from 0 up to (not including) 1"),
+}
+
+
 def kind_from_flags(args) -> str:
     """none, magcache or interval, as the flags ask (--enable_cache: interval; --cache_calibrate: magcache);
     a flag of the other kind, or one without --cache, is an error. A run and --plan both check here."""
@@ -190,6 +198,10 @@ def kind_from_flags(args) -> str:
         given = [f"--{flag}" for flag in flags if getattr(args, flag) is not None]
         if given and not active:
             raise UserError(f"{', '.join(given)} only apply with {what}")
+    for flag, (meaningful, rule) in MAGCACHE_RANGES.items():
+        value = getattr(args, flag)
+        if value is not None and not meaningful(value):
+            raise UserError(f"--{flag} {value} must be {rule}")
     return "magcache" if magcache else kind
 
 

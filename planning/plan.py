@@ -377,7 +377,7 @@ def request_to_plan(input_dir: Path, model: str | None, flags: dict[str, Any], d
         config = read_config(input_dir, needs="stage1")
         request, _ = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides({**flags, "model_id": model})
         source, family = models.resolve_model_for_request(request, configs_only=True)
-        family.validate_request(source, request)
+        models.validate_request(family, source, request)
         return request, source, family, read_tensors(input_dir, config["stage1"])
     if not model:
         raise UserError(f"--plan needs stage-1 files in {input_dir} or a --model to plan from")
@@ -387,5 +387,5 @@ def request_to_plan(input_dir: Path, model: str | None, flags: dict[str, Any], d
     request = Request(
         model_family=family.NAME, model_id=model, prompt="", negative_prompt="", dtype=dtype or "bf16", **values
     )
-    family.validate_request(source, request)
+    models.validate_request(family, source, request)
     return request, source, family, family.planning_embeds(source, parse_dtype(request.dtype))

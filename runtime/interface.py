@@ -154,3 +154,24 @@ class Timer:
             yield
         finally:
             self.seconds[name] = round(self.seconds.get(name, 0.0) + self.clock() - start, 4)
+
+
+def library_versions(*names: str) -> dict[str, str]:
+    """Versions of the installed distributions that shaped a stage's output."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in names:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def run_record(runtime, dtype: str, seconds: dict[str, float], versions: tuple[str, ...]) -> dict[str, Any]:
+    """The fields every stage section shares: where it ran (the runtime's report: backend, devices,
+    mesh, placement, compile cache), the dtype, the timing table and the library versions that shaped
+    its output (`versions` plus the runtime's own). Call once, at the end of the stage."""
+    names = dict.fromkeys((*versions, *runtime.libraries))  # ordered, without repeats
+    return {**runtime.report(), "dtype": dtype, "seconds": seconds, "versions": library_versions(*names)}

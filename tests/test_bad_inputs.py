@@ -42,12 +42,25 @@ NON_FINITE_FLAGS = [
     (stage1_text_encoder, ["--seed", "nan"], "argument --seed: invalid int value: 'nan'"),
     (stage1_text_encoder, ["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
 ]
+OUT_OF_RANGE = [
+    (["--num_inference_steps", "1001"], "--num_inference_steps 1001 is more than the scheduler's 1000 training"),
+    (["--seed", "-1"], "--seed -1 must be from 0 to 2**64 - 1"),
+    (["--seed", str(2**64)], f"--seed {2**64} must be from 0 to 2**64 - 1"),
+    (["--fps", "0"], "--fps 0 must be from 1 to 1000"),
+    (["--fps", str(10**23)], f"--fps {10**23} must be from 1 to 1000"),
+]
 
 
 @pytest.mark.parametrize("module, flags, message", NON_FINITE_FLAGS, ids=lambda v: str(v)[:40])
 def test_stage1_flag_errors_are_one_error_line(capsys, tmp_path, module, flags, message):
     line = expect_user_error(capsys, module, [*STAGE1, "--output_dir", tmp_path, *flags], message)
     assert line.endswith("(see stage1_text_encoder.py --help)")
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("flags, message", OUT_OF_RANGE, ids=lambda v: str(v)[:30])
+def test_stage1_out_of_range_values_are_refused_before_loading(capsys, tmp_path, flags, message, no_weights_loaded):
+    expect_user_error(capsys, stage1_text_encoder, [*STAGE1, "--output_dir", tmp_path, *flags], message)
     assert not any(tmp_path.iterdir())
 
 
@@ -60,6 +73,12 @@ def test_stage1_flag_errors_are_one_error_line(capsys, tmp_path, module, flags, 
         (["--guidance_scale", "nan"], "argument --guidance_scale: 'nan' is not a finite number"),
         (["--plan", "v6e-8", "--guidance_scale", "inf"], "argument --guidance_scale: 'inf' is not a finite number"),
         (["--dp", "1.5"], "argument --dp: invalid int value: '1.5'"),
+        (["--cache", "magcache", "--cache_threshold=-1"], "--cache_threshold -1.0 must be greater than 0"),
+        (["--cache", "magcache", "--cache_max_skip_steps", "-1"], "--cache_max_skip_steps -1 must be at least 1"),
+        (["--cache", "magcache", "--cache_retention_ratio", "5"], "--cache_retention_ratio 5.0 must be from 0 up to"),
+        (["--peer_timeout", "-5"], "--peer_timeout -5.0 must be a positive number of seconds"),
+        (["--seed", "-1"], "--seed -1 must be from 0 to 2**64 - 1"),
+        (["--num_inference_steps", "5000"], "--num_inference_steps 5000 is more than the scheduler's 1000"),
     ],
 )
 def test_stage2_flag_errors_leave_the_folder_alone(capsys, denoised, tmp_path, flags, message):
@@ -85,6 +104,19 @@ def test_a_hand_edited_config_with_nan_is_refused_naming_the_key(capsys, denoise
     before = snapshot(folder)
     for stage in (stage2_transformer, stage3_vae_decoder):
         expect_user_error(capsys, stage, ["--input_dir", folder], message)
+    assert snapshot(folder) == before
+
+
+def test_a_hand_edited_prompt_is_refused_as_stale(capsys, denoised, tmp_path):
+    """The embeddings come from the prompt stage 1 recorded; a config that asks for another is refused."""
+    folder = shutil.copytree(denoised, tmp_path / "copy")
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    assert config["stage1"]["prompts"] == {"prompt": config["prompt"], "negative_prompt": config["negative_prompt"]}
+    config["prompt"] = "a dog"
+    (folder / CONFIG_FILE).write_text(json.dumps(config))
+    before = snapshot(folder)
+    for stage in (stage2_transformer, stage3_vae_decoder):
+        expect_user_error(capsys, stage, ["--input_dir", folder], "prompt differs from what stage 1 encoded")
     assert snapshot(folder) == before
 
 

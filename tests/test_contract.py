@@ -109,7 +109,7 @@ def test_request_overrides_are_applied_and_recorded():
     [
         ({"num_inference_steps": 0}, "--num_inference_steps 0 must be at least 1"),
         ({"guidance_scale": -1.0}, "--guidance_scale -1.0 must not be negative"),
-        ({"fps": 0}, "--fps 0 must be positive"),
+        ({"fps": 0}, "--fps 0 must be from 1 to 1000"),
         ({"dtype": "float64"}, "--dtype 'float64' is not one of"),
     ],
 )

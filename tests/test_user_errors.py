@@ -98,7 +98,9 @@ def test_stage3_before_stage2(capsys, stage1_dir):
 
 def test_stage3_rejects_bad_fps(capsys, stage1_dir):
     run_stage(stage2_transformer, ["--input_dir", stage1_dir])
-    expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", stage1_dir, "--fps", "0"], "--fps 0 must be positive")
+    expect_user_error(
+        capsys, stage3_vae_decoder, ["--input_dir", stage1_dir, "--fps", "0"], "--fps 0 must be from 1 to 1000"
+    )
 
 
 def test_error_exit_status_through_the_real_command_line(tmp_path):

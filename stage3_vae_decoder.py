@@ -139,6 +139,8 @@ def frames_name(video_name: str) -> str:
 def output_paths(args) -> tuple[Path, str]:
     """The video's folder and name: --output_dir/--output_name, or the reference's --output_video PATH."""
     if args.output_video is None:
+        if Path(args.output_name).suffix.lower() != ".mp4":
+            raise UserError(f"--output_name {args.output_name!r}: the video is an mp4 (name it .mp4)")
         return Path(args.output_dir or args.input_dir), args.output_name
     if args.output_dir is not None or args.output_name != VIDEO_FILE:
         raise UserError("--output_video names the folder and the file; drop --output_dir and --output_name")

@@ -360,11 +360,13 @@ def plan_stage3(family, source, request, dtype, target: Target, tiling: bool):
 
 
 def target_from_flag(name: str) -> Target:
-    """`--plan NAME` as a Target, or one `error:` line naming what is known."""
+    """`--plan NAME` as a Target that libtpu can build, or one `error:` line naming what is known."""
     try:
-        return parse_target(name)
+        target = parse_target(name)
+        topology_mesh(target, sharding.MeshShape(tp=target.devices))  # libtpu refuses grids no slice has
     except ValueError as err:
         raise UserError(f"--plan: {err}") from None
+    return target
 
 
 def request_to_plan(input_dir: Path, model: str | None, flags: dict[str, Any], dtype: str | None):

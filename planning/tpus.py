@@ -125,9 +125,13 @@ def topology_mesh(target: Target, shape: sharding.MeshShape) -> Mesh:
     from jax.experimental import topologies
 
     libtpu_off_tpu()
-    topology = topologies.get_topology_desc(
-        platform="tpu", topology_name=target.topology, chips_per_host_bounds=target.chips_per_host_bounds
-    )
+    try:
+        topology = topologies.get_topology_desc(
+            platform="tpu", topology_name=target.topology, chips_per_host_bounds=target.chips_per_host_bounds
+        )
+    except Exception as err:  # libtpu's own check (a JaxRuntimeError), e.g. a grid no slice has
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"libtpu knows no TPU topology {target.topology!r} ({reason})") from None
     # The same device order as a real run's mesh (sharding.make_mesh over jax.devices()).
     return sharding.make_mesh(shape, topology.devices)
 

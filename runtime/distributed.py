@@ -75,6 +75,9 @@ def launch_settings(
                 f"several processes need --coordinator_address HOST:PORT, --num_processes and --process_id; "
                 f"missing {', '.join(missing)}"
             )
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise UserError(f"--coordinator_address {address!r} must be HOST:PORT (process 0's host and a free port)")
         if num_processes < 1 or not 0 <= process_id < num_processes:
             raise UserError(f"--process_id {process_id} must be in 0..{num_processes - 1} (--num_processes)")
         if num_processes == 1:

@@ -78,6 +78,11 @@ def test_stage1_out_of_range_values_are_refused_before_loading(capsys, tmp_path,
         (["--cache", "magcache", "--cache_retention_ratio", "5"], "--cache_retention_ratio 5.0 must be from 0 up to"),
         (["--peer_timeout", "-5"], "--peer_timeout -5.0 must be a positive number of seconds"),
         (["--seed", "-1"], "--seed -1 must be from 0 to 2**64 - 1"),
+        (["--plan", "v6e:3x3"], "--plan: libtpu knows no TPU topology 'v6e:3x3'"),
+        (
+            ["--coordinator_address", "notahost", "--num_processes", "2", "--process_id", "0"],
+            "--coordinator_address 'notahost' must be HOST:PORT",
+        ),
         (["--num_inference_steps", "5000"], "--num_inference_steps 5000 is more than the scheduler's 1000"),
     ],
 )
@@ -131,6 +136,14 @@ def test_configs_are_written_as_strict_json(tmp_path):
         write_config(tmp_path, {"guidance_scale": float("nan")})
     assert not any(tmp_path.iterdir())
     assert strict_json({"a": 1.5}) == '{"a": 1.5}'
+
+
+@pytest.mark.parametrize("name", ["noext", "", "video.gif"])
+def test_stage3_output_name_must_be_an_mp4(capsys, denoised, tmp_path, name):
+    folder = shutil.copytree(denoised, tmp_path / "copy")
+    before = snapshot(folder)
+    expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", folder, "--output_name", name], "name it .mp4")
+    assert snapshot(folder) == before
 
 
 def test_a_ratio_file_with_nan_is_refused(capsys, denoised, tmp_path):

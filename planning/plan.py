@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 import sharding
 from planning import hlo
-from planning.tpus import Target, host_layout, parse_target, topology_mesh
+from planning.tpus import Target, host_layout, parse_target, topology_devices, topology_mesh
 from utils import CONFIG_FILE, Request, UserError, parse_dtype, read_config, read_tensors
 
 # Abstract programs ---------------------------------------------------------------------------------
@@ -363,7 +363,7 @@ def target_from_flag(name: str) -> Target:
     """`--plan NAME` as a Target that libtpu can build, or one `error:` line naming what is known."""
     try:
         target = parse_target(name)
-        topology_mesh(target, sharding.MeshShape(tp=target.devices))  # libtpu refuses grids no slice has
+        topology_devices(target)  # libtpu refuses grids no slice has
     except ValueError as err:
         raise UserError(f"--plan: {err}") from None
     return target

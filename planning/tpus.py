@@ -4,6 +4,7 @@ topology names libtpu takes (`v6e:2x4`), and per-device HBM and peak bf16 FLOP/s
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -120,20 +121,31 @@ def parse_target(name: str) -> Target:
     return Target(name, generation, f"{generation.prefix}:{grids[chips]}")
 
 
-def topology_mesh(target: Target, shape: sharding.MeshShape) -> Mesh:
-    """A dp/sp/tp mesh over the abstract devices of `target` (no TPU needed)."""
+def topology_devices(target: Target) -> list:
+    """The abstract devices libtpu gives for `target` (no TPU needed); ValueError for a grid no slice has.
+    Built once per target and process: the flag check and each plan read the same devices."""
+    return list(_topology_devices(target.topology, tuple(target.chips_per_host_bounds)))
+
+
+@functools.cache
+def _topology_devices(topology_name: str, chips_per_host_bounds: tuple[int, ...]) -> tuple:
     from jax.experimental import topologies
 
     libtpu_off_tpu()
     try:
         topology = topologies.get_topology_desc(
-            platform="tpu", topology_name=target.topology, chips_per_host_bounds=target.chips_per_host_bounds
+            platform="tpu", topology_name=topology_name, chips_per_host_bounds=list(chips_per_host_bounds)
         )
     except Exception as err:  # libtpu's own check (a JaxRuntimeError), e.g. a grid no slice has
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"libtpu knows no TPU topology {target.topology!r} ({reason})") from None
-    # The same device order as a real run's mesh (sharding.make_mesh over jax.devices()).
-    return sharding.make_mesh(shape, topology.devices)
+        raise ValueError(f"libtpu knows no TPU topology {topology_name!r} ({reason})") from None
+    return tuple(topology.devices)
+
+
+def topology_mesh(target: Target, shape: sharding.MeshShape) -> Mesh:
+    """A dp/sp/tp mesh over the abstract devices of `target`, in the same device order as a real run's
+    mesh (sharding.make_mesh over jax.devices())."""
+    return sharding.make_mesh(shape, topology_devices(target))
 
 
 def host_layout(mesh: Mesh) -> dict[str, Any]:

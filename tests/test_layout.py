@@ -5,6 +5,7 @@ that must run without JAX import none, and the wheel ships every module of the t
 from __future__ import annotations
 
 import ast
+import functools
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ MAX_LINES = 450
 PACKAGES = ("attention", "models", "planning", "runtime", "workarounds")
 
 
+@functools.cache
 def project_modules() -> dict[str, Path]:
     """Our importable modules by dotted name: top-level files and every module of our packages."""
     found = {path.stem: path for path in ROOT.glob("*.py")}
@@ -41,6 +43,7 @@ def without_type_checking(tree: ast.Module) -> ast.Module:
     return tree
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
     """module -> the project modules it imports anywhere in its body (function-level imports included)."""
     modules = project_modules()

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from runtime.interface import AXES, DP, SP, TP
+from runtime.interface import AXES, TP
+from runtime.mesh import MeshShape
 
 TP_MODES = ("megatron", "replicated_out")
 P = PartitionSpec
@@ -43,86 +44,9 @@ ROW = P(None, TP)  # input features split; the partial sums are all-reduced
 MODULATION = ROW
 
 
-@dataclass(frozen=True)
-class MeshShape:
-    dp: int = 1
-    sp: int = 1
-    tp: int = 1
-
-    @property
-    def size(self) -> int:
-        return self.dp * self.sp * self.tp
-
-    def as_dict(self) -> dict[str, int]:
-        return {DP: self.dp, SP: self.sp, TP: self.tp}
-
-
-def choose_mesh_shape(
-    device_count: int,
-    dp: int | None = None,
-    sp: int | None = None,
-    tp: int | None = None,
-    *,
-    cfg: bool = True,
-    heads: int | None = None,
-    devices_per_host: int | None = None,
-) -> MeshShape:
-    """The mesh for the requested axis sizes; unset axes default to dp=2 under CFG (if it fits), sp=1,
-    tp=the rest. On several hosts (`devices_per_host` given and smaller than the device count) `tp` stays
-    inside a host: its all-reduces run twice per block on the critical path and want the fastest links,
-    while `dp` needs no traffic until the CFG combine and `sp` moves a few large messages per attention.
-    So the default tp is at most one host's devices and an unset sp takes what is left.
-
-    Raises ValueError when the product is not the device count, `tp` cannot split the attention heads
-    or spans hosts, or `dp` is larger than the batch (2 with CFG, else 1).
-    """
-    for name, value in ((DP, dp), (SP, sp), (TP, tp)):
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
-    hosts = devices_per_host is not None and devices_per_host < device_count
-    sp_given = sp is not None
-    sp = sp or 1
-    if dp is None:
-        rest = device_count // (sp * (tp or 1))
-        dp = 2 if cfg and rest >= 2 and rest % 2 == 0 else 1
-    if tp is None:
-        tp = max(device_count // (dp * sp), 1)
-        if hosts and devices_per_host % tp:
-            tp = math.gcd(tp, devices_per_host)
-            sp = sp if sp_given else max(device_count // (dp * tp), 1)
-    shape = MeshShape(dp, sp, tp)
-    if shape.size != device_count:
-        raise ValueError(
-            f"dp {dp} x sp {sp} x tp {tp} = {shape.size} devices, but {device_count} are available; "
-            "their product must equal the device count"
-        )
-    if heads is not None and heads % tp:
-        raise ValueError(f"tp {tp} does not divide the transformer's {heads} attention heads")
-    if hosts and devices_per_host % tp:
-        raise ValueError(
-            f"tp {tp} would span hosts ({devices_per_host} devices each): keep tp within a host and put "
-            "the hosts on dp or sp"
-        )
-    batch = 2 if cfg else 1  # the CFG branches, or one sample
-    if dp > batch:
-        what = "the two CFG branches" if cfg else "one sample (CFG is off)"
-        try:
-            fit = choose_mesh_shape(
-                device_count, batch, sp, None, cfg=cfg, heads=heads, devices_per_host=devices_per_host
-            )
-            hint = f"; a mesh that uses every device: dp {fit.dp} x sp {fit.sp} x tp {fit.tp}"
-        except ValueError:
-            hint = ""
-        raise ValueError(
-            f"dp {dp} is more than the batch of {batch}, {what}: devices would hold identical copies doing "
-            f"identical work{hint}"
-        )
-    return shape
-
-
 def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The dp/sp/tp mesh over `devices` (default: all), host by host, so the innermost axis (tp) stays
-    within one host wherever it divides a host's devices (choose_mesh_shape)."""
+    within one host wherever it divides a host's devices (runtime.mesh.default_mesh)."""
     devices = sorted(
         jax.devices() if devices is None else devices, key=lambda device: (device.process_index, device.id)
     )

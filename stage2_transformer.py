@@ -111,9 +111,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     runtime.add_argument("--profiler_output_dir", metavar="DIR", help="with --enable_profiler: where the trace goes")
     add_cache_arguments(parser)
-    mesh = parser.add_argument_group("device mesh (product must equal the device count)")
-    mesh.add_argument("--dp", type=int, help="data parallel: the CFG branches (default: 2 with CFG if it fits, else 1)")
-    mesh.add_argument("--sp", type=int, help="sequence parallel: the video tokens split between blocks (default: 1)")
+    mesh = parser.add_argument_group(
+        "device mesh (product must equal the device count; unset axes are chosen and logged, docs/sharding.md)"
+    )
+    mesh.add_argument(
+        "--dp",
+        type=int,
+        help="data parallel: the CFG branches (default: 2 with CFG where the weights still fit, else 1)",
+    )
+    mesh.add_argument(
+        "--sp", type=int, help="sequence parallel: the video tokens split between blocks (default: the rest)"
+    )
     mesh.add_argument(
         "--sp_mode",
         choices=SP_MODES,
@@ -124,7 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "and values; auto: ulysses where the heads allow, else ring (gather with --local_window) "
         "(default: %(default)s)",
     )
-    mesh.add_argument("--tp", type=int, help="tensor parallel: heads and MLP columns (default: the remaining devices)")
+    mesh.add_argument(
+        "--tp", type=int, help="tensor parallel: heads and MLP columns (default: the most the heads allow in one host)"
+    )
     mesh.add_argument(
         "--tp_mode",
         choices=("megatron", "replicated_out"),
@@ -188,28 +198,26 @@ def splash_config(args, family, generation=None):
         raise UserError(f"--{err}") from None
 
 
-def mesh_shape(args, family, source, request: Request, device_count: int, devices_per_host: int | None = None):
-    """The dp/sp/tp mesh from the flags, checked against the device count and the head count (and, on
-    several hosts, keeping tp within one: sharding.choose_mesh_shape)."""
-    import sharding
+def mesh_shape(args, family, source, request: Request, dtype, devices: int, per_host=None, memory=None):
+    """The dp/sp/tp mesh: the flags given, the rest by runtime.mesh.default_mesh (logged with its reason)."""
+    from models.meta import model_facts
+    from runtime.mesh import default_mesh
 
+    facts = model_facts(family, source, dtype, args.tp_mode)
+    cfg = family.cfg_enabled(request.guidance_scale)
     try:
-        return sharding.choose_mesh_shape(
-            device_count,
-            args.dp,
-            args.sp,
-            args.tp,
-            cfg=family.cfg_enabled(request.guidance_scale),
-            heads=attention_heads(source),
-            devices_per_host=devices_per_host,
+        choice = default_mesh(
+            devices, args.dp, args.sp, args.tp, cfg=cfg, model=facts, devices_per_host=per_host, device_memory=memory
         )
     except ValueError as err:  # the library names mesh axes; the flags have the same names
-        raise UserError(re.sub(r"\b(dp|sp|tp)\b", r"--\1", str(err))) from None
+        raise UserError(re.sub(r"\b(dp|sp|tp)\b", r"--\1", str(err)).replace(" x --", " --")) from None
+    log(f"mesh {choice.shape} ({choice.why})")
+    return choice
 
 
 def sequence_parallel(args, source, shape) -> tuple[str, str]:
     """The sequence-parallel scheme (runtime.SP_MODES) for this model's heads on this mesh, logged."""
-    from attention.sequence_parallel import sp_mode_choice
+    from runtime.mesh import sp_mode_choice
 
     try:
         choice, why = sp_mode_choice(
@@ -232,12 +240,14 @@ def plan_main(args) -> None:
         Path(args.input_dir), args.model, request_flags(args), args.dtype
     )
     dtype = parse_dtype(args.dtype or request.dtype)
-    shape = mesh_shape(args, family, source, request, target.devices, target.devices_per_host)
+    per_host, memory = target.devices_per_host, target.hbm_per_device
+    choice = mesh_shape(args, family, source, request, dtype, target.devices, per_host, memory)
+    shape = choice.shape
     sequence_parallel(args, source, shape)
     if args.attention == "cudnn":
         raise UserError("--attention cudnn is for NVIDIA GPUs; --plan compiles for a TPU (splash or xla)")
     attention = "splash" if args.attention == "auto" else args.attention
-    log(f"planning {family.NAME} stage 2 for {target.name} ({target.topology}), mesh {shape.as_dict()}")
+    log(f"planning {family.NAME} stage 2 for {target.name} ({target.topology}), mesh {shape}")
     splash = splash_config(args, family, target.generation)
     try:
         report = plan.plan_stage2(
@@ -259,6 +269,7 @@ def plan_main(args) -> None:
             f"--plan {args.plan}: Splash with tiles {tiles} (block_q/block_kv/block_kv_compute) {err} on "
             f"{target.generation.prefix}; use smaller tiles, e.g. --block_q 1024 --block_kv 1024 --block_kv_compute 512"
         ) from None
+    report["mesh_choice"] = choice.record()
     plan_report.finish(report, args.plan_json)
 
 
@@ -357,14 +368,15 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
 
     import sharding
     from planning import tpus
-    from runtime.torchax_runtime import CompileCache, TorchaxRuntime
+    from runtime.torchax_runtime import CompileCache, TorchaxRuntime, device_memory
     from splash_attention import attention_backend, resolve_backend
 
     family, source, request, timer, guard = run.family, run.source, run.request, run.timer, run.guard
     dtype = run.dtype
     compile_cache = CompileCache(enabled=not args.no_compile_cache)
     per_host = jax.local_device_count() if processes.count > 1 else None
-    shape = mesh_shape(args, family, source, request, jax.device_count(), per_host)
+    choice = mesh_shape(args, family, source, request, dtype, jax.device_count(), per_host, device_memory())
+    shape = choice.shape
     sp_choice, sp_why = sequence_parallel(args, source, shape)
     mesh = sharding.make_mesh(shape)
     runtime = TorchaxRuntime(mesh, profile_dir=run.trace_dir, compile_cache=compile_cache)
@@ -401,6 +413,7 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
         "tp_mode": args.tp_mode,
         "attention": attention,
         "attention_choice": why,
+        "mesh_choice": choice.record(),
         "sequence_parallel": {"mode": sp_choice, "why": sp_why},
         "processes": processes.count,
         **({"splash": dataclasses.asdict(splash)} if attention == "splash" else {}),

@@ -21,33 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from runtime.interface import DP, SP, TP
-
-
-def sp_mode_choice(sp_mode: str, mesh_shape: dict[str, int], heads: int, local_window: bool = False) -> tuple[str, str]:
-    """The sequence-parallel scheme ("none", "ulysses", "ring" or "gather") a run uses for its model's
-    attention heads, and why; ValueError where the scheme asked for cannot run."""
-    sp, tp = mesh_shape[SP], mesh_shape[TP]
-    if sp == 1:
-        return "none", "sp=1: the sequence is not split"
-    local = heads // tp if heads % tp == 0 else heads
-    fits = local % sp == 0
-    if sp_mode == "ulysses" and not fits:
-        raise ValueError(
-            f"sp_mode ulysses: the {local} heads per tp shard do not divide by sp={sp} ({heads} heads, tp={tp}); "
-            "use a smaller sp or tp, or sp_mode ring"
-        )
-    if sp_mode == "ring" and local_window:
-        raise ValueError(
-            "sp_mode ring cannot run a local window (each chunk's window moves as keys pass round the ring); "
-            "use sp_mode ulysses or gather"
-        )
-    if sp_mode in ("ring", "gather"):
-        return sp_mode, "asked for"
-    if fits:
-        return "ulysses", f"{sp_mode}: {local} heads per tp shard, {local // sp} per device inside attention"
-    if local_window:
-        return "gather", f"auto: {local} heads per tp shard do not divide by sp={sp}, and ring has no local window"
-    return "ring", f"auto: {local} heads per tp shard do not divide by sp={sp}"
+from runtime.mesh import sp_mode_choice
 
 
 def attention_scheme(sp_mode: str, mesh: Mesh | None, heads: int, self_attention: bool, local_window: bool = False):

@@ -151,7 +151,7 @@ def measure(
 
 
 def sp_choice(sp_mode: str, mesh, model) -> str:
-    from attention.sequence_parallel import sp_mode_choice
+    from runtime.mesh import sp_mode_choice
 
     return sp_mode_choice(sp_mode, dict(mesh.shape), model.config.num_attention_heads)[0]
 

@@ -10,7 +10,6 @@ Nothing about a TPU in this repository is claimed without this compiler.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from dataclasses import dataclass
@@ -22,44 +21,14 @@ import torch
 from jax.sharding import Mesh
 
 import sharding
+from models.common import attention_heads
+from models.meta import meta_module, meta_transformers, weight_facts
 from planning import hlo
 from planning.tpus import Target, host_layout, parse_target, topology_devices, topology_mesh
+from runtime.interface import TP
 from utils import CONFIG_FILE, Request, UserError, parse_dtype, read_config, read_tensors
 
 # Abstract programs ---------------------------------------------------------------------------------
-
-
-def meta_module(source, component: str, dtype: torch.dtype, **overrides) -> torch.nn.Module:
-    """A component built from its config on the meta device (no weights), in `dtype` as `from_pretrained`
-    would load it (modules the class keeps in fp32 stay fp32)."""
-    cls = source.component_class(component)
-    with torch.device("meta"):
-        module = cls.from_config({**source.load_config(component), **overrides}).eval()
-    torch.nn.Module.to(module, dtype)  # the plain cast: diffusers' own `to` only warns about fp32 modules
-    # from_pretrained keeps a tensor in fp32 when any part of its name is listed (a module or a parameter,
-    # e.g. Wan's per-block `scale_shift_table`).
-    keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if keep & set(name.split(".")) and tensor.is_floating_point():
-            tensor.data = tensor.data.to(torch.float32)
-    return module
-
-
-def meta_transformers(family, source, dtype: torch.dtype, num_layers: int) -> dict[str, torch.nn.Module]:
-    """Every transformer the family's stage 2 loads, on the meta device at `num_layers` blocks."""
-    names = family.transformer_components(source)
-    return {name: meta_module(source, name, dtype, num_layers=num_layers) for name in names}
-
-
-def weight_bytes_per_device(module: torch.nn.Module, rules, mesh: Mesh) -> int:
-    """Bytes of `module`'s parameters and buffers on one device when placed by `rules` (as place_module does)."""
-    specs = rules.assign([name for name, _ in module.named_parameters()])
-    total = 0
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        spec = sharding.fit_spec(specs.get(name, ()), tensor.shape, mesh)
-        split = math.prod(mesh.shape[axis] for axis in spec if axis is not None)
-        total += tensor.numel() * tensor.element_size() // split
-    return total
 
 
 @dataclass
@@ -284,8 +253,9 @@ def plan_stage2(
             with record_kernel_calls() as traced:
                 compiled[depth] = compile_module(*full_step, mesh, runtime.env)
         if depth == layers:
-            rules = loop.rules.nested("transformer.")
-            resident = sum(weight_bytes_per_device(other, rules, mesh) for other in loop.guided[1:])
+            others = [guided.transformer for guided in loop.guided[1:]]
+            facts = weight_facts(others, loop.rules, attention_heads(source))
+            resident = facts.weight_bytes(mesh.shape[TP])
             compiled[depth].add_resident(resident)
             if cached_step is not None and not compiled[depth].refused:
                 with attention_backend(runtime.env, attention, splash, mesh), record_kernel_calls() as cached_calls:

@@ -35,6 +35,12 @@ def compile_cache_dir() -> Path:
     return cache_root() / "jax-compilation-cache"
 
 
+def device_memory() -> int | None:
+    """Bytes one local device can hold, where JAX says (TPU, GPU); None on CPU."""
+    stats = jax.local_devices()[0].memory_stats()
+    return stats.get("bytes_limit") if stats else None
+
+
 class CompileCache:
     """The persistent JAX compilation cache, on for every compile in this process, counting hits and misses.
 

@@ -107,7 +107,7 @@ def test_no_import_cycle_among_our_modules():
 
 # docs/architecture.md draws these layers: a module imports from its own layer or the ones below.
 LAYERS = [
-    ("utils", "runtime", "runtime.interface", "workarounds"),  # "runtime": the package opening only
+    ("utils", "runtime", "runtime.interface", "runtime.mesh", "workarounds"),  # "runtime": the package opening only
     ("sharding", "attention"),
     ("splash_attention", "runtime.torchax_runtime", "runtime.distributed"),
     ("models",),
@@ -173,7 +173,9 @@ def test_presets_are_unique_and_registered():
     assert len(names) == len(set(names)) == len(models.PRESETS)
 
 
-@pytest.mark.parametrize("name", ["utils", "runtime", "runtime.interface", "workarounds", "attention", "planning"])
+@pytest.mark.parametrize(
+    "name", ["utils", "runtime", "runtime.interface", "runtime.mesh", "workarounds", "attention", "planning"]
+)
 def test_jax_free_modules_import_no_jax(name):
     """Stage 1 and stage 3 --backend torch load these on hosts without JAX (function-level imports count)."""
     assert not imports_anywhere(name) & {"jax", "jaxlib", "torchax"}

@@ -21,7 +21,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import sharding
 from helpers import ROOT, relative_error, run_stage
 from runtime.distributed import launch_settings
 from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, UserError
@@ -227,11 +226,3 @@ def test_launch_settings(flags, environ, expected):
 def test_incomplete_launch_flags_are_errors(flags, message):
     with pytest.raises(UserError, match=message):
         launch_settings(*flags, environ={})
-
-
-def test_tp_stays_within_a_host():
-    """16 devices on 4 hosts: the default puts tp on one host's 4 and the rest on sp; tp 8 is refused."""
-    assert sharding.choose_mesh_shape(16, devices_per_host=4) == sharding.MeshShape(2, 2, 4)
-    assert sharding.choose_mesh_shape(8, devices_per_host=4) == sharding.MeshShape(2, 1, 4)
-    with pytest.raises(ValueError, match="tp 8 would span hosts"):
-        sharding.choose_mesh_shape(16, dp=2, tp=8, devices_per_host=4)

@@ -19,8 +19,8 @@ import stage3_vae_decoder
 from helpers import expect_user_error, run_stage, tiny_stage1
 from planning import report as plan_report
 from planning import tpus
+from runtime.mesh import MeshShape, ModelFacts, default_mesh
 from runtime.torchax_runtime import TorchaxRuntime
-from sharding import MeshShape
 
 
 @pytest.mark.parametrize(
@@ -57,7 +57,8 @@ def test_report_says_how_the_mesh_spans_hosts(name, hosts, across):
 def test_the_default_multi_host_mesh_keeps_tp_within_a_host():
     """v6e-16 is 4 hosts of 4 chips: the default mesh is 2x2x4 with only dp and sp crossing hosts."""
     target = tpus.parse_target("v6e-16")
-    shape = sharding.choose_mesh_shape(target.devices, devices_per_host=target.devices_per_host)
+    facts = ModelFacts(heads=8)
+    shape = default_mesh(target.devices, cfg=True, model=facts, devices_per_host=target.devices_per_host).shape
     assert shape == MeshShape(2, 2, 4)
     layout = tpus.host_layout(tpus.topology_mesh(target, shape))
     assert layout == {"hosts": 4, "axes_across_hosts": ["dp", "sp"]}
@@ -142,6 +143,26 @@ def test_the_second_wan_expert_counts_against_hbm(tmp_path):
     assert memory["other_experts_weights"] == placed["bytes_per_device"] > 0
     parts = sum(memory[key] for key in ("arguments", "temporaries", "outputs", "code")) - memory["aliased"]
     assert memory["total"] == parts + memory["other_experts_weights"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model, mesh, scheme",
+    [("THUDM/CogVideoX-2b", (2, 2, 2), "ring"), ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", (2, 1, 4), "none")],
+)
+def test_published_models_plan_on_their_default_mesh(tmp_path, capsys, model, mesh, scheme):
+    """No mesh flags: the default mesh compiles for a v6e-8 (CogVideoX-2b's 30 heads were a --tp 4 error).
+    A short clip keeps the compile near a minute; the mesh does not depend on the video size."""
+    out = tmp_path / "plan.json"
+    video = ["--num_frames", 9, "--height", 240, "--width", 368]
+    argv = ["--input_dir", tmp_path, "--model", model, "--plan", "v6e-8", "--plan_json", out]
+    run_stage(stage2_transformer, [*argv, *video])
+    report = json.loads(out.read_text())
+    assert report["fits"] and report["mesh"] == dict(zip(("dp", "sp", "tp"), mesh, strict=True))
+    assert report["mesh_choice"]["weights_fit"] and report["splash_custom_calls"] > 0
+    log = capsys.readouterr().out
+    assert f"mesh dp {mesh[0]} x sp {mesh[1]} x tp {mesh[2]} (dp 2: the 2 CFG branches" in log
+    assert scheme == "none" or f"sequence parallel: {scheme}" in log
 
 
 @pytest.mark.slow

@@ -1,0 +1,61 @@
+"""Components built from their configs on the meta device (shapes and dtypes, no weights), and what the
+mesh choice needs to know of them. `--plan` compiles around these modules; every stage-2 run and plan
+asks `model_facts` before choosing its default mesh (runtime.mesh.default_mesh), so the choice costs no
+weights and no compile.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+
+from models.common import attention_heads
+from runtime.interface import TP
+from runtime.mesh import ModelFacts
+
+
+def meta_module(source, component: str, dtype: torch.dtype, **overrides) -> torch.nn.Module:
+    """A component built from its config on the meta device (no weights), in `dtype` as `from_pretrained`
+    would load it (modules the class keeps in fp32 stay fp32)."""
+    cls = source.component_class(component)
+    with torch.device("meta"):
+        module = cls.from_config({**source.load_config(component), **overrides}).eval()
+    torch.nn.Module.to(module, dtype)  # the plain cast: diffusers' own `to` only warns about fp32 modules
+    # from_pretrained keeps a tensor in fp32 when any part of its name is listed (a module or a parameter,
+    # e.g. Wan's per-block `scale_shift_table`).
+    keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if keep & set(name.split(".")) and tensor.is_floating_point():
+            tensor.data = tensor.data.to(torch.float32)
+    return module
+
+
+def meta_transformers(family, source, dtype: torch.dtype, num_layers: int | None = None) -> dict[str, torch.nn.Module]:
+    """Every transformer the family's stage 2 loads, on the meta device (at `num_layers` blocks if given)."""
+    overrides = {} if num_layers is None else {"num_layers": num_layers}
+    return {name: meta_module(source, name, dtype, **overrides) for name in family.transformer_components(source)}
+
+
+def weight_facts(modules: Iterable[torch.nn.Module], rules, heads: int) -> ModelFacts:
+    """The modules' weight bytes by how `rules` (a sharding.RuleTable) lays them out: split on tp (by the
+    size of the split dimension) or replicated. Buffers are replicated, as sharding.place_module places them."""
+    split: dict[int, int] = defaultdict(int)
+    replicated = 0
+    for module in modules:
+        specs = rules.assign([name for name, _ in module.named_parameters()])
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            size = tensor.numel() * tensor.element_size()
+            dims = [dim for dim, axes in enumerate(specs.get(name, ())) if axes == TP]
+            if dims:
+                split[tensor.shape[dims[0]]] += size
+            else:
+                replicated += size
+    return ModelFacts(heads, tuple(sorted(split.items())), replicated)
+
+
+def model_facts(family, source, dtype: torch.dtype, tp_mode: str) -> ModelFacts:
+    """What the default mesh needs of the family's stage-2 transformers (all experts: each stays resident)."""
+    modules = meta_transformers(family, source, dtype).values()
+    return weight_facts(modules, family.transformer_rules(tp_mode), attention_heads(source))

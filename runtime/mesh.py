@@ -1,0 +1,218 @@
+"""The dp/sp/tp mesh shape of a stage-2 run: the one default choice every run and plan makes, and the
+checks on axis sizes given as flags. Plain arithmetic over `ModelFacts` (heads, the weight dimensions the
+rule table splits on tp, weight bytes), so it needs no JAX and no compile.
+
+The default, for the axes the user left unset:
+- `dp` takes the classifier-free-guidance batch (2 with CFG, where it divides the devices), since the two
+  branches need no traffic until they are combined;
+- `tp` is the largest divisor of the attention heads and of every weight dimension the rule table splits
+  on tp that fits within one host (its all-reduces run twice per block and want the fastest links);
+- `sp` takes the remaining devices, attention over it by Ulysses where the heads per tp shard divide by
+  sp, else by ring (sp_mode_choice).
+A candidate whose weights per device would pass WEIGHT_SHARE of the device's memory is passed over for
+one that splits them further (dp 1, so tp may grow); if none fits, the most split one is returned and
+its reason says so (`--plan` then reports exactly by how much).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.interface import DP, SP, TP
+
+GIB = 2**30
+# Of each device's memory, the share the weights may take by default: activations, the compiled program
+# and XLA's scratch need the rest (the plan's compile gives the exact peak).
+WEIGHT_SHARE = 0.75
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    dp: int = 1
+    sp: int = 1
+    tp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.sp * self.tp
+
+    def as_dict(self) -> dict[str, int]:
+        return {DP: self.dp, SP: self.sp, TP: self.tp}
+
+    def __str__(self) -> str:
+        return f"dp {self.dp} x sp {self.sp} x tp {self.tp}"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the mesh choice needs to know of a model's stage-2 weights (models.meta.model_facts)."""
+
+    heads: int
+    split_bytes: tuple[tuple[int, int], ...] = ()  # (size of a dimension split on tp, bytes of its tensors)
+    replicated_bytes: int = 0
+
+    @property
+    def tp_dims(self) -> tuple[int, ...]:
+        return tuple(sorted({dim for dim, _ in self.split_bytes}))
+
+    def weight_bytes(self, tp: int) -> int:
+        """Weight bytes per device with `tp` devices on tp (a dimension tp does not divide stays whole)."""
+        split = sum(size // tp if dim % tp == 0 else size for dim, size in self.split_bytes)
+        return self.replicated_bytes + split
+
+
+@dataclass(frozen=True)
+class MeshChoice:
+    shape: MeshShape
+    why: str
+    fits: bool = True  # False: the weights pass WEIGHT_SHARE of the device memory on every valid mesh
+
+    def record(self) -> dict:
+        return {**self.shape.as_dict(), "why": self.why, "weights_fit": self.fits}
+
+
+def sp_mode_choice(sp_mode: str, mesh_shape: dict[str, int], heads: int, local_window: bool = False) -> tuple[str, str]:
+    """The sequence-parallel scheme ("none", "ulysses", "ring" or "gather") a run uses for its model's
+    attention heads, and why; ValueError where the scheme asked for cannot run."""
+    sp, tp = mesh_shape[SP], mesh_shape[TP]
+    if sp == 1:
+        return "none", "sp=1: the sequence is not split"
+    local = heads // tp if heads % tp == 0 else heads
+    fits = local % sp == 0
+    if sp_mode == "ulysses" and not fits:
+        raise ValueError(
+            f"sp_mode ulysses: the {local} heads per tp shard do not divide by sp={sp} ({heads} heads, tp={tp}); "
+            "use a smaller sp or tp, or sp_mode ring"
+        )
+    if sp_mode == "ring" and local_window:
+        raise ValueError(
+            "sp_mode ring cannot run a local window (each chunk's window moves as keys pass round the ring); "
+            "use sp_mode ulysses or gather"
+        )
+    if sp_mode in ("ring", "gather"):
+        return sp_mode, "asked for"
+    if fits:
+        return "ulysses", f"{sp_mode}: {local} heads per tp shard, {local // sp} per device inside attention"
+    if local_window:
+        return "gather", f"auto: {local} heads per tp shard do not divide by sp={sp}, and ring has no local window"
+    return "ring", f"auto: {local} heads per tp shard do not divide by sp={sp}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def _candidates(devices: int, dp, sp, tp, batch: int, model: ModelFacts, per_host: int):
+    """Valid meshes for the given axes, in order of preference: dp the batch first, then tp largest."""
+    for d in [dp] if dp else ([batch, 1] if batch > 1 else [1]):
+        if devices % d:
+            continue
+        rest = devices // d
+        if sp:
+            tps = [tp] if tp else ([rest // sp] if rest % sp == 0 else [])
+        else:
+            tps = [tp] if tp else _divisors(rest)
+        for t in tps:
+            whole = all(dim % t == 0 for dim in (model.heads, *model.tp_dims))
+            if rest % t or per_host % t or not (tp or whole):
+                continue
+            s = sp or rest // t
+            if d * s * t == devices:
+                yield MeshShape(d, s, t)
+
+
+def default_mesh(
+    devices: int,
+    dp: int | None = None,
+    sp: int | None = None,
+    tp: int | None = None,
+    *,
+    cfg: bool,
+    model: ModelFacts,
+    devices_per_host: int | None = None,
+    device_memory: int | None = None,
+) -> MeshChoice:
+    """The mesh for `devices` with the axes given (None: chosen as the module docstring says) and why.
+
+    Raises ValueError, naming a mesh that works where there is one, when the given sizes cannot work:
+    their product is not the device count, tp does not divide the heads or spans hosts, or dp is larger
+    than the batch (2 with CFG, else 1).
+    """
+    for name, value in ((DP, dp), (SP, sp), (TP, tp)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    per_host = min(devices_per_host or devices, devices)
+    batch = 2 if cfg else 1
+    defaults = list(_candidates(devices, None, None, None, batch, model, per_host))
+    hint = f"; a mesh that works: {defaults[0]}" if defaults else ""
+    _check_given(devices, (dp, sp, tp), batch, model.heads, per_host, hint)
+    options = list(_candidates(devices, dp, sp, tp, batch, model, per_host))
+    if not options:
+        raise ValueError(f"no mesh of {devices} devices has {_given(dp, sp, tp)}{hint}")
+    budget = device_memory * WEIGHT_SHARE if device_memory else None
+    fitting = [shape for shape in options if budget is None or model.weight_bytes(shape.tp) <= budget]
+    shape = fitting[0] if fitting else max(options, key=lambda option: option.tp)
+    why = _why(shape, (dp, sp, tp), cfg, model, device_memory, bool(fitting))
+    return MeshChoice(shape, why, bool(fitting))
+
+
+def _given(dp, sp, tp) -> str:
+    return ", ".join(f"{name} {value}" for name, value in ((DP, dp), (SP, sp), (TP, tp)) if value)
+
+
+def _check_given(devices: int, given, batch: int, heads: int, per_host: int, hint: str) -> None:
+    dp, sp, tp = given
+    product = (dp or 1) * (sp or 1) * (tp or 1)
+    if dp and sp and tp and product != devices:
+        raise ValueError(
+            f"dp {dp} x sp {sp} x tp {tp} = {product} devices, but {devices} are available; "
+            f"their product must equal the device count{hint}"
+        )
+    if devices % product:
+        raise ValueError(
+            f"{_given(dp, sp, tp).replace(',', ' x')} = {product} does not divide the {devices} devices{hint}"
+        )
+    if tp and heads % tp:
+        raise ValueError(f"tp {tp} does not divide the transformer's {heads} attention heads{hint}")
+    if tp and per_host % tp:
+        raise ValueError(
+            f"tp {tp} would span hosts ({per_host} devices each): keep tp within a host and put "
+            f"the hosts on dp or sp{hint}"
+        )
+    if dp and dp > batch:
+        what = "the two CFG branches" if batch == 2 else "one sample (CFG is off)"
+        raise ValueError(
+            f"dp {dp} is more than the batch of {batch}, {what}: devices would hold identical copies doing "
+            f"identical work{hint}"
+        )
+
+
+def _why(shape: MeshShape, given, cfg: bool, model: ModelFacts, device_memory: int | None, fits: bool) -> str:
+    """One line: which axes were given, and why each default axis got its size."""
+    dp, sp, tp = given
+    parts = []
+    if not dp:
+        if not cfg:
+            parts.append("dp 1: one sample (CFG is off)")
+        else:
+            parts.append(
+                "dp 2: the 2 CFG branches"
+                if shape.dp == 2
+                else "dp 1: the 2 CFG branches batched on each device (dp 2 fits no mesh here)"
+            )
+    if not tp:
+        parts.append(
+            f"tp {shape.tp}: the largest divisor of the {model.heads} heads and the split weight dimensions "
+            "that fits in one host"
+        )
+    if not sp:
+        scheme = sp_mode_choice("auto", shape.as_dict(), model.heads)[0]
+        parts.append(f"sp {shape.sp}: the rest" + (f" ({scheme} attention)" if shape.sp > 1 else ""))
+    weights = model.weight_bytes(shape.tp) / GIB
+    memory = f" of {device_memory / GIB:.1f} GiB" if device_memory else ""
+    parts.append(f"weights {weights:.2f} GiB per device{memory}")
+    if not fits:
+        parts.append(f"more than {WEIGHT_SHARE:.0%} of it on every mesh of these devices")
+    if given != (None, None, None):
+        parts.insert(0, f"given {_given(*given)}")
+    return "; ".join(parts)

@@ -19,7 +19,7 @@ from models.family import family_members
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 450
-PACKAGES = ("attention", "models", "planning", "runtime", "workarounds")
+PACKAGES = ("attention", "models", "planning", "runtime", "utils", "workarounds")
 
 
 @functools.cache

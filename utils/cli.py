@@ -1,0 +1,116 @@
+"""The CLI conventions every stage follows: one `error:` line and exit 2 for what the user can fix
+(`UserError`, argparse errors included), `stopped:` lines for SIGTERM and Ctrl-C, finite float flags,
+the reference scripts' flag spellings, dtypes by name, and timestamped log lines."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_SPELLINGS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # torch's and diffusers' names
+
+# The reference scripts' spellings of our flags, so their users' command lines keep working: one place
+# for all of them; argparse accepts each and `--help` lists it beside ours.
+REFERENCE_ALIASES = {"--model": ("--model_id",), "--num_frames": ("--frames", "--video_length")}
+
+
+def flag_names(flag: str) -> list[str]:
+    """`flag` and its reference-script aliases, for `add_argument`."""
+    return [flag, *REFERENCE_ALIASES.get(flag, ())]
+
+
+def dtype_flag(name: str) -> str:
+    """`--dtype` as typed: torch's spellings become ours (what configs record); anything else is left for
+    parse_dtype to refuse."""
+    return DTYPE_SPELLINGS.get(name, name)
+
+
+_START = time.monotonic()
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad flag, missing or wrong file); reported as one `error:` line, exit 2."""
+
+
+class Stopped(Exception):
+    """The run was asked to stop (SIGTERM, e.g. a preemption notice) and saved what it had."""
+
+
+STOPPED_EXIT_STATUS = 143  # 128 + SIGTERM, what a shell reports for a terminated process
+INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, what a shell reports after Ctrl-C
+
+
+class StageArgumentParser(argparse.ArgumentParser):
+    """argparse with the stages' error convention: a bad flag is one `error:` line (pointing at --help) and
+    exit status 2, not a usage block whose last line starts with the program's name."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def stage_parser(script: str, description: str | None) -> StageArgumentParser:
+    """A stage's parser, named after its file (also when run in-process), with its docstring as help."""
+    formatter = argparse.RawDescriptionHelpFormatter
+    return StageArgumentParser(prog=Path(script).name, description=description, formatter_class=formatter)
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a float that is neither NaN nor infinite (JSON and the maths need finite numbers)."""
+    value = float(text)  # argparse words a ValueError as "invalid finite_float value"
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def run_cli(main: Callable[[], None]) -> None:
+    """Run a stage's main(): user errors become one `error:` line and exit status 2; a requested stop one
+    `stopped:` line and status 143 (130 after Ctrl-C); bugs keep their traceback."""
+    try:
+        main()
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except Stopped as stop:
+        print(f"stopped: {stop}", file=sys.stderr, flush=True)
+        sys.exit(STOPPED_EXIT_STATUS)
+    except KeyboardInterrupt:  # writes are atomic, so nothing partial is left
+        print("\nstopped: interrupted (Ctrl-C); no partial file was written", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED_EXIT_STATUS)
+
+
+_LOGGING = {"enabled": True}
+
+
+def set_logging(enabled: bool) -> None:
+    """Turn this process's log lines and progress bars on or off (off in all but process 0 of a
+    multi-host run, so one log tells the story)."""
+    _LOGGING["enabled"] = enabled
+
+
+def logging_enabled() -> bool:
+    return _LOGGING["enabled"]
+
+
+def log(message: str) -> None:
+    """Plain log line prefixed with seconds since the process started."""
+    if _LOGGING["enabled"]:
+        print(f"[{time.monotonic() - _START:7.1f}s] {message}", flush=True)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """`--dtype` as a torch dtype."""
+    if name not in DTYPES:
+        raise UserError(f"--dtype {name!r} is not one of {', '.join(DTYPES)} (or {', '.join(DTYPE_SPELLINGS)})")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -85,7 +85,7 @@ def main(argv=None) -> None:
     defaults = {**family.request_defaults(source), "seed": DEFAULT_SEED}
     request = Request.from_flags(args, model_family=family.NAME, model_id=args.model, defaults=defaults)
     models.validate_request(family, source, request)
-    ensure_writable_dir(output_dir)
+    ensure_writable_dir(output_dir, (STAGE1_FILE,))
 
     # One prompt at a time: with --backend torchax every device goes to `tp` (heads and MLP columns).
     runtime = open_runtime(args.backend, args.device, TP, compile_cache=not args.no_compile_cache)

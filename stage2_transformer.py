@@ -29,6 +29,7 @@ from utils import (
     Request,
     UserError,
     add_request_arguments,
+    check_output_dir,
     check_stage1_fresh,
     dtype_flag,
     ensure_writable_dir,
@@ -333,8 +334,9 @@ def validated_run(args, processes) -> ValidatedRun:
     dtype = parse_dtype(dtype_name)
     models.validate_request(family, source, request)
     embeddings = read_tensors(input_dir, config["stage1"])
+    check_output_dir(output_dir, input_dir, config)
     if processes.is_main:
-        ensure_writable_dir(output_dir)
+        ensure_writable_dir(output_dir, (STAGE2_FILE,))
     cache = settings_from_flags(args, input_dir, request.model_id)
     fingerprint = request.fingerprint()
     guard = DenoiseGuard(

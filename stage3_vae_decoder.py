@@ -33,6 +33,7 @@ from utils import (
     VIDEO_FILE,
     Request,
     UserError,
+    check_output_dir,
     check_stage1_fresh,
     check_stage2_fresh,
     dtype_flag,
@@ -178,7 +179,8 @@ def main(argv=None) -> None:
     dtype_name = args.dtype or request.dtype
     dtype = parse_dtype(dtype_name)
     latents = read_tensors(input_dir, config["stage2"])["latents"]
-    ensure_writable_dir(output_dir)
+    check_output_dir(output_dir, input_dir, config)
+    ensure_writable_dir(output_dir, (output_name, preview_name(output_name), frames_name(output_name)))
 
     # With --backend torchax the VAE's weights are replicated and its activations split along width.
     backend, device, reason = choose_backend(args.backend, args.device)

@@ -46,7 +46,11 @@ class ModelSource:
 
     def load_config(self, component: str) -> dict[str, Any]:
         """A component's config.json as a dict, without loading any weights (read once per process)."""
-        return dict(_cached_config(component_class(self, component), self.location, component))
+        try:
+            return dict(_cached_config(component_class(self, component), self.location, component))
+        except OSError as err:  # a local folder without the component, or a hub id not in the cache
+            where = f"{component}/config.json is missing" if os.path.isdir(self.location) else str(err)
+            raise UserError(f"--model {self.ref!r}: {where} (a diffusers folder has one per component)") from None
 
     def component_class(self, component: str):
         return component_class(self, component)
@@ -110,7 +114,8 @@ def resolve_model_for_request(
 
 def validate_request(family: Family, source: ModelSource, request) -> None:
     """Before any weights load: what every family's request must respect in the model's configs (steps
-    within the scheduler's training timesteps), then the family's own checks (geometry, extras)."""
+    within the scheduler's training timesteps), the family's own checks (geometry, extras), then a video
+    small enough for the host's memory."""
     train_steps = source.load_config("scheduler").get("num_train_timesteps", 1000)
     if request.num_inference_steps > train_steps:
         raise UserError(
@@ -118,6 +123,14 @@ def validate_request(family: Family, source: ModelSource, request) -> None:
             "training timesteps"
         )
     family.validate_request(source, request)
+    frames = request.num_frames * request.height * request.width * 3 * 4  # what stage 3 holds as float32
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if frames > memory:
+        raise UserError(
+            f"--height {request.height} --width {request.width} --num_frames {request.num_frames}: the decoded "
+            f"video alone is {frames / 2**30:.3g} GiB of float32 frames, more than this host's {memory / 2**30:.0f} "
+            "GiB of memory"
+        )
 
 
 def _read_model_index(model: str, location: str) -> dict[str, Any]:

@@ -35,6 +35,29 @@ def check_backend_flags(backend: str, device: str | None) -> None:
         raise UserError(f"--backend {backend!r} is not one of {', '.join(STAGE3_BACKENDS)}")
     if backend == "torchax" and device is not None:  # it would be silently ignored: every JAX device is used
         raise UserError(f"--device applies to --backend torch; --backend {backend} uses every JAX device")
+    if device is not None:
+        check_torch_device(device)
+
+
+def check_torch_device(name: str) -> None:
+    """`--device` must name a torch device this host has (cpu, cuda, cuda:N, mps)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r} is not a torch device (cpu, cuda, cuda:N or mps)") from None
+    probes = {
+        "cpu": lambda: True,
+        "cuda": lambda: torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count(),
+        "mps": lambda: torch.backends.mps.is_available(),
+    }
+    if device.type not in probes:
+        raise UserError(f"--device {name!r}: stages run on cpu, cuda or mps")
+    if not probes[device.type]():
+        found = "has no MPS device"
+        if device.type == "cuda":
+            count = torch.cuda.device_count()
+            found = "is built without CUDA" if torch.version.cuda is None else f"sees {count} CUDA GPU(s)"
+        raise UserError(f"--device {name}: this torch {found}; use --device cpu (or --backend torchax)")
 
 
 def jax_platform() -> str | None:
@@ -177,6 +200,12 @@ class DeviceTextEncoder(torch.nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.encoder_dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where callers put the token ids: the host (forward moves them). Wan's pipeline asks the module
+        (diffusers' get_module_execution_device), which would otherwise find the weights' 'jax' device."""
+        return torch.device("cpu")
 
     def forward(self, input_ids, attention_mask=None, output_hidden_states=None):
         from transformers.modeling_outputs import BaseModelOutput

@@ -90,6 +90,19 @@ def validate_request(source, request: Request) -> None:
             raise UserError(f"--{key} {value} must be a positive multiple of {multiple}")
     if request.num_frames < 1 or (request.num_frames - 1) % temporal:
         raise UserError(f"--num_frames {request.num_frames} must be {temporal}n+1 (e.g. 81)")
+    # The rotary embedding holds rope_max_seq_len positions per axis (diffusers' WanRotaryPosEmbed).
+    positions = source.load_config("transformer").get("rope_max_seq_len", 1024)
+    latent_frames = ((request.num_frames - 1) // temporal + 1) // patch[0]
+    for key, count in (
+        ("num_frames", latent_frames),
+        ("height", request.height // (spatial * patch[1])),
+        ("width", request.width // (spatial * patch[2])),
+    ):
+        if count > positions:
+            raise UserError(
+                f"--{key} {getattr(request, key)} makes {count} token positions along it, more than the "
+                f"{positions} the transformer's rotary embedding holds (rope_max_seq_len)"
+            )
     if request.flow_shift is None or request.flow_shift <= 0:
         raise UserError(f"--flow_shift {request.flow_shift} must be positive")
 

@@ -174,7 +174,11 @@ def test_sharded_qwen_hidden_states_equal_eager(tp):
 
 @pytest.mark.parametrize(
     "model, prompt",
-    [("tiny-cogvideox", "a red cat"), ("tiny-hunyuanvideo15", 'a shop sign that says "OPEN"')],
+    [
+        ("tiny-cogvideox", "a red cat"),
+        ("tiny-hunyuanvideo15", 'a shop sign that says "OPEN"'),
+        ("tiny-wan2.1", "a red cat"),  # Wan's pipeline asked the encoder's weights for their device ('jax')
+    ],
 )
 def test_stage1_torchax_backend_equals_torch_backend(tmp_path, model, prompt):
     outputs = {}
@@ -195,6 +199,10 @@ def test_stage1_torchax_backend_equals_torch_backend(tmp_path, model, prompt):
             assert relative_error(jax_tensors[name], expected) <= TOLERANCE, name
     stage1 = jax_config["stage1"]
     assert stage1["backend"] == "torchax" and stage1["mesh"] == {"dp": 1, "sp": 1, "tp": 8}
-    expected_tables = {"tiny-cogvideox": ["t5-encoder"], "tiny-hunyuanvideo15": ["qwen2.5-vl-text", "t5-encoder"]}
+    expected_tables = {
+        "tiny-cogvideox": ["t5-encoder"],
+        "tiny-hunyuanvideo15": ["qwen2.5-vl-text", "t5-encoder"],
+        "tiny-wan2.1": ["t5-encoder"],
+    }
     assert [p["rule_table"].split("/")[0] for p in stage1["placement"]] == expected_tables[model]
     assert torch_config["stage1"]["backend"] == "torch" and torch_config["stage1"]["device"] == "cpu"

@@ -59,8 +59,43 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def ensure_writable_dir(directory: Path) -> None:
-    """Create the output folder, or fail with a user error before any heavy work."""
+def check_output_dir(output_dir: Path, input_dir: Path, config: dict[str, Any]) -> None:
+    """Refuse an output folder that holds another run's files (another model, family or stage-1 file than
+    `config`, the input folder's): writing there would pair this run's config with that run's files."""
+    if not output_dir.exists() or output_dir.resolve() == input_dir.resolve():
+        return
+    if not output_dir.is_dir():
+        raise UserError(f"--output_dir {output_dir} is a file, not a folder")
+    free = next(f"{output_dir}-{n}" for n in range(2, 1000) if not Path(f"{output_dir}-{n}").exists())
+    fix = f"write to an empty folder (e.g. --output_dir {free}) or leave --output_dir out to write beside the input"
+    path = output_dir / CONFIG_FILE
+    if not path.is_file():
+        stray = [name for name in (STAGE1_FILE, STAGE2_FILE) if (output_dir / name).exists()]
+        if stray:
+            raise UserError(f"--output_dir {output_dir} holds {', '.join(stray)} without a {CONFIG_FILE}; {fix}")
+        return
+    try:
+        theirs = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"--output_dir {output_dir}: its {CONFIG_FILE} is not valid JSON; {fix}") from None
+    theirs = theirs if isinstance(theirs, dict) else {}
+    stage1 = theirs.get("stage1") if isinstance(theirs.get("stage1"), dict) else {}
+    differ = [key for key in ("model_family", "model_id") if theirs.get(key) != config.get(key)]
+    if stage1.get("sha256") != config["stage1"]["sha256"]:
+        differ.append("stage-1 embeddings")
+    if differ:
+        raise UserError(
+            f"--output_dir {output_dir} holds another run's files ({', '.join(differ)} differ from "
+            f"{input_dir}'s); {fix}"
+        )
+
+
+def ensure_writable_dir(directory: Path, files: tuple[str, ...] = ()) -> None:
+    """Create the output folder, or fail with a user error before any heavy work (also where one of the
+    `files` the stage will write is a folder: the rename at the end would fail after all the work)."""
+    for name in (CONFIG_FILE, *files):
+        if (directory / name).is_dir():
+            raise UserError(f"{directory / name} is a folder; the stage writes a file there (move it away)")
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -80,8 +115,16 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any
     }
 
 
+RECORD_FIELDS = (("file", str), ("sha256", str), ("tensors", dict))  # what write_tensors records
+
+
 def read_tensors(directory: Path, record: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Load a stage file described by `record`, verifying its checksum, names, shapes and dtypes."""
+    if not isinstance(record, dict) or not all(isinstance(record.get(key), kind) for key, kind in RECORD_FIELDS):
+        raise UserError(
+            f"{directory / CONFIG_FILE}: a stage file's record is not the file, sha256 and tensors a stage writes: "
+            f"{json.dumps(record)[:120]} (edited by hand? rerun that stage)"
+        )
     path = directory / record["file"]
     if not path.is_file():
         raise UserError(f"{path} is missing")
@@ -126,6 +169,8 @@ def read_config(directory: Path, needs: str | None = None) -> dict[str, Any]:
         )
     if needs and needs not in config:
         raise UserError(f"{path} has no {needs!r} section (run the {needs} script first)")
+    if needs and not isinstance(config[needs], dict):
+        raise UserError(f"{path}: the {needs!r} section is {json.dumps(config[needs])}, not an object (rerun {needs})")
     return config
 
 
@@ -204,6 +249,11 @@ def check_stage2_fresh(directory: Path, config: dict[str, Any], request: Request
 def stage2_normalization(stage2: dict[str, Any], vae_scaling_factor: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """How stage 2's latents are normalised: the recorded `latents_normalization`, or for a format_version 1
     section (the boolean `latents_scaled_by_vae_scaling_factor`, only ever true) the VAE's scaling factor."""
-    if "latents_normalization" in stage2:
-        return stage2["latents_normalization"]
-    return vae_scaling_factor()
+    normalization = stage2["latents_normalization"] if "latents_normalization" in stage2 else vae_scaling_factor()
+    scaling = normalization.get("scaling_factor", 1.0) if isinstance(normalization, dict) else None
+    if type(scaling) not in (int, float) or scaling <= 0:
+        raise UserError(
+            f"{CONFIG_FILE}: stage2.latents_normalization is {json.dumps(normalization)}; its scaling_factor must "
+            "be a positive number (rerun stage 2)"
+        )
+    return normalization

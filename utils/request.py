@@ -4,6 +4,7 @@ generation_config.json (checked field by field), later stages' overrides and the
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,11 @@ def add_request_arguments(parser, *, for_later_stage: bool) -> None:
     )
 
 
+# What each annotation of Request accepts (bool is not a number here, though Python's int says so).
+FIELD_TYPES = {"str": (str,), "int": (int,), "float": (int, float)}
+FIELD_KINDS = {"str": "a string", "int": "an integer", "float": "a number"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """What was asked: the top-level keys of generation_config.json. Written by stage 1 (family defaults,
@@ -78,7 +84,15 @@ class Request:
     variant: str | None = None  # e.g. CogVideoX "1.0" or "1.5"
 
     def __post_init__(self) -> None:
-        """The checks every family shares; geometry and family extras are each family's validate_request."""
+        """The checks every family shares; geometry and family extras are each family's validate_request.
+        Types first: a hand-edited config may hold "64" or null where a number belongs."""
+        for field in dataclasses.fields(self):
+            value, (kind, _, optional) = getattr(self, field.name), field.type.partition(" | ")
+            if not (value is None and optional) and (type(value) not in FIELD_TYPES[kind]):
+                raise UserError(
+                    f"{field.name} is {json.dumps(value)} in the request; it must be {FIELD_KINDS[kind]}"
+                    + (" or null" if optional else "")
+                )
         parse_dtype(self.dtype)
         if self.num_inference_steps < 1:
             raise UserError(f"--num_inference_steps {self.num_inference_steps} must be at least 1")

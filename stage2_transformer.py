@@ -335,9 +335,9 @@ def validated_run(args, processes) -> ValidatedRun:
     models.validate_request(family, source, request)
     embeddings = read_tensors(input_dir, config["stage1"])
     check_output_dir(output_dir, input_dir, config)
+    cache = settings_from_flags(args, input_dir, request.model_id)
     if processes.is_main:
         ensure_writable_dir(output_dir, (STAGE2_FILE,))
-    cache = settings_from_flags(args, input_dir, request.model_id)
     fingerprint = request.fingerprint()
     guard = DenoiseGuard(
         output_dir,

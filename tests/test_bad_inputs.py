@@ -1,134 +1,378 @@
-"""Bad input is refused cleanly: non-finite numbers anywhere (flags, hand-edited configs, ratio files),
-argparse's own errors, non-finite output, Ctrl-C. Each case: exit status 2 (130 for Ctrl-C), exactly one
-`error:` line naming the input, and the folder byte-identical afterwards. In this process, through each
-stage's main(); tests/test_user_errors.py runs the real command line."""
+"""The bad-input suite: each case a bad flag, a hand-edited or damaged file, or a folder that is not what it
+should be, run through a stage's main() in this process (a few through the real command line at the end).
+Every case must exit with status 2 and exactly one `error:` line naming the input, print no traceback,
+and leave every file and folder of the case byte for byte as it was (no temp file left behind).
+
+`CAUSE` names the group of docs/reliability.md a case belongs to; that page lists every case by its id.
+"""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
-from helpers import expect_user_error, run_stage, tiny_stage1
-from utils import CONFIG_FILE, INTERRUPTED_EXIT_STATUS, run_cli, strict_json, write_config
+from helpers import ROOT, run_script, run_stage, tiny_stage1
+from utils import CONFIG_FILE, INTERRUPTED_EXIT_STATUS, STAGE1_FILE, STAGE2_FILE, run_cli, strict_json, write_config
 
-STAGE1 = ["--model", "tiny-cogvideox", "--prompt", "a cat", "--num_inference_steps", "2"]
+STAGES = {"stage1": stage1_text_encoder, "stage2": stage2_transformer, "stage3": stage3_vae_decoder}
+STAGE1 = ["--model", "tiny-cogvideox", "--prompt", "a cat", "--num_inference_steps", "2", "--output_dir", "OUT"]
+CAUSE = {
+    "non-finite output": "stage 3 decodes NaN or Inf",
+    "non-finite numbers": "NaN or Inf in a flag, a config or a ratio file",
+    "another run's folder": "--output_dir holding another run's files",
+    "out of range": "integers past what the scheduler, the generator, the model or the host can take",
+    "hand-edited config": "wrong types and values in generation_config.json",
+    "user errors": "devices, output names, topologies, addresses, model folders, output paths",
+    "mesh": "mesh flags that cannot work",
+    "stale prompt": "a prompt edited after stage 1",
+    "argparse": "argparse's own errors",
+    "nonsense": "values with no meaning for the flag",
+    "held": "cases that were already refused",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    cause: str
+    stage: str
+    argv: tuple  # "D": the case's copy of a denoised folder; "OUT", "OTHER", "MODEL": folders the case may prepare
+    message: str
+    prepare: Callable[[Path], None] | None = None  # damages the case's folder (tmp_path) before the run
+    after_loading: bool = False  # refused only once the work is done (the rest load no weights first)
+
+
+def edit_config(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def prepare(root: Path) -> None:
+        path = root / "D" / CONFIG_FILE
+        config = json.loads(path.read_text())
+        edit(config)
+        path.write_text(json.dumps(config))  # Python's json writes NaN and Infinity as they are
+
+    return prepare
+
+
+def other_run(root: Path) -> None:
+    """OTHER: a complete folder of another model's run (its config says Wan; its files are what they are)."""
+    shutil.copytree(root / "D", root / "OTHER")
+    path = root / "OTHER" / CONFIG_FILE
+    config = json.loads(path.read_text())
+    config.update(model_family="wan", model_id="tiny-wan2.1")
+    config["stage1"]["sha256"] = "0" * 64
+    path.write_text(json.dumps(config))
+
+
+def model_without(component: str) -> Callable[[Path], None]:
+    def prepare(root: Path) -> None:
+        from models import materialize_preset
+
+        shutil.copytree(materialize_preset("tiny-cogvideox"), root / "MODEL")
+        shutil.rmtree(root / "MODEL" / component)
+
+    return prepare
+
+
+def stage1_only(root: Path) -> None:
+    edit_config(lambda config: config.pop("stage2"))(root)
+    (root / "D" / STAGE2_FILE).unlink()
+
+
+def changed_embeddings(root: Path) -> None:
+    tensors = load_file(root / "D" / STAGE1_FILE)
+    tensors["prompt_embeds"] = tensors["prompt_embeds"] + 1
+    save_file(tensors, root / "D" / STAGE1_FILE)
+
+
+def truncated_latents(root: Path) -> None:
+    path = root / "D" / STAGE2_FILE
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def ratio_file(root: Path) -> None:
+    (root / "ratios.json").write_text('{"mag_ratios": [1.0, NaN]}')
+
+
+def latents_path_is_a_folder(root: Path) -> None:
+    (root / "D" / STAGE2_FILE).unlink()
+    (root / "D" / STAGE2_FILE).mkdir()
+
+
+def stray_latents(root: Path) -> None:
+    (root / "OUT").mkdir()
+    shutil.copy(root / "D" / STAGE2_FILE, root / "OUT")
+
+
+def a_file(root: Path) -> None:
+    (root / "OUT").write_text("not a folder")
+
+
+def s1(case_id, cause, flags, message, prepare=None):
+    return Case(case_id, cause, "stage1", (*STAGE1, *flags), message, prepare)
+
+
+def s2(case_id, cause, flags, message, prepare=None):
+    return Case(case_id, cause, "stage2", ("--input_dir", "D", *flags), message, prepare)
+
+
+def s3(case_id, cause, flags, message, prepare=None):
+    return Case(case_id, cause, "stage3", ("--input_dir", "D", *flags), message, prepare)
+
+
+def scaling(value):
+    return edit_config(lambda config: config["stage2"]["latents_normalization"].update(scaling_factor=value))
+
+
+NOT_FINITE = "is not a finite number"
+CASES = [
+    Case(
+        "s3-decode-overflow",
+        "non-finite output",
+        "stage3",
+        ("--input_dir", "D"),
+        "the decoded frames hold NaN or Inf",
+        scaling(1e-30),
+        after_loading=True,
+    ),
+    s1("s1-guidance-nan", "non-finite numbers", ["--guidance_scale", "nan"], f"--guidance_scale: 'nan' {NOT_FINITE}"),
+    s1("s1-guidance-inf", "non-finite numbers", ["--guidance_scale", "inf"], f"--guidance_scale: 'inf' {NOT_FINITE}"),
+    s1("s1-guidance-minus-inf", "non-finite numbers", ["--guidance_scale=-inf"], f"'-inf' {NOT_FINITE}"),
+    s1("s1-guidance2-minus-inf", "non-finite numbers", ["--guidance_scale_2", "-inf"], "expected one argument"),
+    s1("s1-flow-shift-nan", "non-finite numbers", ["--flow_shift", "nan"], f"--flow_shift: 'nan' {NOT_FINITE}"),
+    s2("s2-guidance-nan", "non-finite numbers", ["--guidance_scale", "nan"], f"--guidance_scale: 'nan' {NOT_FINITE}"),
+    s2("s2-plan-guidance-inf", "non-finite numbers", ["--plan", "v6e-8", "--guidance_scale", "inf"], NOT_FINITE),
+    s2("s2-cache-threshold-nan", "non-finite numbers", ["--cache_threshold", "nan"], f"'nan' {NOT_FINITE}"),
+    s2("s2-retention-inf", "non-finite numbers", ["--cache_retention_ratio", "inf"], f"'inf' {NOT_FINITE}"),
+    s2("s2-retention-nan", "non-finite numbers", ["--cache_retention_ratio", "nan"], f"'nan' {NOT_FINITE}"),
+    s2("s2-peer-timeout-nan", "non-finite numbers", ["--peer_timeout", "nan"], f"'nan' {NOT_FINITE}"),
+    s2(
+        "s2-config-nan",
+        "non-finite numbers",
+        [],
+        "guidance_scale is NaN or infinite",
+        edit_config(lambda c: c.update(guidance_scale=float("nan"))),
+    ),
+    s3(
+        "s3-config-section-inf",
+        "non-finite numbers",
+        [],
+        "stage1.seconds is NaN or infinite",
+        edit_config(lambda c: c["stage1"].update(seconds=float("inf"))),
+    ),
+    s2(
+        "s2-ratio-file-nan",
+        "non-finite numbers",
+        ["--output_dir", "OUT", "--cache", "magcache", "--cache_mag_ratios", "ratios.json"],
+        "mag_ratios[1] is NaN",
+        ratio_file,
+    ),
+    s2(
+        "s2-output-another-run",
+        "another run's folder",
+        ["--output_dir", "OTHER"],
+        "holds another run's files",
+        other_run,
+    ),
+    s3(
+        "s3-output-another-run",
+        "another run's folder",
+        ["--output_dir", "OTHER"],
+        "holds another run's files",
+        other_run,
+    ),
+    s2("s2-output-stray-latents", "another run's folder", ["--output_dir", "OUT"], "without a", stray_latents),
+    s2("s2-output-is-a-file", "another run's folder", ["--output_dir", "OUT"], "is a file, not a folder", a_file),
+    s3("s3-output-is-a-file", "another run's folder", ["--output_dir", "OUT"], "is a file, not a folder", a_file),
+    s1("s1-steps-1001", "out of range", ["--num_inference_steps", "1001"], "more than the scheduler's 1000 training"),
+    s2("s2-steps-5000", "out of range", ["--num_inference_steps", "5000"], "more than the scheduler's 1000"),
+    s1("s1-seed-2-64", "out of range", ["--seed", str(2**64)], f"--seed {2**64} must be from 0 to 2**64 - 1"),
+    s2("s2-seed-int64-min", "out of range", ["--seed", str(-(2**63) - 1)], "must be from 0 to 2**64 - 1"),
+    s1("s1-fps-1e23", "out of range", ["--fps", str(10**23)], f"--fps {10**23} must be from 1 to 1000"),
+    s1("s1-fps-0", "out of range", ["--fps", "0"], "--fps 0 must be from 1 to 1000"),
+    s3("s3-fps-2000", "out of range", ["--fps", "2000"], "--fps 2000 must be from 1 to 1000"),
+    s1("s1-height-16e6", "out of range", ["--height", "16000000"], "GiB of float32 frames, more than this host's"),
+    s1("s1-width-16e6", "out of range", ["--width", "16000000"], "GiB of float32 frames, more than this host's"),
+    s2("s2-frames-8e12", "out of range", ["--num_frames", "8000000000001"], "GiB of float32 frames"),
+    Case(
+        "s1-wan-rope-positions",
+        "out of range",
+        "stage1",
+        ("--model", "tiny-wan2.1", "--prompt", "a cat", "--output_dir", "OUT", "--height", "16400"),
+        "more than the 32 the transformer's rotary embedding holds",
+    ),
+    s2(
+        "s2-config-height-string",
+        "hand-edited config",
+        [],
+        'height is "64"',
+        edit_config(lambda c: c.update(height="64")),
+    ),
+    s2("s2-config-seed-string", "hand-edited config", [], 'seed is "abc"', edit_config(lambda c: c.update(seed="abc"))),
+    s2(
+        "s2-config-guidance-null",
+        "hand-edited config",
+        [],
+        "guidance_scale is null in the request; it must be a number",
+        edit_config(lambda c: c.update(guidance_scale=None)),
+    ),
+    s3("s3-config-fps-bool", "hand-edited config", [], "fps is true", edit_config(lambda c: c.update(fps=True))),
+    s3(
+        "s3-config-a-list",
+        "hand-edited config",
+        [],
+        "holds a JSON list, not an object",
+        lambda root: (root / "D" / CONFIG_FILE).write_text("[1, 2]"),
+    ),
+    s2(
+        "s2-config-stage1-null",
+        "hand-edited config",
+        [],
+        "the 'stage1' section is null, not an object",
+        edit_config(lambda c: c.update(stage1=None)),
+    ),
+    s2(
+        "s2-config-record-without-file",
+        "hand-edited config",
+        [],
+        "a stage file's record is not the file, sha256 and tensors",
+        edit_config(lambda c: c["stage1"].pop("file")),
+    ),
+    s3("s3-scaling-factor-0", "hand-edited config", [], "its scaling_factor must be a positive number", scaling(0)),
+    s1("s1-device-cuda", "user errors", ["--device", "cuda"], "--device cuda: this torch is built without CUDA"),
+    s1("s1-device-banana", "user errors", ["--device", "banana"], "--device 'banana' is not a torch device"),
+    s3("s3-device-cuda", "user errors", ["--device", "cuda:0"], "--device cuda:0: this torch is built without CUDA"),
+    s3("s3-device-banana", "user errors", ["--device", "banana"], "--device 'banana' is not a torch device"),
+    s3("s3-output-name-noext", "user errors", ["--output_name", "noext"], "name it .mp4"),
+    s3("s3-output-name-empty", "user errors", ["--output_name", ""], "name it .mp4"),
+    s3("s3-output-name-gif", "user errors", ["--output_name", "video.gif"], "name it .mp4"),
+    s2("s2-plan-odd-topology", "user errors", ["--plan", "v6e:3x3"], "--plan: libtpu knows no TPU topology 'v6e:3x3'"),
+    s2(
+        "s2-coordinator-without-port",
+        "user errors",
+        ["--coordinator_address", "notahost", "--num_processes", "2", "--process_id", "0"],
+        "--coordinator_address 'notahost' must be HOST:PORT",
+    ),
+    s2(
+        "s2-model-without-transformer",
+        "user errors",
+        ["--model", "MODEL"],
+        "transformer/config.json is missing",
+        model_without("transformer"),
+    ),  # fmt: skip
+    s3("s3-model-without-vae", "user errors", ["--model", "MODEL"], "vae/config.json is missing", model_without("vae")),
+    s2("s2-latents-path-is-a-folder", "user errors", [], f"{STAGE2_FILE} is a folder", latents_path_is_a_folder),
+    s2("s2-tp-3", "mesh", ["--tp", "3"], "a mesh that works: --dp 2 --sp 1 --tp 4"),
+    s2("s2-dp-4", "mesh", ["--dp", "4"], "--dp 4 is more than the batch of 2"),
+    s2("s2-mesh-16", "mesh", ["--dp", "2", "--sp", "2", "--tp", "4"], "= 16 devices, but 8 are available"),
+    s2("s2-tp-16", "mesh", ["--tp", "16", "--dp", "1"], "--dp 1 --tp 16 = 16 does not divide the 8 devices"),
+    s2(
+        "s2-edited-prompt",
+        "stale prompt",
+        [],
+        "prompt differs from what stage 1 encoded",
+        edit_config(lambda c: c.update(prompt="a dog")),
+    ),  # fmt: skip
+    s3(
+        "s3-edited-negative-prompt",
+        "stale prompt",
+        [],
+        "negative_prompt differs from what stage 1 encoded",
+        edit_config(lambda c: c.update(negative_prompt="blurry")),
+    ),  # fmt: skip
+    s1("s1-height-2.5", "argparse", ["--height", "2.5"], "argument --height: invalid int value: '2.5'"),
+    s1("s1-steps-1e30", "argparse", ["--num_inference_steps", "1e30"], "--num_inference_steps: invalid int value"),
+    s1("s1-seed-nan", "argparse", ["--seed", "nan"], "argument --seed: invalid int value: 'nan'"),
+    s1("s1-unknown-flag", "argparse", ["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
+    s2("s2-dp-1.5", "argparse", ["--dp", "1.5"], "argument --dp: invalid int value: '1.5'"),
+    s3("s3-backend-choice", "argparse", ["--backend", "jax"], "argument --backend: invalid choice: 'jax'"),
+    s2("s2-threshold-minus-1", "nonsense", ["--cache", "magcache", "--cache_threshold=-1"], "must be greater than 0"),
+    s2(
+        "s2-max-skip-minus-1", "nonsense", ["--cache", "magcache", "--cache_max_skip_steps", "-1"], "must be at least 1"
+    ),
+    s2("s2-retention-5", "nonsense", ["--cache", "magcache", "--cache_retention_ratio", "5"], "must be from 0 up to"),
+    s2("s2-peer-timeout-minus-5", "nonsense", ["--peer_timeout", "-5"], "must be a positive number of seconds"),
+    s1("s1-seed-minus-1", "nonsense", ["--seed=-1"], "--seed -1 must be from 0 to 2**64 - 1"),
+    s2("s2-seed-minus-1", "nonsense", ["--seed", "-1"], "--seed -1 must be from 0 to 2**64 - 1"),
+    s2("s2-missing-stage1", "held", [], f"{STAGE1_FILE} is missing", lambda root: (root / "D" / STAGE1_FILE).unlink()),
+    s2("s2-changed-embeddings", "held", [], "does not match the sha256", changed_embeddings),
+    s3("s3-before-stage2", "held", [], "has no 'stage2' section", stage1_only),
+    s3("s3-truncated-latents", "held", [], "does not match the sha256", truncated_latents),
+    s2("s2-cross-family-model", "held", ["--model", "tiny-wan2.1"], "is a wan model but the stage files are from"),
+    s2("s2-resume-without-checkpoint", "held", ["--resume"], "--resume: there is no checkpoint"),
+    s1("s1-no-such-model", "held", ["--model", "./no/such/folder"], "no such folder"),
+    s1("s1-dtype-int8", "held", ["--dtype", "int8"], "--dtype 'int8' is not one of bf16, fp16, fp32"),
+]
 
 
 @pytest.fixture(scope="module")
 def denoised(tmp_path_factory):
-    """One tiny CogVideoX folder through stage 2, shared by the cases below (each works on a copy)."""
+    """One tiny CogVideoX folder through stage 2, shared by every case (each works on its own copy)."""
     folder = tiny_stage1(tmp_path_factory.mktemp("bad-inputs"), "--num_inference_steps", 2)
     run_stage(stage2_transformer, ["--input_dir", folder])
     return folder
 
 
-def snapshot(folder):
-    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root` (folders as None), so a new temp file or folder shows as a difference."""
+    return {str(path.relative_to(root)): path.read_bytes() if path.is_file() else None for path in root.rglob("*")}
 
 
-NON_FINITE_FLAGS = [
-    (stage1_text_encoder, ["--guidance_scale", "nan"], "argument --guidance_scale: 'nan' is not a finite number"),
-    (stage1_text_encoder, ["--guidance_scale", "inf"], "argument --guidance_scale: 'inf' is not a finite number"),
-    (stage1_text_encoder, ["--flow_shift", "nan"], "argument --flow_shift: 'nan' is not a finite number"),
-    (stage1_text_encoder, ["--guidance_scale_2", "-inf"], "argument --guidance_scale_2: expected one argument"),
-    (stage1_text_encoder, ["--guidance_scale=-inf"], "argument --guidance_scale: '-inf' is not a finite number"),
-    (stage1_text_encoder, ["--height", "2.5"], "argument --height: invalid int value: '2.5'"),
-    (stage1_text_encoder, ["--num_inference_steps", "1e30"], "argument --num_inference_steps: invalid int value"),
-    (stage1_text_encoder, ["--seed", "nan"], "argument --seed: invalid int value: 'nan'"),
-    (stage1_text_encoder, ["--no_such_flag"], "unrecognized arguments: --no_such_flag"),
-]
-OUT_OF_RANGE = [
-    (["--num_inference_steps", "1001"], "--num_inference_steps 1001 is more than the scheduler's 1000 training"),
-    (["--seed", "-1"], "--seed -1 must be from 0 to 2**64 - 1"),
-    (["--seed", str(2**64)], f"--seed {2**64} must be from 0 to 2**64 - 1"),
-    (["--fps", "0"], "--fps 0 must be from 1 to 1000"),
-    (["--fps", str(10**23)], f"--fps {10**23} must be from 1 to 1000"),
-]
+def case_folder(root: Path, denoised: Path, case: Case) -> list[str]:
+    shutil.copytree(denoised, root / "D")
+    if case.prepare is not None:
+        case.prepare(root)
+    names = {"D", "OUT", "OTHER", "MODEL", "ratios.json"}
+    return [str(root / arg) if arg in names else arg for arg in case.argv]
 
 
-@pytest.mark.parametrize("module, flags, message", NON_FINITE_FLAGS, ids=lambda v: str(v)[:40])
-def test_stage1_flag_errors_are_one_error_line(capsys, tmp_path, module, flags, message):
-    line = expect_user_error(capsys, module, [*STAGE1, "--output_dir", tmp_path, *flags], message)
-    assert line.endswith("(see stage1_text_encoder.py --help)")
-    assert not any(tmp_path.iterdir())
+def test_the_suite_covers_every_cause_with_60_cases_or_more():
+    assert len(CASES) >= 60 and len({case.id for case in CASES}) == len(CASES)
+    assert {case.cause for case in CASES} == set(CAUSE)
 
 
-@pytest.mark.parametrize("flags, message", OUT_OF_RANGE, ids=lambda v: str(v)[:30])
-def test_stage1_out_of_range_values_are_refused_before_loading(capsys, tmp_path, flags, message, no_weights_loaded):
-    expect_user_error(capsys, stage1_text_encoder, [*STAGE1, "--output_dir", tmp_path, *flags], message)
-    assert not any(tmp_path.iterdir())
+def test_docs_list_every_case():
+    page = (ROOT / "docs" / "reliability.md").read_text()
+    assert [case.id for case in CASES if f"`{case.id}`" not in page] == []
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--cache", "magcache", "--cache_threshold", "nan"], "argument --cache_threshold: 'nan' is not a finite"),
-        (["--cache_retention_ratio", "inf"], "argument --cache_retention_ratio: 'inf' is not a finite number"),
-        (["--peer_timeout", "nan"], "argument --peer_timeout: 'nan' is not a finite number"),
-        (["--guidance_scale", "nan"], "argument --guidance_scale: 'nan' is not a finite number"),
-        (["--plan", "v6e-8", "--guidance_scale", "inf"], "argument --guidance_scale: 'inf' is not a finite number"),
-        (["--dp", "1.5"], "argument --dp: invalid int value: '1.5'"),
-        (["--cache", "magcache", "--cache_threshold=-1"], "--cache_threshold -1.0 must be greater than 0"),
-        (["--cache", "magcache", "--cache_max_skip_steps", "-1"], "--cache_max_skip_steps -1 must be at least 1"),
-        (["--cache", "magcache", "--cache_retention_ratio", "5"], "--cache_retention_ratio 5.0 must be from 0 up to"),
-        (["--peer_timeout", "-5"], "--peer_timeout -5.0 must be a positive number of seconds"),
-        (["--seed", "-1"], "--seed -1 must be from 0 to 2**64 - 1"),
-        (["--plan", "v6e:3x3"], "--plan: libtpu knows no TPU topology 'v6e:3x3'"),
-        (
-            ["--coordinator_address", "notahost", "--num_processes", "2", "--process_id", "0"],
-            "--coordinator_address 'notahost' must be HOST:PORT",
-        ),
-        (["--num_inference_steps", "5000"], "--num_inference_steps 5000 is more than the scheduler's 1000"),
-    ],
-)
-def test_stage2_flag_errors_leave_the_folder_alone(capsys, denoised, tmp_path, flags, message):
-    folder = shutil.copytree(denoised, tmp_path / "copy")
-    before = snapshot(folder)
-    expect_user_error(capsys, stage2_transformer, ["--input_dir", folder, *flags], message)
-    assert snapshot(folder) == before
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+def test_bad_input_is_one_error_line_and_changes_nothing(request, capsys, denoised, tmp_path, case):
+    argv = case_folder(tmp_path, denoised, case)
+    if not case.after_loading:
+        request.getfixturevalue("no_weights_loaded")
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        run_stage(STAGES[case.stage], argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and case.message in errors[0], errors
+    if case.cause == "argparse":
+        assert errors[0].endswith(f"(see {STAGES[case.stage].__name__}.py --help)")
+    assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize(
-    "edit, message",
-    [
-        (lambda config: config.update(guidance_scale=float("nan")), "guidance_scale is NaN or infinite"),
-        (lambda config: config["stage1"].update(seconds=float("inf")), "stage1.seconds is NaN or infinite"),
-    ],
-    ids=["request", "section"],
-)
-def test_a_hand_edited_config_with_nan_is_refused_naming_the_key(capsys, denoised, tmp_path, edit, message):
-    folder = shutil.copytree(denoised, tmp_path / "copy")
-    config = json.loads((folder / CONFIG_FILE).read_text())
-    edit(config)
-    (folder / CONFIG_FILE).write_text(json.dumps(config))  # Python's json writes NaN/Infinity
-    before = snapshot(folder)
-    for stage in (stage2_transformer, stage3_vae_decoder):
-        expect_user_error(capsys, stage, ["--input_dir", folder], message)
-    assert snapshot(folder) == before
+SUBPROCESS_CASES = ["s1-height-2.5", "s2-config-height-string", "s3-output-name-noext", "s2-output-another-run"]
 
 
-def test_a_hand_edited_prompt_is_refused_as_stale(capsys, denoised, tmp_path):
-    """The embeddings come from the prompt stage 1 recorded; a config that asks for another is refused."""
-    folder = shutil.copytree(denoised, tmp_path / "copy")
-    config = json.loads((folder / CONFIG_FILE).read_text())
-    assert config["stage1"]["prompts"] == {"prompt": config["prompt"], "negative_prompt": config["negative_prompt"]}
-    config["prompt"] = "a dog"
-    (folder / CONFIG_FILE).write_text(json.dumps(config))
-    before = snapshot(folder)
-    for stage in (stage2_transformer, stage3_vae_decoder):
-        expect_user_error(capsys, stage, ["--input_dir", folder], "prompt differs from what stage 1 encoded")
-    assert snapshot(folder) == before
-
-
-def test_a_config_that_is_not_an_object_is_refused(capsys, denoised, tmp_path):
-    folder = shutil.copytree(denoised, tmp_path / "copy")
-    (folder / CONFIG_FILE).write_text("[1, 2]")
-    expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", folder], "holds a JSON list, not an object")
+@pytest.mark.parametrize("case_id", SUBPROCESS_CASES)
+def test_the_real_command_line_exits_2_with_the_error_as_its_last_line(denoised, tmp_path, case_id):
+    case = next(case for case in CASES if case.id == case_id)
+    argv = case_folder(tmp_path, denoised, case)
+    before = snapshot(tmp_path)
+    result = run_script(f"{STAGES[case.stage].__name__}.py", argv)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error:") and case.message in result.stderr
+    assert snapshot(tmp_path) == before
 
 
 def test_configs_are_written_as_strict_json(tmp_path):
@@ -136,32 +380,6 @@ def test_configs_are_written_as_strict_json(tmp_path):
         write_config(tmp_path, {"guidance_scale": float("nan")})
     assert not any(tmp_path.iterdir())
     assert strict_json({"a": 1.5}) == '{"a": 1.5}'
-
-
-@pytest.mark.parametrize("name", ["noext", "", "video.gif"])
-def test_stage3_output_name_must_be_an_mp4(capsys, denoised, tmp_path, name):
-    folder = shutil.copytree(denoised, tmp_path / "copy")
-    before = snapshot(folder)
-    expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", folder, "--output_name", name], "name it .mp4")
-    assert snapshot(folder) == before
-
-
-def test_a_ratio_file_with_nan_is_refused(capsys, denoised, tmp_path):
-    ratios = tmp_path / "ratios.json"
-    ratios.write_text('{"mag_ratios": [1.0, NaN]}')
-    flags = ["--input_dir", denoised, "--output_dir", tmp_path / "out", "--cache", "magcache"]
-    expect_user_error(capsys, stage2_transformer, [*flags, "--cache_mag_ratios", ratios], "mag_ratios[1] is NaN")
-
-
-def test_stage3_writes_nothing_when_the_decode_is_not_finite(capsys, denoised, tmp_path):
-    """A hand-edited scaling factor of 1e-30 multiplies the latents by 1e30: the fp32 VAE overflows."""
-    folder = shutil.copytree(denoised, tmp_path / "copy")
-    config = json.loads((folder / CONFIG_FILE).read_text())
-    config["stage2"]["latents_normalization"]["scaling_factor"] = 1e-30
-    (folder / CONFIG_FILE).write_text(json.dumps(config))
-    before = snapshot(folder)
-    expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", folder], "the decoded frames hold NaN or Inf")
-    assert snapshot(folder) == before
 
 
 def test_ctrl_c_is_one_line_and_status_130(capsys):

@@ -1,16 +1,20 @@
 """The one default-mesh function (runtime.mesh.default_mesh): every published model on every listed TPU
 slice, every tiny preset on 1 to 8 devices, the errors for flags that cannot work, and the weight bytes it
-reasons with against what placement really puts on a device. Plain arithmetic: nothing is compiled here
-(test_plan.py compiles the default meshes of two published models for a v6e-8).
+reasons with against what placement really puts on a device. Plain arithmetic, except the two compiled
+plans at the end: the default meshes of two published models, built by the TPU compiler for a v6e-8.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
 import models
 import sharding
+import stage2_transformer
+from helpers import run_stage
 from models import published
 from models.meta import model_facts
 from planning import tpus
@@ -149,3 +153,23 @@ def test_weight_bytes_agree_with_what_placement_puts_on_a_device(preset):
             placed += stats["bytes_per_device"]
     assert facts.weight_bytes(4) == placed
     assert facts.weight_bytes(1) > placed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model, mesh, scheme",
+    [("THUDM/CogVideoX-2b", (2, 2, 2), "ring"), ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", (2, 1, 4), "none")],
+)
+def test_published_models_plan_on_their_default_mesh(tmp_path, capsys, model, mesh, scheme):
+    """No mesh flags: the default mesh compiles for a v6e-8 (CogVideoX-2b's 30 heads were a --tp 4 error).
+    One small frame keeps the compile under a minute; the mesh does not depend on the video size."""
+    out = tmp_path / "plan.json"
+    video = ["--num_frames", 1, "--height", 96, "--width", 160]
+    argv = ["--input_dir", tmp_path, "--model", model, "--plan", "v6e-8", "--plan_json", out]
+    run_stage(stage2_transformer, [*argv, *video])
+    report = json.loads(out.read_text())
+    assert report["fits"] and report["mesh"] == dict(zip(("dp", "sp", "tp"), mesh, strict=True))
+    assert report["mesh_choice"]["weights_fit"] and report["splash_custom_calls"] > 0
+    log = capsys.readouterr().out
+    assert f"mesh dp {mesh[0]} x sp {mesh[1]} x tp {mesh[2]} (dp 2: the 2 CFG branches" in log
+    assert scheme == "none" or f"sequence parallel: {scheme}" in log

@@ -85,7 +85,7 @@ def test_stage2_with_changed_embeddings_file(capsys, stage1_dir):
     [
         (["--num_frames", "8"], "--num_frames 8 must be 8n+1"),
         (["--height", "40"], "--height 40 must be a positive multiple of 16"),
-        (["--model", "tiny-cogvideox1.0", "--guidance_scale", "-1"], "--guidance_scale -1.0 must not be negative"),
+        (["--model", "tiny-wan2.1"], "--model 'tiny-wan2.1' is a wan model but the stage files are from cogvideox"),
     ],
 )
 def test_stage2_rejects_bad_overrides(capsys, stage1_dir, flags, message):

@@ -96,9 +96,6 @@ class Request:
         parse_dtype(self.dtype)
         if self.num_inference_steps < 1:
             raise UserError(f"--num_inference_steps {self.num_inference_steps} must be at least 1")
-        for key in ("guidance_scale", "guidance_scale_2"):
-            if (getattr(self, key) or 0) < 0:
-                raise UserError(f"--{key} {getattr(self, key)} must not be negative")
         if not 0 < self.fps <= 1000:
             raise UserError(f"--fps {self.fps} must be from 1 to 1000")
         if not 0 <= self.seed < 2**64:

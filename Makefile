@@ -5,6 +5,10 @@ BIN := $(VENV)/bin
 OUT ?= stage_outputs
 MODEL ?= tiny-cogvideox
 PROMPT ?= A panda playing a guitar in a bamboo forest
+# An image-to-video preset (MODEL=tiny-wan2.1-i2v, ...) animates a colour gradient the demo draws itself.
+DEMO_IMAGE := $(OUT)/demo_first_frame.png
+IMAGE_FLAGS := $(if $(findstring i2v,$(MODEL)),--image $(DEMO_IMAGE))
+DRAW_IMAGE := import numpy as np; from PIL import Image; y, x = np.mgrid[0:240, 0:360]; rgb = [x * 255 // 359, y * 255 // 239, np.full_like(x, 96)]; Image.fromarray(np.stack(rgb, -1).astype(np.uint8)).save('$(DEMO_IMAGE)')
 
 .PHONY: install demo test test-fast lint clean
 
@@ -22,7 +26,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 install: $(VENV)/.installed
 
 demo: install
-	$(BIN)/python stage1_text_encoder.py --model $(MODEL) --prompt "$(PROMPT)" --output_dir $(OUT)
+	$(if $(IMAGE_FLAGS),mkdir -p $(OUT) && $(BIN)/python -c "$(DRAW_IMAGE)")
+	$(BIN)/python stage1_text_encoder.py --model $(MODEL) --prompt "$(PROMPT)" --output_dir $(OUT) $(IMAGE_FLAGS)
 	$(BIN)/python stage2_transformer.py --input_dir $(OUT)
 	$(BIN)/python stage3_vae_decoder.py --input_dir $(OUT)
 

@@ -92,10 +92,12 @@ def abstract(shape: Sequence[int], dtype, layout: PartitionSpec | tuple = (), *,
 class RuleTable:
     name: str
     rules: tuple[tuple[str, PartitionSpec], ...]
+    optional: frozenset[int] = frozenset()  # indices of rules only some variants use (may match nothing)
 
     def nested(self, prefix: str) -> RuleTable:
         """The same rules for the model mounted as submodule `prefix` (e.g. "transformer.")."""
-        return RuleTable(self.name, tuple((re.escape(prefix) + pattern, spec) for pattern, spec in self.rules))
+        rules = tuple((re.escape(prefix) + pattern, spec) for pattern, spec in self.rules)
+        return RuleTable(self.name, rules, self.optional)
 
     def spec_for(self, param_name: str) -> tuple[int, PartitionSpec] | None:
         for index, (pattern, spec) in enumerate(self.rules):
@@ -114,7 +116,7 @@ class RuleTable:
                 continue
             used.add(found[0])
             specs[name] = found[1]
-        unused = [pattern for index, (pattern, _) in enumerate(self.rules) if index not in used]
+        unused = [pattern for index, (pattern, _) in enumerate(self.rules) if index not in used | self.optional]
         if unmatched or unused:
             raise ValueError(
                 f"rule table {self.name!r} does not fit the model: "
@@ -192,17 +194,24 @@ def hunyuanvideo15_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
 
 
 def wan_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
-    """WanTransformer3DModel (Wan 2.1 and 2.2 T2V): self- and cross-attention and the MLP get the Megatron
-    layout; q/k RMS norms span all heads, so their weights are split like q/k's columns.
+    """WanTransformer3DModel (Wan 2.1 and 2.2, text- and image-to-video): self- and cross-attention and the
+    MLP get the Megatron layout; q/k RMS norms span all heads, so their weights are split like q/k's columns.
 
     Modulation: one `condition_embedder.time_proj` (width -> 6 x width, 14B: 157 M parameters) feeds
     every block, which only adds its own `scale_shift_table` (6 x width). time_proj is split on its
     input (MODULATION): one all-reduce of (batch, 6 x width) per step, not per block, and the tables
     stay replicated (6 x width each, fp32) so no block needs a collective for its modulation.
-    Replicated: the patch, time and text embedders and the output layers."""
+    Image-to-video (Wan 2.1 I2V, optional rules): the cross-attention's image keys and values are split
+    like its text ones, their RMS norm like norm_k; the image embedder (CLIP width -> width, once per
+    run's tokens) stays replicated. Replicated: the patch, time and text embedders and the output layers."""
     block = r"blocks\.\d+\."
-    return RuleTable(
-        f"wan-transformer/{tp_mode}",
+    image = (
+        (block + r"attn2\.add_[kv]_proj\.weight", COLUMN),
+        (block + r"attn2\.add_[kv]_proj\.bias", COLUMN_BIAS),
+        (block + r"attn2\.norm_added_k\.weight", COLUMN_BIAS),
+        (r"condition_embedder\.image_embedder\..*", REPLICATED),
+    )
+    rules = (
         megatron_rules(block, r"attn[12]\.to_[qkv]", r"attn[12]\.to_out\.0", "ffn", tp_mode)
         + (
             (block + r"attn[12]\.norm_[qk]\.weight", COLUMN_BIAS),
@@ -213,8 +222,11 @@ def wan_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
             (r"condition_embedder\.(time_embedder|text_embedder)\..*", REPLICATED),
             (r"patch_embedding\.(weight|bias)", REPLICATED),
             (r"(scale_shift_table|proj_out\.(weight|bias))", REPLICATED),
-        ),
+        )
+        + image
     )
+    optional = frozenset(range(len(rules) - len(image), len(rules)))
+    return RuleTable(f"wan-transformer/{tp_mode}", rules, optional)
 
 
 def _text_encoder_specs(split_attention: bool) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:

@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""Stage 1: encode the prompt and negative prompt with the pipeline's own text encoder(s).
+"""Stage 1: encode the prompt and negative prompt with the pipeline's own text encoder(s), and for
+image-to-video the image(s) (`--image`, `--last_image`) with its image encoder and VAE.
 
 Writes stage1_embeddings.safetensors and starts a new generation_config.json holding the request.
 `--backend torch` (default) runs plain PyTorch on CPU or CUDA and never imports JAX; `--backend torchax`
-runs the same encoders jitted on all JAX devices, their weights split over a `tp` mesh axis by the
-encoder's rule table (sharding.py: T5, Qwen2.5-VL).
+runs the same text encoders jitted on all JAX devices, their weights split over a `tp` mesh axis by the
+encoder's rule table (sharding.py: T5, Qwen2.5-VL). The image conditioning runs on the host in fp32.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
 import models
 from models.common import check_backend_flags, open_runtime
+from models.images import IMAGE_FLAGS, check_image_flags, read_images
 from runtime.interface import TP, Timer, run_record
 from utils import (
     DEFAULT_OUTPUT_DIR,
@@ -49,6 +53,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--prompt", required=True, help="what the video should show")
     parser.add_argument("--negative_prompt", default="", help="what to steer away from (default: empty)")
+    parser.add_argument(
+        "--image", metavar="PATH", help="image-to-video: the first frame (PNG, JPEG or WebP), required by i2v models"
+    )
+    parser.add_argument(
+        "--last_image", metavar="PATH", help="image-to-video: the last frame, where the model takes one (Wan 2.2 A14B)"
+    )
     parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR, help="stage folder (default: %(default)s)")
     parser.add_argument(
         "--dtype", type=dtype_flag, default="bf16", help="bf16, fp16 or fp32 (or float32, ...) (default: %(default)s)"
@@ -85,6 +95,9 @@ def main(argv=None) -> None:
     defaults = {**family.request_defaults(source), "seed": DEFAULT_SEED}
     request = Request.from_flags(args, model_family=family.NAME, model_id=args.model, defaults=defaults)
     models.validate_request(family, source, request)
+    given = {flag: getattr(args, flag) for flag in IMAGE_FLAGS}
+    check_image_flags(family, source, given)
+    images, image_records = read_images(given)
     ensure_writable_dir(output_dir, (STAGE1_FILE,))
 
     # One prompt at a time: with --backend torchax every device goes to `tp` (heads and MLP columns).
@@ -93,6 +106,12 @@ def main(argv=None) -> None:
 
     with timer.phase("encode"), runtime.precision(dtype):
         embeddings = family.encode_prompts(source, request, dtype, runtime)
+    if images:  # the image encoder and VAE run eagerly on the host in float32 (family.encode_images)
+        log(f"encoding {', '.join(f'--{flag}' for flag in images)} on the host CPU in fp32")
+        with timer.phase("encode_images"), torch.no_grad():
+            embeddings.update(family.encode_images(source, request, images, runtime))
+        for record in image_records.values():
+            record["processed_size"] = [request.height, request.width]
     non_finite = [
         name for name, tensor in embeddings.items() if tensor.is_floating_point() and not tensor.isfinite().all()
     ]
@@ -106,7 +125,8 @@ def main(argv=None) -> None:
 
     versions = ("transformers", "diffusers")
     prompts = {"prompt": request.prompt, "negative_prompt": request.negative_prompt}  # check_stage1_fresh
-    section = {**record, "prompts": prompts, **run_record(runtime, args.dtype, timer.finish(), versions)}
+    task = {"task": "i2v" if images else "t2v", **({"images": image_records} if images else {})}
+    section = {**record, "prompts": prompts, **task, **run_record(runtime, args.dtype, timer.finish(), versions)}
     write_stage_config(output_dir, request, later_sections(output_dir), "stage1", section)
     shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in embeddings.items())
     log(f"wrote {output_dir / STAGE1_FILE}: {shapes}")

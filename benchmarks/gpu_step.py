@@ -86,7 +86,7 @@ def measure(model: str, args) -> dict:
     generator = torch.Generator().manual_seed(1)
     embeds = {  # random text, every token valid
         name: torch.randn(t.shape, generator=generator).to(t.dtype) if t.is_floating_point() else torch.ones_like(t)
-        for name, t in family.planning_embeds(source, dtype).items()
+        for name, t in family.planning_embeds(source, request, dtype).items()
     }
 
     def step_of(runtime, transformer):

@@ -68,7 +68,9 @@ class ModelSource:
 @functools.lru_cache(maxsize=32)
 def _cached_config(cls, location: str, component: str) -> dict[str, Any]:
     # Validation, geometry and defaults all read the same few config files; read each once.
-    return cls.load_config(location, subfolder=component)
+    if hasattr(cls, "load_config"):  # diffusers models and schedulers
+        return cls.load_config(location, subfolder=component)
+    return cls.config_class.from_pretrained(location, subfolder=component).to_dict()  # transformers models
 
 
 def component_class(source: ModelSource, component: str):
@@ -199,13 +201,16 @@ def materialize_published(hub_id: str) -> Path:
             library, class_name, config = entry
             index[component] = [library, class_name]
             cls = getattr(importlib.import_module(library), class_name)
+            (folder / component).mkdir()
+            if not hasattr(cls, "config_name"):  # a transformers model: its config class writes config.json
+                cls.config_class(**config).save_pretrained(folder / component)
+                continue
             # The class's own defaults fill what the published config leaves to them.
             defaults = {
                 name: parameter.default
                 for name, parameter in inspect.signature(cls.__init__).parameters.items()
                 if parameter.default is not inspect.Parameter.empty and name != "self"
             }
-            (folder / component).mkdir()
             text = json.dumps({"_class_name": class_name, **defaults, **config})
             (folder / component / cls.config_name).write_text(text)
         (folder / "model_index.json").write_text(json.dumps(index))

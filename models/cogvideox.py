@@ -22,9 +22,11 @@ from .common import (
     NOISE_DTYPE,
     DeviceTextEncoder,
     constrain_block_inputs,
+    no_image_conditioning,
     one_transformer,
     recorded_scaling_factor,
     refuse_guidance_scale_2,
+    text_to_video_only,
     vae_scaling_factor,
 )
 from .denoise import DenoiseLoop, latents_record
@@ -129,6 +131,11 @@ def _pipeline(**components):
 
 
 # Stage 1 -------------------------------------------------------------------------------------------
+
+
+# Text-to-video only: the image-to-video pipeline is not among PIPELINE_CLASSES.
+image_inputs = text_to_video_only
+encode_images = no_image_conditioning
 
 
 def encode_prompts(source, request: Request, dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:
@@ -248,7 +255,7 @@ class GuidedTransformer(Guided):
         return self.guided(latents, predict, functools.partial(cfg_combination, guidance_scale=guidance_scale))
 
 
-def planning_embeds(source, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Zero stage-1 tensors of the shapes stage 1 writes for this model (to plan before encoding)."""
     transformer = source.load_config("transformer")
     shape = (1, transformer["max_text_seq_length"], transformer["text_embed_dim"])

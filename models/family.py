@@ -65,6 +65,14 @@ class Family(Protocol):
     def encode_prompts(self, source: ModelSource, request: Request, dtype: torch.dtype, runtime: Runtime) -> dict:
         """Stage 1: the pipeline's own prompt encoding; tensors named as the pipeline's arguments."""
 
+    def image_inputs(self, source: ModelSource) -> tuple[tuple[str, ...], bool]:
+        """The image flags this model takes ("image", "last_image"; none for text-to-video) and whether
+        "image" is required (an image-to-video pipeline)."""
+
+    def encode_images(self, source: ModelSource, request: Request, images: dict[str, Any], runtime: Runtime) -> dict:
+        """Stage 1 for image-to-video: the pipeline's image conditioning (image embeddings, VAE latents of the
+        conditioning frames), computed as the pipeline computes it; tensors named as stage 2 reads them."""
+
     def denoise_loop(
         self,
         source: ModelSource,
@@ -79,7 +87,7 @@ class Family(Protocol):
         and the function turning its final latents into stage 2's latents (B, C, F, H, W) and the facts
         stage 3 needs."""
 
-    def planning_embeds(self, source: ModelSource, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def planning_embeds(self, source: ModelSource, request: Request, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Zero stage-1 tensors of the shapes stage 1 would write (to plan before encoding)."""
 
     def video_processor(self, source: ModelSource) -> Any:

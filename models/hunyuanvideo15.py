@@ -35,7 +35,7 @@ import torch
 from utils import Request, UserError
 
 from . import common, tiny
-from .common import NOISE_DTYPE, DeviceTextEncoder
+from .common import NOISE_DTYPE, DeviceTextEncoder, no_image_conditioning, text_to_video_only
 from .denoise import DenoiseLoop, latents_record
 from .family import Preset
 from .guidance import BATCH, Guided
@@ -285,6 +285,11 @@ def _pipeline(source=None, **components):
 # Stage 1 -------------------------------------------------------------------------------------------
 
 
+# Text-to-video only: the image-to-video pipeline is not among PIPELINE_CLASSES.
+image_inputs = text_to_video_only
+encode_images = no_image_conditioning
+
+
 def encode_prompts(source, request: Request, dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:
     """Both encoders through the pipeline's own `encode_prompt` (Qwen2.5-VL with its chat template and
     crop; ByT5 on the quoted text only), for the prompt and the negative prompt, masks included."""
@@ -348,7 +353,7 @@ class GuidedTransformer(Guided):
         return self.guided(model_input, predict, lambda cond, uncond: self.guider.forward(cond, uncond).pred)
 
 
-def planning_embeds(source, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Zero stage-1 tensors of the shapes stage 1 writes for this model (to plan before encoding)."""
     transformer = source.load_config("transformer")
     pipe = _pipeline(source)

@@ -126,6 +126,36 @@ WAN_13B_TRANSFORMER = {**WAN_14B_TRANSFORMER, "num_attention_heads": 12, "ffn_di
 WAN_SCHEDULER = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0}
 
 
+# Wan 2.1 I2V 14B (480P and 720P): the T2V 14B blocks with image keys/values in cross-attention (CLIP
+# ViT-H/14 tokens lifted to the width by an image embedder) and 36 input channels (noise, mask, image latents).
+WAN_I2V_14B_TRANSFORMER = {**WAN_14B_TRANSFORMER, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120}
+# Wan 2.2 I2V A14B's two experts: 36 input channels, no image embedder.
+WAN22_I2V_TRANSFORMER = {**WAN_14B_TRANSFORMER, "in_channels": 36}
+# OpenCLIP ViT-H/14, Wan 2.1 I2V's image encoder (CLIPVisionConfig kwargs): 257 tokens of width 1280.
+CLIP_VIT_H_14 = {
+    "hidden_size": 1280,
+    "intermediate_size": 5120,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "image_size": 224,
+    "patch_size": 14,
+    "projection_dim": 1024,
+    "hidden_act": "gelu",
+}
+
+
+def _wan_i2v(transformer: dict[str, Any], shift: float, boundary_ratio: float | None = None) -> dict[str, Any]:
+    """A WanImageToVideoPipeline: Wan 2.1's with its CLIP image encoder, or Wan 2.2's two experts without one."""
+    pipeline = {
+        **_wan(transformer, boundary_ratio),
+        "_class_name": ("diffusers", "WanImageToVideoPipeline"),
+        "scheduler": ("diffusers", "UniPCMultistepScheduler", {**WAN_SCHEDULER, "flow_shift": shift}),
+    }
+    if "image_dim" in transformer:
+        pipeline["image_encoder"] = ("transformers", "CLIPVisionModel", CLIP_VIT_H_14)
+    return pipeline
+
+
 def _wan(transformer: dict[str, Any], boundary_ratio: float | None = None) -> dict[str, Any]:
     """A Wan T2V pipeline; with `boundary_ratio`, Wan 2.2's two experts (pipeline-level config keys are
     plain values, components are (library, class, config) tuples)."""
@@ -150,4 +180,7 @@ PIPELINES: dict[str, dict[str, Any]] = {
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": _wan(WAN_13B_TRANSFORMER),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": _wan(WAN_14B_TRANSFORMER),
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": _wan(WAN_14B_TRANSFORMER, boundary_ratio=0.875),
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": _wan_i2v(WAN_I2V_14B_TRANSFORMER, 3.0),
+    "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers": _wan_i2v(WAN_I2V_14B_TRANSFORMER, 5.0),
+    "Wan-AI/Wan2.2-I2V-A14B-Diffusers": _wan_i2v(WAN22_I2V_TRANSFORMER, 5.0, boundary_ratio=0.9),
 }

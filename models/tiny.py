@@ -235,8 +235,9 @@ def hunyuanvideo15(seed: int = 0):
 # Wan 2.1 / 2.2 ------------------------------------------------------------------------------------
 
 
-def wan_transformer(seed: int = 0) -> torch.nn.Module:
-    """A random tiny WanTransformer3DModel: 8 heads x 16 (divisible by every tp of 8 devices), 2 blocks."""
+def wan_transformer(seed: int = 0, **image_to_video) -> torch.nn.Module:
+    """A random tiny WanTransformer3DModel: 8 heads x 16 (divisible by every tp of 8 devices), 2 blocks.
+    `image_to_video`: in_channels 36 (noise, mask, image latents), and for Wan 2.1 the image embedder."""
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
@@ -244,7 +245,7 @@ def wan_transformer(seed: int = 0) -> torch.nn.Module:
         patch_size=(1, 2, 2),
         num_attention_heads=8,
         attention_head_dim=16,
-        in_channels=16,
+        in_channels=image_to_video.pop("in_channels", 16),
         out_channels=16,
         text_dim=32,
         freq_dim=32,
@@ -253,6 +254,7 @@ def wan_transformer(seed: int = 0) -> torch.nn.Module:
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
+        **image_to_video,
     ).eval()
 
 
@@ -282,4 +284,37 @@ def wan(version: str, seed: int = 0):
         transformer=wan_transformer(seed + 2),
         transformer_2=wan_transformer(seed + 3) if two_experts else None,
         boundary_ratio=0.875 if two_experts else None,
+    )
+
+
+WAN_I2V_CHANNELS = 16 + 4 + 16  # noise latents, the first-frame mask (4 frames per latent frame), image latents
+
+
+def wan_i2v(version: str, seed: int = 0):
+    """WanImageToVideoPipeline with the tiny Wan components. "2.1": one transformer with an image embedder
+    fed by a tiny CLIP vision encoder; "2.2": two experts (boundary 0.9, the A14B value) and no image encoder."""
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    base = wan("2.1", seed)
+    image_encoder = image_processor = None
+    extra = {}
+    if version == "2.1":
+        torch.manual_seed(seed + 4)
+        sizes = {"hidden_size": 16, "intermediate_size": 32, "image_size": 32, "patch_size": 8}
+        config = CLIPVisionConfig(num_hidden_layers=2, num_attention_heads=2, **sizes)
+        image_encoder = CLIPVisionModel(config).eval()
+        image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        extra = {"image_dim": 16, "added_kv_proj_dim": 128}
+    two_experts = version == "2.2"
+    return WanImageToVideoPipeline(
+        tokenizer=base.tokenizer,
+        text_encoder=base.text_encoder,
+        vae=base.vae,
+        scheduler=base.scheduler,
+        image_processor=image_processor,
+        image_encoder=image_encoder,
+        transformer=wan_transformer(seed + 2, in_channels=WAN_I2V_CHANNELS, **extra),
+        transformer_2=wan_transformer(seed + 3, in_channels=WAN_I2V_CHANNELS) if two_experts else None,
+        boundary_ratio=0.9 if two_experts else None,
     )

@@ -1,4 +1,5 @@
-"""Wan 2.1 and Wan 2.2 T2V (diffusers `WanPipeline`): one transformer, or two experts switched at a boundary.
+"""Wan 2.1 and Wan 2.2 (diffusers `WanPipeline` and `WanImageToVideoPipeline`): one transformer, or two
+experts switched at a boundary; text-to-video, or image-to-video from a first (and last) frame.
 
 Wan 2.2 A14B's pipeline runs `transformer` while the timestep is at or above `boundary_ratio *
 num_train_timesteps` and `transformer_2` after it, each with its own guidance scale. Here both experts
@@ -12,7 +13,11 @@ Wan has no attention masks: the prompt is zero-padded to 512 tokens and every to
 included, is a key, as in the pipeline. The published folders' scheduler is UniPC, a multistep
 solver whose history is part of the loop state (checkpoints carry it: denoise.multistep_state).
 
-Not supported: Wan 2.2 TI2V 5B (`expand_timesteps`, per-token timesteps) and the image-to-video pipelines.
+Image-to-video: stage 1 runs the pipeline's own image conditioning (`encode_images`); each step the
+guided transformer concatenates it to the latents on channels and feeds the CLIP tokens to both branches,
+as the pipeline does.
+
+Not supported: Wan 2.2 TI2V 5B (`expand_timesteps`, per-token timesteps).
 """
 
 from __future__ import annotations
@@ -32,12 +37,12 @@ from .family import Preset
 from .guidance import BATCH, Guided, cfg_combination
 
 NAME = "wan"
-PIPELINE_CLASSES = ("WanPipeline",)
+PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
 # Splash tiles: 512/512/512, the tiles measured to compile on v5e, v5p, v6e and tpu7x for head dim 128
 # (benchmarks/tpu_plan.py --tiles); 720p/81 frames (75,600 tokens) pads by 0.23%, the 512-token
 # prompt not at all.
 SPLASH_BLOCK_SIZES = {"block_q": 512, "block_kv": 512, "block_kv_compute": 512}
-SUPPORTED = "Wan 2.1 T2V (1.3B, 14B) and Wan 2.2 T2V A14B"
+SUPPORTED = "Wan 2.1 T2V (1.3B, 14B), Wan 2.1 I2V 14B, Wan 2.2 T2V A14B and Wan 2.2 I2V A14B"
 
 # WanPipeline.__call__'s defaults (480p; the 14B models also run 720p: --height 720 --width 1280).
 DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "fps": 16, "num_inference_steps": 50, "guidance_scale": 5.0}
@@ -112,12 +117,21 @@ def cfg_enabled(guidance_scale: float) -> bool:
     return guidance_scale > 1.0
 
 
+def image_to_video(source) -> bool:
+    return source.index.get("_class_name") == "WanImageToVideoPipeline"
+
+
 def _pipeline(source, **components):
-    """A WanPipeline holding only the given components, with the source's VAE geometry."""
-    from diffusers import WanPipeline
+    """The source's pipeline (WanPipeline or WanImageToVideoPipeline) holding only the given components,
+    with the source's VAE geometry."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
 
     names = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer", "transformer_2")
-    pipe = WanPipeline(**{**dict.fromkeys(names), **components})
+    if image_to_video(source):
+        names += ("image_encoder", "image_processor")
+    pipe = (WanImageToVideoPipeline if image_to_video(source) else WanPipeline)(
+        **{**dict.fromkeys(names), **components}
+    )
     vae = source.load_config("vae")
     pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal = (
         vae["scale_factor_spatial"],
@@ -149,6 +163,51 @@ def encode_prompts(source, request: Request, dtype: torch.dtype, runtime) -> dic
     return {"prompt_embeds": prompt_embeds.cpu(), "negative_prompt_embeds": negative_prompt_embeds.cpu()}
 
 
+def image_inputs(source) -> tuple[tuple[str, ...], bool]:
+    """WanImageToVideoPipeline takes a first frame, and a last one where its transformer can use two: Wan
+    2.2 A14B (no image embedder) or one with a position embedding for two images (FLF2V). Wan 2.1 I2V's
+    embedder takes one image; diffusers 0.42.1 fails on a last frame there (image batch 2, text batch 1)."""
+    if not image_to_video(source):
+        return (), False
+    config = source.load_config("transformer")
+    two = config.get("image_dim") is None or config.get("pos_embed_seq_len") is not None
+    return (("image", "last_image") if two else ("image",)), True
+
+
+def encode_images(source, request: Request, images: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
+    """The pipeline's image conditioning, computed by its own methods in float32 on the host (its example
+    loads the VAE and image encoder in float32): the CLIP embeddings of the image(s) where the transformer
+    has an image embedder (`image_embeds`), and `condition`: the first-frame mask and the normalised VAE
+    latents of [image, zeros..., last image] (`prepare_latents`; its noise is drawn in stage 2)."""
+    config = source.load_config("transformer")
+    components = {"vae": source.load("vae", dtype=torch.float32).eval()}
+    if config.get("image_dim") is not None:
+        components["image_encoder"] = source.load("image_encoder", dtype=torch.float32).eval()
+        components["image_processor"] = source.load("image_processor")
+    pipe = _pipeline(source, **components)
+    first, last = images["image"], images.get("last_image")
+    for name, image in images.items():
+        if abs(image.width / image.height - request.width / request.height) > 0.01:
+            size = f"{request.width}x{request.height}"
+            log(f"--{name}: {image.width}x{image.height} is resized to {size} as the pipeline does (new aspect ratio)")
+    tensors = {}
+    height, width, frames = request.height, request.width, request.num_frames
+    with torch.no_grad():
+        if "image_encoder" in components:
+            tensors["image_embeds"] = pipe.encode_image(first if last is None else [first, last], "cpu")
+        first, last = (
+            None if image is None else pipe.video_processor.preprocess(image, height=height, width=width).float()
+            for image in (first, last)
+        )
+        z_dim, spatial = source.load_config("vae")["z_dim"], pipe.vae_scale_factor_spatial
+        latent_frames = (frames - 1) // pipe.vae_scale_factor_temporal + 1
+        noise_shape = (1, z_dim, latent_frames, height // spatial, width // spatial)
+        _, tensors["condition"] = pipe.prepare_latents(
+            first, 1, z_dim, height, width, frames, torch.float32, "cpu", None, torch.zeros(noise_shape), last
+        )
+    return tensors
+
+
 # Stage 2 -------------------------------------------------------------------------------------------
 
 
@@ -171,23 +230,59 @@ class GuidedTransformer(Guided):
         if constrain is not None:
             constrain_block_inputs([*transformer.blocks, transformer.norm_out], constrain, BLOCK_INPUTS)
 
-    def forward(self, latents, timestep, prompt_embeds):
+    def forward(self, latents, timestep, prompt_embeds, condition=None, image_embeds=None):
+        """`condition` (image-to-video): the mask and image latents concatenated to the latents on channels,
+        as the pipeline does before casting; `image_embeds`: the CLIP tokens, the same for both branches."""
+        model_input = latents if condition is None else torch.cat([latents, condition], dim=1)
+
         def predict(model_input):
+            images = None if image_embeds is None else image_embeds.expand(model_input.shape[0], -1, -1)
             return self.transformer(
                 hidden_states=model_input,
                 timestep=timestep.expand(model_input.shape[0]),
                 encoder_hidden_states=prompt_embeds,
+                encoder_hidden_states_image=images,
                 return_dict=False,
             )[0]
 
         combine = functools.partial(cfg_combination, guidance_scale=self.guidance_scale)
-        return self.guided(latents.to(self.dtype), predict, combine)
+        return self.guided(model_input.to(self.dtype), predict, combine)
 
 
-def planning_embeds(source, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Zero stage-1 tensors of the shapes stage 1 writes for this model (to plan before encoding)."""
-    shape = (1, MAX_SEQUENCE_LENGTH, source.load_config("transformer")["text_dim"])
-    return {"prompt_embeds": torch.zeros(shape, dtype=dtype), "negative_prompt_embeds": torch.zeros(shape, dtype=dtype)}
+def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Zero stage-1 tensors of the shapes stage 1 writes for this model and request (to plan before encoding)."""
+    transformer = source.load_config("transformer")
+    shape = (1, MAX_SEQUENCE_LENGTH, transformer["text_dim"])
+    embeds = {name: torch.zeros(shape, dtype=dtype) for name in ("prompt_embeds", "negative_prompt_embeds")}
+    if image_to_video(source):
+        vae = source.load_config("vae")
+        spatial, temporal = vae["scale_factor_spatial"], vae["scale_factor_temporal"]
+        latent = ((request.num_frames - 1) // temporal + 1, request.height // spatial, request.width // spatial)
+        embeds["condition"] = torch.zeros(1, temporal + vae["z_dim"], *latent)  # float32, as stage 1 writes it
+        if transformer.get("image_dim") is not None:
+            vision = source.load_config("image_encoder")
+            tokens = (vision["image_size"] // vision["patch_size"]) ** 2 + 1  # CLIP: patches and the class token
+            embeds["image_embeds"] = torch.zeros(1, tokens, transformer["image_dim"])
+    return embeds
+
+
+def image_conditioning(source, embeds, dtype) -> list[tuple[torch.Tensor, tuple]]:
+    """Stage 1's image conditioning as the guided transformer's extra inputs (`condition` in float32, cast
+    with the latents as the pipeline does; `image_embeds` in the transformer's dtype), checked against the
+    model: an image-to-video transformer needs them, a text-to-video one cannot take them."""
+    wants = image_to_video(source)
+    if wants != ("condition" in embeds):
+        have = "image conditioning (stage 1 had --image)" if "condition" in embeds else "no image conditioning"
+        raise UserError(
+            f"the stage-1 files hold {have}, but --model {source.ref!r} is "
+            f"{'an image' if wants else 'a text'}-to-video model; rerun stage 1 for this model"
+        )
+    if not wants:
+        return []
+    inputs = [(embeds["condition"].float(), ())]
+    if source.load_config("transformer").get("image_dim") is not None:
+        inputs.append((embeds["image_embeds"].to(dtype), ()))
+    return inputs
 
 
 def boundary_timestep(source, scheduler) -> float | None:
@@ -197,8 +292,10 @@ def boundary_timestep(source, scheduler) -> float | None:
 
 
 def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime, tp_mode):
-    """WanPipeline's loop as a DenoiseLoop over its experts, and the function giving stage 2's latents
-    and record. Latents stay float32 between steps, as in the pipeline."""
+    """WanPipeline's (or WanImageToVideoPipeline's) loop as a DenoiseLoop over its experts, and the function
+    giving stage 2's latents and record. Latents stay float32 between steps, as in the pipeline."""
+    from diffusers import WanPipeline
+
     scheduler = source.load("scheduler")
     scheduler.register_to_config(**{_shift_key(source): request.flow_shift})
     do_cfg = cfg_enabled(request.guidance_scale)
@@ -211,17 +308,20 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         GuidedTransformer(transformers[name], dtype, do_cfg, scale, runtime.constrain)
         for name, scale in zip(names, scales, strict=False)
     )
-    pipe = _pipeline(source, transformer=transformers["transformer"], scheduler=scheduler)
-
     prompt_embeds = embeds["prompt_embeds"].to(dtype)
     if do_cfg:
         prompt_embeds = torch.cat([prompt_embeds, embeds["negative_prompt_embeds"].to(dtype)])
     generator = torch.Generator("cpu").manual_seed(request.seed)
     scheduler.set_timesteps(request.num_inference_steps, device="cpu")
     timesteps = scheduler.timesteps
-    latents = pipe.prepare_latents(
+    conditioning = image_conditioning(source, embeds, dtype)
+    # WanPipeline's noise draw; the image-to-video pipeline draws the same, with the VAE's channel count
+    # (its transformer's input adds the condition's channels).
+    channels = source.load_config("vae")["z_dim"] if conditioning else transformers["transformer"].config.in_channels
+    latents = WanPipeline.prepare_latents(
+        _pipeline(source),
         1,
-        transformers["transformer"].config.in_channels,
+        channels,
         request.height,
         request.width,
         request.num_frames,
@@ -246,7 +346,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         guided=guided,
         expert=expert,
         rules=transformer_rules(tp_mode),
-        static_inputs=((prompt_embeds, BATCH),),
+        static_inputs=((prompt_embeds, BATCH), *conditioning),
         timesteps=timesteps,
         latents=latents,
         generator=generator,
@@ -307,4 +407,6 @@ TINY_DEFAULTS = {"height": 32, "width": 48, "num_frames": 5, "fps": 16, "num_inf
 PRESETS = {
     "tiny-wan2.1": Preset(NAME, functools.partial(tiny.wan, "2.1"), TINY_DEFAULTS),
     "tiny-wan2.2": Preset(NAME, functools.partial(tiny.wan, "2.2"), TINY_DEFAULTS),
+    "tiny-wan2.1-i2v": Preset(NAME, functools.partial(tiny.wan_i2v, "2.1"), TINY_DEFAULTS),
+    "tiny-wan2.2-i2v": Preset(NAME, functools.partial(tiny.wan_i2v, "2.2"), TINY_DEFAULTS),
 }

@@ -312,7 +312,7 @@ def plan_stage3(family, source, request, dtype, target: Target, tiling: bool):
     mesh = topology_mesh(target, MeshShape(sp=target.devices))
     runtime = TorchaxRuntime(mesh)
     transformers = meta_transformers(family, source, dtype, num_layers=1)
-    embeds = family.planning_embeds(source, dtype)
+    embeds = family.planning_embeds(source, request, dtype)
     loop, finish = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, "megatron")
     latents, record = finish(loop.latents.to(dtype))
     vae = meta_module(source, "vae", dtype)
@@ -360,4 +360,4 @@ def request_to_plan(input_dir: Path, model: str | None, flags: dict[str, Any], d
         model_family=family.NAME, model_id=model, prompt="", negative_prompt="", dtype=dtype or "bf16", **values
     )
     models.validate_request(family, source, request)
-    return request, source, family, family.planning_embeds(source, parse_dtype(request.dtype))
+    return request, source, family, family.planning_embeds(source, request, parse_dtype(request.dtype))

@@ -36,6 +36,7 @@ CAUSE = {
     "stale prompt": "a prompt edited after stage 1",
     "argparse": "argparse's own errors",
     "nonsense": "values with no meaning for the flag",
+    "images": "image-to-video inputs",
     "held": "cases that were already refused",
 }
 
@@ -113,6 +114,19 @@ def stray_latents(root: Path) -> None:
 
 def a_file(root: Path) -> None:
     (root / "OUT").write_text("not a folder")
+
+
+def image_files(root: Path) -> None:
+    """IMAGE: a real PNG; TEXT_PNG: a text file named .png."""
+    from PIL import Image
+
+    Image.new("RGB", (48, 32), (200, 30, 30)).save(root / "image.png")
+    (root / "text.png").write_text("not an image")
+
+
+def i2v(case_id, flags, message):
+    argv = ("--model", "tiny-wan2.1-i2v", "--prompt", "a cat", "--output_dir", "OUT", *flags)
+    return Case(case_id, "images", "stage1", argv, message, image_files)
 
 
 def s1(case_id, cause, flags, message, prepare=None):
@@ -301,6 +315,10 @@ CASES = [
     s2("s2-peer-timeout-minus-5", "nonsense", ["--peer_timeout", "-5"], "must be a positive number of seconds"),
     s1("s1-seed-minus-1", "nonsense", ["--seed=-1"], "--seed -1 must be from 0 to 2**64 - 1"),
     s2("s2-seed-minus-1", "nonsense", ["--seed", "-1"], "--seed -1 must be from 0 to 2**64 - 1"),
+    i2v("s1-i2v-without-image", [], "is an image-to-video model: give the first frame with --image PATH"),
+    i2v("s1-i2v-image-is-text", ["--image", "TEXT_PNG"], "is not a readable image"),
+    i2v("s1-i2v-last-image-unused", ["--image", "IMAGE", "--last_image", "IMAGE"], "takes no --last_image"),
+    s1("s1-t2v-given-an-image", "images", ["--image", "IMAGE"], "takes no image (a text-to-video model)", image_files),
     s2("s2-missing-stage1", "held", [], f"{STAGE1_FILE} is missing", lambda root: (root / "D" / STAGE1_FILE).unlink()),
     s2("s2-changed-embeddings", "held", [], "does not match the sha256", changed_embeddings),
     s3("s3-before-stage2", "held", [], "has no 'stage2' section", stage1_only),
@@ -329,8 +347,9 @@ def case_folder(root: Path, denoised: Path, case: Case) -> list[str]:
     shutil.copytree(denoised, root / "D")
     if case.prepare is not None:
         case.prepare(root)
-    names = {"D", "OUT", "OTHER", "MODEL", "ratios.json"}
-    return [str(root / arg) if arg in names else arg for arg in case.argv]
+    names = {"D": "D", "OUT": "OUT", "OTHER": "OTHER", "MODEL": "MODEL", "ratios.json": "ratios.json"}
+    names |= {"IMAGE": "image.png", "TEXT_PNG": "text.png"}
+    return [str(root / names[arg]) if arg in names else arg for arg in case.argv]
 
 
 def test_the_suite_covers_every_cause_with_60_cases_or_more():

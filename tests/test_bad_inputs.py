@@ -381,6 +381,7 @@ def test_bad_input_is_one_error_line_and_changes_nothing(request, capsys, denois
 
 
 SUBPROCESS_CASES = ["s1-height-2.5", "s2-config-height-string", "s3-output-name-noext", "s2-output-another-run"]
+SUBPROCESS_CASES += ["s1-i2v-image-is-text"]
 
 
 @pytest.mark.parametrize("case_id", SUBPROCESS_CASES)

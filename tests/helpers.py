@@ -147,3 +147,23 @@ def collectives_in(jax_function, shapes, mesh) -> list[str]:
     with torchax_runtime.torchax.default_env():
         hlo = jax.jit(jax_function).lower(*args).compile().as_text()
     return [name for name in ("all-reduce", "all-gather", "collective-permute", "all-to-all") if f" {name}" in hlo]
+
+
+def stop_stage2_after(monkeypatch, argv: list[str], steps: int) -> None:
+    """Run stage 2 in this process and stop it after `steps` steps as SIGTERM does (the guard saves a
+    checkpoint, then raises Stopped); the test then resumes it with --resume."""
+    from models.denoise import DenoiseGuard
+    from utils import Stopped
+
+    after_step = DenoiseGuard.after_step
+
+    def stop_after(self, index, total, tensors, **kwargs):
+        self.stop_requested = index == steps - 1
+        return after_step(self, index, total, tensors, **kwargs)
+
+    import stage2_transformer
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DenoiseGuard, "after_step", stop_after)
+        with pytest.raises(Stopped, match=f"after step {steps} of"):
+            stage2_transformer.main([str(arg) for arg in argv])

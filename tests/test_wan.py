@@ -17,13 +17,13 @@ import models
 import sharding
 import stage1_text_encoder
 import stage2_transformer
-from helpers import Sample, expect_user_error, read_mp4, relative_error, run_stage, run_stages
+from helpers import Sample, expect_user_error, read_mp4, relative_error, run_stage, run_stages, stop_stage2_after
 from models import tiny, wan
 from models.common import decode
 from runtime.interface import Timer, TorchRuntime
 from runtime.torchax_runtime import TorchaxRuntime
 from splash_attention import SplashConfig, attention_backend
-from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, VIDEO_FILE, Stopped, read_config, read_tensors
+from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, VIDEO_FILE, read_config, read_tensors
 
 TOLERANCE = 1e-4
 NEGATIVE = "blurry"
@@ -163,8 +163,6 @@ def test_flow_shift_comes_from_the_scheduler_and_is_overridable(tmp_path, pipeli
 def test_checkpoint_before_the_expert_switch_resumes_bit_identically(tmp_path, monkeypatch):
     """Stopped after step 1 of 6 (expert 2 takes over at step index 2): the checkpoint carries UniPC's history;
     the resumed run crosses the switch and ends bit-identical to an uninterrupted run."""
-    from models.denoise import DenoiseGuard
-
     full, _ = staged(tmp_path / "full", "tiny-wan2.2", 5.0, "--guidance_scale_2", 3.0)
     out = tmp_path / "stopped"
     flags = [f"--{key}={value}" for key, value in REQUEST.items()]
@@ -186,16 +184,7 @@ def test_checkpoint_before_the_expert_switch_resumes_bit_identically(tmp_path, m
             *flags,
         ],
     )
-    after_step = DenoiseGuard.after_step
-
-    def stop_after_first_step(self, index, total, tensors, **kwargs):
-        self.stop_requested = index == 0
-        return after_step(self, index, total, tensors, **kwargs)
-
-    monkeypatch.setattr(DenoiseGuard, "after_step", stop_after_first_step)
-    with pytest.raises(Stopped, match="after step 1 of 6"):
-        stage2_transformer.main(["--input_dir", str(out), "--guidance_scale_2", "3.0"])
-    monkeypatch.setattr(DenoiseGuard, "after_step", after_step)
+    stop_stage2_after(monkeypatch, ["--input_dir", out, "--guidance_scale_2", "3.0"], steps=1)
     from safetensors.torch import load_file
 
     saved = load_file(str(out / CHECKPOINT_FILE))

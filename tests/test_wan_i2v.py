@@ -17,7 +17,7 @@ import models
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
-from helpers import expect_user_error, relative_error, run_stage
+from helpers import expect_user_error, relative_error, run_stage, stop_stage2_after
 from models import tiny
 from utils import CONFIG_FILE, read_config, read_tensors
 
@@ -134,8 +134,7 @@ def test_wan22_i2v_with_a_last_frame_across_the_expert_switch(tmp_path, pipeline
 def test_a_stopped_i2v_run_resumes_bit_identically(tmp_path, images, monkeypatch):
     """Stopped after step 2 of 6 (as SIGTERM stops it: a checkpoint, then Stopped), resumed with --resume:
     the conditioning comes back from the stage-1 file and the result equals the uninterrupted run's bits."""
-    from models.denoise import DenoiseGuard
-    from utils import CHECKPOINT_FILE, Stopped
+    from utils import CHECKPOINT_FILE
 
     full, _, _ = staged(tmp_path / "full", "tiny-wan2.2-i2v", *images)
     out = tmp_path / "stopped"
@@ -143,16 +142,7 @@ def test_a_stopped_i2v_run_resumes_bit_identically(tmp_path, images, monkeypatch
     argv = ["--model", "tiny-wan2.2-i2v", "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
     argv += ["--image", images[0], "--last_image", images[1], "--guidance_scale", 5.0, "--output_dir", out]
     run_stage(stage1_text_encoder, [*argv, *flags])
-    after_step = DenoiseGuard.after_step
-
-    def stop_after_second_step(self, index, total, tensors, **kwargs):
-        self.stop_requested = index == 1
-        return after_step(self, index, total, tensors, **kwargs)
-
-    monkeypatch.setattr(DenoiseGuard, "after_step", stop_after_second_step)
-    with pytest.raises(Stopped, match="after step 2 of 6"):
-        stage2_transformer.main(["--input_dir", str(out)])
-    monkeypatch.setattr(DenoiseGuard, "after_step", after_step)
+    stop_stage2_after(monkeypatch, ["--input_dir", out], steps=2)
     assert (out / CHECKPOINT_FILE).exists()
     run_stage(stage2_transformer, ["--input_dir", out, "--resume"])
     assert torch.equal(read_tensors(out, read_config(out)["stage2"])["latents"], full)

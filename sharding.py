@@ -150,19 +150,17 @@ def cogvideox_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
     (MODULATION). Norms, embeddings and the output projection are small next to the blocks and stay
     replicated, so nothing outside the blocks needs a collective."""
     block = r"transformer_blocks\.\d+\."
-    return RuleTable(
-        f"cogvideox-transformer/{tp_mode}",
-        megatron_rules(block, r"attn1\.to_[qkv]", r"attn1\.to_out\.0", "ff", tp_mode)
-        + (
-            (block + r"attn1\.norm_[qk]\.(weight|bias)", REPLICATED),  # per-head-dim LayerNorm
-            (block + r"norm[12]\.linear\.weight", MODULATION),
-            (block + r"norm[12]\.(linear|norm)\.(weight|bias)", REPLICATED),  # AdaLN bias, LayerNorm
-            (r"patch_embed\..*", REPLICATED),
-            (r"time_embedding\..*", REPLICATED),
-            (r"(norm_final|norm_out\.(linear|norm))\.(weight|bias)", REPLICATED),
-            (r"proj_out\.(weight|bias)", REPLICATED),
-        ),
+    rules = megatron_rules(block, r"attn1\.to_[qkv]", r"attn1\.to_out\.0", "ff", tp_mode) + (
+        (block + r"attn1\.norm_[qk]\.(weight|bias)", REPLICATED),  # per-head-dim LayerNorm
+        (block + r"norm[12]\.linear\.weight", MODULATION),
+        (block + r"norm[12]\.(linear|norm)\.(weight|bias)", REPLICATED),  # AdaLN bias, LayerNorm
+        (r"patch_embed\..*", REPLICATED),
+        (r"time_embedding\..*", REPLICATED),
+        (r"(norm_final|norm_out\.(linear|norm))\.(weight|bias)", REPLICATED),
+        (r"proj_out\.(weight|bias)", REPLICATED),
+        (r"ofs_embedding\..*", REPLICATED),  # CogVideoX 1.5 I2V's ofs embedding: optional, the last rule
     )
+    return RuleTable(f"cogvideox-transformer/{tp_mode}", rules, frozenset({len(rules) - 1}))
 
 
 def hunyuanvideo15_transformer_rules(tp_mode: str = "megatron") -> RuleTable:

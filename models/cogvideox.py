@@ -1,4 +1,5 @@
-"""CogVideoX 1.0 and 1.5 (diffusers `CogVideoXPipeline`): defaults, validation, the three stage bodies.
+"""CogVideoX 1.0 and 1.5 (diffusers `CogVideoXPipeline`, and `CogVideoXImageToVideoPipeline` through
+models/cogvideox_i2v.py): defaults, validation, the three stage bodies.
 
 The math stays in diffusers: prompt encoding, initial noise, rotary embeddings, the scheduler and the
 VAE post-processing are the pipeline's own methods, called on a pipeline object that holds only the
@@ -17,16 +18,14 @@ import torch
 from runtime.interface import DP, SP
 from utils import Request, UserError
 
-from . import tiny
+from . import cogvideox_i2v, tiny
 from .common import (
     NOISE_DTYPE,
     DeviceTextEncoder,
     constrain_block_inputs,
-    no_image_conditioning,
     one_transformer,
     recorded_scaling_factor,
     refuse_guidance_scale_2,
-    text_to_video_only,
     vae_scaling_factor,
 )
 from .denoise import DenoiseLoop, latents_record
@@ -34,7 +33,7 @@ from .family import Preset
 from .guidance import BATCH, Guided, cfg_combination
 
 NAME = "cogvideox"
-PIPELINE_CLASSES = ("CogVideoXPipeline",)
+PIPELINE_CLASSES = ("CogVideoXPipeline", cogvideox_i2v.PIPELINE_CLASS)
 
 # Documented per-variant defaults (model cards). The pipeline's own fallback (transformer
 # sample_height x 8) would give 2400x2400 for CogVideoX1.5, whose config says sample_height=300.
@@ -133,9 +132,8 @@ def _pipeline(**components):
 # Stage 1 -------------------------------------------------------------------------------------------
 
 
-# Text-to-video only: the image-to-video pipeline is not among PIPELINE_CLASSES.
-image_inputs = text_to_video_only
-encode_images = no_image_conditioning
+image_inputs = cogvideox_i2v.image_inputs
+encode_images = cogvideox_i2v.encode_images
 
 
 def encode_prompts(source, request: Request, dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:
@@ -242,24 +240,32 @@ class GuidedTransformer(Guided):
         if constrain is not None:
             constrain_block_inputs(transformer.transformer_blocks, constrain, BLOCK_INPUTS)
 
-    def forward(self, latents, timestep, prompt_embeds, image_rotary_emb, guidance_scale):
+    def forward(self, latents, timestep, prompt_embeds, image_rotary_emb, guidance_scale, image_latents=None, ofs=None):
+        """Image-to-video: `image_latents` join the (scaled) latents on channels, and `ofs` goes to the
+        transformer as is, as CogVideoXImageToVideoPipeline does."""
+        model_input = latents if image_latents is None else torch.cat([latents, image_latents], dim=2)
+
         def predict(model_input):
             return self.transformer(
                 hidden_states=model_input,
                 encoder_hidden_states=prompt_embeds,
                 timestep=timestep.expand(model_input.shape[0]),
+                ofs=ofs,
                 image_rotary_emb=image_rotary_emb,
                 return_dict=False,
             )[0].float()
 
-        return self.guided(latents, predict, functools.partial(cfg_combination, guidance_scale=guidance_scale))
+        return self.guided(model_input, predict, functools.partial(cfg_combination, guidance_scale=guidance_scale))
 
 
 def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Zero stage-1 tensors of the shapes stage 1 writes for this model (to plan before encoding)."""
     transformer = source.load_config("transformer")
     shape = (1, transformer["max_text_seq_length"], transformer["text_embed_dim"])
-    return {"prompt_embeds": torch.zeros(shape, dtype=dtype), "negative_prompt_embeds": torch.zeros(shape, dtype=dtype)}
+    embeds = {name: torch.zeros(shape, dtype=dtype) for name in ("prompt_embeds", "negative_prompt_embeds")}
+    if cogvideox_i2v.image_to_video(source):
+        embeds.update(cogvideox_i2v.planning_embeds(source, request, dtype))
+    return embeds
 
 
 transformer_components = one_transformer
@@ -294,16 +300,17 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
     pad_frames = 0
     if geometry.patch_t is not None and latent_frames % geometry.patch_t:
         pad_frames = geometry.patch_t - latent_frames % geometry.patch_t
-    latents = pipe.prepare_latents(
-        1,
-        transformer.config.in_channels,
-        request.num_frames + pad_frames * geometry.temporal,
-        request.height,
-        request.width,
-        NOISE_DTYPE,
-        "cpu",
-        generator,
-    ).to(dtype)
+    num_frames = request.num_frames + pad_frames * geometry.temporal
+    image_inputs = []
+    if cogvideox_i2v.image_to_video(source):  # the image sample, then the noise, in the pipeline's dtype
+        latents, image_latents = cogvideox_i2v.noise_and_image_latents(
+            source, request, embeds, transformer, scheduler, num_frames, generator, dtype
+        )
+        image_inputs = cogvideox_i2v.extra_inputs(source, image_latents, dtype)
+    else:
+        channels = transformer.config.in_channels
+        args = (num_frames, request.height, request.width, NOISE_DTYPE, "cpu", generator)
+        latents = pipe.prepare_latents(1, channels, *args).to(dtype)
     extra_step_kwargs = pipe.prepare_extra_step_kwargs(generator, 0.0)
     image_rotary_emb = None
     if transformer.config.use_rotary_positional_embeddings:
@@ -334,6 +341,7 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
             (prompt_embeds, BATCH),
             (image_rotary_emb, ()),
             (torch.tensor(request.guidance_scale, dtype=torch.float32), ()),
+            *image_inputs,
         ),
         timesteps=timesteps,
         latents=latents,
@@ -381,4 +389,6 @@ TINY_DEFAULTS = {"height": 64, "width": 96, "num_frames": 9, "fps": 8, "num_infe
 PRESETS = {
     "tiny-cogvideox": Preset(NAME, functools.partial(tiny.cogvideox, "1.5"), TINY_DEFAULTS),
     "tiny-cogvideox1.0": Preset(NAME, functools.partial(tiny.cogvideox, "1.0"), TINY_DEFAULTS),
+    "tiny-cogvideox-i2v": Preset(NAME, functools.partial(tiny.cogvideox, "1.5", image_to_video=True), TINY_DEFAULTS),
+    "tiny-cogvideox1.0-i2v": Preset(NAME, functools.partial(tiny.cogvideox, "1.0", image_to_video=True), TINY_DEFAULTS),
 }

@@ -81,11 +81,23 @@ COGVIDEOX_SCHEDULER = {
 HUNYUANVIDEO15_T2V_TRANSFORMER = {"task_type": "t2v"}
 
 
-def _cogvideox(transformer: dict[str, Any], scheduler: str, scaling_factor: float) -> dict[str, tuple]:
+# The image-to-video transformers take the image latents on channels (2 x 16 in); CogVideoX-5b-I2V learned
+# its positional embeddings (one size: 480x720x49), CogVideoX1.5-5B-I2V adds an ofs embedding.
+COGVIDEOX_5B_I2V_TRANSFORMER = {
+    **COGVIDEOX_5B_TRANSFORMER,
+    "in_channels": 32,
+    "use_learned_positional_embeddings": True,
+}
+COGVIDEOX15_5B_I2V_TRANSFORMER = {**COGVIDEOX15_5B_TRANSFORMER, "in_channels": 32, "ofs_embed_dim": 512}
+
+
+def _cogvideox(
+    transformer: dict[str, Any], scheduler: str, scaling_factor: float, pipeline: str = "CogVideoXPipeline", **vae
+) -> dict[str, tuple]:
     return {
-        "_class_name": ("diffusers", "CogVideoXPipeline"),
+        "_class_name": ("diffusers", pipeline),
         "transformer": ("diffusers", "CogVideoXTransformer3DModel", transformer),
-        "vae": ("diffusers", "AutoencoderKLCogVideoX", {**COGVIDEOX_VAE, "scaling_factor": scaling_factor}),
+        "vae": ("diffusers", "AutoencoderKLCogVideoX", {**COGVIDEOX_VAE, "scaling_factor": scaling_factor, **vae}),
         "scheduler": ("diffusers", scheduler, COGVIDEOX_SCHEDULER),
     }
 
@@ -175,6 +187,16 @@ PIPELINES: dict[str, dict[str, Any]] = {
     "zai-org/CogVideoX1.5-5B": _cogvideox(COGVIDEOX15_5B_TRANSFORMER, "CogVideoXDPMScheduler", 0.7),
     "THUDM/CogVideoX-5b": _cogvideox(COGVIDEOX_5B_TRANSFORMER, "CogVideoXDPMScheduler", 0.7),
     "THUDM/CogVideoX-2b": _cogvideox(COGVIDEOX_2B_TRANSFORMER, "CogVideoXDDIMScheduler", 1.15258426),
+    "THUDM/CogVideoX-5b-I2V": _cogvideox(
+        COGVIDEOX_5B_I2V_TRANSFORMER, "CogVideoXDPMScheduler", 0.7, "CogVideoXImageToVideoPipeline"
+    ),
+    "zai-org/CogVideoX1.5-5B-I2V": _cogvideox(
+        COGVIDEOX15_5B_I2V_TRANSFORMER,
+        "CogVideoXDPMScheduler",
+        0.7,
+        "CogVideoXImageToVideoPipeline",
+        invert_scale_latents=True,  # the 1.5 VAE folders say so; only the image latents' scaling reads it
+    ),
     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": _hunyuanvideo15(640, 5.0),
     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v": _hunyuanvideo15(960, 9.0),
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": _wan(WAN_13B_TRANSFORMER),

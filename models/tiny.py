@@ -55,12 +55,15 @@ def t5_encoder_kwargs(tokenizer) -> dict:
     }
 
 
-def cogvideox(version: str, seed: int = 0, num_layers: int = 2):
-    """Random tiny CogVideoX components (as in diffusers' own pipeline tests), deterministic per seed."""
+def cogvideox(version: str, seed: int = 0, num_layers: int = 2, image_to_video: bool = False):
+    """Random tiny CogVideoX components (as in diffusers' own pipeline tests), deterministic per seed.
+    `image_to_video`: CogVideoXImageToVideoPipeline, the transformer taking image latents on channels (1.5:
+    with an ofs embedding, as 1.5-5B-I2V; 1.0: learned positional embeddings, as 5b-I2V)."""
     from diffusers import (
         AutoencoderKLCogVideoX,
         CogVideoXDDIMScheduler,
         CogVideoXDPMScheduler,
+        CogVideoXImageToVideoPipeline,
         CogVideoXPipeline,
         CogVideoXTransformer3DModel,
     )
@@ -75,10 +78,13 @@ def cogvideox(version: str, seed: int = 0, num_layers: int = 2):
         if version == "1.5"
         else {"patch_size_t": None, "use_rotary_positional_embeddings": False}
     )
+    if image_to_video:
+        version_kwargs |= {"ofs_embed_dim": 8} if version == "1.5" else {"use_rotary_positional_embeddings": True}
+        version_kwargs |= {} if version == "1.5" else {"use_learned_positional_embeddings": True}
     transformer = CogVideoXTransformer3DModel(
         num_attention_heads=8,  # divisible by every tp of an 8-device mesh
         attention_head_dim=16,
-        in_channels=4,
+        in_channels=8 if image_to_video else 4,
         out_channels=4,
         time_embed_dim=8,
         text_embed_dim=32,
@@ -117,9 +123,11 @@ def cogvideox(version: str, seed: int = 0, num_layers: int = 2):
         set_alpha_to_one=True,
         snr_shift_scale=1.0,
     )
-    return CogVideoXPipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
-    )
+    if image_to_video and version == "1.5":
+        vae.register_to_config(invert_scale_latents=True)  # as the CogVideoX 1.5 VAE folders say
+    pipeline = CogVideoXImageToVideoPipeline if image_to_video else CogVideoXPipeline
+    components = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": scheduler}
+    return pipeline(transformer=transformer, **components)
 
 
 # HunyuanVideo-1.5 ----------------------------------------------------------------------------------

@@ -319,6 +319,15 @@ CASES = [
     i2v("s1-i2v-image-is-text", ["--image", "TEXT_PNG"], "is not a readable image"),
     i2v("s1-i2v-last-image-unused", ["--image", "IMAGE", "--last_image", "IMAGE"], "takes no --last_image"),
     s1("s1-t2v-given-an-image", "images", ["--image", "IMAGE"], "takes no image (a text-to-video model)", image_files),
+    Case(
+        "s1-cogvideox-i2v-last-image",
+        "images",
+        "stage1",
+        ("--model", "tiny-cogvideox-i2v", "--prompt", "a cat", "--output_dir", "OUT", "--image", "IMAGE",
+         "--last_image", "IMAGE"),  # fmt: skip
+        "takes no --last_image",
+        image_files,
+    ),
     s2("s2-missing-stage1", "held", [], f"{STAGE1_FILE} is missing", lambda root: (root / "D" / STAGE1_FILE).unlink()),
     s2("s2-changed-embeddings", "held", [], "does not match the sha256", changed_embeddings),
     s3("s3-before-stage2", "held", [], "has no 'stage2' section", stage1_only),

@@ -323,8 +323,18 @@ CASES = [
         "s1-cogvideox-i2v-last-image",
         "images",
         "stage1",
-        ("--model", "tiny-cogvideox-i2v", "--prompt", "a cat", "--output_dir", "OUT", "--image", "IMAGE",
-         "--last_image", "IMAGE"),  # fmt: skip
+        (
+            "--model",
+            "tiny-cogvideox-i2v",
+            "--prompt",
+            "a cat",
+            "--output_dir",
+            "OUT",
+            "--image",
+            "IMAGE",
+            "--last_image",
+            "IMAGE",
+        ),  # fmt: skip
         "takes no --last_image",
         image_files,
     ),

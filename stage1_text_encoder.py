@@ -93,11 +93,19 @@ def main(argv=None) -> None:
     source, family = models.resolve_model(args.model)
     log(f"stage 1 for {family.NAME}, model {args.model}")
     defaults = {**family.request_defaults(source), "seed": DEFAULT_SEED}
-    request = Request.from_flags(args, model_family=family.NAME, model_id=args.model, defaults=defaults)
-    models.validate_request(family, source, request)
     given = {flag: getattr(args, flag) for flag in IMAGE_FLAGS}
     check_image_flags(family, source, given)
     images, image_records = read_images(given)
+    size = family.image_size(source, images) if images else None
+    if size is not None:  # the pipeline takes the video's size from the image
+        if args.height is not None or args.width is not None:
+            raise UserError(
+                f"--height/--width: --model {args.model!r} takes the video's size from the image "
+                f"({size[0]}x{size[1]} for this one, height x width); leave them out"
+            )
+        defaults.update(height=size[0], width=size[1])
+    request = Request.from_flags(args, model_family=family.NAME, model_id=args.model, defaults=defaults)
+    models.validate_request(family, source, request)
     ensure_writable_dir(output_dir, (STAGE1_FILE,))
 
     # One prompt at a time: with --backend torchax every device goes to `tp` (heads and MLP columns).

@@ -315,6 +315,16 @@ class ValidatedRun:
     timer: Timer
 
 
+def check_image_size_kept(config, overrides) -> None:
+    """Image-to-video: stage 1 encoded the image at the request's size and frame count; stage 2 cannot change them."""
+    changed = [key for key in ("height", "width", "num_frames") if key in overrides]
+    if config["stage1"].get("task") == "i2v" and changed:
+        raise UserError(
+            f"--{changed[0]}: stage 1 encoded the image for {config['height']}x{config['width']}, "
+            f"{config['num_frames']} frames; rerun stage 1 to change the size or frame count"
+        )
+
+
 def validated_run(args, processes) -> ValidatedRun:
     """Read and check the flags and stage 1's folder (every process reads its own copy; only process 0
     prepares the output folder)."""
@@ -329,6 +339,7 @@ def validated_run(args, processes) -> ValidatedRun:
         {**request_flags(args), "model_id": args.model}
     )
     check_stage1_fresh(input_dir, config, request)
+    check_image_size_kept(config, overrides)
     source, family = models.resolve_model_for_request(request)
     dtype_name = args.dtype or request.dtype
     dtype = parse_dtype(dtype_name)

@@ -26,6 +26,7 @@ from .common import (
     one_transformer,
     recorded_scaling_factor,
     refuse_guidance_scale_2,
+    size_from_request,
     vae_scaling_factor,
 )
 from .denoise import DenoiseLoop, latents_record
@@ -134,6 +135,7 @@ def _pipeline(**components):
 
 image_inputs = cogvideox_i2v.image_inputs
 encode_images = cogvideox_i2v.encode_images
+image_size = size_from_request  # the pipeline resizes the image to the request's size
 
 
 def encode_prompts(source, request: Request, dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:

@@ -129,14 +129,9 @@ def refuse_guidance_scale_2(request) -> None:
         raise UserError(f"--guidance_scale_2 applies to two-expert Wan 2.2 models, not {request.model_family}")
 
 
-def text_to_video_only(source) -> tuple[tuple[str, ...], bool]:
-    """`image_inputs` of a family whose supported pipelines are all text-to-video."""
-    return (), False
-
-
-def no_image_conditioning(source, request, images, runtime) -> dict:
-    """`encode_images` of a text-to-video family; stage 1 refuses images before it could be called."""
-    raise UserError(f"--image: --model {source.ref!r} takes no image (a text-to-video model)")
+def size_from_request(source, images) -> None:
+    """`image_size` of a family whose pipelines resize the image to the requested size (None: keep it)."""
+    return None
 
 
 def attention_heads(source) -> int:

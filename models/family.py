@@ -69,6 +69,10 @@ class Family(Protocol):
         """The image flags this model takes ("image", "last_image"; none for text-to-video) and whether
         "image" is required (an image-to-video pipeline)."""
 
+    def image_size(self, source: ModelSource, images: dict[str, Any]) -> tuple[int, int] | None:
+        """The (height, width) an image-to-video pipeline derives from the image, or None where it resizes the
+        image to the requested size (stage 1 then refuses --height/--width and records the derived size)."""
+
     def encode_images(self, source: ModelSource, request: Request, images: dict[str, Any], runtime: Runtime) -> dict:
         """Stage 1 for image-to-video: the pipeline's image conditioning (image embeddings, VAE latents of the
         conditioning frames), computed as the pipeline computes it; tensors named as stage 2 reads them."""

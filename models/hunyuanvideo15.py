@@ -8,7 +8,7 @@ Two spots of `HunyuanVideo15Transformer3DModel.forward` cannot be traced by jax.
   concatenated validity mask gives the same order with static shapes, and a gather applies it.
 
 The VAE's attention builds its frame-causal mask with a Python loop over every token (64 s to trace
-at 2048 tokens, measured here); `frame_causal_mask` builds the identical mask from a
+at 2048 tokens, measured here); `hunyuanvideo15_vae.frame_causal_mask` builds the identical mask from a
 comparison of frame indices.
 
 Attention: the stock processor expands the text mask to a dense (B, 1, S, S) `valid_i & valid_j` mask
@@ -25,6 +25,7 @@ processor, equal to the stock ones in eager PyTorch.
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 from dataclasses import dataclass
@@ -34,14 +35,14 @@ import torch
 
 from utils import Request, UserError
 
-from . import common, tiny
-from .common import NOISE_DTYPE, DeviceTextEncoder, no_image_conditioning, text_to_video_only
+from . import common, hunyuanvideo15_i2v, hunyuanvideo15_vae, tiny
+from .common import NOISE_DTYPE, DeviceTextEncoder
 from .denoise import DenoiseLoop, latents_record
 from .family import Preset
 from .guidance import BATCH, Guided
 
 NAME = "hunyuanvideo15"
-PIPELINE_CLASSES = ("HunyuanVideo15Pipeline",)
+PIPELINE_CLASSES = ("HunyuanVideo15Pipeline", hunyuanvideo15_i2v.PIPELINE_CLASS)
 # Splash tiles: 512/512/512 compiles on v5e, v5p, v6e and tpu7x (TPU compiler, benchmarks/tpu_plan.py)
 # and pads the 720p/121-frame sequence (113,585 tokens) by 0.07%; the reference notes' 2048/2048 pads
 # 0.97% and does not fit v5e/v5p's scoped VMEM. Which is faster is unmeasured (no TPU here).
@@ -206,24 +207,6 @@ def make_jit_safe(transformer: torch.nn.Module) -> torch.nn.Module:
     return transformer
 
 
-def frame_causal_mask(n_frame: int, n_hw: int, dtype, device, batch_size: int | None = None) -> torch.Tensor:
-    """AutoencoderKLHunyuanVideo15's `prepare_causal_attention_mask` without the per-token loop: token i
-    sees every token of its own and earlier frames (0), nothing later (-inf)."""
-    frame = torch.arange(n_frame * n_hw, device=device) // n_hw
-    mask = torch.where(frame[None, :] <= frame[:, None], 0.0, float("-inf")).to(dtype)
-    if batch_size is not None:
-        mask = mask.unsqueeze(0).expand(batch_size, -1, -1)
-    return mask
-
-
-def make_vae_jit_safe(vae: torch.nn.Module) -> torch.nn.Module:
-    """The one place HunyuanVideo-1.5's VAE is adapted for jit: every attention block gets `frame_causal_mask`."""
-    for module in vae.modules():
-        if hasattr(module, "prepare_causal_attention_mask"):
-            module.prepare_causal_attention_mask = frame_causal_mask
-    return vae
-
-
 # Requests ------------------------------------------------------------------------------------------
 
 
@@ -231,6 +214,8 @@ def request_defaults(source) -> dict[str, Any]:
     target = source.load_config("transformer").get("target_size", 640)
     resolution = RESOLUTION_DEFAULTS.get(target, RESOLUTION_DEFAULTS[640])
     guidance = source.load_config("guider").get("guidance_scale", COMMON_DEFAULTS["guidance_scale"])
+    if hunyuanvideo15_i2v.image_to_video(source):  # its folders' shift (720p: 7.0, not t2v's 9.0); size from the image
+        resolution = {**resolution, "flow_shift": source.load_config("scheduler")["shift"]}
     return {**COMMON_DEFAULTS, **resolution, "guidance_scale": guidance, **source.preset_defaults}
 
 
@@ -285,9 +270,8 @@ def _pipeline(source=None, **components):
 # Stage 1 -------------------------------------------------------------------------------------------
 
 
-# Text-to-video only: the image-to-video pipeline is not among PIPELINE_CLASSES.
-image_inputs = text_to_video_only
-encode_images = no_image_conditioning
+image_inputs, image_size = hunyuanvideo15_i2v.image_inputs, hunyuanvideo15_i2v.image_size
+encode_images = hunyuanvideo15_i2v.encode_images
 
 
 def encode_prompts(source, request: Request, dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:
@@ -332,9 +316,12 @@ class GuidedTransformer(Guided):
         super().__init__(make_jit_safe(transformer), do_cfg, constrain)
         self.guider = guider
 
-    def forward(self, latents, timestep, text, text_mask, text_2, text_mask_2, image_embeds):
-        # Text-to-video: zero condition latents and a zero mask channel (prepare_cond_latents_and_mask).
-        model_input = torch.cat([latents, torch.zeros_like(latents), torch.zeros_like(latents[:, :1])], dim=1)
+    def forward(self, latents, timestep, text, text_mask, text_2, text_mask_2, image_embeds, cond=None, mask=None):
+        # Text-to-video: zero condition latents and mask channel (prepare_cond_latents_and_mask); image-to-video:
+        # the image's (hunyuanvideo15_i2v.condition), and the image tokens count as valid text tokens.
+        text_to_video = cond is None
+        cond, mask = (torch.zeros_like(latents), torch.zeros_like(latents[:, :1])) if text_to_video else (cond, mask)
+        model_input = torch.cat([latents, cond, mask], dim=1)
 
         def predict(model_input):
             batch = model_input.shape[0]
@@ -347,6 +334,7 @@ class GuidedTransformer(Guided):
                 encoder_hidden_states_2=text_2,
                 encoder_attention_mask_2=text_mask_2,
                 return_dict=False,
+                text_to_video=text_to_video,
             )[0]
 
         # the guider's own combination
@@ -364,7 +352,10 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
         "prompt_embeds_mask_2": ((1, pipe.tokenizer_2_max_length), torch.int64),
     }
     zeros = {key: torch.zeros(shape, dtype=kind) for key, (shape, kind) in shapes.items()}
-    return {**zeros, **{f"negative_{key}": value for key, value in zeros.items()}}
+    image = (
+        hunyuanvideo15_i2v.planning_embeds(source, request, dtype) if hunyuanvideo15_i2v.image_to_video(source) else {}
+    )
+    return {**zeros, **{f"negative_{key}": value for key, value in zeros.items()}, **image}
 
 
 transformer_components = common.one_transformer
@@ -395,7 +386,7 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
     latents = pipe.prepare_latents(
         1, geometry.latent_channels, request.height, request.width, request.num_frames, NOISE_DTYPE, "cpu", generator
     ).to(dtype)
-    image_embeds = torch.zeros(1, pipe.vision_num_semantic_tokens, transformer.config.image_embed_dim, dtype=dtype)
+    image_inputs = hunyuanvideo15_i2v.transformer_image_inputs(source, embeds, latents, pipe, dtype)
 
     def step(i, t, noise_pred, latents, carry):
         return scheduler.step(noise_pred, t, latents, return_dict=False)[0], carry
@@ -403,7 +394,7 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
     loop = DenoiseLoop(
         guided=(GuidedTransformer(transformer, guider, do_cfg, runtime.constrain),),
         rules=transformer_rules(tp_mode),
-        static_inputs=(*((tensor, BATCH) for tensor in text_inputs), (image_embeds, ())),
+        static_inputs=(*((tensor, BATCH) for tensor in text_inputs), *image_inputs),
         timesteps=timesteps,
         latents=latents,
         generator=generator,
@@ -417,33 +408,16 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
     )
 
 
-# Stage 3 -------------------------------------------------------------------------------------------
+# Stage 3: models/hunyuanvideo15_vae.py -------------------------------------------------------------
 
-
-class Decoder(torch.nn.Module):
-    def __init__(self, vae: torch.nn.Module, normalization: dict) -> None:
-        super().__init__()
-        self.vae = make_vae_jit_safe(vae)
-        self.scaling_factor = common.recorded_scaling_factor(normalization)
-
-    def forward(self, latents):
-        # The pipeline's own expression: the scaling factor undone before decoding.
-        latents = latents.to(self.vae.dtype) / self.scaling_factor
-        return self.vae.decode(latents, return_dict=False)[0]
-
-
-def video_processor(source):
-    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
-
-    return HunyuanVideo15ImageProcessor(vae_scale_factor=Geometry.of(source).spatial)
+Decoder, video_processor = hunyuanvideo15_vae.Decoder, hunyuanvideo15_vae.video_processor
 
 
 # Tiny preset (models/tiny.py builds it) -------------------------------------------------------------
 
+TINY_DEFAULTS = {"height": 32, "width": 48, "num_frames": 5, "fps": 24, "num_inference_steps": 4, "flow_shift": 5.0}
 PRESETS = {
-    "tiny-hunyuanvideo15": Preset(
-        NAME,
-        tiny.hunyuanvideo15,
-        {"height": 32, "width": 48, "num_frames": 5, "fps": 24, "num_inference_steps": 4, "flow_shift": 5.0},
-    )
+    "tiny-hunyuanvideo15": Preset(NAME, tiny.hunyuanvideo15, TINY_DEFAULTS),
+    # image-to-video: the size comes from the image (hunyuanvideo15_i2v.image_size)
+    "tiny-hunyuanvideo15-i2v": Preset(NAME, functools.partial(tiny.hunyuanvideo15, image_to_video=True), TINY_DEFAULTS),
 }

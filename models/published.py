@@ -102,13 +102,28 @@ def _cogvideox(
     }
 
 
-def _hunyuanvideo15(target_size: int, shift: float) -> dict[str, tuple]:
+# HunyuanVideo-1.5 image-to-video's image encoder: SigLIP so400m/14 at 384 px (SiglipVisionConfig kwargs), 729
+# tokens of width 1152 (the transformer's image_embed_dim).
+SIGLIP_SO400M_384 = {
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "image_size": 384,
+    "patch_size": 14,
+}
+
+
+def _hunyuanvideo15(target_size: int, shift: float, task: str = "t2v") -> dict[str, tuple]:
+    pipeline = "HunyuanVideo15Pipeline" if task == "t2v" else "HunyuanVideo15ImageToVideoPipeline"
+    image = {"image_encoder": ("transformers", "SiglipVisionModel", SIGLIP_SO400M_384)} if task == "i2v" else {}
     return {
-        "_class_name": ("diffusers", "HunyuanVideo15Pipeline"),
+        "_class_name": ("diffusers", pipeline),
+        **image,
         "transformer": (
             "diffusers",
             "HunyuanVideo15Transformer3DModel",
-            {**HUNYUANVIDEO15_T2V_TRANSFORMER, "target_size": target_size},
+            {**HUNYUANVIDEO15_T2V_TRANSFORMER, "target_size": target_size, "task_type": task},
         ),
         "vae": ("diffusers", "AutoencoderKLHunyuanVideo15", {}),
         "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", {"shift": shift}),
@@ -199,6 +214,8 @@ PIPELINES: dict[str, dict[str, Any]] = {
     ),
     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v": _hunyuanvideo15(640, 5.0),
     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v": _hunyuanvideo15(960, 9.0),
+    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v": _hunyuanvideo15(640, 5.0, "i2v"),
+    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v": _hunyuanvideo15(960, 7.0, "i2v"),
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": _wan(WAN_13B_TRANSFORMER),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": _wan(WAN_14B_TRANSFORMER),
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": _wan(WAN_14B_TRANSFORMER, boundary_ratio=0.875),

@@ -133,8 +133,9 @@ def cogvideox(version: str, seed: int = 0, num_layers: int = 2, image_to_video: 
 # HunyuanVideo-1.5 ----------------------------------------------------------------------------------
 
 
-def hunyuanvideo15_transformer(seed: int = 0) -> torch.nn.Module:
-    """A random tiny HunyuanVideo15Transformer3DModel (t2v): 8 heads x 8, 2 blocks, 1 refiner block."""
+def hunyuanvideo15_transformer(seed: int = 0, target_size: int = 640) -> torch.nn.Module:
+    """A random tiny HunyuanVideo15Transformer3DModel: 8 heads x 8, 2 blocks, 1 refiner block. `target_size`
+    is the pixel size the image-to-video pipeline picks its size bucket around."""
     from diffusers import HunyuanVideo15Transformer3DModel
 
     torch.manual_seed(seed)
@@ -150,6 +151,7 @@ def hunyuanvideo15_transformer(seed: int = 0) -> torch.nn.Module:
         image_embed_dim=12,
         rope_axes_dim=(2, 2, 4),
         task_type="t2v",
+        target_size=target_size,
     ).eval()
 
 
@@ -189,9 +191,16 @@ def hunyuanvideo15_vae(seed: int = 0) -> torch.nn.Module:
     ).eval()
 
 
-def hunyuanvideo15(seed: int = 0):
-    """Random tiny HunyuanVideo-1.5 components, deterministic per seed."""
-    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+def hunyuanvideo15(seed: int = 0, image_to_video: bool = False):
+    """Random tiny HunyuanVideo-1.5 components, deterministic per seed. `image_to_video`:
+    HunyuanVideo15ImageToVideoPipeline with a tiny SigLIP image encoder (16 tokens of width 12) and size
+    buckets around 48 pixels."""
+    from diffusers import (
+        ClassifierFreeGuidance,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15ImageToVideoPipeline,
+        HunyuanVideo15Pipeline,
+    )
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
 
     tokenizer = qwen_tokenizer()
@@ -224,10 +233,29 @@ def hunyuanvideo15(seed: int = 0):
             relative_attention_num_buckets=8,
         )
     )
-    transformer = hunyuanvideo15_transformer(seed + 2)
+    transformer = hunyuanvideo15_transformer(seed + 2, target_size=48 if image_to_video else 640)
     vae = hunyuanvideo15_vae(seed + 3)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
     guider = ClassifierFreeGuidance(guidance_scale=6.0)
+    if image_to_video:
+        from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+        torch.manual_seed(seed + 4)
+        sizes = {"hidden_size": 12, "intermediate_size": 16, "image_size": 32, "patch_size": 8}
+        image_encoder = SiglipVisionModel(SiglipVisionConfig(num_hidden_layers=1, num_attention_heads=2, **sizes))
+        feature_extractor = SiglipImageProcessor(size={"height": 32, "width": 32})
+        return HunyuanVideo15ImageToVideoPipeline(
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            transformer=transformer,
+            vae=vae,
+            scheduler=scheduler,
+            text_encoder_2=text_encoder_2,
+            tokenizer_2=tokenizer_2,
+            guider=guider,
+            image_encoder=image_encoder.eval(),
+            feature_extractor=feature_extractor,
+        )
     return HunyuanVideo15Pipeline(
         text_encoder=text_encoder,
         tokenizer=tokenizer,

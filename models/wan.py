@@ -31,7 +31,7 @@ from runtime.interface import DP, SP
 from utils import Request, UserError, log
 
 from . import tiny
-from .common import NOISE_DTYPE, DeviceTextEncoder, constrain_block_inputs
+from .common import NOISE_DTYPE, DeviceTextEncoder, constrain_block_inputs, size_from_request
 from .denoise import DenoiseLoop, latents_record, multistep_state, restore_multistep_state
 from .family import Preset
 from .guidance import BATCH, Guided, cfg_combination
@@ -172,6 +172,9 @@ def image_inputs(source) -> tuple[tuple[str, ...], bool]:
     config = source.load_config("transformer")
     two = config.get("image_dim") is None or config.get("pos_embed_seq_len") is not None
     return (("image", "last_image") if two else ("image",)), True
+
+
+image_size = size_from_request  # the pipeline resizes the image to the request's size
 
 
 def encode_images(source, request: Request, images: dict[str, Any], runtime) -> dict[str, torch.Tensor]:

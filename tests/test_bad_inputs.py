@@ -318,6 +318,25 @@ CASES = [
     i2v("s1-i2v-without-image", [], "is an image-to-video model: give the first frame with --image PATH"),
     i2v("s1-i2v-image-is-text", ["--image", "TEXT_PNG"], "is not a readable image"),
     i2v("s1-i2v-last-image-unused", ["--image", "IMAGE", "--last_image", "IMAGE"], "takes no --last_image"),
+    Case(
+        "s1-hunyuan-i2v-height",
+        "images",
+        "stage1",
+        (
+            "--model",
+            "tiny-hunyuanvideo15-i2v",
+            "--prompt",
+            "a cat",
+            "--output_dir",
+            "OUT",
+            "--image",
+            "IMAGE",
+            "--height",
+            "32",
+        ),  # fmt: skip
+        "takes the video's size from the image",
+        image_files,
+    ),
     s1("s1-t2v-given-an-image", "images", ["--image", "IMAGE"], "takes no image (a text-to-video model)", image_files),
     Case(
         "s1-cogvideox-i2v-last-image",

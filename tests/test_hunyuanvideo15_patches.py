@@ -11,7 +11,7 @@ import torch
 
 import sharding
 from helpers import BYT5, IMAGE, TEXT, Sample, hunyuan_inputs, relative_error, tiny_hunyuan_transformer
-from models import hunyuanvideo15, tiny
+from models import hunyuanvideo15, hunyuanvideo15_vae, tiny
 from runtime.torchax_runtime import TorchaxRuntime
 from splash_attention import SplashConfig, attention_backend
 
@@ -100,7 +100,7 @@ def test_frame_causal_mask_equals_the_loop(n_frame, n_hw, batch):
     from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15AttnBlock
 
     expected = HunyuanVideo15AttnBlock.prepare_causal_attention_mask(n_frame, n_hw, torch.float32, "cpu", batch)
-    got = hunyuanvideo15.frame_causal_mask(n_frame, n_hw, torch.float32, "cpu", batch)
+    got = hunyuanvideo15_vae.frame_causal_mask(n_frame, n_hw, torch.float32, "cpu", batch)
     assert got.shape == expected.shape and torch.equal(got, expected)
 
 
@@ -112,11 +112,11 @@ def test_vae_decode_with_the_patch_equals_stock_and_runs_under_torchax():
     latents = torch.randn(1, 4, 3, 4, 6, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = tiny_vae().decode(latents, return_dict=False)[0]
-        patched = hunyuanvideo15.make_vae_jit_safe(tiny_vae())
+        patched = hunyuanvideo15_vae.make_vae_jit_safe(tiny_vae())
         assert torch.equal(patched.decode(latents, return_dict=False)[0], expected)
 
     runtime = TorchaxRuntime()
-    decode = runtime.compile(Decode(hunyuanvideo15.make_vae_jit_safe(tiny_vae())))
+    decode = runtime.compile(Decode(hunyuanvideo15_vae.make_vae_jit_safe(tiny_vae())))
     got = runtime.to_host(decode(runtime.to_device(latents)))
     assert relative_error(got, expected) <= 1e-5
 

@@ -237,34 +237,23 @@ def hunyuanvideo15(seed: int = 0, image_to_video: bool = False):
     vae = hunyuanvideo15_vae(seed + 3)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
     guider = ClassifierFreeGuidance(guidance_scale=6.0)
-    if image_to_video:
-        from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+    components = {"text_encoder": text_encoder, "tokenizer": tokenizer, "transformer": transformer, "vae": vae}
+    components |= {
+        "scheduler": scheduler,
+        "text_encoder_2": text_encoder_2,
+        "tokenizer_2": tokenizer_2,
+        "guider": guider,
+    }
+    if not image_to_video:
+        return HunyuanVideo15Pipeline(**components)
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
 
-        torch.manual_seed(seed + 4)
-        sizes = {"hidden_size": 12, "intermediate_size": 16, "image_size": 32, "patch_size": 8}
-        image_encoder = SiglipVisionModel(SiglipVisionConfig(num_hidden_layers=1, num_attention_heads=2, **sizes))
-        feature_extractor = SiglipImageProcessor(size={"height": 32, "width": 32})
-        return HunyuanVideo15ImageToVideoPipeline(
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            transformer=transformer,
-            vae=vae,
-            scheduler=scheduler,
-            text_encoder_2=text_encoder_2,
-            tokenizer_2=tokenizer_2,
-            guider=guider,
-            image_encoder=image_encoder.eval(),
-            feature_extractor=feature_extractor,
-        )
-    return HunyuanVideo15Pipeline(
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-        vae=vae,
-        scheduler=scheduler,
-        text_encoder_2=text_encoder_2,
-        tokenizer_2=tokenizer_2,
-        guider=guider,
+    torch.manual_seed(seed + 4)
+    sizes = {"hidden_size": 12, "intermediate_size": 16, "image_size": 32, "patch_size": 8}
+    image_encoder = SiglipVisionModel(SiglipVisionConfig(num_hidden_layers=1, num_attention_heads=2, **sizes)).eval()
+    feature_extractor = SiglipImageProcessor(size={"height": 32, "width": 32})
+    return HunyuanVideo15ImageToVideoPipeline(
+        **components, image_encoder=image_encoder, feature_extractor=feature_extractor
     )
 
 

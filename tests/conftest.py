@@ -1,5 +1,6 @@
 """Test setup: 8 virtual CPU devices (set before JAX is imported), one private cache per run shared by the
-xdist workers, the slow tests scheduled first, and the fixtures several test modules share."""
+xdist workers, library loggers bound before any test captures stderr, the slow tests scheduled first, and
+the fixtures several test modules share."""
 
 import os
 import sys
@@ -11,7 +12,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# diffusers and transformers give their loggers a StreamHandler on sys.stderr when first imported. Imported
+# inside a test that uses capsys, the handler keeps that test's stream, which pytest closes afterwards, and a
+# later library warning prints "--- Logging error ---" with a traceback into whichever test is running then.
+# Imported here, before any test, the handlers write to the session's stderr.
+import diffusers  # noqa: E402, F401
 import pytest  # noqa: E402
+import transformers  # noqa: E402, F401
 
 
 @pytest.fixture(scope="session", autouse=True)

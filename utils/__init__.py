@@ -37,8 +37,6 @@ from utils.files import (
     VIDEO_FILE,
     atomic_write,
     check_output_dir,
-    check_stage1_fresh,
-    check_stage2_fresh,
     ensure_writable_dir,
     non_finite_keys,
     read_config,
@@ -56,6 +54,8 @@ from utils.request import (
     REQUEST_KEYS,
     Request,
     add_request_arguments,
+    check_stage1_fresh,
+    check_stage2_fresh,
     request_flags,
     write_stage_config,
 )

@@ -1,5 +1,5 @@
 """The stage files: names and format version, checked reads and atomic writes of safetensors files and
-strict-JSON generation_config.json, the checks that a later stage's inputs still belong together."""
+strict-JSON generation_config.json, and the output folder's ownership check."""
 
 from __future__ import annotations
 
@@ -10,15 +10,12 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from utils.cli import UserError, dtype_name
-
-if TYPE_CHECKING:
-    from utils.request import Request
 
 # 2: stage 2 records `latents_normalization` (1 had the boolean `latents_scaled_by_vae_scaling_factor`,
 # which stage 3 still reads: see stage2_normalization).
@@ -215,35 +212,6 @@ def write_config(directory: Path, config: dict[str, Any]) -> None:
 def stage_sections(config: dict[str, Any]) -> dict[str, Any]:
     """The per-stage sections of a config ("stage1", "stage2", ...), in order."""
     return {key: value for key, value in config.items() if key.startswith("stage")}
-
-
-def check_stage1_fresh(directory: Path, config: dict[str, Any], request: Request) -> None:
-    """Refuse stage-1 embeddings whose prompts are not the request's (a hand-edited config). Folders from
-    before stage 1 recorded them (no "prompts" key) are taken as they are."""
-    encoded = config["stage1"].get("prompts")
-    asked = {"prompt": request.prompt, "negative_prompt": request.negative_prompt}
-    if encoded is not None and encoded != asked:
-        changed = [key for key in asked if encoded.get(key) != asked[key]]
-        raise UserError(
-            f"{directory / CONFIG_FILE}: {', '.join(changed)} differs from what stage 1 encoded; rerun stage 1 "
-            "to change the prompt"
-        )
-
-
-def check_stage2_fresh(directory: Path, config: dict[str, Any], request: Request) -> None:
-    """Refuse stage 2 latents made from another stage-1 file or another request than the folder's now."""
-    stage2 = config["stage2"]
-    recorded = stage2.get("request", {})
-    changed = [key for key, value in request.fingerprint().items() if key in recorded and recorded[key] != value]
-    if stage2.get("stage1_sha256") != config["stage1"]["sha256"]:
-        changed.insert(0, "embeddings")
-    if changed:
-        raise UserError(
-            f"{directory / CONFIG_FILE}: the stage2 section is stale, stage 1 was rerun since "
-            f"({', '.join(changed)} changed); rerun stage 2"
-        )
-    if "latents_normalization" not in stage2 and not stage2.get("latents_scaled_by_vae_scaling_factor"):
-        raise UserError(f"{directory}: stage 2 did not record the latents' normalisation; rerun stage 2")
 
 
 def stage2_normalization(stage2: dict[str, Any], vae_scaling_factor: Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The generation request: its flags, the typed `Request` every stage reads from the top level of
-generation_config.json (checked field by field), later stages' overrides and the config they write."""
+generation_config.json (checked field by field), later stages' overrides and the config they write, and the
+checks that a later stage's inputs still belong to the request (the freshness checks)."""
 
 from __future__ import annotations
 
@@ -147,3 +148,32 @@ def write_stage_config(
     section (new or replaced) last."""
     others = {name: value for name, value in sections.items() if name != stage}
     write_config(directory, {"format_version": FORMAT_VERSION, **request.to_config(), **others, stage: section})
+
+
+def check_stage1_fresh(directory: Path, config: dict[str, Any], request: Request) -> None:
+    """Refuse stage-1 embeddings whose prompts are not the request's (a hand-edited config). Folders from
+    before stage 1 recorded them (no "prompts" key) are taken as they are."""
+    encoded = config["stage1"].get("prompts")
+    asked = {"prompt": request.prompt, "negative_prompt": request.negative_prompt}
+    if encoded is not None and encoded != asked:
+        changed = [key for key in asked if encoded.get(key) != asked[key]]
+        raise UserError(
+            f"{directory / CONFIG_FILE}: {', '.join(changed)} differs from what stage 1 encoded; rerun stage 1 "
+            "to change the prompt"
+        )
+
+
+def check_stage2_fresh(directory: Path, config: dict[str, Any], request: Request) -> None:
+    """Refuse stage 2 latents made from another stage-1 file or another request than the folder's now."""
+    stage2 = config["stage2"]
+    recorded = stage2.get("request", {})
+    changed = [key for key, value in request.fingerprint().items() if key in recorded and recorded[key] != value]
+    if stage2.get("stage1_sha256") != config["stage1"]["sha256"]:
+        changed.insert(0, "embeddings")
+    if changed:
+        raise UserError(
+            f"{directory / CONFIG_FILE}: the stage2 section is stale, stage 1 was rerun since "
+            f"({', '.join(changed)} changed); rerun stage 2"
+        )
+    if "latents_normalization" not in stage2 and not stage2.get("latents_scaled_by_vae_scaling_factor"):
+        raise UserError(f"{directory}: stage 2 did not record the latents' normalisation; rerun stage 2")

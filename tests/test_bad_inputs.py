@@ -124,8 +124,9 @@ def image_files(root: Path) -> None:
     (root / "text.png").write_text("not an image")
 
 
-def i2v(case_id, flags, message):
-    argv = ("--model", "tiny-wan2.1-i2v", "--prompt", "a cat", "--output_dir", "OUT", *flags)
+def i2v(case_id, flags, message, model="tiny-wan2.1-i2v"):
+    """A stage-1 case on an image-to-video preset (IMAGE and TEXT_PNG prepared)."""
+    argv = ("--model", model, "--prompt", "a cat", "--output_dir", "OUT", *flags)
     return Case(case_id, "images", "stage1", argv, message, image_files)
 
 
@@ -318,45 +319,19 @@ CASES = [
     i2v("s1-i2v-without-image", [], "is an image-to-video model: give the first frame with --image PATH"),
     i2v("s1-i2v-image-is-text", ["--image", "TEXT_PNG"], "is not a readable image"),
     i2v("s1-i2v-last-image-unused", ["--image", "IMAGE", "--last_image", "IMAGE"], "takes no --last_image"),
-    Case(
+    i2v(
         "s1-hunyuan-i2v-height",
-        "images",
-        "stage1",
-        (
-            "--model",
-            "tiny-hunyuanvideo15-i2v",
-            "--prompt",
-            "a cat",
-            "--output_dir",
-            "OUT",
-            "--image",
-            "IMAGE",
-            "--height",
-            "32",
-        ),  # fmt: skip
+        ["--image", "IMAGE", "--height", "32"],
         "takes the video's size from the image",
-        image_files,
-    ),
+        model="tiny-hunyuanvideo15-i2v",
+    ),  # fmt: skip
     s1("s1-t2v-given-an-image", "images", ["--image", "IMAGE"], "takes no image (a text-to-video model)", image_files),
-    Case(
+    i2v(
         "s1-cogvideox-i2v-last-image",
-        "images",
-        "stage1",
-        (
-            "--model",
-            "tiny-cogvideox-i2v",
-            "--prompt",
-            "a cat",
-            "--output_dir",
-            "OUT",
-            "--image",
-            "IMAGE",
-            "--last_image",
-            "IMAGE",
-        ),  # fmt: skip
+        ["--image", "IMAGE", "--last_image", "IMAGE"],
         "takes no --last_image",
-        image_files,
-    ),
+        model="tiny-cogvideox-i2v",
+    ),  # fmt: skip
     s2("s2-missing-stage1", "held", [], f"{STAGE1_FILE} is missing", lambda root: (root / "D" / STAGE1_FILE).unlink()),
     s2("s2-changed-embeddings", "held", [], "does not match the sha256", changed_embeddings),
     s3("s3-before-stage2", "held", [], "has no 'stage2' section", stage1_only),

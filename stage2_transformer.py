@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import re
 from pathlib import Path
 
 import models
+from models import lora
 from models.cache_schedule import CacheSettings, add_cache_arguments, kind_from_flags, settings_from_flags
 from models.common import attention_heads
 from models.denoise import DenoiseGuard, DenoiseOptions, denoise
+from models.images import check_image_size_kept
 from runtime import distributed
 from runtime.interface import SP_MODES, Timer, run_record
 from utils import (
@@ -112,6 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     runtime.add_argument("--profiler_output_dir", metavar="DIR", help="with --enable_profiler: where the trace goes")
     add_cache_arguments(parser)
+    lora.add_arguments(parser)
     mesh = parser.add_argument_group(
         "device mesh (product must equal the device count; unset axes are chosen and logged, docs/sharding.md)"
     )
@@ -241,6 +245,7 @@ def plan_main(args) -> None:
         Path(args.input_dir), args.model, request_flags(args), args.dtype
     )
     dtype = parse_dtype(args.dtype or request.dtype)
+    adapters = lora.read_adapters(args, family, source, dtype)
     per_host, memory = target.devices_per_host, target.hbm_per_device
     choice = mesh_shape(args, family, source, request, dtype, target.devices, per_host, memory)
     shape = choice.shape
@@ -271,6 +276,8 @@ def plan_main(args) -> None:
             f"{target.generation.prefix}; use smaller tiles, e.g. --block_q 1024 --block_kv 1024 --block_kv_compute 512"
         ) from None
     report["mesh_choice"] = choice.record()
+    if adapters:
+        report["adapters"] = {"fused": [a.record() for a in adapters], "effect": lora.PLAN_EFFECT}
     plan_report.finish(report, args.plan_json)
 
 
@@ -310,19 +317,10 @@ class ValidatedRun:
     dtype: object  # torch.dtype
     embeddings: dict
     cache: CacheSettings
+    adapters: list  # models.lora.Adapter
     guard: DenoiseGuard
     trace_dir: str | None
     timer: Timer
-
-
-def check_image_size_kept(config, overrides) -> None:
-    """Image-to-video: stage 1 encoded the image at the request's size and frame count; stage 2 cannot change them."""
-    changed = [key for key in ("height", "width", "num_frames") if key in overrides]
-    if config["stage1"].get("task") == "i2v" and changed:
-        raise UserError(
-            f"--{changed[0]}: stage 1 encoded the image for {config['height']}x{config['width']}, "
-            f"{config['num_frames']} frames; rerun stage 1 to change the size or frame count"
-        )
 
 
 def validated_run(args, processes) -> ValidatedRun:
@@ -346,13 +344,15 @@ def validated_run(args, processes) -> ValidatedRun:
     models.validate_request(family, source, request)
     embeddings = read_tensors(input_dir, config["stage1"])
     check_output_dir(output_dir, input_dir, config)
-    cache = settings_from_flags(args, input_dir, request.model_id)
+    adapters = lora.read_adapters(args, family, source, dtype)
+    cache = settings_from_flags(args, input_dir, request.model_id, lora.identity(adapters))
     if processes.is_main:
         ensure_writable_dir(output_dir, (STAGE2_FILE,))
-    fingerprint = request.fingerprint()
+    fingerprint = {**request.fingerprint(), "dtype": dtype_name, "stage1_sha256": config["stage1"]["sha256"]}
+    fingerprint.update({"cache": cache.record(), **({"adapters": lora.identity(adapters)} if adapters else {})})
     guard = DenoiseGuard(
         output_dir,
-        {**fingerprint, "dtype": dtype_name, "stage1_sha256": config["stage1"]["sha256"], "cache": cache.record()},
+        fingerprint,
         every=args.checkpoint_every,
         resume=args.resume,
         processes=processes,
@@ -369,6 +369,7 @@ def validated_run(args, processes) -> ValidatedRun:
         dtype,
         embeddings,
         cache,
+        adapters,
         guard,
         trace_dir,
         timer,
@@ -404,7 +405,8 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
     hosts = f", {processes.count} processes" if processes.count > 1 else ""
     log(f"{family.NAME} transformer, {runtime.describe()}{hosts}, {run.dtype_name}, attention {attention} ({why})")
     log(f"request overrides: {run.overrides or 'none'}")
-    options = DenoiseOptions(tp_mode=args.tp_mode, warmup_steps=args.warmup_steps, guard=guard, cache=run.cache)
+    fuse = functools.partial(lora.fuse, adapters=run.adapters, family=family) if run.adapters else None
+    options = DenoiseOptions(args.tp_mode, args.warmup_steps, guard, run.cache, on_loaded=fuse)
     backend = attention_backend(runtime.env, attention, splash, runtime.mesh)
     with backend, runtime.precision(dtype), guard.stop_handler():
         latents, info, step_cache = denoise(family, source, request, run.embeddings, dtype, runtime, timer, options)
@@ -414,7 +416,7 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
     with timer.phase("save"):
         record = write_tensors(run.output_dir / STAGE2_FILE, {"latents": latents})
         if args.cache_calibrate:
-            step_cache.write_ratios(run.output_dir, request.model_id)
+            step_cache.write_ratios(run.output_dir, request.model_id, lora.identity(run.adapters))
     timing = timer.finish()
 
     section = {
@@ -431,6 +433,7 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
         "processes": processes.count,
         **({"splash": dataclasses.asdict(splash)} if attention == "splash" else {}),
         "overrides": run.overrides,
+        **({"adapters": [adapter.record() for adapter in run.adapters]} if run.adapters else {}),
         "warmup_steps": args.warmup_steps,
         "step_seconds": timer.step_seconds,
         **({"step_cache": {**step_cache.record(), **timer.median_steps()}} if step_cache is not None else {}),

@@ -53,9 +53,10 @@ class CacheSettings:
         return {key: values[key] for key in keys}
 
 
-def read_mag_ratios(path: Path, model_id: str | None = None) -> Any:
+def read_mag_ratios(path: Path, model_id: str | None = None, adapters: list | None = None) -> Any:
     """`--cache_mag_ratios FILE`: a JSON list of numbers (diffusers' `mag_ratios`, for every state), or
-    the file --cache_calibrate writes ({"mag_ratios": {state: list}, ...})."""
+    the file --cache_calibrate writes ({"mag_ratios": {state: list}, "model": ..., "adapters": [...]}), which
+    must be of this model with these LoRA adapters (models.lora.identity; a file without the key had none)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
@@ -68,6 +69,12 @@ def read_mag_ratios(path: Path, model_id: str | None = None) -> Any:
         raise UserError(f"--cache_mag_ratios {path}: expected a list of numbers or a {MAG_RATIOS_FILE} file")
     if isinstance(data, dict) and model_id and data.get("model") not in (None, model_id):
         raise UserError(f"--cache_mag_ratios {path} was calibrated on {data['model']}, not {model_id}")
+    if isinstance(data, dict) and adapters is not None and data.get("adapters", []) != adapters:
+        had = f"LoRA adapters {data['adapters']}" if data.get("adapters") else "no LoRA adapter"
+        raise UserError(
+            f"--cache_mag_ratios {path} was calibrated with {had}; this run fuses "
+            f"{adapters or 'none'}: calibrate again with this run's --lora flags (--cache_calibrate)"
+        )
     return ratios
 
 
@@ -205,8 +212,9 @@ def kind_from_flags(args) -> str:
     return "magcache" if magcache else kind
 
 
-def settings_from_flags(args, input_dir: Path, model_id: str) -> CacheSettings:
-    """The step cache from the flags (checked by kind_from_flags), with MagCache's ratios read."""
+def settings_from_flags(args, input_dir: Path, model_id: str, adapters: list | None = None) -> CacheSettings:
+    """The step cache from the flags (checked by kind_from_flags), with MagCache's ratios read (calibrated
+    for this model and these LoRA adapters)."""
     kind = kind_from_flags(args)
     values = {
         key: getattr(args, flag)
@@ -220,7 +228,7 @@ def settings_from_flags(args, input_dir: Path, model_id: str) -> CacheSettings:
                 f"--cache magcache needs the model's magnitude ratios: --cache_mag_ratios FILE, or a "
                 f"{MAG_RATIOS_FILE} in {input_dir} (write one with --cache_calibrate)"
             )
-        values["mag_ratios"] = read_mag_ratios(path, model_id)
+        values["mag_ratios"] = read_mag_ratios(path, model_id, adapters)
         log(f"MagCache ratios from {path}")
     return CacheSettings(kind=kind, calibrate=args.cache_calibrate, **values)
 

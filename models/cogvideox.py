@@ -25,7 +25,7 @@ from .common import (
     constrain_block_inputs,
     one_transformer,
     recorded_scaling_factor,
-    refuse_guidance_scale_2,
+    refuse_wan_extras,
     size_from_request,
     vae_scaling_factor,
 )
@@ -49,6 +49,7 @@ COMMON_DEFAULTS = {"num_inference_steps": 50, "guidance_scale": 6.0}
 # on v6e-8 and tpu7x-8 and pads 45,106 tokens by 3.2% (queries) and 5.8% (keys); it overflows the 16 MiB
 # of scoped VMEM on v5e and v5p, where stage 2 uses tpus.Generation.splash_tile_cap instead.
 SPLASH_BLOCK_SIZES = {"block_q": 3328, "block_kv": 2816, "block_kv_compute": 256}
+LORA_LOADER = "CogVideoXLoraLoaderMixin"  # reads adapters; load_lora_adapter converts older diffusers keys
 
 
 def variant(transformer_config: dict[str, Any]) -> str:
@@ -86,7 +87,7 @@ class Geometry:
 
 def validate_request(source, request: Request) -> None:
     """Reject what the VAE, the patching or the positional embeddings cannot take, before loading weights."""
-    refuse_guidance_scale_2(request)
+    refuse_wan_extras(request)
     geometry = Geometry.of(source)
     size_step = geometry.spatial * geometry.patch
     for key in ("height", "width"):

@@ -123,10 +123,45 @@ def recorded_scaling_factor(normalization: dict[str, Any]) -> float:
     return normalization["scaling_factor"]
 
 
-def refuse_guidance_scale_2(request) -> None:
-    """For families with one transformer: a second guidance scale would be silently unused."""
+def refuse_wan_extras(request) -> None:
+    """For families other than Wan: a second guidance scale or a sampler choice would be silently unused."""
     if request.guidance_scale_2 is not None:
         raise UserError(f"--guidance_scale_2 applies to two-expert Wan 2.2 models, not {request.model_family}")
+    if request.scheduler is not None:
+        raise UserError(f"--scheduler applies to Wan models; {request.model_family} runs its folder's scheduler")
+
+
+# Flow-matching samplers by --scheduler name: the class, its name for the flow shift, and what makes it a
+# flow sampler when built from another scheduler's config.
+FLOW_SCHEDULERS = {
+    "unipc": ("UniPCMultistepScheduler", "flow_shift", {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}),
+    "euler": ("FlowMatchEulerDiscreteScheduler", "shift", {}),
+}
+
+
+def _shift_key(class_name: str, source) -> str:
+    key = {cls: key for cls, key, _ in FLOW_SCHEDULERS.values()}.get(class_name)
+    if key is None:
+        raise UserError(f"the scheduler of {source.ref!r} ({class_name}) has no flow shift")
+    return key
+
+
+def folder_flow_shift(source) -> float:
+    """The flow shift the model folder's scheduler config records (the default --flow_shift)."""
+    config = source.load_config("scheduler")
+    return config[_shift_key(config["_class_name"], source)]
+
+
+def flow_scheduler(source, shift: float, name: str | None = None):
+    """The model folder's scheduler (or the `name`d FLOW_SCHEDULERS sampler built from its config) with the
+    flow shift `shift`. Built with from_config: FlowMatchEuler keeps its shift from construction, so a
+    register_to_config afterwards would leave the old shift in place."""
+    import diffusers
+
+    config = source.load_config("scheduler")
+    class_name = config["_class_name"] if name is None else FLOW_SCHEDULERS[name][0]
+    extra = {} if name is None or class_name == config["_class_name"] else FLOW_SCHEDULERS[name][2]
+    return getattr(diffusers, class_name).from_config(config, **extra, **{_shift_key(class_name, source): shift})
 
 
 def size_from_request(source, images) -> None:

@@ -146,6 +146,9 @@ class DenoiseOptions:
     warmup_steps: int = 0
     guard: DenoiseGuard | None = None
     cache: CacheSettings = CacheSettings()
+    # Run on the loaded transformers (by component name) before anything is placed: stage 2 fuses its
+    # LoRA adapters there (models/lora.py).
+    on_loaded: Callable[[dict[str, torch.nn.Module]], None] | None = None
 
 
 @dataclass
@@ -267,6 +270,8 @@ def denoise(
     the run's StepCache or None)."""
     with timer.phase("load"):
         transformers = {name: source.load(name, dtype=dtype).eval() for name in family.transformer_components(source)}
+        if options.on_loaded is not None:
+            options.on_loaded(transformers)
     loop, finish = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, options.tp_mode)
     latents, cache = run_denoise_loop(loop, runtime, timer, options)
     latents, record = finish(latents)

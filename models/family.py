@@ -40,6 +40,7 @@ class Family(Protocol):
     PIPELINE_CLASSES: tuple[str, ...]  # model_index.json `_class_name`s this family runs
     PRESETS: dict[str, Preset]  # tiny presets by `--model` name
     SPLASH_BLOCK_SIZES: dict[str, int]  # default Splash tiles (block_q, block_kv, block_kv_compute)
+    LORA_LOADER: str | None  # the diffusers.loaders class whose lora_state_dict reads adapters (models/lora.py)
     # Decoder(vae, normalization): undoes the latents' recorded normalisation and decodes stage-2 latents
     # to pixels in [-1, 1], as one graph.
     Decoder: type[torch.nn.Module]

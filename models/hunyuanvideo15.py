@@ -47,6 +47,7 @@ PIPELINE_CLASSES = ("HunyuanVideo15Pipeline", hunyuanvideo15_i2v.PIPELINE_CLASS)
 # and pads the 720p/121-frame sequence (113,585 tokens) by 0.07%; the reference notes' 2048/2048 pads
 # 0.97% and does not fit v5e/v5p's scoped VMEM. Which is faster is unmeasured (no TPU here).
 SPLASH_BLOCK_SIZES = {"block_q": 512, "block_kv": 512, "block_kv_compute": 512}
+LORA_LOADER = None  # diffusers 0.42.1 has no loader for 1.5: files must hold diffusers/PEFT keys
 
 # The pipeline's documented text-to-video defaults; the transformer's `target_size` says 480p or 720p.
 RESOLUTION_DEFAULTS = {
@@ -215,7 +216,7 @@ def request_defaults(source) -> dict[str, Any]:
     resolution = RESOLUTION_DEFAULTS.get(target, RESOLUTION_DEFAULTS[640])
     guidance = source.load_config("guider").get("guidance_scale", COMMON_DEFAULTS["guidance_scale"])
     if hunyuanvideo15_i2v.image_to_video(source):  # its folders' shift (720p: 7.0, not t2v's 9.0); size from the image
-        resolution = {**resolution, "flow_shift": source.load_config("scheduler")["shift"]}
+        resolution = {**resolution, "flow_shift": common.folder_flow_shift(source)}
     return {**COMMON_DEFAULTS, **resolution, "guidance_scale": guidance, **source.preset_defaults}
 
 
@@ -236,7 +237,7 @@ class Geometry:
 
 
 def validate_request(source, request: Request) -> None:
-    common.refuse_guidance_scale_2(request)
+    common.refuse_wan_extras(request)
     geometry = Geometry.of(source)
     for key in ("height", "width"):
         value = getattr(request, key)
@@ -369,9 +370,8 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
     from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import retrieve_timesteps
 
     geometry = Geometry.of(source)
-    scheduler = source.load("scheduler")
+    scheduler = common.flow_scheduler(source, request.flow_shift)
     guider = source.load("guider")
-    scheduler.register_to_config(shift=request.flow_shift)
     guider.guidance_scale = request.guidance_scale
     do_cfg = cfg_enabled(request.guidance_scale)
     transformer = transformers["transformer"]

@@ -1,5 +1,6 @@
 """Stage 1's image inputs for image-to-video: each file read and checked before any weights load, and
-what stage 1 records about it (file name, sha256, original size; the family adds the processed size).
+what stage 1 records about it (file name, sha256, original size; the family adds the processed size), and
+stage 2's check that the size the image was encoded for is kept.
 """
 
 from __future__ import annotations
@@ -55,3 +56,14 @@ def check_image_flags(family, source, given: dict[str, str | None]) -> None:
             raise UserError(f"--{flag}: --model {source.ref!r} {what}")
     if required and given.get("image") is None:
         raise UserError(f"--model {source.ref!r} is an image-to-video model: give the first frame with --image PATH")
+
+
+def check_image_size_kept(config: dict[str, Any], overrides: dict[str, Any]) -> None:
+    """Stage 2 of image-to-video: stage 1 encoded the image at the request's size and frame count; later
+    stages cannot change them."""
+    changed = [key for key in ("height", "width", "num_frames") if key in overrides]
+    if config["stage1"].get("task") == "i2v" and changed:
+        raise UserError(
+            f"--{changed[0]}: stage 1 encoded the image for {config['height']}x{config['width']}, "
+            f"{config['num_frames']} frames; rerun stage 1 to change the size or frame count"
+        )

@@ -326,10 +326,13 @@ class StepCache:
             "cached_steps": letters.count(CACHED),
         }
 
-    def write_ratios(self, directory: Path, model_id: str) -> Path:
-        """--cache_calibrate: the magnitude ratios of every state, for later --cache magcache runs."""
+    def write_ratios(self, directory: Path, model_id: str, adapters: list | None = None) -> Path:
+        """--cache_calibrate: the magnitude ratios of every state, for later --cache magcache runs (of the same
+        model and LoRA adapters, models.lora.identity)."""
         path = directory / MAG_RATIOS_FILE
         data = {"model": model_id, "num_inference_steps": len(self.experts), "mag_ratios": self.ratios}
+        if adapters:
+            data["adapters"] = adapters
         atomic_write(path, lambda tmp: tmp.write_text(strict_json(data, indent=1) + "\n"))
         log(f"wrote {path}: magnitude ratios for {', '.join(self.ratios)}")
         return path

@@ -31,7 +31,14 @@ from runtime.interface import DP, SP
 from utils import Request, UserError, log
 
 from . import tiny
-from .common import NOISE_DTYPE, DeviceTextEncoder, constrain_block_inputs, size_from_request
+from .common import (
+    NOISE_DTYPE,
+    DeviceTextEncoder,
+    constrain_block_inputs,
+    flow_scheduler,
+    folder_flow_shift,
+    size_from_request,
+)
 from .denoise import DenoiseLoop, latents_record, multistep_state, restore_multistep_state
 from .family import Preset
 from .guidance import BATCH, Guided, cfg_combination
@@ -42,12 +49,12 @@ PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
 # (benchmarks/tpu_plan.py --tiles); 720p/81 frames (75,600 tokens) pads by 0.23%, the 512-token
 # prompt not at all.
 SPLASH_BLOCK_SIZES = {"block_q": 512, "block_kv": 512, "block_kv_compute": 512}
+LORA_LOADER = "WanLoraLoaderMixin"  # reads adapter files and converts the original Wan and musubi formats
 SUPPORTED = "Wan 2.1 T2V (1.3B, 14B), Wan 2.1 I2V 14B, Wan 2.2 T2V A14B and Wan 2.2 I2V A14B"
 
 # WanPipeline.__call__'s defaults (480p; the 14B models also run 720p: --height 720 --width 1280).
 DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "fps": 16, "num_inference_steps": 50, "guidance_scale": 5.0}
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's prompt layout: valid tokens, then zeros up to 512
-SHIFT_KEYS = ("flow_shift", "shift")  # UniPC's name for the flow shift, FlowMatchEuler's
 
 # Each block's positional inputs: video tokens (on sp between blocks), prompt tokens, its modulation
 # (batch, 6, width), and the final norm's input: all unsplit along the width. Left free, the
@@ -59,18 +66,9 @@ BLOCK_INPUTS = {0: (DP, SP, None), 1: (DP, None, None), 2: (DP, None, None)}
 # Requests ------------------------------------------------------------------------------------------
 
 
-def _shift_key(source) -> str:
-    config = source.load_config("scheduler")
-    for key in SHIFT_KEYS:
-        if key in config:
-            return key
-    raise UserError(f"the scheduler of {source.ref!r} ({config.get('_class_name')}) has no flow shift")
-
-
 def request_defaults(source) -> dict[str, Any]:
     """The pipeline's defaults; the flow shift as the folder's scheduler records it."""
-    shift = source.load_config("scheduler")[_shift_key(source)]
-    return {**DEFAULTS, "flow_shift": shift, **source.preset_defaults}
+    return {**DEFAULTS, "flow_shift": folder_flow_shift(source), **source.preset_defaults}
 
 
 def transformer_components(source) -> tuple[str, ...]:
@@ -299,8 +297,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     giving stage 2's latents and record. Latents stay float32 between steps, as in the pipeline."""
     from diffusers import WanPipeline
 
-    scheduler = source.load("scheduler")
-    scheduler.register_to_config(**{_shift_key(source): request.flow_shift})
+    scheduler = flow_scheduler(source, request.flow_shift, request.scheduler)
     do_cfg = cfg_enabled(request.guidance_scale)
     scales = (
         request.guidance_scale,

@@ -86,12 +86,14 @@ def test_flow_shift_override_is_used_and_recorded(tmp_path, reference):
     staged, config = staged_latents(tmp_path, "A cat", 6.0, "--flow_shift", 2.0)
     assert config["stage2"]["flow_shift"] == 2.0
     assert config["stage2"]["overrides"]["flow_shift"] == [5.0, 2.0]
-    reference.scheduler.register_to_config(shift=2.0)
+    # set_shift, not register_to_config: FlowMatchEuler keeps the shift it was built with (models.common.flow_scheduler)
+    reference.scheduler.set_shift(2.0)
     try:
         expected = run_pipeline(reference, "A cat", 6.0, "latent")
     finally:
-        reference.scheduler.register_to_config(shift=5.0)
+        reference.scheduler.set_shift(5.0)
     assert relative_error(staged, expected) <= TOLERANCE
+    assert relative_error(staged, run_pipeline(reference, "A cat", 6.0, "latent")) > 10 * TOLERANCE  # it is used
 
 
 @pytest.mark.slow

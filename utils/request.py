@@ -14,7 +14,9 @@ from utils.files import CONFIG_FILE, FORMAT_VERSION, write_config
 
 # The generation request's keys that later stages may override from their command line.
 REQUEST_KEYS = ("height", "width", "num_frames", "fps", "num_inference_steps")
-REQUEST_KEYS += ("guidance_scale", "guidance_scale_2", "seed", "flow_shift")
+REQUEST_KEYS += ("guidance_scale", "guidance_scale_2", "seed", "flow_shift", "scheduler")
+# --scheduler's names for the flow-matching samplers a Wan folder's scheduler config can build.
+SCHEDULERS = ("unipc", "euler")
 # Those that shape stage 2's latents (fps only matters to the mp4): a stage-2 section records them, and
 # a later change to one of them makes that section stale.
 DENOISE_KEYS = tuple(key for key in REQUEST_KEYS if key != "fps")
@@ -52,6 +54,12 @@ def add_request_arguments(parser, *, for_later_stage: bool) -> None:
         "folder's scheduler value)",
     )
     group.add_argument(
+        "--scheduler",
+        choices=SCHEDULERS,
+        help="Wan: the sampler, built from the model folder's scheduler config (default: the folder's, UniPC in "
+        "the published ones; the 4-step distillation LoRAs expect euler, docs/lora.md)",
+    )
+    group.add_argument(
         "--seed",
         type=int,
         help="seed of the CPU generator that draws the initial noise" + ("" if for_later_stage else " (default: 42)"),
@@ -83,6 +91,7 @@ class Request:
     flow_shift: float | None = None  # flow-matching families
     guidance_scale_2: float | None = None  # Wan 2.2's low-noise expert (None: guidance_scale)
     variant: str | None = None  # e.g. CogVideoX "1.0" or "1.5"
+    scheduler: str | None = None  # Wan: one of SCHEDULERS (None: the model folder's)
 
     def __post_init__(self) -> None:
         """The checks every family shares; geometry and family extras are each family's validate_request.
@@ -99,6 +108,8 @@ class Request:
             raise UserError(f"--num_inference_steps {self.num_inference_steps} must be at least 1")
         if not 0 < self.fps <= 1000:
             raise UserError(f"--fps {self.fps} must be from 1 to 1000")
+        if self.scheduler is not None and self.scheduler not in SCHEDULERS:
+            raise UserError(f"--scheduler {self.scheduler!r} is not one of {', '.join(SCHEDULERS)}")
         if not 0 <= self.seed < 2**64:
             raise UserError(f"--seed {self.seed} must be from 0 to 2**64 - 1 (the CPU generator's seeds)")
 

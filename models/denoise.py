@@ -160,11 +160,12 @@ class DenoiseLoop:
     *static_inputs)`; `expert(i, t)` picks `e` for step i (Wan 2.2's two experts; others have one).
     `rules` is the transformers' rule table. `step(i, t, noise_pred, latents, carry)` returns
     (latents, carry): the scheduler's step, with `carry` holding its extra tensors (e.g. DPM's previous
-    prediction) that a checkpoint must keep. `model_input(latents, t)` is what the denoiser gets (e.g.
-    the scheduler's input scaling); `on_start(step, carry)` runs once before the first computed step,
-    with the carry a checkpoint restored. `expert_names` are the transformers' component names and
-    `cache_branches` the names of the equal batch chunks that diffusers runs in separate cache contexts
-    (the step cache keeps one state per expert and branch).
+    prediction) that a checkpoint must keep. `timestep_input(i, t)` is the denoiser's timestep input (a
+    1-vector; HunyuanVideo-1.5's step-distilled checkpoints add the next step's) and `model_input(latents,
+    t)` its latents input (e.g. the scheduler's input scaling); `on_start(step, carry)` runs once before the
+    first computed step, with the carry a checkpoint restored. `expert_names` are the transformers'
+    component names and `cache_branches` the names of the equal batch chunks that diffusers runs in
+    separate cache contexts (the step cache keeps one state per expert and branch).
     """
 
     guided: tuple[torch.nn.Module, ...]
@@ -179,6 +180,7 @@ class DenoiseLoop:
     carry: dict[str, torch.Tensor] = field(default_factory=dict)
     expert: Callable[[int, torch.Tensor], int] = lambda i, t: 0
     expert_names: tuple[str, ...] = ("transformer",)
+    timestep_input: Callable[[int, torch.Tensor], torch.Tensor] = lambda i, t: t.reshape(1)
     cache_branches: tuple[str, ...] = ("batch",)
 
     def experts_used(self) -> list[int]:
@@ -224,7 +226,7 @@ def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options:
 
     def predict_noise(latents, i, t, expert, warmup=False):
         """One denoiser evaluation; the real loop and the warmup both run exactly this."""
-        inputs = (*runtime.to_device((loop.model_input(latents, t), t.reshape(1))), *static_inputs)
+        inputs = (*runtime.to_device((loop.model_input(latents, t), loop.timestep_input(i, t))), *static_inputs)
         if cache is not None:
             return cache.warmup(expert, inputs) if warmup else cache(i, inputs)
         return runtime.to_host(denoisers[expert](*inputs))  # to_host waits for the device

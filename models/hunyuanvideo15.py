@@ -318,6 +318,8 @@ class GuidedTransformer(Guided):
         self.guider = guider
 
     def forward(self, latents, timestep, text, text_mask, text_2, text_mask_2, image_embeds, cond=None, mask=None):
+        # Step-distilled (meanflow) checkpoints: `timestep` holds [t, the next step's t] (meanflow_timesteps).
+        timestep, timestep_r = (timestep[:1], timestep[1:]) if timestep.shape[0] == 2 else (timestep, None)
         # Text-to-video: zero condition latents and mask channel (prepare_cond_latents_and_mask); image-to-video:
         # the image's (hunyuanvideo15_i2v.condition), and the image tokens count as valid text tokens.
         text_to_video = cond is None
@@ -330,6 +332,7 @@ class GuidedTransformer(Guided):
                 hidden_states=model_input,
                 image_embeds=image_embeds.expand(batch, -1, -1),
                 timestep=timestep.expand(batch).to(model_input.dtype),
+                timestep_r=None if timestep_r is None else timestep_r.expand(batch).to(model_input.dtype),
                 encoder_hidden_states=text,
                 encoder_attention_mask=text_mask,
                 encoder_hidden_states_2=text_2,
@@ -361,6 +364,13 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
 
 transformer_components = common.one_transformer
 latents_normalization = common.vae_scaling_factor
+
+
+def meanflow_timesteps(timesteps: torch.Tensor):
+    """The step-distilled checkpoints' timestep input: step i's timestep and the next one's (0 after the last),
+    the pipeline's `timestep_r`."""
+    following = torch.cat([timesteps[1:], timesteps.new_zeros(1)])
+    return lambda i, t: torch.stack([t, following[i]])
 
 
 def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtype, transformers, runtime, tp_mode):
@@ -400,6 +410,7 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
         generator=generator,
         step=step,
         on_start=lambda step, carry: scheduler.set_begin_index(step),  # it counts its own steps (--resume)
+        timestep_input=meanflow_timesteps(timesteps) if transformer.config.use_meanflow else DenoiseLoop.timestep_input,
         cache_branches=("pred_cond", "pred_uncond") if do_cfg else ("pred_cond",),  # the guider's cache contexts
     )
     return loop, lambda latents: (
@@ -420,4 +431,10 @@ PRESETS = {
     "tiny-hunyuanvideo15": Preset(NAME, tiny.hunyuanvideo15, TINY_DEFAULTS),
     # image-to-video: the size comes from the image (hunyuanvideo15_i2v.image_size)
     "tiny-hunyuanvideo15-i2v": Preset(NAME, functools.partial(tiny.hunyuanvideo15, image_to_video=True), TINY_DEFAULTS),
+    # the step-distilled image-to-video checkpoint's layout: meanflow (a second timestep), shift 7, guidance 1
+    "tiny-hunyuanvideo15-i2v-step-distilled": Preset(
+        NAME,
+        functools.partial(tiny.hunyuanvideo15, image_to_video=True, step_distilled=True),
+        {**TINY_DEFAULTS, "flow_shift": 7.0},
+    ),
 }

@@ -114,7 +114,11 @@ SIGLIP_SO400M_384 = {
 }
 
 
-def _hunyuanvideo15(target_size: int, shift: float, task: str = "t2v") -> dict[str, tuple]:
+def _hunyuanvideo15(
+    target_size: int, shift: float, task: str = "t2v", guidance: float = 6.0, meanflow: bool = False
+) -> dict[str, tuple]:
+    """A HunyuanVideo-1.5 pipeline; the distilled folders differ in guidance (1: CFG distilled away), shift and,
+    for the step-distilled one, a meanflow transformer (diffusers' convert_hunyuan_video1_5_to_diffusers.py)."""
     pipeline = "HunyuanVideo15Pipeline" if task == "t2v" else "HunyuanVideo15ImageToVideoPipeline"
     image = {"image_encoder": ("transformers", "SiglipVisionModel", SIGLIP_SO400M_384)} if task == "i2v" else {}
     return {
@@ -123,11 +127,11 @@ def _hunyuanvideo15(target_size: int, shift: float, task: str = "t2v") -> dict[s
         "transformer": (
             "diffusers",
             "HunyuanVideo15Transformer3DModel",
-            {**HUNYUANVIDEO15_T2V_TRANSFORMER, "target_size": target_size, "task_type": task},
+            {**HUNYUANVIDEO15_T2V_TRANSFORMER, "target_size": target_size, "task_type": task, "use_meanflow": meanflow},
         ),
         "vae": ("diffusers", "AutoencoderKLHunyuanVideo15", {}),
         "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", {"shift": shift}),
-        "guider": ("diffusers", "ClassifierFreeGuidance", {"guidance_scale": 6.0}),
+        "guider": ("diffusers", "ClassifierFreeGuidance", {"guidance_scale": guidance}),
     }
 
 
@@ -216,6 +220,11 @@ PIPELINES: dict[str, dict[str, Any]] = {
     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v": _hunyuanvideo15(960, 9.0),
     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v": _hunyuanvideo15(640, 5.0, "i2v"),
     "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v": _hunyuanvideo15(960, 7.0, "i2v"),
+    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v_distilled": _hunyuanvideo15(640, 5.0, "i2v", 1.0),
+    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v_distilled": _hunyuanvideo15(960, 7.0, "i2v", 1.0),
+    "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v_step_distilled": _hunyuanvideo15(
+        640, 7.0, "i2v", 1.0, meanflow=True
+    ),
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": _wan(WAN_13B_TRANSFORMER),
     "Wan-AI/Wan2.1-T2V-14B-Diffusers": _wan(WAN_14B_TRANSFORMER),
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": _wan(WAN_14B_TRANSFORMER, boundary_ratio=0.875),

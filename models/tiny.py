@@ -133,9 +133,10 @@ def cogvideox(version: str, seed: int = 0, num_layers: int = 2, image_to_video: 
 # HunyuanVideo-1.5 ----------------------------------------------------------------------------------
 
 
-def hunyuanvideo15_transformer(seed: int = 0, target_size: int = 640) -> torch.nn.Module:
+def hunyuanvideo15_transformer(seed: int = 0, target_size: int = 640, use_meanflow: bool = False) -> torch.nn.Module:
     """A random tiny HunyuanVideo15Transformer3DModel: 8 heads x 8, 2 blocks, 1 refiner block. `target_size`
-    is the pixel size the image-to-video pipeline picks its size bucket around."""
+    is the pixel size the image-to-video pipeline picks its size bucket around; `use_meanflow` adds the
+    step-distilled checkpoints' second timestep embedding."""
     from diffusers import HunyuanVideo15Transformer3DModel
 
     torch.manual_seed(seed)
@@ -152,6 +153,7 @@ def hunyuanvideo15_transformer(seed: int = 0, target_size: int = 640) -> torch.n
         rope_axes_dim=(2, 2, 4),
         task_type="t2v",
         target_size=target_size,
+        use_meanflow=use_meanflow,
     ).eval()
 
 
@@ -191,10 +193,11 @@ def hunyuanvideo15_vae(seed: int = 0) -> torch.nn.Module:
     ).eval()
 
 
-def hunyuanvideo15(seed: int = 0, image_to_video: bool = False):
+def hunyuanvideo15(seed: int = 0, image_to_video: bool = False, step_distilled: bool = False):
     """Random tiny HunyuanVideo-1.5 components, deterministic per seed. `image_to_video`:
     HunyuanVideo15ImageToVideoPipeline with a tiny SigLIP image encoder (16 tokens of width 12) and size
-    buckets around 48 pixels."""
+    buckets around 48 pixels. `step_distilled`: what the 480p_i2v_step_distilled folder changes (a meanflow
+    transformer, shift 7, guidance 1)."""
     from diffusers import (
         ClassifierFreeGuidance,
         FlowMatchEulerDiscreteScheduler,
@@ -233,10 +236,10 @@ def hunyuanvideo15(seed: int = 0, image_to_video: bool = False):
             relative_attention_num_buckets=8,
         )
     )
-    transformer = hunyuanvideo15_transformer(seed + 2, target_size=48 if image_to_video else 640)
+    transformer = hunyuanvideo15_transformer(seed + 2, 48 if image_to_video else 640, use_meanflow=step_distilled)
     vae = hunyuanvideo15_vae(seed + 3)
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
-    guider = ClassifierFreeGuidance(guidance_scale=6.0)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=7.0 if step_distilled else 5.0)
+    guider = ClassifierFreeGuidance(guidance_scale=1.0 if step_distilled else 6.0)
     components = {"text_encoder": text_encoder, "tokenizer": tokenizer, "transformer": transformer, "vae": vae}
     components |= {
         "scheduler": scheduler,

@@ -245,7 +245,7 @@ def plan_stage2(
         transformers = meta_transformers(family, source, dtype, num_layers=depth)
         loop, _ = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, tp_mode)
         t = loop.timesteps[0]
-        inputs = [(loop.model_input(loop.latents, t), ()), (t.reshape(1), ()), *loop.static_inputs]
+        inputs = [(loop.model_input(loop.latents, t), ()), (loop.timestep_input(0, t), ()), *loop.static_inputs]
         with attention_backend(runtime.env, attention, splash, mesh):
             full_step, cached_step = cache_programs(
                 loop, cache, runtime, mesh, loop.rules.nested("transformer."), inputs, runtime.env

@@ -8,6 +8,8 @@ what the pipeline hands its transformer, 1e-5.
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,7 @@ import models
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
-from helpers import expect_user_error, relative_error, run_stage
+from helpers import expect_user_error, relative_error, run_stage, stop_stage2_after
 from utils import read_config, read_tensors
 
 TOLERANCE = 1e-4
@@ -101,3 +103,36 @@ def test_height_and_width_are_refused(capsys, tmp_path, images, no_weights_loade
     argv = ["--model", PRESET, "--prompt", "x", "--image", images[0], "--output_dir", tmp_path / "out", "--width", 48]
     expect_user_error(capsys, stage1_text_encoder, argv, "takes the video's size from the image (40x56 for this one")
     assert not (tmp_path / "out").exists()
+
+
+def test_step_distilled_checkpoint_vs_pipeline_and_resumed_bit_identically(monkeypatch, tmp_path, images):
+    """The 480p_i2v_step_distilled layout (meanflow: each step also embeds the next step's timestep; guidance 1,
+    shift 7 from its folder) against its pipeline; and the same run stopped by SIGTERM after step 2 and resumed
+    with --resume, bit-identical to the uninterrupted one."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+
+    preset = "tiny-hunyuanvideo15-i2v-step-distilled"
+    argv = ["--model", preset, "--prompt", PROMPT, "--dtype", "fp32", "--image", images[0], "--seed", 7]
+    run_stage(stage1_text_encoder, [*argv, "--output_dir", tmp_path / "a"])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    run_stage(stage2_transformer, ["--input_dir", tmp_path / "a"])
+    config = read_config(tmp_path / "a", needs="stage2")
+    assert config["guidance_scale"] == 1.0 and config["flow_shift"] == 7.0 and config["num_inference_steps"] == 4
+    assert not config["stage2"]["classifier_free_guidance"]
+    latents = read_tensors(tmp_path / "a", config["stage2"])["latents"]
+    pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(models.materialize_preset(preset), dtype=torch.float32)
+    assert pipe.transformer.config.use_meanflow
+    expected = pipe(
+        image=Image.open(images[0]).convert("RGB"),
+        prompt=PROMPT,
+        num_frames=config["num_frames"],
+        num_inference_steps=4,
+        generator=torch.Generator("cpu").manual_seed(7),
+        output_type="latent",
+    ).frames
+    assert relative_error(latents, expected) <= TOLERANCE
+
+    stop_stage2_after(monkeypatch, ["--input_dir", tmp_path / "b"], steps=2)
+    run_stage(stage2_transformer, ["--input_dir", tmp_path / "b", "--resume"])
+    resumed = read_tensors(tmp_path / "b", read_config(tmp_path / "b", needs="stage2")["stage2"])["latents"]
+    assert torch.equal(resumed, latents)

@@ -315,6 +315,37 @@ def wan(version: str, seed: int = 0):
     )
 
 
+def wan_ti2v(seed: int = 0):
+    """WanPipeline with expand_timesteps (Wan 2.2 TI2V-5B's layout): the tiny transformer on a tiny Wan 2.2
+    VAE (residual blocks, 2x2 patchified pixels, 16x spatial compression; 16 latent channels here, 48 in the
+    real one), UniPC at shift 5 as the published folder has it."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    base = wan("2.1", seed)
+    torch.manual_seed(seed + 5)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        decoder_base_dim=8,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        latents_mean=torch.linspace(-0.3, 0.3, 16).tolist(),
+        latents_std=torch.linspace(0.4, 1.6, 16).tolist(),
+    ).eval()
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=5.0
+    )
+    components = {"tokenizer": base.tokenizer, "text_encoder": base.text_encoder, "transformer": base.transformer}
+    return WanPipeline(**components, vae=vae, scheduler=scheduler, expand_timesteps=True)
+
+
 WAN_I2V_CHANNELS = 16 + 4 + 16  # noise latents, the first-frame mask (4 frames per latent frame), image latents
 
 

@@ -17,7 +17,8 @@ Image-to-video: stage 1 runs the pipeline's own image conditioning (`encode_imag
 guided transformer concatenates it to the latents on channels and feeds the CLIP tokens to both branches,
 as the pipeline does.
 
-Not supported: Wan 2.2 TI2V 5B (`expand_timesteps`, per-token timesteps).
+Wan 2.2 TI2V-5B (`expand_timesteps`: a timestep per video token, the 48-channel VAE, an optional image):
+models/wan_ti2v.py.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from runtime.interface import DP, SP
 from utils import Request, UserError, log
 
-from . import tiny
+from . import tiny, wan_ti2v
 from .common import (
     NOISE_DTYPE,
     DeviceTextEncoder,
@@ -50,7 +51,6 @@ PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
 # prompt not at all.
 SPLASH_BLOCK_SIZES = {"block_q": 512, "block_kv": 512, "block_kv_compute": 512}
 LORA_LOADER = "WanLoraLoaderMixin"  # reads adapter files and converts the original Wan and musubi formats
-SUPPORTED = "Wan 2.1 T2V (1.3B, 14B), Wan 2.1 I2V 14B, Wan 2.2 T2V A14B and Wan 2.2 I2V A14B"
 
 # WanPipeline.__call__'s defaults (480p; the 14B models also run 720p: --height 720 --width 1280).
 DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "fps": 16, "num_inference_steps": 50, "guidance_scale": 5.0}
@@ -77,8 +77,6 @@ def transformer_components(source) -> tuple[str, ...]:
 
 
 def validate_request(source, request: Request) -> None:
-    if source.index.get("expand_timesteps"):
-        raise UserError(f"--model {source.ref!r} is Wan 2.2 TI2V (expand_timesteps); supported: {SUPPORTED}")
     two_experts = source.index.get("boundary_ratio") is not None
     if two_experts and not isinstance(source.index.get("transformer_2"), list):
         raise UserError(f"--model {source.ref!r} sets boundary_ratio but has no transformer_2")
@@ -165,6 +163,8 @@ def image_inputs(source) -> tuple[tuple[str, ...], bool]:
     """WanImageToVideoPipeline takes a first frame, and a last one where its transformer can use two: Wan
     2.2 A14B (no image embedder) or one with a position embedding for two images (FLF2V). Wan 2.1 I2V's
     embedder takes one image; diffusers 0.42.1 fails on a last frame there (image batch 2, text batch 1)."""
+    if wan_ti2v.expand_timesteps(source):  # TI2V-5B: text-to-video, or image-to-video with --image
+        return ("image",), False
     if not image_to_video(source):
         return (), False
     config = source.load_config("transformer")
@@ -179,7 +179,10 @@ def encode_images(source, request: Request, images: dict[str, Any], runtime) -> 
     """The pipeline's image conditioning, computed by its own methods in float32 on the host (its example
     loads the VAE and image encoder in float32): the CLIP embeddings of the image(s) where the transformer
     has an image embedder (`image_embeds`), and `condition`: the first-frame mask and the normalised VAE
-    latents of [image, zeros..., last image] (`prepare_latents`; its noise is drawn in stage 2)."""
+    latents of [image, zeros..., last image] (`prepare_latents`; its noise is drawn in stage 2). TI2V-5B:
+    models/wan_ti2v.py."""
+    if wan_ti2v.expand_timesteps(source):
+        return wan_ti2v.encode_image(source, request, images["image"])
     config = source.load_config("transformer")
     components = {"vae": source.load("vae", dtype=torch.float32).eval()}
     if config.get("image_dim") is not None:
@@ -224,12 +227,16 @@ class GuidedTransformer(Guided):
 
     CFG_ORDER = ("cond", "uncond")
 
-    def __init__(self, transformer, dtype: torch.dtype, do_cfg: bool, guidance_scale: float, constrain=None) -> None:
+    def __init__(
+        self, transformer, dtype, do_cfg: bool, guidance_scale: float, constrain=None, per_token=False
+    ) -> None:
         super().__init__(transformer, do_cfg, constrain)
         self.dtype = dtype  # the pipeline's `transformer_dtype` (fp32-kept modules aside)
         self.guidance_scale = guidance_scale
         if constrain is not None:
-            constrain_block_inputs([*transformer.blocks, transformer.norm_out], constrain, BLOCK_INPUTS)
+            # per-token timesteps make each block's modulation (batch, tokens, 6, width), split like the tokens
+            specs = {**BLOCK_INPUTS, 2: (DP, SP, None, None)} if per_token else BLOCK_INPUTS
+            constrain_block_inputs([*transformer.blocks, transformer.norm_out], constrain, specs)
 
     def forward(self, latents, timestep, prompt_embeds, condition=None, image_embeds=None):
         """`condition` (image-to-video): the mask and image latents concatenated to the latents on channels,
@@ -240,7 +247,7 @@ class GuidedTransformer(Guided):
             images = None if image_embeds is None else image_embeds.expand(model_input.shape[0], -1, -1)
             return self.transformer(
                 hidden_states=model_input,
-                timestep=timestep.expand(model_input.shape[0]),
+                timestep=timestep.expand(model_input.shape[0], *timestep.shape[1:]),  # TI2V: (1, tokens)
                 encoder_hidden_states=prompt_embeds,
                 encoder_hidden_states_image=images,
                 return_dict=False,
@@ -271,6 +278,8 @@ def image_conditioning(source, embeds, dtype) -> list[tuple[torch.Tensor, tuple]
     """Stage 1's image conditioning as the guided transformer's extra inputs (`condition` in float32, cast
     with the latents as the pipeline does; `image_embeds` in the transformer's dtype), checked against the
     model: an image-to-video transformer needs them, a text-to-video one cannot take them."""
+    if wan_ti2v.expand_timesteps(source):  # either task; the image's latents enter through wan_ti2v.loop_parts
+        return []
     wants = image_to_video(source)
     if wants != ("condition" in embeds):
         have = "image conditioning (stage 1 had --image)" if "condition" in embeds else "no image conditioning"
@@ -304,8 +313,9 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         request.guidance_scale if request.guidance_scale_2 is None else request.guidance_scale_2,
     )
     names = transformer_components(source)
+    per_token = wan_ti2v.expand_timesteps(source)
     guided = tuple(
-        GuidedTransformer(transformers[name], dtype, do_cfg, scale, runtime.constrain)
+        GuidedTransformer(transformers[name], dtype, do_cfg, scale, runtime.constrain, per_token)
         for name, scale in zip(names, scales, strict=False)
     )
     prompt_embeds = embeds["prompt_embeds"].to(dtype)
@@ -330,6 +340,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         generator,
     )
     boundary = boundary_timestep(source, scheduler)
+    ti2v = wan_ti2v.loop_parts(source, embeds, latents) if per_token else {}
 
     def expert(i, t) -> int:
         return 0 if boundary is None or t >= boundary else 1
@@ -354,6 +365,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         on_start=on_start,
         expert_names=tuple(names),
         cache_branches=("cond", "uncond") if do_cfg else ("cond",),  # the pipeline's cache contexts
+        **{key: ti2v[key] for key in ("timestep_input", "model_input") if key in ti2v},
     )
     switch = [i for i, t in enumerate(timesteps) if expert(i, t) == 1]
     if boundary is not None:
@@ -362,6 +374,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     extra = {"experts": list(names), "boundary_timestep": boundary, "expert_2_from_step": switch[0] if switch else None}
 
     def finish(latents):
+        latents = ti2v["finish"](latents) if ti2v else latents
         return latents, latents_record(scheduler, do_cfg, latents_normalization(source), **extra)
 
     return loop, finish
@@ -409,4 +422,6 @@ PRESETS = {
     "tiny-wan2.2": Preset(NAME, functools.partial(tiny.wan, "2.2"), TINY_DEFAULTS),
     "tiny-wan2.1-i2v": Preset(NAME, functools.partial(tiny.wan_i2v, "2.1"), TINY_DEFAULTS),
     "tiny-wan2.2-i2v": Preset(NAME, functools.partial(tiny.wan_i2v, "2.2"), TINY_DEFAULTS),
+    # TI2V-5B's layout; sizes are multiples of 32 (16x VAE, 2x2 patches)
+    "tiny-wan2.2-ti2v": Preset(NAME, tiny.wan_ti2v, {**TINY_DEFAULTS, "height": 64, "width": 96}),
 }

@@ -216,19 +216,6 @@ def test_guidance_scale_2_is_refused_by_single_transformer_families(capsys, tmp_
     expect_user_error(capsys, stage1_text_encoder, argv, "--guidance_scale_2 applies to two-expert Wan 2.2 models")
 
 
-def test_ti2v_is_refused_naming_what_is_supported(capsys, tmp_path):
-    folder = models.materialize_preset("tiny-wan2.1")
-    copy = tmp_path / "ti2v"
-    import shutil
-
-    shutil.copytree(folder, copy)
-    index = json.loads((copy / "model_index.json").read_text())
-    (copy / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
-    argv = ["--model", copy, "--prompt", "x", "--output_dir", tmp_path / "out"]
-    message = expect_user_error(capsys, stage1_text_encoder, argv, "is Wan 2.2 TI2V (expand_timesteps)")
-    assert wan.SUPPORTED in message
-
-
 def test_published_defaults_and_experts():
     source, family = models.resolve_model("Wan-AI/Wan2.2-T2V-A14B-Diffusers", configs_only=True)
     assert family is wan and wan.transformer_components(source) == ("transformer", "transformer_2")

@@ -1,0 +1,112 @@
+"""Wan 2.2 TI2V-5B's layout (WanPipeline with expand_timesteps: a timestep per video token, the Wan 2.2 VAE)
+through the three stages, in both of its tasks, against the pipelines run eagerly on the same saved tiny
+components: text-to-video against WanPipeline, image-to-video against WanImageToVideoPipeline's
+expand_timesteps branch built from the same components.
+
+Tolerances, fp32: latents and frames 1e-4 relative (the staged run batches [cond, uncond] as one batch of 2);
+the stage-1 image latents against what the pipeline computes, 1e-5.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import models
+import stage1_text_encoder
+import stage2_transformer
+import stage3_vae_decoder
+from helpers import expect_user_error, relative_error, run_stage
+from utils import read_config, read_tensors
+
+TOLERANCE = 1e-4
+PRESET = "tiny-wan2.2-ti2v"
+PROMPT, NEGATIVE = "a cat playing guitar", "blurry"
+REQUEST = {"num_inference_steps": 4, "seed": 7}
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    path = tmp_path_factory.mktemp("images") / "first.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pipelines():
+    """The preset's WanPipeline, and WanImageToVideoPipeline's TI2V branch on the same components."""
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    text = WanPipeline.from_pretrained(models.materialize_preset(PRESET), dtype=torch.float32)
+    assert text.config.expand_timesteps
+    image = WanImageToVideoPipeline(**text.components, image_encoder=None, image_processor=None, expand_timesteps=True)
+    return text, image
+
+
+def run_pipeline(pipe, config, output_type, **extra):
+    return pipe(
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        guidance_scale=5.0,
+        generator=torch.Generator("cpu").manual_seed(REQUEST["seed"]),
+        output_type=output_type,
+        **{key: config[key] for key in ("height", "width", "num_frames", "num_inference_steps")},
+        **extra,
+    ).frames
+
+
+def staged(out, stage1_flags=(), stage2_flags=()):
+    flags = [f"--{key}={value}" for key, value in REQUEST.items()]
+    argv = ["--model", PRESET, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32", *stage1_flags]
+    run_stage(stage1_text_encoder, [*argv, "--output_dir", out, *flags])
+    run_stage(stage2_transformer, ["--input_dir", out, *stage2_flags])
+    run_stage(stage3_vae_decoder, ["--input_dir", out, "--save_frames"])
+    config = read_config(out, needs="stage3")
+    frames = read_tensors(out, config["stage3"]["frames_file"])["frames_float"]
+    return read_tensors(out, config["stage2"])["latents"], frames, config
+
+
+def test_text_to_video_vs_wan_pipeline(tmp_path, pipelines):
+    latents, frames, config = staged(tmp_path)
+    assert config["stage1"]["task"] == "t2v" and [config["height"], config["width"]] == [64, 96]
+    expected = run_pipeline(pipelines[0], config, "latent")
+    assert latents.shape == expected.shape == (1, 16, 2, 4, 6)
+    assert relative_error(latents, expected) <= TOLERANCE
+    assert relative_error(frames, torch.from_numpy(run_pipeline(pipelines[0], config, "np")[0])) <= TOLERANCE
+
+
+@pytest.mark.parametrize("mesh", [None, (2, 2, 2)], ids=["1-device", "splash-2x2x2"])
+def test_image_to_video_vs_the_pipelines_expand_timesteps_branch(tmp_path, pipelines, image, mesh):
+    """The first latent frame is the image's and its tokens get timestep 0; on 2x2x2 with Splash the
+    per-token modulation is split over sp like the tokens."""
+    flags = [] if mesh is None else ["--attention", "splash", "--dp", mesh[0], "--sp", mesh[1], "--tp", mesh[2]]
+    latents, frames, config = staged(tmp_path, ["--image", image], flags)
+    assert config["stage1"]["task"] == "i2v"
+    pipe = pipelines[1]
+    seen = {}
+    prepare = pipe.prepare_latents
+
+    def record(*args, **kwargs):
+        seen["outputs"] = prepare(*args, **kwargs)
+        return seen["outputs"]
+
+    pipe.prepare_latents = record
+    try:
+        expected = run_pipeline(pipe, config, "latent", image=Image.open(image).convert("RGB"))
+    finally:
+        pipe.prepare_latents = prepare
+    assert relative_error(latents, expected) <= TOLERANCE
+    stage1 = read_tensors(tmp_path, config["stage1"])["image_latents"]
+    assert relative_error(stage1, seen["outputs"][1]) <= 1e-5
+    assert torch.equal(latents[:, :, :1], stage1)  # the first frame is the image's, as in the pipeline
+    if mesh is None:
+        expected_frames = run_pipeline(pipe, config, "np", image=Image.open(image).convert("RGB"))[0]
+        assert relative_error(frames, torch.from_numpy(expected_frames)) <= TOLERANCE
+
+
+def test_last_image_is_refused(capsys, tmp_path, image):
+    argv = ["--model", PRESET, "--prompt", "x", "--image", image, "--last_image", image, "--output_dir", tmp_path / "o"]
+    expect_user_error(capsys, stage1_text_encoder, argv, "--last_image")
+    assert not (tmp_path / "o").exists()

@@ -114,9 +114,9 @@ def main(argv=None) -> None:
 
     with timer.phase("encode"), runtime.precision(dtype):
         embeddings = family.encode_prompts(source, request, dtype, runtime)
-    if images:  # the image encoder and VAE run eagerly on the host in float32 (family.encode_images)
-        log(f"encoding {', '.join(f'--{flag}' for flag in images)} on the host CPU in fp32")
-        with timer.phase("encode_images"), torch.no_grad():
+    if images:  # image encoders and single-image VAE encodes on the runtime, fp32 matmuls (family.encode_images)
+        log(f"encoding {', '.join(f'--{flag}' for flag in images)} on {runtime.describe()}")
+        with timer.phase("encode_images"), torch.no_grad(), runtime.precision(torch.float32):
             embeddings.update(family.encode_images(source, request, images, runtime))
         for record in image_records.values():
             record["processed_size"] = [request.height, request.width]

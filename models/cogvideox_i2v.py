@@ -16,6 +16,8 @@ import torch
 
 from utils import Request, parse_dtype
 
+from .common import DeviceVAEEncoder
+
 PIPELINE_CLASS = "CogVideoXImageToVideoPipeline"
 OFS = 2.0  # the pipeline's `ofs` value for transformers with an ofs embedding (CogVideoX 1.5 I2V)
 
@@ -48,7 +50,7 @@ def encode_images(source, request: Request, images: dict[str, Any], runtime) -> 
     """The VAE posterior of the first frame, resized as the pipeline resizes it, in the request's dtype (the
     pipeline runs its VAE in the pipeline's dtype): the encoder's moments, which stage 2 samples from."""
     dtype = parse_dtype(request.dtype)
-    vae = source.load("vae", dtype=dtype).eval()
+    vae = DeviceVAEEncoder(source.load("vae", dtype=dtype).eval(), runtime)
     pipe = _pipeline(source)
     image = pipe.video_processor.preprocess(images["image"], height=request.height, width=request.width).to(dtype=dtype)
     with torch.no_grad():

@@ -257,6 +257,85 @@ class DeviceTextEncoder(torch.nn.Module):
         return BaseModelOutput(last_hidden_state=last, hidden_states=tuple(layers) or None)
 
 
+class _ImageEncoderOutputs(torch.nn.Module):
+    """The jitted side of an image encoder: the last hidden state and every layer's, as plain tensors."""
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, pixel_values):
+        output = self.encoder(pixel_values=pixel_values, output_hidden_states=True)
+        return (output.last_hidden_state, *output.hidden_states)
+
+
+class DeviceImageEncoder(torch.nn.Module):
+    """An image encoder (CLIP, SigLIP) on a runtime, called as the pipelines call one on the host: CPU pixel
+    values in, a CPU `BaseModelOutput` out (`last_hidden_state` and every layer's `hidden_states`). Its
+    weights are replicated (a few hundred million parameters); it compiles once per image size."""
+
+    def __init__(self, encoder: torch.nn.Module, runtime: Runtime) -> None:
+        super().__init__()
+        self.config = encoder.config
+        self.encoder_dtype = encoder.dtype
+        self.runtime = runtime
+        with quiet_attribute_scan():
+            self.jitted = runtime.compile(_ImageEncoderOutputs(encoder))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.encoder_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # where the pipelines put the pixels (forward moves them)
+
+    def forward(self, pixel_values, output_hidden_states=None, **_):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        outputs = self.jitted(*self.runtime.to_device((pixel_values,)))
+        last, *layers = (self.runtime.to_host(output) for output in outputs)
+        return BaseModelOutput(last_hidden_state=last, hidden_states=tuple(layers))
+
+
+class _Moments(torch.nn.Module):
+    """The jitted side of a VAE encode: the posterior's parameters (mean and log-variance)."""
+
+    def __init__(self, vae: torch.nn.Module) -> None:
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, pixels):
+        return (self.vae.encode(pixels).latent_dist.parameters,)
+
+
+class DeviceVAEEncoder(torch.nn.Module):
+    """A VAE whose `encode` runs on a runtime, for the pipelines' single-image encodes: CPU pixels in, the
+    posterior out on the host, as `vae.encode(x)` returns it (`.latent_dist`). Weights replicated."""
+
+    def __init__(self, vae: torch.nn.Module, runtime: Runtime) -> None:
+        super().__init__()
+        self.config = vae.config
+        self.vae_dtype = vae.dtype
+        self.runtime = runtime
+        self.jitted = runtime.compile(_Moments(vae))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.vae_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def encode(self, pixels, return_dict: bool = True):
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+        from diffusers.models.modeling_outputs import AutoencoderKLOutput
+
+        (parameters,) = self.jitted(*self.runtime.to_device((pixels,)))
+        return AutoencoderKLOutput(latent_dist=DiagonalGaussianDistribution(self.runtime.to_host(parameters)))
+
+
 # Stage 3 -------------------------------------------------------------------------------------------
 
 

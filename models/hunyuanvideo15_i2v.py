@@ -16,6 +16,9 @@ import torch
 
 from utils import Request, parse_dtype
 
+from .common import DeviceImageEncoder, DeviceVAEEncoder
+from .hunyuanvideo15_vae import make_vae_jit_safe
+
 PIPELINE_CLASS = "HunyuanVideo15ImageToVideoPipeline"
 
 
@@ -51,8 +54,8 @@ def encode_images(source, request: Request, images: dict[str, Any], runtime) -> 
     from diffusers import HunyuanVideo15ImageToVideoPipeline
 
     dtype = parse_dtype(request.dtype)
-    vae = source.load("vae", dtype=dtype).eval()
-    encoder = source.load("image_encoder", dtype=dtype).eval()
+    vae = DeviceVAEEncoder(make_vae_jit_safe(source.load("vae", dtype=dtype).eval()), runtime)
+    encoder = DeviceImageEncoder(source.load("image_encoder", dtype=dtype).eval(), runtime)
     extractor = source.load("feature_extractor")
     processor = _processor(source)
     image = processor.resize(images["image"], height=request.height, width=request.width, resize_mode="crop")

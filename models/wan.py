@@ -34,7 +34,9 @@ from utils import Request, UserError, log
 from . import tiny, wan_ti2v
 from .common import (
     NOISE_DTYPE,
+    DeviceImageEncoder,
     DeviceTextEncoder,
+    DeviceVAEEncoder,
     constrain_block_inputs,
     flow_scheduler,
     folder_flow_shift,
@@ -182,11 +184,14 @@ def encode_images(source, request: Request, images: dict[str, Any], runtime) -> 
     latents of [image, zeros..., last image] (`prepare_latents`; its noise is drawn in stage 2). TI2V-5B:
     models/wan_ti2v.py."""
     if wan_ti2v.expand_timesteps(source):
-        return wan_ti2v.encode_image(source, request, images["image"])
+        vae = DeviceVAEEncoder(source.load("vae", dtype=torch.float32).eval(), runtime)
+        return wan_ti2v.encode_image(source, request, images["image"], vae)
     config = source.load_config("transformer")
     components = {"vae": source.load("vae", dtype=torch.float32).eval()}
+    log(f"the condition video ({request.num_frames} frames) is VAE-encoded on the host CPU (as large as a decode)")
     if config.get("image_dim") is not None:
-        components["image_encoder"] = source.load("image_encoder", dtype=torch.float32).eval()
+        encoder = source.load("image_encoder", dtype=torch.float32).eval()
+        components["image_encoder"] = DeviceImageEncoder(encoder, runtime)
         components["image_processor"] = source.load("image_processor")
     pipe = _pipeline(source, **components)
     first, last = images["image"], images.get("last_image")

@@ -22,12 +22,12 @@ def expand_timesteps(source) -> bool:
     return bool(source.index.get("expand_timesteps"))
 
 
-def encode_image(source, request, image) -> dict[str, torch.Tensor]:
+def encode_image(source, request, image, vae) -> dict[str, torch.Tensor]:
     """The image's normalised VAE latents (1, z_dim, 1, H/16, W/16), by the image-to-video pipeline's own
-    preprocessing and `prepare_latents` (VAE in float32, the posterior's mode; its noise is drawn in stage 2)."""
+    preprocessing and `prepare_latents` (`vae`: the float32 VAE, on the stage's runtime; the posterior's mode;
+    its noise is drawn in stage 2)."""
     from diffusers import WanImageToVideoPipeline
 
-    vae = source.load("vae", dtype=torch.float32).eval()
     none = dict.fromkeys(("tokenizer", "text_encoder", "scheduler", "image_processor", "image_encoder", "transformer"))
     pipe = WanImageToVideoPipeline(vae=vae, **none, expand_timesteps=True)
     height, width, frames = request.height, request.width, request.num_frames

@@ -1,5 +1,5 @@
 """Stage 1's `--backend torchax`: the T5 and Qwen2.5-VL rule tables, sharded encoders against eager
-PyTorch, and the CLI against `--backend torch`.
+PyTorch, and the CLI against `--backend torch` (image encoders and single-image VAE encodes included).
 
 Tolerance: 1e-5 relative in fp32. Sharding only changes the reduction order of the row-parallel sums.
 """
@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 import sharding
@@ -19,6 +21,7 @@ from models.common import DeviceTextEncoder
 from models.published import QWEN25_VL_7B_TEXT, T5_XXL_ENCODER
 from runtime.torchax_runtime import TorchaxRuntime
 from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, P
+from utils import read_config
 
 TOLERANCE = 1e-5
 
@@ -206,3 +209,32 @@ def test_stage1_torchax_backend_equals_torch_backend(tmp_path, model, prompt):
     }
     assert [p["rule_table"].split("/")[0] for p in stage1["placement"]] == expected_tables[model]
     assert torch_config["stage1"]["backend"] == "torch" and torch_config["stage1"]["device"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    "model, on_devices",
+    [
+        ("tiny-cogvideox-i2v", 1),  # the VAE encode of the image
+        ("tiny-hunyuanvideo15-i2v", 2),  # SigLIP and the VAE encode
+        ("tiny-wan2.1-i2v", 1),  # CLIP; the condition video's VAE encode stays on the host
+        ("tiny-wan2.2-ti2v", 1),  # the Wan 2.2 VAE encode of the image
+    ],
+)
+def test_stage1_image_encoders_on_the_devices_equal_the_torch_backend(tmp_path, model, on_devices):
+    image = tmp_path / "image.png"
+    Image.fromarray(np.random.default_rng(2).integers(0, 256, (40, 60, 3), dtype=np.uint8)).save(image)
+    outputs = {}
+    for backend in ("torch", "torchax"):
+        out = tmp_path / backend
+        argv = ["--model", model, "--prompt", "a red cat", "--dtype", "fp32", "--image", image, "--backend", backend]
+        run_stage(stage1_text_encoder, [*argv, "--output_dir", out])
+        outputs[backend] = (load_file(out / "stage1_embeddings.safetensors"), read_config(out))
+    (torch_tensors, _), (jax_tensors, jax_config) = outputs["torch"], outputs["torchax"]
+    assert jax_tensors.keys() == torch_tensors.keys()
+    for name, expected in torch_tensors.items():
+        if expected.abs().max() == 0:
+            assert torch.equal(jax_tensors[name], expected), name
+        else:
+            assert relative_error(jax_tensors[name], expected) <= TOLERANCE, name
+    tables = [p["rule_table"] for p in jax_config["stage1"]["placement"]]
+    assert tables.count("replicated") == on_devices, tables

@@ -88,7 +88,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--fps", type=int, help="override the request's frames per second")
     parser.add_argument(
-        "--tiling", action="store_true", help="decode in spatial tiles (diffusers' VAE tiling) to save memory"
+        "--tiling",
+        action="store_true",
+        help="--backend torch: decode in spatial tiles (diffusers' VAE tiling) to save memory",
+    )
+    parser.add_argument(
+        "--chunk_frames",
+        type=int,
+        help="--backend torchax: latent frames per compiled call, the VAE's state carried between calls; 0 "
+        "compiles the whole decode as one program (default: Wan 1; CogVideoX and HunyuanVideo-1.5 0, not "
+        "chunked yet)",
     )
     parser.add_argument(
         "--preview_frames",
@@ -151,6 +160,25 @@ def output_paths(args) -> tuple[Path, str]:
     return path.parent, path.name
 
 
+def chunk_frames_choice(args, family, backend: str) -> int | None:
+    """Latent frames per compiled call (None: one program): the family's default on torchax, checked."""
+    given = args.chunk_frames
+    if backend != "torchax":
+        if given:
+            raise UserError(f"--chunk_frames applies to --backend torchax; --backend {backend} runs the stock decode")
+        return None
+    if given is None:
+        return None if args.tiling or not family.CHUNK_FRAMES else family.CHUNK_FRAMES[0]
+    if given == 0:
+        return None
+    if given not in family.CHUNK_FRAMES:
+        allowed = ", ".join(map(str, family.CHUNK_FRAMES)) or "none yet"
+        raise UserError(f"--chunk_frames {given}: the {family.NAME} decode is exact in chunks of {allowed} (or 0)")
+    if args.tiling:
+        raise UserError("--tiling is diffusers' tiled decode in one program; with --chunk_frames drop it")
+    return given
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     filter_harmless_warnings()
@@ -186,10 +214,14 @@ def main(argv=None) -> None:
     backend, device, reason = choose_backend(args.backend, args.device)
     log(f"--backend {args.backend}: {reason}")
     runtime = open_runtime(backend, device, SP, compile_cache=not args.no_compile_cache)
-    log(f"decoding latents {tuple(latents.shape)} with the {family.NAME} VAE, {runtime.describe()}, {dtype_name}")
+    chunk_frames = chunk_frames_choice(args, family, backend)
+    how = f"{chunk_frames} latent frame(s) per call" if chunk_frames else "one program"
+    log(
+        f"decoding latents {tuple(latents.shape)} with the {family.NAME} VAE, {runtime.describe()}, {dtype_name}, {how}"
+    )
     normalization = stage2_normalization(config["stage2"], lambda: family.latents_normalization(source))
     with runtime.precision(dtype):
-        frames = decode(family, source, latents, normalization, dtype, runtime, timer, tiling=args.tiling)
+        frames = decode(family, source, latents, normalization, dtype, runtime, timer, args.tiling, chunk_frames)
     if not torch.isfinite(frames).all():
         raise UserError(
             f"the decoded frames hold NaN or Inf: the VAE overflowed in {dtype_name} (try --dtype fp32), or the "
@@ -216,6 +248,7 @@ def main(argv=None) -> None:
         "width": width,
         "fps": request.fps,
         "tiling": args.tiling,
+        "chunk_frames": chunk_frames,
         "overrides": overrides,
         "backend_choice": reason,
         **run_record(runtime, dtype_name, timer.finish(), ("diffusers", "imageio-ffmpeg")),

@@ -50,6 +50,8 @@ COMMON_DEFAULTS = {"num_inference_steps": 50, "guidance_scale": 6.0}
 # of scoped VMEM on v5e and v5p, where stage 2 uses tpus.Generation.splash_tile_cap instead.
 SPLASH_BLOCK_SIZES = {"block_q": 3328, "block_kv": 2816, "block_kv_compute": 256}
 LORA_LOADER = "CogVideoXLoraLoaderMixin"  # reads adapters; load_lora_adapter converts older diffusers keys
+CHUNK_FRAMES: tuple[int, ...] = ()  # stage 3 on torchax decodes in one program (not chunked yet)
+frame_programs = frame_plan = None
 
 
 def variant(transformer_config: dict[str, Any]) -> str:

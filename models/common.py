@@ -348,20 +348,29 @@ def decode(
     runtime: Runtime,
     timer: Timer,
     tiling=False,
+    chunk_frames: int | None = None,
 ):
     """Load the VAE, decode on `runtime` with the family's `Decoder` (undoing `normalization`, what stage
-    2 recorded; latents to pixels in [-1, 1], one graph) and post-process with the pipeline's own
-    processor: frames (F, H, W, 3) float32 in [0, 1]."""
+    2 recorded; latents to pixels in [-1, 1]): as one graph, or with `chunk_frames` through the family's
+    frame programs (`frame_programs`: a host loop, the decoder's state carried between calls); then
+    post-process with the pipeline's own processor: frames (F, H, W, 3) float32 in [0, 1]."""
     processor = family.video_processor(source)
     with timer.phase("load"):
         vae = source.load("vae", dtype=dtype).eval()
     if tiling:
         vae.enable_tiling()
-    with timer.phase("place"):
-        decoder = runtime.compile(family.Decoder(vae, normalization))  # weights replicated
-        device_latents = runtime.to_device(latents.to(dtype), LATENTS_WIDTH_SPLIT)
+    latents = latents.to(dtype)
+    with timer.phase("place"):  # weights replicated
+        if chunk_frames:
+            decoder = family.frame_programs(source, family.Decoder(vae, normalization), latents.shape, runtime)
+        else:
+            decoder = runtime.compile(family.Decoder(vae, normalization))
+            device_latents = runtime.to_device(latents, LATENTS_WIDTH_SPLIT)
     with timer.phase("decode"), torch.no_grad():
-        video = runtime.to_host(decoder(device_latents))
+        if chunk_frames:
+            video = decoder(latents, LATENTS_WIDTH_SPLIT)
+        else:
+            video = runtime.to_host(decoder(device_latents))
     frames = processor.postprocess_video(video=video.float(), output_type="np")
     return torch.from_numpy(frames[0])
 

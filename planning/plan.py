@@ -319,13 +319,42 @@ def plan_stage3(family, source, request, dtype, target: Target, tiling: bool):
     if tiling:
         vae.enable_tiling()
     decoder = family.Decoder(vae, record["latents_normalization"])
-    compiled = compile_module(decoder, REPLICATED_TABLE, [(latents, LATENTS_WIDTH_SPLIT)], mesh, runtime.env)
     split = latents.shape[-1] % target.devices == 0  # else fit_spec replicates the latents, as a real run does
     fields = {"tiling": tiling, "latents": list(latents.shape), "width_split": split}
+    if family.CHUNK_FRAMES and not tiling:
+        return _plan_frame_programs(family, source, decoder, latents, target, mesh, runtime, request, dtype, fields)
+    compiled = compile_module(decoder, REPLICATED_TABLE, [(latents, LATENTS_WIDTH_SPLIT)], mesh, runtime.env)
     report = _report(3, target, mesh, request, dtype, compiled, **fields)
     if not compiled.refused:
         report["collectives"] = {"total": {op: v for op, v in compiled.collectives.items() if v["count"]}}
         _flops(report, target, compiled.flops)
+    return report
+
+
+def _plan_frame_programs(family, source, decoder, latents, target, mesh, runtime, request, dtype, fields) -> dict:
+    """Stage 3 one latent frame per call (the family's frame programs, as `--backend torchax` runs them): each
+    program compiled; memory is the largest program's, the lower bound adds every call of the video."""
+    from models.common import LATENTS_WIDTH_SPLIT
+    from sharding import REPLICATED_TABLE
+
+    module, inputs = family.frame_plan(source, decoder, latents.shape, LATENTS_WIDTH_SPLIT)
+    compiled = {
+        name: compile_module(module, REPLICATED_TABLE, program_inputs, mesh, runtime.env, method=name)
+        for name, program_inputs in inputs.items()
+    }
+    refused = [program for program in compiled.values() if program.refused]
+    largest = max(compiled.values(), key=lambda p: p.refused["required"] if p.refused else p.memory["total"])
+    calls = {name: 1 for name in compiled}
+    calls[list(compiled)[-1]] = latents.shape[2] - len(compiled) + 1  # the steady program runs every later frame
+    fields = {**fields, "chunk_frames": family.CHUNK_FRAMES[0], "programs": list(compiled), "calls": calls}
+    report = _report(3, target, mesh, request, dtype, largest, **fields)
+    report["compile_seconds"] = round(sum(program.seconds for program in compiled.values()), 1)
+    if not refused:
+        report["hbm_bytes_per_program"] = {name: program.memory["total"] for name, program in compiled.items()}
+        steady = compiled[list(compiled)[-1]].collectives
+        report["collectives"] = {"per_steady_call": {op: v for op, v in steady.items() if v["count"]}}
+        report["flops_per_call"] = {name: program.flops for name, program in compiled.items()}
+        _flops(report, target, sum(compiled[name].flops * count for name, count in calls.items()))
     return report
 
 

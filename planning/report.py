@@ -39,6 +39,10 @@ def print_report(report: dict[str, Any]) -> None:
     if report["stage"] == 3:
         split = "split along width" if report["width_split"] else "NOT split: latent width not divisible by devices"
         print(f"  latents {report['latents']} {split}; VAE tiling {'on' if report['tiling'] else 'off'}")
+        if report.get("calls"):
+            calls = ", ".join(f"{name} x{count}" for name, count in report["calls"].items())
+            sizes = ", ".join(f"{name} {gib(size)}" for name, size in report.get("hbm_bytes_per_program", {}).items())
+            print(f"  one latent frame per call: programs {calls}" + (f"; HBM per program {sizes}" if sizes else ""))
     memory = report["hbm_bytes_per_device"]
     if "arguments" in memory:
         keys = ("arguments", "temporaries", "outputs", "code", "other_experts_weights")
@@ -53,8 +57,9 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"  verdict: {verdict}")
     if not report["fits"] and "arguments" not in memory:
         return
-    for where in ("per_block", "outside_blocks") if "per_block" in report["collectives"] else ("total",):
-        found = report["collectives"][where]
+    collectives = report["collectives"]  # stage 2: per block and outside; stage 3: the program(s)
+    for where in ("per_block", "outside_blocks") if "per_block" in collectives else tuple(collectives):
+        found = collectives[where]
         text = "; ".join(
             f"{op} {v['count']} ops, {v['tensors']} tensors, {v['bytes'] / 2**20:.2f} MiB" for op, v in found.items()
         )

@@ -1,0 +1,119 @@
+"""Wan's stage-3 decode one latent frame per call (models/wan_vae.py) against diffusers' `vae.decode` run
+eagerly in PyTorch, fp32: the frames within 1e-5 relative, on 1 and 8 CPU devices, for the Wan 2.1 VAE and
+the Wan 2.2 (TI2V-5B) VAE; through the real stage-3 CLI, where it is the torchax default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import models
+import sharding
+import stage3_vae_decoder
+from helpers import expect_user_error, relative_error, run_stage, tiny_stage1
+from models import wan_vae
+from models.common import decode
+from models.meta import meta_module
+from runtime.interface import Timer, TorchRuntime
+from runtime.torchax_runtime import TorchaxRuntime
+from utils import read_config, read_tensors
+
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize("preset, frames", [("tiny-wan2.1", 5), ("tiny-wan2.2-ti2v", 4)])
+@pytest.mark.parametrize("devices", [1, 8])
+def test_frame_programs_equal_the_stock_decode(preset, frames, devices):
+    """Five latent frames (programs first, second, steady x3) and four; the latents split along width."""
+    source, family = models.resolve_model(preset)
+    channels = source.load_config("vae")["z_dim"]
+    latents = torch.randn(1, channels, frames, 4, 6, generator=torch.Generator().manual_seed(3))
+    normalization = family.latents_normalization(source)
+    expected = decode(family, source, latents, normalization, torch.float32, TorchRuntime("cpu"), Timer())
+    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=devices)))
+    got = decode(family, source, latents, normalization, torch.float32, runtime, Timer(), chunk_frames=1)
+    assert got.shape == expected.shape
+    assert relative_error(got, expected) <= TOLERANCE
+    assert len(runtime.placements) == 1  # the VAE's weights placed once for all three programs
+
+
+def test_cache_layout_is_the_same_after_the_second_frame():
+    """What the three programs rest on: the stock decoder's cache holds the same kinds of slots from the
+    third call on (a fourth call on the meta device sees what the third saw)."""
+    source, _ = models.resolve_model("Wan-AI/Wan2.1-T2V-14B-Diffusers", configs_only=True)
+    vae = meta_module(source, "vae", torch.bfloat16)
+    frame = torch.zeros(1, 16, 1, 60, 104, dtype=torch.bfloat16, device="meta")
+    layout = wan_vae.cache_layout(vae, frame)
+    assert layout[0][0] == (None,) * len(layout[0][0]) and wan_vae.REP in layout[1][0]
+    cache: list = [None] * len(layout[0][0])
+    for index in range(4):
+        vae.decoder(vae.post_quant_conv(frame), feat_cache=cache, feat_idx=[0], first_chunk=index == 0)
+    assert wan_vae._slot_kinds(cache) == layout[2][0] and wan_vae.REP not in layout[2][0]
+
+
+@pytest.fixture(scope="module")
+def wan_latents(tmp_path_factory):
+    """Stage 2 latents of tiny Wan 2.1 (stage 2 itself is tested elsewhere): stage 1 and 2 in this process."""
+    import stage1_text_encoder
+    import stage2_transformer
+
+    out = tmp_path_factory.mktemp("wan")
+    run_stage(
+        stage1_text_encoder, ["--model", "tiny-wan2.1", "--prompt", "a cat", "--output_dir", out, "--dtype", "fp32"]
+    )
+    run_stage(stage2_transformer, ["--input_dir", out, "--num_inference_steps", 2])
+    return out
+
+
+def test_stage3_torchax_decodes_frame_by_frame_by_default(tmp_path, wan_latents):
+    outputs = {}
+    for backend in ("torch", "torchax"):
+        out = tmp_path / backend
+        run_stage(
+            stage3_vae_decoder, ["--input_dir", wan_latents, "--output_dir", out, "--backend", backend, "--save_frames"]
+        )
+        config = read_config(out, needs="stage3")
+        outputs[backend] = (read_tensors(out, config["stage3"]["frames_file"])["frames_float"], config["stage3"])
+    (expected, torch_record), (got, jax_record) = outputs["torch"], outputs["torchax"]
+    assert torch_record["chunk_frames"] is None and jax_record["chunk_frames"] == 1
+    assert relative_error(got, expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--backend", "torch", "--chunk_frames", 1], "--chunk_frames applies to --backend torchax"),
+        (["--backend", "torchax", "--chunk_frames", 2], "exact in chunks of 1 (or 0)"),
+        (["--backend", "torchax", "--chunk_frames", 1, "--tiling"], "--tiling is diffusers' tiled decode"),
+    ],
+)
+def test_chunk_flag_errors(capsys, tmp_path, wan_latents, flags, message):
+    expect_user_error(
+        capsys, stage3_vae_decoder, ["--input_dir", wan_latents, "--output_dir", tmp_path, *flags], message
+    )
+
+
+def test_families_without_frame_programs_refuse_chunks(capsys, tmp_path):
+    folder = tiny_stage1(tmp_path / "cog")
+    import stage2_transformer
+
+    run_stage(stage2_transformer, ["--input_dir", folder, "--num_inference_steps", 1])
+    argv = ["--input_dir", folder, "--backend", "torchax", "--chunk_frames", 1]
+    expect_user_error(capsys, stage3_vae_decoder, argv, "exact in chunks of none yet")
+
+
+def test_plan_compiles_the_three_frame_programs(tmp_path):
+    """--plan compiles each program for the TPU; five latent frames: first, second, then steady three times."""
+    import json
+
+    out = tmp_path / "plan.json"
+    argv = ["--input_dir", tmp_path, "--model", "tiny-wan2.1", "--plan", "v6e-8", "--plan_json", out]
+    run_stage(stage3_vae_decoder, [*argv, "--height", 32, "--width", 256, "--num_frames", 17])
+    report = json.loads(out.read_text())
+    assert report["fits"] and report["chunk_frames"] == 1 and report["width_split"]
+    assert report["calls"] == {"first": 1, "second": 1, "steady": 3}
+    per_call = report["flops_per_call"]
+    assert per_call["first"] < per_call["second"] and report["flops_per_device"]["total"] == (
+        per_call["first"] + per_call["second"] + 3 * per_call["steady"]
+    )
+    assert max(report["hbm_bytes_per_program"].values()) == report["hbm_bytes_per_device"]["total"]

@@ -223,29 +223,37 @@ class _EncoderOutputs(torch.nn.Module):
         return (output.last_hidden_state, *output.hidden_states)
 
 
-class DeviceTextEncoder(torch.nn.Module):
+class _OnRuntime(torch.nn.Module):
+    """A stand-in for a pipeline component whose work runs compiled on a runtime: it has the component's
+    `config` and `dtype`, and says its `device` is the host, where the pipelines put its inputs (they ask
+    the module, diffusers' get_module_execution_device, which would otherwise find the weights' 'jax' device)."""
+
+    def __init__(self, module: torch.nn.Module, runtime: Runtime, jitted_side: torch.nn.Module, rules=None) -> None:
+        super().__init__()
+        self.config = module.config
+        self.module_dtype = module.dtype
+        self.runtime = runtime
+        with quiet_attribute_scan():
+            self.jitted = runtime.compile(jitted_side, rules)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.module_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class DeviceTextEncoder(_OnRuntime):
     """A text encoder on a runtime, called as diffusers pipelines call one on the host: CPU token ids in,
     a CPU `BaseModelOutput` out (`[0]` and, if built with `hidden_states`, every layer's
     `.hidden_states`). On a JAX mesh its weights are split over `tp` by the encoder's rule table and
     it compiles once per input shape (the pipelines pad to a fixed length)."""
 
     def __init__(self, encoder: torch.nn.Module, runtime: Runtime, hidden_states: bool = False) -> None:
-        super().__init__()
-        self.config = encoder.config
-        self.encoder_dtype = encoder.dtype
-        self.runtime = runtime
-        with quiet_attribute_scan():
-            self.jitted = runtime.compile(_EncoderOutputs(encoder, hidden_states), text_encoder_rules(encoder.config))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.encoder_dtype
-
-    @property
-    def device(self) -> torch.device:
-        """Where callers put the token ids: the host (forward moves them). Wan's pipeline asks the module
-        (diffusers' get_module_execution_device), which would otherwise find the weights' 'jax' device."""
-        return torch.device("cpu")
+        jitted_side = _EncoderOutputs(encoder, hidden_states)
+        super().__init__(encoder, runtime, jitted_side, text_encoder_rules(encoder.config))
 
     def forward(self, input_ids, attention_mask=None, output_hidden_states=None):
         from transformers.modeling_outputs import BaseModelOutput
@@ -269,26 +277,13 @@ class _ImageEncoderOutputs(torch.nn.Module):
         return (output.last_hidden_state, *output.hidden_states)
 
 
-class DeviceImageEncoder(torch.nn.Module):
+class DeviceImageEncoder(_OnRuntime):
     """An image encoder (CLIP, SigLIP) on a runtime, called as the pipelines call one on the host: CPU pixel
     values in, a CPU `BaseModelOutput` out (`last_hidden_state` and every layer's `hidden_states`). Its
     weights are replicated (a few hundred million parameters); it compiles once per image size."""
 
     def __init__(self, encoder: torch.nn.Module, runtime: Runtime) -> None:
-        super().__init__()
-        self.config = encoder.config
-        self.encoder_dtype = encoder.dtype
-        self.runtime = runtime
-        with quiet_attribute_scan():
-            self.jitted = runtime.compile(_ImageEncoderOutputs(encoder))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.encoder_dtype
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")  # where the pipelines put the pixels (forward moves them)
+        super().__init__(encoder, runtime, _ImageEncoderOutputs(encoder))
 
     def forward(self, pixel_values, output_hidden_states=None, **_):
         from transformers.modeling_outputs import BaseModelOutput
@@ -309,24 +304,12 @@ class _Moments(torch.nn.Module):
         return (self.vae.encode(pixels).latent_dist.parameters,)
 
 
-class DeviceVAEEncoder(torch.nn.Module):
+class DeviceVAEEncoder(_OnRuntime):
     """A VAE whose `encode` runs on a runtime, for the pipelines' single-image encodes: CPU pixels in, the
     posterior out on the host, as `vae.encode(x)` returns it (`.latent_dist`). Weights replicated."""
 
     def __init__(self, vae: torch.nn.Module, runtime: Runtime) -> None:
-        super().__init__()
-        self.config = vae.config
-        self.vae_dtype = vae.dtype
-        self.runtime = runtime
-        self.jitted = runtime.compile(_Moments(vae))
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.vae_dtype
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
+        super().__init__(vae, runtime, _Moments(vae))
 
     def encode(self, pixels, return_dict: bool = True):
         from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution

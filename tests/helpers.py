@@ -75,6 +75,14 @@ def run_script(
     )
 
 
+def write_image(path: Path, height: int, width: int, seed: int = 3) -> Path:
+    """A random RGB image file (its format from the suffix), for image-to-video tests."""
+    from PIL import Image
+
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+    return path
+
+
 def read_mp4(path):
     """(metadata, frames as flat uint8 arrays) decoded back from an mp4 file with ffmpeg."""
     import imageio_ffmpeg

@@ -9,7 +9,6 @@ against the pipeline, 1e-4 relative, as for text-to-video.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -18,7 +17,7 @@ import models
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
-from helpers import relative_error, run_stage, stop_stage2_after
+from helpers import relative_error, run_stage, stop_stage2_after, write_image
 from utils import read_config, read_tensors
 
 TOLERANCE = 1e-4
@@ -28,9 +27,7 @@ REQUEST = {"height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 4,
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory):
-    path = tmp_path_factory.mktemp("image") / "first.png"
-    Image.fromarray(np.random.default_rng(3).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(path)
-    return path
+    return write_image(tmp_path_factory.mktemp("image") / "first.png", 64, 96)
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from safetensors.torch import load_file
 
 import sharding
 import stage1_text_encoder
-from helpers import relative_error, run_stage
+from helpers import relative_error, run_stage, write_image
 from models.common import DeviceTextEncoder
 from models.published import QWEN25_VL_7B_TEXT, T5_XXL_ENCODER
 from runtime.torchax_runtime import TorchaxRuntime
@@ -221,8 +219,7 @@ def test_stage1_torchax_backend_equals_torch_backend(tmp_path, model, prompt):
     ],
 )
 def test_stage1_image_encoders_on_the_devices_equal_the_torch_backend(tmp_path, model, on_devices):
-    image = tmp_path / "image.png"
-    Image.fromarray(np.random.default_rng(2).integers(0, 256, (40, 60, 3), dtype=np.uint8)).save(image)
+    image = write_image(tmp_path / "image.png", 40, 60, seed=2)
     outputs = {}
     for backend in ("torch", "torchax"):
         out = tmp_path / backend

@@ -9,7 +9,6 @@ the stage-1 image latents against what the pipeline computes, 1e-5.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -18,7 +17,7 @@ import models
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
-from helpers import expect_user_error, relative_error, run_stage
+from helpers import expect_user_error, relative_error, run_stage, write_image
 from utils import read_config, read_tensors
 
 TOLERANCE = 1e-4
@@ -29,9 +28,7 @@ REQUEST = {"num_inference_steps": 4, "seed": 7}
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory):
-    path = tmp_path_factory.mktemp("images") / "first.png"
-    Image.fromarray(np.random.default_rng(3).integers(0, 256, (64, 96, 3), dtype=np.uint8)).save(path)
-    return path
+    return write_image(tmp_path_factory.mktemp("images") / "first.png", 64, 96)
 
 
 @pytest.fixture(scope="module")

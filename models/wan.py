@@ -413,22 +413,7 @@ class Decoder(torch.nn.Module):
         return self.vae.decode(latents, return_dict=False)[0]
 
 
-CHUNK_FRAMES = wan_vae.CHUNK_FRAMES
-
-
-def frame_programs(source, decoder, latents_shape, runtime):
-    """Stage 3 on JAX devices one latent frame per call (models/wan_vae.py), weights placed; a function
-    of (latents, layout) giving the video on the host."""
-    from .meta import meta_module
-
-    meta_vae = meta_module(source, "vae", decoder.latents_mean.dtype)
-    programs = wan_vae.place(decoder, meta_vae, latents_shape, runtime)
-    return lambda latents, layout: wan_vae.decode_frames(programs, latents, runtime, layout)
-
-
-def frame_plan(source, decoder, latents_shape, layout):
-    """--plan's view of `frame_programs`: the module and each program's inputs (wan_vae.plan_inputs)."""
-    return wan_vae.plan_inputs(decoder, decoder.vae, latents_shape, layout)  # a plan's VAE is on meta already
+CHUNK_FRAMES, frame_programs, frame_plan = wan_vae.CHUNK_FRAMES, wan_vae.frame_programs, wan_vae.frame_plan
 
 
 def video_processor(source):

@@ -95,6 +95,20 @@ def plan_inputs(decoder: torch.nn.Module, meta_vae, latents_shape, layout) -> tu
     return module, inputs
 
 
+def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime):
+    """models/family.py's `frame_programs` for Wan: the three programs placed; a function of (latents,
+    layout) giving the video on the host."""
+    from .meta import meta_module
+
+    programs = place(decoder, meta_module(source, "vae", decoder.latents_mean.dtype), latents_shape, runtime)
+    return lambda latents, layout: decode_frames(programs, latents, runtime, layout)
+
+
+def frame_plan(source, decoder: torch.nn.Module, latents_shape, layout):
+    """models/family.py's `frame_plan` for Wan (a plan's VAE is on the meta device already)."""
+    return plan_inputs(decoder, decoder.vae, latents_shape, layout)
+
+
 def decode_frames(programs, latents: torch.Tensor, runtime, layout) -> torch.Tensor:
     """Decode (B, C, F, H, W) latents one frame per call (each frame laid out as `layout`: split along
     width); the video (B, 3, frames, H, W) on the host."""

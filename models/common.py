@@ -345,13 +345,15 @@ def decode(
     latents = latents.to(dtype)
     with timer.phase("place"):  # weights replicated
         if chunk_frames:
-            decoder = family.frame_programs(source, family.Decoder(vae, normalization), latents.shape, runtime)
+            decoder = family.frame_programs(
+                source, family.Decoder(vae, normalization), latents.shape, runtime, LATENTS_WIDTH_SPLIT
+            )
         else:
             decoder = runtime.compile(family.Decoder(vae, normalization))
             device_latents = runtime.to_device(latents, LATENTS_WIDTH_SPLIT)
     with timer.phase("decode"), torch.no_grad():
         if chunk_frames:
-            video = decoder(latents, LATENTS_WIDTH_SPLIT)
+            video = decoder(latents)
         else:
             video = runtime.to_host(decoder(device_latents))
     frames = processor.postprocess_video(video=video.float(), output_type="np")

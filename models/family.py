@@ -42,9 +42,9 @@ class Family(Protocol):
     SPLASH_BLOCK_SIZES: dict[str, int]  # default Splash tiles (block_q, block_kv, block_kv_compute)
     LORA_LOADER: str | None  # the diffusers.loaders class whose lora_state_dict reads adapters (models/lora.py)
     # Stage 3 on torchax: the latent frames per call its frame programs decode exactly (empty: one program).
-    # frame_programs(source, decoder, latents_shape, runtime): the programs placed, as a function of (latents,
-    # layout) giving the video on the host; frame_plan(source, decoder, latents_shape, layout): --plan's view,
-    # their module and each program's (tensor, layout) inputs. None where CHUNK_FRAMES is empty.
+    # frame_programs(source, decoder, latents_shape, runtime, layout): the programs placed, as a function of
+    # the latents giving the video on the host; frame_plan(source, decoder, latents_shape, runtime, layout):
+    # --plan's view, their module and each program's (tensor, layout) inputs. None where CHUNK_FRAMES is empty.
     CHUNK_FRAMES: tuple[int, ...]
     frame_programs: Callable[..., Callable] | None
     frame_plan: Callable[..., tuple[torch.nn.Module, dict]] | None

@@ -39,12 +39,15 @@ def cache_layout(vae, frame: torch.Tensor) -> list[tuple[tuple, list[torch.Tenso
 class FramePrograms(torch.nn.Module):
     """The stock decode of one latent frame as three methods, one per cache layout: the pipeline's
     de-normalisation (`decoder`, a models.wan.Decoder), post_quant_conv, the decoder with the cache given
-    as tensors, the Wan 2.2 VAE's unpatchify and the clamp; returns (pixels, the cache's tensors)."""
+    as tensors, the Wan 2.2 VAE's unpatchify and the clamp; returns (pixels, the cache's tensors), all
+    pinned to `layout` (split along width: left free, the partitioner returned some of the cache whole)."""
 
-    def __init__(self, decoder: torch.nn.Module, kinds: list[tuple]) -> None:
+    def __init__(self, decoder: torch.nn.Module, kinds: list[tuple], constrain, layout) -> None:
         super().__init__()
         self.decoder = decoder
         self.kinds = kinds
+        self.constrain = constrain
+        self.layout = layout
 
     def _frame(self, program: int, latents, cache):
         from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
@@ -55,7 +58,8 @@ class FramePrograms(torch.nn.Module):
         out = vae.decoder(vae.post_quant_conv(latents), feat_cache=slots, feat_idx=[0], first_chunk=program == 0)
         if vae.config.patch_size is not None:
             out = unpatchify(out, patch_size=vae.config.patch_size)
-        return (torch.clamp(out, min=-1.0, max=1.0), *[slot for slot in slots if torch.is_tensor(slot)])
+        outputs = (torch.clamp(out, min=-1.0, max=1.0), *[slot for slot in slots if torch.is_tensor(slot)])
+        return tuple(self.constrain(tensor, self.layout) for tensor in outputs)
 
     def first(self, latents, *cache):
         return self._frame(0, latents, cache)
@@ -76,18 +80,18 @@ def meta_frame(decoder: torch.nn.Module, shape) -> torch.Tensor:
     return torch.zeros(shape[0], shape[1], 1, *shape[3:], dtype=decoder.latents_mean.dtype, device="meta")
 
 
-def place(decoder: torch.nn.Module, meta_vae, latents_shape, runtime):
+def place(decoder: torch.nn.Module, meta_vae, latents_shape, runtime, layout):
     """The three frame programs with the VAE's weights placed (replicated) on `runtime`."""
     kinds = [kinds for kinds, _ in cache_layout(meta_vae, meta_frame(decoder, latents_shape))]
-    return runtime.compile(FramePrograms(decoder, kinds), methods=PROGRAMS)
+    return runtime.compile(FramePrograms(decoder, kinds, runtime.constrain, layout), methods=PROGRAMS)
 
 
-def plan_inputs(decoder: torch.nn.Module, meta_vae, latents_shape, layout) -> tuple[torch.nn.Module, dict]:
+def plan_inputs(decoder: torch.nn.Module, meta_vae, latents_shape, runtime, layout) -> tuple[torch.nn.Module, dict]:
     """For --plan: the programs' module and, per program, its inputs as (tensor, layout) pairs (a latent
     frame and the cache it receives, all split along width as `layout` says; shapes on the meta device)."""
     frame = meta_frame(decoder, latents_shape)
     layouts = cache_layout(meta_vae, frame)
-    module = FramePrograms(decoder, [kinds for kinds, _ in layouts])
+    module = FramePrograms(decoder, [kinds for kinds, _ in layouts], runtime.constrain, layout)
     inputs = {
         name: [(frame, layout), *((t, layout) for t in cache)]
         for name, (_, cache) in zip(PROGRAMS, layouts, strict=True)
@@ -95,18 +99,19 @@ def plan_inputs(decoder: torch.nn.Module, meta_vae, latents_shape, layout) -> tu
     return module, inputs
 
 
-def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime):
-    """models/family.py's `frame_programs` for Wan: the three programs placed; a function of (latents,
-    layout) giving the video on the host."""
+def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, layout):
+    """models/family.py's `frame_programs` for Wan: the three programs placed; a function of the latents
+    giving the video on the host."""
     from .meta import meta_module
 
-    programs = place(decoder, meta_module(source, "vae", decoder.latents_mean.dtype), latents_shape, runtime)
-    return lambda latents, layout: decode_frames(programs, latents, runtime, layout)
+    meta_vae = meta_module(source, "vae", decoder.latents_mean.dtype)
+    programs = place(decoder, meta_vae, latents_shape, runtime, layout)
+    return lambda latents: decode_frames(programs, latents, runtime, layout)
 
 
-def frame_plan(source, decoder: torch.nn.Module, latents_shape, layout):
+def frame_plan(source, decoder: torch.nn.Module, latents_shape, runtime, layout):
     """models/family.py's `frame_plan` for Wan (a plan's VAE is on the meta device already)."""
-    return plan_inputs(decoder, decoder.vae, latents_shape, layout)
+    return plan_inputs(decoder, decoder.vae, latents_shape, runtime, layout)
 
 
 def decode_frames(programs, latents: torch.Tensor, runtime, layout) -> torch.Tensor:

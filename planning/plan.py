@@ -337,7 +337,7 @@ def _plan_frame_programs(family, source, decoder, latents, target, mesh, runtime
     from models.common import LATENTS_WIDTH_SPLIT
     from sharding import REPLICATED_TABLE
 
-    module, inputs = family.frame_plan(source, decoder, latents.shape, LATENTS_WIDTH_SPLIT)
+    module, inputs = family.frame_plan(source, decoder, latents.shape, runtime, LATENTS_WIDTH_SPLIT)
     compiled = {
         name: compile_module(module, REPLICATED_TABLE, program_inputs, mesh, runtime.env, method=name)
         for name, program_inputs in inputs.items()

@@ -96,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--chunk_frames",
         type=int,
         help="--backend torchax: latent frames per compiled call, the VAE's state carried between calls; 0 "
-        "compiles the whole decode as one program (default: Wan 1; CogVideoX and HunyuanVideo-1.5 0, not "
+        "compiles the whole decode as one program (default: Wan 1, CogVideoX 2; HunyuanVideo-1.5 0, not "
         "chunked yet)",
     )
     parser.add_argument(

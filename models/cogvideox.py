@@ -18,7 +18,7 @@ import torch
 from runtime.interface import DP, SP
 from utils import Request, UserError
 
-from . import cogvideox_i2v, tiny
+from . import cogvideox_i2v, cogvideox_vae, tiny
 from .common import (
     NOISE_DTYPE,
     DeviceTextEncoder,
@@ -50,8 +50,12 @@ COMMON_DEFAULTS = {"num_inference_steps": 50, "guidance_scale": 6.0}
 # of scoped VMEM on v5e and v5p, where stage 2 uses tpus.Generation.splash_tile_cap instead.
 SPLASH_BLOCK_SIZES = {"block_q": 3328, "block_kv": 2816, "block_kv_compute": 256}
 LORA_LOADER = "CogVideoXLoraLoaderMixin"  # reads adapters; load_lora_adapter converts older diffusers keys
-CHUNK_FRAMES: tuple[int, ...] = ()  # stage 3 on torchax decodes in one program (not chunked yet)
-frame_programs = frame_plan = None
+# stage 3 on torchax: the stock decode's frame batches, one program call each (models/cogvideox_vae.py)
+CHUNK_FRAMES, frame_programs, frame_plan = (
+    cogvideox_vae.CHUNK_FRAMES,
+    cogvideox_vae.frame_programs,
+    cogvideox_vae.frame_plan,
+)
 
 
 def variant(transformer_config: dict[str, Any]) -> str:

@@ -44,10 +44,11 @@ class Family(Protocol):
     # Stage 3 on torchax: the latent frames per call its frame programs decode exactly (empty: one program).
     # frame_programs(source, decoder, latents_shape, runtime, layout): the programs placed, as a function of
     # the latents giving the video on the host; frame_plan(source, decoder, latents_shape, runtime, layout):
-    # --plan's view, their module and each program's (tensor, layout) inputs. None where CHUNK_FRAMES is empty.
+    # --plan's view: their module, each program's (tensor, layout) inputs and how often the video calls it.
+    # None where CHUNK_FRAMES is empty.
     CHUNK_FRAMES: tuple[int, ...]
     frame_programs: Callable[..., Callable] | None
-    frame_plan: Callable[..., tuple[torch.nn.Module, dict]] | None
+    frame_plan: Callable[..., tuple[torch.nn.Module, dict, dict]] | None
     # Decoder(vae, normalization): undoes the latents' recorded normalisation and decodes stage-2 latents
     # to pixels in [-1, 1], as one graph.
     Decoder: type[torch.nn.Module]

@@ -86,9 +86,10 @@ def place(decoder: torch.nn.Module, meta_vae, latents_shape, runtime, layout):
     return runtime.compile(FramePrograms(decoder, kinds, runtime.constrain, layout), methods=PROGRAMS)
 
 
-def plan_inputs(decoder: torch.nn.Module, meta_vae, latents_shape, runtime, layout) -> tuple[torch.nn.Module, dict]:
-    """For --plan: the programs' module and, per program, its inputs as (tensor, layout) pairs (a latent
-    frame and the cache it receives, all split along width as `layout` says; shapes on the meta device)."""
+def plan_inputs(decoder: torch.nn.Module, meta_vae, latents_shape, runtime, layout) -> tuple:
+    """For --plan: the programs' module, per program its inputs as (tensor, layout) pairs (a latent frame and
+    the cache it receives, all split along width as `layout` says; shapes on the meta device), and how often
+    a video of `latents_shape` calls each."""
     frame = meta_frame(decoder, latents_shape)
     layouts = cache_layout(meta_vae, frame)
     module = FramePrograms(decoder, [kinds for kinds, _ in layouts], runtime.constrain, layout)
@@ -96,7 +97,8 @@ def plan_inputs(decoder: torch.nn.Module, meta_vae, latents_shape, runtime, layo
         name: [(frame, layout), *((t, layout) for t in cache)]
         for name, (_, cache) in zip(PROGRAMS, layouts, strict=True)
     }
-    return module, inputs
+    frames = latents_shape[2]
+    return module, inputs, {"first": 1, "second": min(frames - 1, 1), "steady": max(frames - 2, 0)}
 
 
 def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, layout):

@@ -332,20 +332,18 @@ def plan_stage3(family, source, request, dtype, target: Target, tiling: bool):
 
 
 def _plan_frame_programs(family, source, decoder, latents, target, mesh, runtime, request, dtype, fields) -> dict:
-    """Stage 3 one latent frame per call (the family's frame programs, as `--backend torchax` runs them): each
-    program compiled; memory is the largest program's, the lower bound adds every call of the video."""
+    """Stage 3 in frame chunks (the family's frame programs, as `--backend torchax` runs them): each program
+    the video calls compiled; memory is the largest program's, the lower bound adds every call."""
     from models.common import LATENTS_WIDTH_SPLIT
     from sharding import REPLICATED_TABLE
 
-    module, inputs = family.frame_plan(source, decoder, latents.shape, runtime, LATENTS_WIDTH_SPLIT)
+    module, inputs, calls = family.frame_plan(source, decoder, latents.shape, runtime, LATENTS_WIDTH_SPLIT)
+    calls = {name: count for name, count in calls.items() if count}
     compiled = {
-        name: compile_module(module, REPLICATED_TABLE, program_inputs, mesh, runtime.env, method=name)
-        for name, program_inputs in inputs.items()
+        name: compile_module(module, REPLICATED_TABLE, inputs[name], mesh, runtime.env, method=name) for name in calls
     }
     refused = [program for program in compiled.values() if program.refused]
     largest = max(compiled.values(), key=lambda p: p.refused["required"] if p.refused else p.memory["total"])
-    calls = {name: 1 for name in compiled}
-    calls[list(compiled)[-1]] = latents.shape[2] - len(compiled) + 1  # the steady program runs every later frame
     fields = {**fields, "chunk_frames": family.CHUNK_FRAMES[0], "programs": list(compiled), "calls": calls}
     report = _report(3, target, mesh, request, dtype, largest, **fields)
     report["compile_seconds"] = round(sum(program.seconds for program in compiled.values()), 1)

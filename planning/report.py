@@ -42,7 +42,8 @@ def print_report(report: dict[str, Any]) -> None:
         if report.get("calls"):
             calls = ", ".join(f"{name} x{count}" for name, count in report["calls"].items())
             sizes = ", ".join(f"{name} {gib(size)}" for name, size in report.get("hbm_bytes_per_program", {}).items())
-            print(f"  one latent frame per call: programs {calls}" + (f"; HBM per program {sizes}" if sizes else ""))
+            chunk = f"{report['chunk_frames']} latent frame(s) per call"
+            print(f"  {chunk}: programs {calls}" + (f"; HBM per program {sizes}" if sizes else ""))
     memory = report["hbm_bytes_per_device"]
     if "arguments" in memory:
         keys = ("arguments", "temporaries", "outputs", "code", "other_experts_weights")

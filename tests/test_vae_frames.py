@@ -1,6 +1,7 @@
-"""Wan's stage-3 decode one latent frame per call (models/wan_vae.py) against diffusers' `vae.decode` run
-eagerly in PyTorch, fp32: the frames within 1e-5 relative, on 1 and 8 CPU devices, for the Wan 2.1 VAE and
-the Wan 2.2 (TI2V-5B) VAE; through the real stage-3 CLI, where it is the torchax default."""
+"""Stage 3's decode in frame chunks on torchax (models/wan_vae.py: one latent frame per call;
+models/cogvideox_vae.py: the stock frame batches) against diffusers' `vae.decode` run eagerly in PyTorch,
+fp32: the frames within 1e-5 relative, on 1 and 8 CPU devices, for the Wan 2.1, Wan 2.2 (TI2V-5B), CogVideoX
+1.5 and 1.0 VAEs; through the real stage-3 CLI, where it is the torchax default."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import models
 import sharding
 import stage3_vae_decoder
-from helpers import expect_user_error, relative_error, run_stage, tiny_stage1
+from helpers import expect_user_error, relative_error, run_stage
 from models import wan_vae
 from models.common import decode
 from models.meta import meta_module
@@ -21,17 +22,26 @@ from utils import read_config, read_tensors
 TOLERANCE = 1e-5
 
 
-@pytest.mark.parametrize("preset, frames", [("tiny-wan2.1", 5), ("tiny-wan2.2-ti2v", 4)])
+@pytest.mark.parametrize(
+    "preset, frames",
+    [
+        ("tiny-wan2.1", 5),  # programs first, second, steady x3
+        ("tiny-wan2.2-ti2v", 4),
+        ("tiny-cogvideox", 5),  # batches of 3 (the remainder joins the first) and 2
+        ("tiny-cogvideox1.0", 6),  # batches of 2, 2, 2
+    ],
+)
 @pytest.mark.parametrize("devices", [1, 8])
 def test_frame_programs_equal_the_stock_decode(preset, frames, devices):
-    """Five latent frames (programs first, second, steady x3) and four; the latents split along width."""
+    """The latents split along width (16 latent columns: 2 per device on 8)."""
     source, family = models.resolve_model(preset)
-    channels = source.load_config("vae")["z_dim"]
-    latents = torch.randn(1, channels, frames, 4, 6, generator=torch.Generator().manual_seed(3))
+    config = source.load_config("vae")
+    channels = config.get("z_dim") or config["latent_channels"]
+    latents = torch.randn(1, channels, frames, 4, 16, generator=torch.Generator().manual_seed(3))
     normalization = family.latents_normalization(source)
     expected = decode(family, source, latents, normalization, torch.float32, TorchRuntime("cpu"), Timer())
     runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=devices)))
-    got = decode(family, source, latents, normalization, torch.float32, runtime, Timer(), chunk_frames=1)
+    got = decode(family, source, latents, normalization, torch.float32, runtime, Timer(), family.CHUNK_FRAMES[0])
     assert got.shape == expected.shape
     assert relative_error(got, expected) <= TOLERANCE
     assert len(runtime.placements) == 1  # the VAE's weights placed once for all three programs
@@ -94,26 +104,34 @@ def test_chunk_flag_errors(capsys, tmp_path, wan_latents, flags, message):
 
 
 def test_families_without_frame_programs_refuse_chunks(capsys, tmp_path):
-    folder = tiny_stage1(tmp_path / "cog")
+    import stage1_text_encoder
     import stage2_transformer
 
-    run_stage(stage2_transformer, ["--input_dir", folder, "--num_inference_steps", 1])
-    argv = ["--input_dir", folder, "--backend", "torchax", "--chunk_frames", 1]
+    argv = ["--model", "tiny-hunyuanvideo15", "--prompt", "a cat", "--output_dir", tmp_path]
+    run_stage(stage1_text_encoder, argv)
+    run_stage(stage2_transformer, ["--input_dir", tmp_path, "--num_inference_steps", 1])
+    argv = ["--input_dir", tmp_path, "--backend", "torchax", "--chunk_frames", 1]
     expect_user_error(capsys, stage3_vae_decoder, argv, "exact in chunks of none yet")
 
 
-def test_plan_compiles_the_three_frame_programs(tmp_path):
-    """--plan compiles each program for the TPU; five latent frames: first, second, then steady three times."""
+@pytest.mark.parametrize(
+    "preset, size, calls, split",
+    [
+        ("tiny-wan2.1", (32, 256, 17), {"first": 1, "second": 1, "steady": 3}, True),  # 5 latent frames
+        # the tiny transformer's own size (its rotary grid); latent width 12 stays whole on 8 devices
+        ("tiny-cogvideox", (64, 96, 33), {"first": 1, "steady": 3}, False),  # 9 latent frames: 3, 2, 2, 2
+    ],
+)
+def test_plan_compiles_each_frame_program(tmp_path, preset, size, calls, split):
+    """--plan compiles each program the video calls for the TPU; the decode's FLOPs add up every call."""
     import json
 
     out = tmp_path / "plan.json"
-    argv = ["--input_dir", tmp_path, "--model", "tiny-wan2.1", "--plan", "v6e-8", "--plan_json", out]
-    run_stage(stage3_vae_decoder, [*argv, "--height", 32, "--width", 256, "--num_frames", 17])
+    argv = ["--input_dir", tmp_path, "--model", preset, "--plan", "v6e-8", "--plan_json", out]
+    height, width, frames = size
+    run_stage(stage3_vae_decoder, [*argv, "--height", height, "--width", width, "--num_frames", frames])
     report = json.loads(out.read_text())
-    assert report["fits"] and report["chunk_frames"] == 1 and report["width_split"]
-    assert report["calls"] == {"first": 1, "second": 1, "steady": 3}
+    assert report["fits"] and report["width_split"] == split and report["calls"] == calls
     per_call = report["flops_per_call"]
-    assert per_call["first"] < per_call["second"] and report["flops_per_device"]["total"] == (
-        per_call["first"] + per_call["second"] + 3 * per_call["steady"]
-    )
+    assert report["flops_per_device"]["total"] == sum(per_call[name] * count for name, count in calls.items())
     assert max(report["hbm_bytes_per_program"].values()) == report["hbm_bytes_per_device"]["total"]

@@ -113,7 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--plan",
         metavar="TPU",
         help="compile this decode (--backend torchax layout: VAE replicated, latents split along width over "
-        "every device) for a TPU slice, report HBM fit, then exit (0: fits, 3: does not fit); writes nothing. "
+        "every device; Wan and CogVideoX: each frame program, with the calls per video) for a TPU slice, report "
+        "HBM fit, then exit (0: fits, 3: does not fit); writes nothing. "
         "TPU: v5litepod-8, v5e-8, v5p-8, v6e-8, tpu7x-8, ... or a topology (v6e:2x4)",
     )
     planning.add_argument("--plan_json", metavar="FILE", help="also save the plan's report as JSON")

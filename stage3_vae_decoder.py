@@ -135,8 +135,10 @@ def plan_main(args) -> None:
     flags = {key: getattr(args, key) for key in PLAN_REQUEST_KEYS}
     request, source, family, _ = plan.request_to_plan(Path(args.input_dir), args.model, flags, args.dtype)
     dtype = parse_dtype(args.dtype or request.dtype)
+    chunk_frames = chunk_frames_choice(args, family, "torchax")  # what a TPU run would take
     log(f"planning the {family.NAME} decode for {target.name} ({target.topology}), tiling {args.tiling}")
-    plan_report.finish(plan.plan_stage3(family, source, request, dtype, target, args.tiling), args.plan_json)
+    report = plan.plan_stage3(family, source, request, dtype, target, args.tiling, chunk_frames)
+    plan_report.finish(report, args.plan_json)
 
 
 def preview_name(video_name: str) -> str:

@@ -301,10 +301,11 @@ def _cached_step_report(kind: str, target: Target, cached: Compiled, calls) -> d
     return report
 
 
-def plan_stage3(family, source, request, dtype, target: Target, tiling: bool):
+def plan_stage3(family, source, request, dtype, target: Target, tiling: bool, chunk_frames: int | None = None):
     """Compile stage 3's torchax decode (VAE weights replicated, latents split along width over every
-    device) for `target`; the report as a dict. The latents' shape comes from the family's own stage-2
-    loop (built around a one-block meta transformer), so it is the shape stage 2 writes."""
+    device) for `target`, as one program or, with `chunk_frames`, as the family's frame programs; the report
+    as a dict. The latents' shape comes from the family's own stage-2 loop (built around a one-block meta
+    transformer), so it is the shape stage 2 writes."""
     from models.common import LATENTS_WIDTH_SPLIT
     from runtime.torchax_runtime import TorchaxRuntime
     from sharding import REPLICATED_TABLE, MeshShape
@@ -320,8 +321,8 @@ def plan_stage3(family, source, request, dtype, target: Target, tiling: bool):
         vae.enable_tiling()
     decoder = family.Decoder(vae, record["latents_normalization"])
     split = latents.shape[-1] % target.devices == 0  # else fit_spec replicates the latents, as a real run does
-    fields = {"tiling": tiling, "latents": list(latents.shape), "width_split": split}
-    if family.CHUNK_FRAMES and not tiling:
+    fields = {"tiling": tiling, "chunk_frames": chunk_frames, "latents": list(latents.shape), "width_split": split}
+    if chunk_frames:
         return _plan_frame_programs(family, source, decoder, latents, target, mesh, runtime, request, dtype, fields)
     compiled = compile_module(decoder, REPLICATED_TABLE, [(latents, LATENTS_WIDTH_SPLIT)], mesh, runtime.env)
     report = _report(3, target, mesh, request, dtype, compiled, **fields)
@@ -344,7 +345,7 @@ def _plan_frame_programs(family, source, decoder, latents, target, mesh, runtime
     }
     refused = [program for program in compiled.values() if program.refused]
     largest = max(compiled.values(), key=lambda p: p.refused["required"] if p.refused else p.memory["total"])
-    fields = {**fields, "chunk_frames": family.CHUNK_FRAMES[0], "programs": list(compiled), "calls": calls}
+    fields = {**fields, "programs": list(compiled), "calls": calls}
     report = _report(3, target, mesh, request, dtype, largest, **fields)
     report["compile_seconds"] = round(sum(program.seconds for program in compiled.values()), 1)
     if not refused:

@@ -135,3 +135,13 @@ def test_plan_compiles_each_frame_program(tmp_path, preset, size, calls, split):
     per_call = report["flops_per_call"]
     assert report["flops_per_device"]["total"] == sum(per_call[name] * count for name, count in calls.items())
     assert max(report["hbm_bytes_per_program"].values()) == report["hbm_bytes_per_device"]["total"]
+
+
+def test_plan_with_chunk_frames_0_compiles_the_one_program_decode(tmp_path):
+    import json
+
+    out = tmp_path / "plan.json"
+    argv = ["--input_dir", tmp_path, "--model", "tiny-wan2.1", "--plan", "v6e-8", "--plan_json", out]
+    run_stage(stage3_vae_decoder, [*argv, "--chunk_frames", 0])
+    report = json.loads(out.read_text())
+    assert report["fits"] and "calls" not in report and report["chunk_frames"] is None

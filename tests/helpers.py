@@ -75,6 +75,22 @@ def run_script(
     )
 
 
+def three_stages(out: Path, stage1_argv: list, stage2_flags=()) -> tuple:
+    """Stages 1 (`stage1_argv` plus --output_dir), 2 and 3 (--save_frames) in this process into `out`;
+    (stage 2's latents, stage 3's float frames, the config)."""
+    import stage1_text_encoder
+    import stage2_transformer
+    import stage3_vae_decoder
+    from utils import read_config, read_tensors
+
+    run_stage(stage1_text_encoder, [*stage1_argv, "--output_dir", out])
+    run_stage(stage2_transformer, ["--input_dir", out, *stage2_flags])
+    run_stage(stage3_vae_decoder, ["--input_dir", out, "--save_frames"])
+    config = read_config(out, needs="stage3")
+    frames = read_tensors(out, config["stage3"]["frames_file"])["frames_float"]
+    return read_tensors(out, config["stage2"])["latents"], frames, config
+
+
 def write_image(path: Path, height: int, width: int, seed: int = 3) -> Path:
     """A random RGB image file (its format from the suffix), for image-to-video tests."""
     from PIL import Image

@@ -16,8 +16,7 @@ from PIL import Image
 import models
 import stage1_text_encoder
 import stage2_transformer
-import stage3_vae_decoder
-from helpers import relative_error, run_stage, stop_stage2_after, write_image
+from helpers import relative_error, run_stage, stop_stage2_after, three_stages, write_image
 from utils import read_config, read_tensors
 
 TOLERANCE = 1e-4
@@ -55,12 +54,7 @@ def run_pipeline(pipe, image, output_type, seed=REQUEST["seed"]):
 def staged(out, preset, image, *stage2_flags):
     flags = [f"--{key}={value}" for key, value in REQUEST.items()]
     argv = ["--model", preset, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32", "--image", image]
-    run_stage(stage1_text_encoder, [*argv, "--output_dir", out, *flags])
-    run_stage(stage2_transformer, ["--input_dir", out, *stage2_flags])
-    run_stage(stage3_vae_decoder, ["--input_dir", out, "--save_frames"])
-    config = read_config(out, needs="stage3")
-    frames = read_tensors(out, config["stage3"]["frames_file"])["frames_float"]
-    return read_tensors(out, config["stage2"])["latents"], frames, config
+    return three_stages(out, [*argv, *flags], stage2_flags)
 
 
 @pytest.mark.parametrize(

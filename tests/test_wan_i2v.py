@@ -16,8 +16,7 @@ from PIL import Image
 import models
 import stage1_text_encoder
 import stage2_transformer
-import stage3_vae_decoder
-from helpers import expect_user_error, relative_error, run_stage, stop_stage2_after
+from helpers import expect_user_error, relative_error, run_stage, stop_stage2_after, three_stages
 from models import tiny
 from utils import CONFIG_FILE, read_config, read_tensors
 
@@ -64,12 +63,7 @@ def staged(out, preset, image, last_image=None, stage2_flags=(), guidance_scale=
     flags = [f"--{key}={value}" for key, value in REQUEST.items()]
     argv = ["--model", preset, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32", "--image", image]
     argv += [] if last_image is None else ["--last_image", last_image]
-    run_stage(stage1_text_encoder, [*argv, "--guidance_scale", guidance_scale, "--output_dir", out, *flags])
-    run_stage(stage2_transformer, ["--input_dir", out, *stage2_flags])
-    run_stage(stage3_vae_decoder, ["--input_dir", out, "--save_frames"])
-    config = read_config(out, needs="stage3")
-    frames = read_tensors(out, config["stage3"]["frames_file"])["frames_float"]
-    return read_tensors(out, config["stage2"])["latents"], frames, config
+    return three_stages(out, [*argv, "--guidance_scale", guidance_scale, *flags], stage2_flags)
 
 
 def transformer_inputs(pipe, image, last_image=None):

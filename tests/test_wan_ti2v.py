@@ -15,10 +15,8 @@ from PIL import Image
 
 import models
 import stage1_text_encoder
-import stage2_transformer
-import stage3_vae_decoder
-from helpers import expect_user_error, relative_error, run_stage, write_image
-from utils import read_config, read_tensors
+from helpers import expect_user_error, relative_error, three_stages, write_image
+from utils import read_tensors
 
 TOLERANCE = 1e-4
 PRESET = "tiny-wan2.2-ti2v"
@@ -57,12 +55,7 @@ def run_pipeline(pipe, config, output_type, **extra):
 def staged(out, stage1_flags=(), stage2_flags=()):
     flags = [f"--{key}={value}" for key, value in REQUEST.items()]
     argv = ["--model", PRESET, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32", *stage1_flags]
-    run_stage(stage1_text_encoder, [*argv, "--output_dir", out, *flags])
-    run_stage(stage2_transformer, ["--input_dir", out, *stage2_flags])
-    run_stage(stage3_vae_decoder, ["--input_dir", out, "--save_frames"])
-    config = read_config(out, needs="stage3")
-    frames = read_tensors(out, config["stage3"]["frames_file"])["frames_float"]
-    return read_tensors(out, config["stage2"])["latents"], frames, config
+    return three_stages(out, [*argv, *flags], stage2_flags)
 
 
 def test_text_to_video_vs_wan_pipeline(tmp_path, pipelines):

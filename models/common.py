@@ -15,8 +15,20 @@ from runtime.interface import SP, TP, Runtime, Timer, TorchRuntime
 from utils import UserError, atomic_write
 from workarounds.torchax import quiet_attribute_scan
 
-# Stage 3: (B, C, F, H, W) latents split along width over the mesh's `sp` axis.
+# Stage 3: (B, C, F, H, W) latents split along width over the mesh's `sp` axis, or along height.
 LATENTS_WIDTH_SPLIT = (None, None, None, None, SP)
+LATENTS_HEIGHT_SPLIT = (None, None, None, SP, None)
+
+
+def latents_split(shape, devices: int) -> tuple[str | None, tuple]:
+    """Stage 3's spatial split of the latents over `devices`: along width where the count divides the latent
+    width, else along height where it divides that (CogVideoX1.5's 1360 pixels make 170 latent columns), else
+    none (the layout then keeps them whole); (the axis or None, the layout)."""
+    if shape[-1] % devices == 0:
+        return "width", LATENTS_WIDTH_SPLIT
+    if shape[-2] % devices == 0:
+        return "height", LATENTS_HEIGHT_SPLIT
+    return None, LATENTS_WIDTH_SPLIT
 
 
 # Stage 2's initial noise is drawn in fp32 on the CPU and then cast to the run's dtype, so a seed gives
@@ -343,14 +355,14 @@ def decode(
     if tiling:
         vae.enable_tiling()
     latents = latents.to(dtype)
+    mesh = getattr(runtime, "mesh", None)
+    _, layout = latents_split(latents.shape, mesh.devices.size if mesh is not None else 1)
     with timer.phase("place"):  # weights replicated
         if chunk_frames:
-            decoder = family.frame_programs(
-                source, family.Decoder(vae, normalization), latents.shape, runtime, LATENTS_WIDTH_SPLIT
-            )
+            decoder = family.frame_programs(source, family.Decoder(vae, normalization), latents.shape, runtime, layout)
         else:
             decoder = runtime.compile(family.Decoder(vae, normalization))
-            device_latents = runtime.to_device(latents, LATENTS_WIDTH_SPLIT)
+            device_latents = runtime.to_device(latents, layout)
     with timer.phase("decode"), torch.no_grad():
         if chunk_frames:
             video = decoder(latents)

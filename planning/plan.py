@@ -302,11 +302,11 @@ def _cached_step_report(kind: str, target: Target, cached: Compiled, calls) -> d
 
 
 def plan_stage3(family, source, request, dtype, target: Target, tiling: bool, chunk_frames: int | None = None):
-    """Compile stage 3's torchax decode (VAE weights replicated, latents split along width over every
-    device) for `target`, as one program or, with `chunk_frames`, as the family's frame programs; the report
-    as a dict. The latents' shape comes from the family's own stage-2 loop (built around a one-block meta
-    transformer), so it is the shape stage 2 writes."""
-    from models.common import LATENTS_WIDTH_SPLIT
+    """Compile stage 3's torchax decode (VAE weights replicated, latents split over every device along
+    width, else height: models.common.latents_split) for `target`, as one program or, with `chunk_frames`,
+    as the family's frame programs; the report as a dict. The latents' shape comes from the family's own
+    stage-2 loop (built around a one-block meta transformer), so it is the shape stage 2 writes."""
+    from models.common import latents_split
     from runtime.torchax_runtime import TorchaxRuntime
     from sharding import REPLICATED_TABLE, MeshShape
 
@@ -320,11 +320,13 @@ def plan_stage3(family, source, request, dtype, target: Target, tiling: bool, ch
     if tiling:
         vae.enable_tiling()
     decoder = family.Decoder(vae, record["latents_normalization"])
-    split = latents.shape[-1] % target.devices == 0  # else fit_spec replicates the latents, as a real run does
-    fields = {"tiling": tiling, "chunk_frames": chunk_frames, "latents": list(latents.shape), "width_split": split}
+    axis, layout = latents_split(latents.shape, target.devices)  # None: kept whole, as in a real run
+    fields = {"tiling": tiling, "chunk_frames": chunk_frames, "latents": list(latents.shape), "split": axis}
     if chunk_frames:
-        return _plan_frame_programs(family, source, decoder, latents, target, mesh, runtime, request, dtype, fields)
-    compiled = compile_module(decoder, REPLICATED_TABLE, [(latents, LATENTS_WIDTH_SPLIT)], mesh, runtime.env)
+        return _plan_frame_programs(
+            family, source, decoder, latents, layout, target, mesh, runtime, request, dtype, fields
+        )
+    compiled = compile_module(decoder, REPLICATED_TABLE, [(latents, layout)], mesh, runtime.env)
     report = _report(3, target, mesh, request, dtype, compiled, **fields)
     if not compiled.refused:
         report["collectives"] = {"total": {op: v for op, v in compiled.collectives.items() if v["count"]}}
@@ -332,13 +334,12 @@ def plan_stage3(family, source, request, dtype, target: Target, tiling: bool, ch
     return report
 
 
-def _plan_frame_programs(family, source, decoder, latents, target, mesh, runtime, request, dtype, fields) -> dict:
+def _plan_frame_programs(family, source, decoder, latents, layout, target, mesh, runtime, request, dtype, fields):
     """Stage 3 in frame chunks (the family's frame programs, as `--backend torchax` runs them): each program
     the video calls compiled; memory is the largest program's, the lower bound adds every call."""
-    from models.common import LATENTS_WIDTH_SPLIT
     from sharding import REPLICATED_TABLE
 
-    module, inputs, calls = family.frame_plan(source, decoder, latents.shape, runtime, LATENTS_WIDTH_SPLIT)
+    module, inputs, calls = family.frame_plan(source, decoder, latents.shape, runtime, layout)
     calls = {name: count for name, count in calls.items() if count}
     compiled = {
         name: compile_module(module, REPLICATED_TABLE, inputs[name], mesh, runtime.env, method=name) for name in calls

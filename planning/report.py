@@ -37,7 +37,11 @@ def print_report(report: dict[str, Any]) -> None:
     )
     print(f"  compiled by the TPU compiler in {report['compile_seconds']} s")
     if report["stage"] == 3:
-        split = "split along width" if report["width_split"] else "NOT split: latent width not divisible by devices"
+        split = (
+            f"split along {report['split']}"
+            if report["split"]
+            else "NOT split: neither latent side divides by the devices"
+        )
         print(f"  latents {report['latents']} {split}; VAE tiling {'on' if report['tiling'] else 'off'}")
         if report.get("calls"):
             calls = ", ".join(f"{name} x{count}" for name, count in report["calls"].items())

@@ -199,7 +199,7 @@ def test_stage3_plans_the_width_split_decode(tmp_path):
     run_stage(stage3_vae_decoder, [*argv, "--height", 64, "--width", 128])
     report = json.loads(out.read_text())
     assert report["stage"] == 3 and report["fits"] and report["mesh"] == {"dp": 1, "sp": 8, "tp": 1}
-    assert report["latents"] == [1, 4, 2, 8, 16] and report["width_split"]
+    assert report["latents"] == [1, 4, 2, 8, 16] and report["split"] == "width"
     assert report["hbm_bytes_per_device"]["arguments"] > 0 and report["flops_per_device"]["xla"] > 0
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree
 
+from .common import decode_in_chunks
+
 CHUNK_FRAMES = (2,)  # latent frames per call: the stock decode's frame batch
 PROGRAMS = ("first", "steady")
 
@@ -68,17 +70,9 @@ def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, lay
 
     _, spec = meta_cache(meta_module(source, "vae", decoder.vae.dtype), latents_shape, decoder.vae.dtype)
     programs = runtime.compile(BatchPrograms(decoder, spec, runtime.constrain, layout), methods=PROGRAMS)
-    size = decoder.vae.num_latent_frames_batch_size
-
-    def run(latents):
-        pieces, cache = [], ()
-        for index, (start, end) in enumerate(batches(latents.shape[2], size)):
-            inputs = runtime.to_device(latents[:, :, start:end].contiguous(), layout)
-            out, *cache = programs.first(inputs) if index == 0 else programs.steady(inputs, *cache)
-            pieces.append(runtime.to_host(out))
-        return torch.cat(pieces, dim=2)
-
-    return run
+    spans = batches(latents_shape[2], decoder.vae.num_latent_frames_batch_size)
+    names = ["first"] + ["steady"] * (len(spans) - 1)
+    return lambda latents: decode_in_chunks(programs, names, spans, latents, runtime, layout)
 
 
 def frame_plan(source, decoder: torch.nn.Module, latents_shape, runtime, layout):

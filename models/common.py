@@ -372,6 +372,18 @@ def decode(
     return torch.from_numpy(frames[0])
 
 
+def decode_in_chunks(programs, names: list[str], spans: list[tuple[int, int]], latents, runtime, layout):
+    """Stage 3's host loop over frame chunks (the families' frame programs): chunk i, latent frames
+    `spans[i]`, through the program `names[i]` with the state the previous call returned; the video
+    (B, 3, frames, H, W) on the host."""
+    pieces, state = [], ()
+    for name, (start, end) in zip(names, spans, strict=True):
+        inputs = runtime.to_device(latents[:, :, start:end].contiguous(), layout)
+        out, *state = getattr(programs, name)(inputs, *state)
+        pieces.append(runtime.to_host(out))
+    return torch.cat(pieces, dim=2)
+
+
 def write_mp4(path: Path, frames, fps: int) -> None:
     """Encode uint8 frames (F, H, W, 3) as H.264 mp4 with imageio-ffmpeg, atomically."""
     import imageio_ffmpeg

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .common import decode_in_chunks
+
 CHUNK_FRAMES = (1,)  # latent frames per call that equal the stock decode
 PROGRAMS = ("first", "second", "steady")
 REP = "Rep"  # the stock decoder's marker for "upsampler saw the first frame"
@@ -108,20 +110,11 @@ def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, lay
 
     meta_vae = meta_module(source, "vae", decoder.latents_mean.dtype)
     programs = place(decoder, meta_vae, latents_shape, runtime, layout)
-    return lambda latents: decode_frames(programs, latents, runtime, layout)
+    frames = latents_shape[2]
+    names, spans = [program_of(index) for index in range(frames)], [(index, index + 1) for index in range(frames)]
+    return lambda latents: decode_in_chunks(programs, names, spans, latents, runtime, layout)
 
 
 def frame_plan(source, decoder: torch.nn.Module, latents_shape, runtime, layout):
     """models/family.py's `frame_plan` for Wan (a plan's VAE is on the meta device already)."""
     return plan_inputs(decoder, decoder.vae, latents_shape, runtime, layout)
-
-
-def decode_frames(programs, latents: torch.Tensor, runtime, layout) -> torch.Tensor:
-    """Decode (B, C, F, H, W) latents one frame per call (each frame laid out as `layout`: split along
-    width); the video (B, 3, frames, H, W) on the host."""
-    pieces, cache = [], ()
-    for index in range(latents.shape[2]):
-        inputs = runtime.to_device(latents[:, :, index : index + 1].contiguous(), layout)
-        out, *cache = getattr(programs, program_of(index))(inputs, *cache)
-        pieces.append(runtime.to_host(out))
-    return torch.cat(pieces, dim=2)

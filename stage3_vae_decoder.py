@@ -175,7 +175,11 @@ def chunk_frames_choice(args, family, backend: str) -> int | None:
     if given == 0:
         return None
     if given not in family.CHUNK_FRAMES:
-        allowed = ", ".join(map(str, family.CHUNK_FRAMES)) or "none yet"
+        allowed = family.CHUNK_FRAMES
+        if isinstance(allowed, range):
+            allowed = f"{allowed.start} to {allowed.stop - 1}"
+        else:
+            allowed = ", ".join(map(str, allowed)) or "none yet"
         raise UserError(f"--chunk_frames {given}: the {family.NAME} decode is exact in chunks of {allowed} (or 0)")
     if args.tiling:
         raise UserError("--tiling is diffusers' tiled decode in one program; with --chunk_frames drop it")

@@ -14,21 +14,15 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree
 
-from .common import decode_in_chunks
+from .common import decode_in_chunks, frame_batches
 
 CHUNK_FRAMES = (2,)  # latent frames per call: the stock decode's frame batch
 PROGRAMS = ("first", "steady")
 
 
-def batches(frames: int, size: int) -> list[tuple[int, int]]:
-    """The stock decode's frame batches: (start, end) per call, the remainder joining the first."""
-    rest = frames % size
-    return [(0 if i == 0 else size * i + rest, size * (i + 1) + rest) for i in range(max(frames // size, 1))]
-
-
 def meta_cache(vae, latents_shape, dtype) -> tuple[list[torch.Tensor], _pytree.TreeSpec]:
     """The decoder's conv cache after the first batch, flattened (meta device: shapes only), and its nesting."""
-    first = batches(latents_shape[2], vae.num_latent_frames_batch_size)[0]
+    first = frame_batches(latents_shape[2], vae.num_latent_frames_batch_size)[0]
     sample = torch.zeros(*latents_shape[:2], first[1] - first[0], *latents_shape[3:], dtype=dtype, device="meta")
     with torch.no_grad():
         _, cache = vae.decoder(vae.post_quant_conv(sample) if vae.post_quant_conv is not None else sample)
@@ -63,23 +57,23 @@ class BatchPrograms(torch.nn.Module):
         return self._batch(latents, _pytree.tree_unflatten(list(cache), self.spec))
 
 
-def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, layout):
+def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, layout, chunk_frames: int = 2):
     """models/family.py's `frame_programs` for CogVideoX: the two programs placed; a function of the latents
     giving the video on the host."""
     from .meta import meta_module
 
     _, spec = meta_cache(meta_module(source, "vae", decoder.vae.dtype), latents_shape, decoder.vae.dtype)
     programs = runtime.compile(BatchPrograms(decoder, spec, runtime.constrain, layout), methods=PROGRAMS)
-    spans = batches(latents_shape[2], decoder.vae.num_latent_frames_batch_size)
+    spans = frame_batches(latents_shape[2], decoder.vae.num_latent_frames_batch_size)
     names = ["first"] + ["steady"] * (len(spans) - 1)
     return lambda latents: decode_in_chunks(programs, names, spans, latents, runtime, layout)
 
 
-def frame_plan(source, decoder: torch.nn.Module, latents_shape, runtime, layout):
+def frame_plan(source, decoder: torch.nn.Module, latents_shape, runtime, layout, chunk_frames: int = 2):
     """models/family.py's `frame_plan` for CogVideoX (a plan's VAE is on the meta device already)."""
     vae = decoder.vae
     cache, spec = meta_cache(vae, latents_shape, vae.dtype)
-    (start, end), *rest = batches(latents_shape[2], vae.num_latent_frames_batch_size)
+    (start, end), *rest = frame_batches(latents_shape[2], vae.num_latent_frames_batch_size)
     frames = [torch.zeros(*latents_shape[:2], count, *latents_shape[3:], dtype=vae.dtype) for count in (end - start, 2)]
     inputs = {"first": [(frames[0], layout)], "steady": [(frames[1], layout), *((t, layout) for t in cache)]}
     calls = {"first": 1, "steady": len(rest)}

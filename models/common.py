@@ -359,7 +359,9 @@ def decode(
     _, layout = latents_split(latents.shape, mesh.devices.size if mesh is not None else 1)
     with timer.phase("place"):  # weights replicated
         if chunk_frames:
-            decoder = family.frame_programs(source, family.Decoder(vae, normalization), latents.shape, runtime, layout)
+            decoder = family.frame_programs(
+                source, family.Decoder(vae, normalization), latents.shape, runtime, layout, chunk_frames
+            )
         else:
             decoder = runtime.compile(family.Decoder(vae, normalization))
             device_latents = runtime.to_device(latents, layout)
@@ -370,6 +372,13 @@ def decode(
             video = runtime.to_host(decoder(device_latents))
     frames = processor.postprocess_video(video=video.float(), output_type="np")
     return torch.from_numpy(frames[0])
+
+
+def frame_batches(frames: int, size: int) -> list[tuple[int, int]]:
+    """Latent frames per call, (start, end) each: batches of `size`, the remainder joining the first
+    (CogVideoX's stock frame batches; HunyuanVideo-1.5's chunks)."""
+    rest = frames % size
+    return [(0 if i == 0 else size * i + rest, size * (i + 1) + rest) for i in range(max(frames // size, 1))]
 
 
 def decode_in_chunks(programs, names: list[str], spans: list[tuple[int, int]], latents, runtime, layout):

@@ -7,7 +7,7 @@ encoders on a runtime, request checks) lives in `models/common.py` and `utils.Re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -41,12 +41,12 @@ class Family(Protocol):
     PRESETS: dict[str, Preset]  # tiny presets by `--model` name
     SPLASH_BLOCK_SIZES: dict[str, int]  # default Splash tiles (block_q, block_kv, block_kv_compute)
     LORA_LOADER: str | None  # the diffusers.loaders class whose lora_state_dict reads adapters (models/lora.py)
-    # Stage 3 on torchax: the latent frames per call its frame programs decode exactly (empty: one program).
-    # frame_programs(source, decoder, latents_shape, runtime, layout): the programs placed, as a function of
-    # the latents giving the video on the host; frame_plan(source, decoder, latents_shape, runtime, layout):
-    # --plan's view: their module, each program's (tensor, layout) inputs and how often the video calls it.
-    # None where CHUNK_FRAMES is empty.
-    CHUNK_FRAMES: tuple[int, ...]
+    # Stage 3 on torchax: the latent frames per call its frame programs decode exactly (the first is the
+    # default; empty: one program). frame_programs(source, decoder, latents_shape, runtime, layout,
+    # chunk_frames): the programs placed, as a function of the latents giving the video on the host;
+    # frame_plan(same arguments): --plan's view: their module, each program's (tensor, layout) inputs and how
+    # often the video calls it. None where CHUNK_FRAMES is empty.
+    CHUNK_FRAMES: Sequence[int]
     frame_programs: Callable[..., Callable] | None
     frame_plan: Callable[..., tuple[torch.nn.Module, dict, dict]] | None
     # Decoder(vae, normalization): undoes the latents' recorded normalisation and decodes stage-2 latents

@@ -48,8 +48,9 @@ PIPELINE_CLASSES = ("HunyuanVideo15Pipeline", hunyuanvideo15_i2v.PIPELINE_CLASS)
 # 0.97% and does not fit v5e/v5p's scoped VMEM. Which is faster is unmeasured (no TPU here).
 SPLASH_BLOCK_SIZES = {"block_q": 512, "block_kv": 512, "block_kv_compute": 512}
 LORA_LOADER = None  # diffusers 0.42.1 has no loader for 1.5: files must hold diffusers/PEFT keys
-CHUNK_FRAMES: tuple[int, ...] = ()  # stage 3 on torchax decodes in one program (not chunked yet)
-frame_programs = frame_plan = None
+# stage 3 on torchax: chunks of any length (models/hunyuanvideo15_vae.py restructures the decoder's forward)
+CHUNK_FRAMES = hunyuanvideo15_vae.CHUNK_FRAMES
+frame_programs, frame_plan = hunyuanvideo15_vae.frame_programs, hunyuanvideo15_vae.frame_plan
 
 # The pipeline's documented text-to-video defaults; the transformer's `target_size` says 480p or 720p.
 RESOLUTION_DEFAULTS = {

@@ -103,7 +103,7 @@ def plan_inputs(decoder: torch.nn.Module, meta_vae, latents_shape, runtime, layo
     return module, inputs, {"first": 1, "second": min(frames - 1, 1), "steady": max(frames - 2, 0)}
 
 
-def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, layout):
+def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, layout, chunk_frames: int = 1):
     """models/family.py's `frame_programs` for Wan: the three programs placed; a function of the latents
     giving the video on the host."""
     from .meta import meta_module
@@ -115,6 +115,6 @@ def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, lay
     return lambda latents: decode_in_chunks(programs, names, spans, latents, runtime, layout)
 
 
-def frame_plan(source, decoder: torch.nn.Module, latents_shape, runtime, layout):
+def frame_plan(source, decoder: torch.nn.Module, latents_shape, runtime, layout, chunk_frames: int = 1):
     """models/family.py's `frame_plan` for Wan (a plan's VAE is on the meta device already)."""
     return plan_inputs(decoder, decoder.vae, latents_shape, runtime, layout)

@@ -339,7 +339,7 @@ def _plan_frame_programs(family, source, decoder, latents, layout, target, mesh,
     the video calls compiled; memory is the largest program's, the lower bound adds every call."""
     from sharding import REPLICATED_TABLE
 
-    module, inputs, calls = family.frame_plan(source, decoder, latents.shape, runtime, layout)
+    module, inputs, calls = family.frame_plan(source, decoder, latents.shape, runtime, layout, fields["chunk_frames"])
     calls = {name: count for name, count in calls.items() if count}
     compiled = {
         name: compile_module(module, REPLICATED_TABLE, inputs[name], mesh, runtime.env, method=name) for name in calls

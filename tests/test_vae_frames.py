@@ -1,7 +1,8 @@
 """Stage 3's decode in frame chunks on torchax (models/wan_vae.py: one latent frame per call;
-models/cogvideox_vae.py: the stock frame batches) against diffusers' `vae.decode` run eagerly in PyTorch,
-fp32: the frames within 1e-5 relative, on 1 and 8 CPU devices, for the Wan 2.1, Wan 2.2 (TI2V-5B), CogVideoX
-1.5 and 1.0 VAEs; through the real stage-3 CLI, where it is the torchax default."""
+models/cogvideox_vae.py: the stock frame batches; models/hunyuanvideo15_vae.py: chunks of any length)
+against diffusers' `vae.decode` run eagerly in PyTorch, fp32: the frames within 1e-5 relative, on 1 and 8
+CPU devices, for the Wan 2.1, Wan 2.2 (TI2V-5B), CogVideoX 1.5 and 1.0 and HunyuanVideo-1.5 VAEs; through the
+real stage-3 CLI, where it is the torchax default."""
 
 from __future__ import annotations
 
@@ -23,16 +24,18 @@ TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize(
-    "preset, frames",
+    "preset, frames, chunk",
     [
-        ("tiny-wan2.1", 5),  # programs first, second, steady x3
-        ("tiny-wan2.2-ti2v", 4),
-        ("tiny-cogvideox", 5),  # batches of 3 (the remainder joins the first) and 2
-        ("tiny-cogvideox1.0", 6),  # batches of 2, 2, 2
+        ("tiny-wan2.1", 5, 1),  # programs first, second, steady x3
+        ("tiny-wan2.2-ti2v", 4, 1),
+        ("tiny-cogvideox", 5, 2),  # batches of 3 (the remainder joins the first) and 2
+        ("tiny-cogvideox1.0", 6, 2),  # batches of 2, 2, 2
+        ("tiny-hunyuanvideo15", 5, 2),  # chunks of 1 (the remainder), 2, 2
+        ("tiny-hunyuanvideo15", 6, 4),  # chunks of 2, 4
     ],
 )
 @pytest.mark.parametrize("devices", [1, 8])
-def test_frame_programs_equal_the_stock_decode(preset, frames, devices):
+def test_frame_programs_equal_the_stock_decode(preset, frames, chunk, devices):
     """The latents split along width (16 latent columns: 2 per device on 8)."""
     source, family = models.resolve_model(preset)
     config = source.load_config("vae")
@@ -41,7 +44,7 @@ def test_frame_programs_equal_the_stock_decode(preset, frames, devices):
     normalization = family.latents_normalization(source)
     expected = decode(family, source, latents, normalization, torch.float32, TorchRuntime("cpu"), Timer())
     runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=devices)))
-    got = decode(family, source, latents, normalization, torch.float32, runtime, Timer(), family.CHUNK_FRAMES[0])
+    got = decode(family, source, latents, normalization, torch.float32, runtime, Timer(), chunk)
     assert got.shape == expected.shape
     assert relative_error(got, expected) <= TOLERANCE
     assert len(runtime.placements) == 1  # the VAE's weights placed once for all three programs
@@ -103,15 +106,48 @@ def test_chunk_flag_errors(capsys, tmp_path, wan_latents, flags, message):
     )
 
 
-def test_families_without_frame_programs_refuse_chunks(capsys, tmp_path):
+@pytest.mark.parametrize("frames", [1, 2, 5])
+def test_hunyuanvideo15_chunks_equal_the_stock_decoder_eagerly(frames):
+    """The restructured forward (models/hunyuanvideo15_vae.py) in eager PyTorch, every chunk length from 1 to
+    the whole clip, against the stock `HunyuanVideo15Decoder3D`: the same arithmetic in the same order, so
+    the frames are bit-identical (tolerance 0). The attention's buffers keep the seen keys in frame order."""
+    from models import hunyuanvideo15_vae as hv
+
+    source, family = models.resolve_model("tiny-hunyuanvideo15")
+    decoder = hv.Decoder(source.load("vae", dtype=torch.float32).eval(), family.latents_normalization(source))
+    latents = torch.randn(1, 4, frames, 4, 6, generator=torch.Generator().manual_seed(5))
+    programs = hv.FramePrograms(decoder, frames, lambda tensor, _: tensor, ())
+    with torch.no_grad():
+        expected = decoder(latents)
+        for chunk in range(1, frames + 1):
+            pieces, state = [], ()
+            for index, (start, end) in enumerate(hv.frame_batches(frames, chunk)):
+                call = programs.first if index == 0 else programs.steady
+                out, *state = call(latents[:, :, start:end], *state)
+                pieces.append(out)
+            assert torch.equal(torch.cat(pieces, dim=2), expected), chunk
+
+
+def test_hunyuanvideo15_stage3_torchax_decodes_in_chunks(capsys, tmp_path):
+    """Through the CLIs: the default chunk (1 latent frame) equals the torch backend; 33 is refused."""
     import stage1_text_encoder
     import stage2_transformer
 
-    argv = ["--model", "tiny-hunyuanvideo15", "--prompt", "a cat", "--output_dir", tmp_path]
+    argv = ["--model", "tiny-hunyuanvideo15", "--prompt", "a cat", "--output_dir", tmp_path, "--dtype", "fp32"]
     run_stage(stage1_text_encoder, argv)
     run_stage(stage2_transformer, ["--input_dir", tmp_path, "--num_inference_steps", 1])
-    argv = ["--input_dir", tmp_path, "--backend", "torchax", "--chunk_frames", 1]
-    expect_user_error(capsys, stage3_vae_decoder, argv, "exact in chunks of none yet")
+    frames = {}
+    for backend in ("torch", "torchax"):
+        out = tmp_path / backend
+        run_stage(
+            stage3_vae_decoder, ["--input_dir", tmp_path, "--output_dir", out, "--backend", backend, "--save_frames"]
+        )
+        config = read_config(out, needs="stage3")
+        frames[backend] = read_tensors(out, config["stage3"]["frames_file"])["frames_float"]
+        assert config["stage3"]["chunk_frames"] == (1 if backend == "torchax" else None)
+    assert relative_error(frames["torchax"], frames["torch"]) <= TOLERANCE
+    argv = ["--input_dir", tmp_path, "--backend", "torchax", "--chunk_frames", 33]
+    expect_user_error(capsys, stage3_vae_decoder, argv, "exact in chunks of 1 to 32 (or 0)")
 
 
 @pytest.mark.parametrize(
@@ -120,6 +156,7 @@ def test_families_without_frame_programs_refuse_chunks(capsys, tmp_path):
         ("tiny-wan2.1", (32, 256, 17), {"first": 1, "second": 1, "steady": 3}, "width"),  # 5 latent frames
         # the tiny transformer's own size (its rotary grid): latent width 12 does not divide by 8, height 8 does
         ("tiny-cogvideox", (64, 96, 33), {"first": 1, "steady": 3}, "height"),  # 9 latent frames: 3, 2, 2, 2
+        ("tiny-hunyuanvideo15", (32, 128, 17), {"first": 1, "steady": 4}, "width"),  # 5 latent frames
     ],
 )
 def test_plan_compiles_each_frame_program(tmp_path, preset, size, calls, split):

@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """Stage 3's decode on this CPU, side by side in one run: diffusers' `vae.decode` eager in PyTorch against
-the frame-by-frame programs `--backend torchax` runs (models/wan_vae.py), on the published Wan 2.1 VAE's
-widths with random weights at a reduced video size. Each in a fresh process: seconds (the torchax placement
-and compile, then a second decode timed alone), peak resident memory, and the relative error against eager.
-Prints a table and one JSON line.
+the frame programs `--backend torchax` runs (models/wan_vae.py, cogvideox_vae.py, hunyuanvideo15_vae.py),
+on a published VAE's widths with random weights at a reduced video size. Each in a fresh process: seconds
+(the torchax placement and compile, then a second decode timed alone), peak resident memory, and the
+relative error against eager. Prints a table and one JSON line.
 
-    python benchmarks/vae_decode.py [--frames 9] [--height 240] [--width 416] [--devices 1]
+    python benchmarks/vae_decode.py [--family wan] [--frames 9] [--height 240] [--width 416] [--devices 1]
+        [--chunk_frames N]
 """
 
 from __future__ import annotations
@@ -24,30 +25,44 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def build(folder: Path) -> None:
-    """The published Wan 2.1 VAE config (models/published.py) with random weights, as a model folder."""
-    import torch
-    from diffusers import AutoencoderKLWan
+# The published model whose VAE each --family measures (configs from models/published.py, no network).
+PUBLISHED = {
+    "wan": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+    "cogvideox": "zai-org/CogVideoX1.5-5B",
+    "hunyuanvideo15": "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
+}
 
+
+def build(folder: Path, family: str) -> None:
+    """The published VAE config with random weights, as a model folder beside that model's index."""
+    import torch
+
+    import models
+
+    source, _ = models.resolve_model(PUBLISHED[family], configs_only=True)
     torch.manual_seed(0)
-    AutoencoderKLWan().eval().save_pretrained(folder / "vae")  # the class defaults are the Wan 2.1 VAE
-    index = {"_class_name": "WanPipeline", "_diffusers_version": "0.42.1", "vae": ["diffusers", "AutoencoderKLWan"]}
+    source.component_class("vae").from_config(source.load_config("vae")).eval().save_pretrained(folder / "vae")
+    index = json.loads((Path(source.location) / "model_index.json").read_text())
+    index = {key: value for key, value in index.items() if key.startswith("_") or key == "vae"}
     (folder / "model_index.json").write_text(json.dumps(index))
 
 
-def measure(folder: str, mode: str, frames: int, height: int, width: int, out: str) -> dict:
+def measure(folder: str, mode: str, frames: int, height: int, width: int, chunk: int | None, out: str) -> dict:
     """In a fresh process: decode the same random latents with diffusers' decode eagerly (`eager`), or with
     the frame programs on torchax (`frames`: the first call compiles, the second is timed alone)."""
     import torch
 
     import models
-    from models import wan
     from models.common import LATENTS_WIDTH_SPLIT
 
     source, family = models.resolve_model(folder)
-    latent = ((frames - 1) // 4 + 1, height // 8, width // 8)
-    latents = torch.randn(1, 16, *latent, generator=torch.Generator().manual_seed(1))
-    decoder = family.Decoder(source.load("vae", dtype=torch.float32).eval(), wan.latents_normalization(source))
+    config = source.load_config("vae")
+    channels = config.get("z_dim") or config["latent_channels"]
+    spatial = config.get("spatial_compression_ratio") or config.get("scale_factor_spatial") or 8
+    chunk = chunk or family.CHUNK_FRAMES[0]
+    latent = ((frames - 1) // 4 + 1, height // spatial, width // spatial)
+    latents = torch.randn(1, channels, *latent, generator=torch.Generator().manual_seed(1))
+    decoder = family.Decoder(source.load("vae", dtype=torch.float32).eval(), family.latents_normalization(source))
     seconds = {}
     with torch.no_grad():
         if mode == "eager":
@@ -61,7 +76,7 @@ def measure(folder: str, mode: str, frames: int, height: int, width: int, out: s
             runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=int(os.environ["DEVICES"]))))
             with runtime.precision(torch.float32):
                 start = time.perf_counter()
-                run = family.frame_programs(source, decoder, latents.shape, runtime, LATENTS_WIDTH_SPLIT)
+                run = family.frame_programs(source, decoder, latents.shape, runtime, LATENTS_WIDTH_SPLIT, chunk)
                 run(latents)
                 seconds["place_and_compile"] = time.perf_counter() - start
                 start = time.perf_counter()
@@ -74,6 +89,8 @@ def measure(folder: str, mode: str, frames: int, height: int, width: int, out: s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=sorted(PUBLISHED), default="wan", help="whose VAE (default: wan)")
+    parser.add_argument("--chunk_frames", type=int, help="latent frames per call (default: the family's)")
     parser.add_argument("--frames", type=int, default=9, help="video frames, 4n+1 (default: %(default)s)")
     parser.add_argument("--height", type=int, default=240, help="pixels, a multiple of 8 (default: %(default)s)")
     parser.add_argument("--width", type=int, default=416, help="pixels, a multiple of 8 (default: %(default)s)")
@@ -82,19 +99,21 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         folder, mode, out = args.child
-        print(json.dumps(measure(folder, mode, args.frames, args.height, args.width, out)))
+        print(json.dumps(measure(folder, mode, args.frames, args.height, args.width, args.chunk_frames, out)))
         return
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        build(folder)
+        build(folder, args.family)
         runs, videos = {}, {}
         for mode in ("eager", "frames"):
             out = folder / f"{mode}.pt"
             env = {**os.environ, "DEVICES": str(args.devices), "JAX_PLATFORMS": "cpu"}
             env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
             size = ["--frames", str(args.frames), "--height", str(args.height), "--width", str(args.width)]
+            if args.chunk_frames:
+                size += ["--chunk_frames", str(args.chunk_frames)]
             command = [sys.executable, __file__, *size, "--child", str(folder), mode, str(out)]
             done = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
             runs[mode] = json.loads(done.stdout.splitlines()[-1])  # after the log lines
@@ -103,6 +122,9 @@ def main() -> None:
     eager, frames = runs["eager"], runs["frames"]
     decode_ratio = frames["seconds"]["decode"] / eager["seconds"]["decode"]
     result = {
+        "family": args.family,
+        "vae_of": PUBLISHED[args.family],
+        "chunk_frames": args.chunk_frames,
         "video": [args.frames, args.height, args.width],
         "devices": args.devices,
         "runs": runs,
@@ -110,7 +132,7 @@ def main() -> None:
         "decode_time_ratio_frames_over_eager": round(decode_ratio, 3),
     }
     gib = 2**30
-    print(f"Wan 2.1 VAE (published widths, random weights), {args.frames} x {args.height} x {args.width}")
+    print(f"{PUBLISHED[args.family]}'s VAE (random weights), {args.frames} x {args.height} x {args.width}")
     for mode, run in runs.items():
         phases = ", ".join(f"{key} {value} s" for key, value in run["seconds"].items())
         print(f"{mode:7s} {phases}; peak RSS {run['peak_rss_bytes'] / gib:.2f} GiB")

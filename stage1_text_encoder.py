@@ -2,7 +2,9 @@
 """Stage 1: encode the prompt and negative prompt with the pipeline's own text encoder(s), and for
 image-to-video the image(s) (`--image`, `--last_image`) with its image encoder and VAE.
 
-Writes stage1_embeddings.safetensors and starts a new generation_config.json holding the request.
+Writes stage1_embeddings.safetensors and starts a new generation_config.json holding the request. With
+`--prompts FILE` (or `--seeds` for one prompt) it writes one such folder per entry under --output_dir, and
+a batch.json listing them, loading the encoders once.
 `--backend torch` (default) runs plain PyTorch on CPU or CUDA and never imports JAX; `--backend torchax`
 runs the same text encoders jitted on all JAX devices, their weights split over a `tp` mesh axis by the
 encoder's rule table (sharding.py: T5, Qwen2.5-VL). The image conditioning runs on the host in fp32.
@@ -11,6 +13,7 @@ encoder's rule table (sharding.py: T5, Qwen2.5-VL). The image conditioning runs 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -25,6 +28,7 @@ from utils import (
     Request,
     UserError,
     add_request_arguments,
+    batch,
     dtype_flag,
     ensure_writable_dir,
     flag_names,
@@ -51,7 +55,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=DEFAULT_MODEL,
         help=f"hub id, local diffusers folder, or preset ({', '.join(models.PRESETS)}); default: %(default)s",
     )
-    parser.add_argument("--prompt", required=True, help="what the video should show")
+    parser.add_argument("--prompt", help="what the video should show (or --prompts FILE)")
+    parser.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="many videos: one prompt per line, or JSON Lines with prompt and optionally negative_prompt, seed, "
+        "image, last_image, name (blank lines and # comments skipped); one stage folder per entry under "
+        "--output_dir, listed in batch.json",
+    )
+    parser.add_argument("--seeds", metavar="LIST", help="a seed sweep of --prompt: one folder per seed, e.g. 1,2,5-8")
     parser.add_argument("--negative_prompt", default="", help="what to steer away from (default: empty)")
     parser.add_argument(
         "--image", metavar="PATH", help="image-to-video: the first frame (PNG, JPEG or WebP), required by i2v models"
@@ -82,38 +94,84 @@ def later_sections(output_dir: Path) -> dict:
     return {name: section for name, section in stage_sections(previous).items() if name != "stage1"}
 
 
+@dataclasses.dataclass
+class Video:
+    """One video's stage-1 work, checked: its folder, request and images."""
+
+    output_dir: Path
+    request: Request
+    images: dict
+    image_records: dict
+
+
+def checked_video(args, source, family, output_dir: Path, where: str = "") -> Video:
+    """The request and images `args` ask for (a list entry's flags merged in), checked before any weights
+    load; `where` names the entry in errors."""
+    defaults = {**family.request_defaults(source), "seed": DEFAULT_SEED}
+    given = {flag: getattr(args, flag) for flag in IMAGE_FLAGS}
+    try:
+        check_image_flags(family, source, given)
+        images, image_records = read_images(given)
+        size = family.image_size(source, images) if images else None
+        if size is not None:  # the pipeline takes the video's size from the image
+            if args.height is not None or args.width is not None:
+                raise UserError(
+                    f"--height/--width: --model {args.model!r} takes the video's size from the image "
+                    f"({size[0]}x{size[1]} for this one, height x width); leave them out"
+                )
+            defaults.update(height=size[0], width=size[1])
+        request = Request.from_flags(args, model_family=family.NAME, model_id=args.model, defaults=defaults)
+        models.validate_request(family, source, request)
+    except UserError as err:
+        raise UserError(f"{where}: {err}" if where else str(err)) from None
+    return Video(output_dir, request, images, image_records)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     filter_harmless_warnings()
     check_backend_flags(args.backend, args.device)
     dtype = parse_dtype(args.dtype)
     output_dir = Path(args.output_dir)
-    timer = Timer()
+    entries = batch.entries_from_flags(args)
 
     source, family = models.resolve_model(args.model)
     log(f"stage 1 for {family.NAME}, model {args.model}")
-    defaults = {**family.request_defaults(source), "seed": DEFAULT_SEED}
-    given = {flag: getattr(args, flag) for flag in IMAGE_FLAGS}
-    check_image_flags(family, source, given)
-    images, image_records = read_images(given)
-    size = family.image_size(source, images) if images else None
-    if size is not None:  # the pipeline takes the video's size from the image
-        if args.height is not None or args.width is not None:
-            raise UserError(
-                f"--height/--width: --model {args.model!r} takes the video's size from the image "
-                f"({size[0]}x{size[1]} for this one, height x width); leave them out"
+    if entries is None:
+        videos = [checked_video(args, source, family, output_dir)]
+    else:
+        folders = batch.folder_names(entries)
+        videos = [
+            checked_video(
+                argparse.Namespace(**{**vars(args), **entry.flags()}), source, family, output_dir / name, entry.where
             )
-        defaults.update(height=size[0], width=size[1])
-    request = Request.from_flags(args, model_family=family.NAME, model_id=args.model, defaults=defaults)
-    models.validate_request(family, source, request)
-    ensure_writable_dir(output_dir, (STAGE1_FILE,))
+            for entry, name in zip(entries, folders, strict=True)
+        ]
+        ensure_writable_dir(output_dir, (batch.BATCH_FILE,))
+    for video in videos:
+        ensure_writable_dir(video.output_dir, (STAGE1_FILE,))
 
     # One prompt at a time: with --backend torchax every device goes to `tp` (heads and MLP columns).
     runtime = open_runtime(args.backend, args.device, TP, compile_cache=not args.no_compile_cache)
-    log(f"encoding the prompt on {runtime.describe()} in {args.dtype}")
+    log(f"loading the text encoders on {runtime.describe()} in {args.dtype}")
+    timers = [Timer() for _ in videos]  # the first video's record holds the one load
+    with timers[0].phase("load"), runtime.precision(dtype):
+        encode = family.prompt_encoder(source, dtype, runtime)
+    for number, (video, timer) in enumerate(zip(videos, timers, strict=True), 1):
+        if entries is not None:
+            log(f"video {number} of {len(videos)}: {video.output_dir}")
+        encode_and_write(args, source, family, video, encode, runtime, timer)
+    if entries is not None:
+        path = batch.write_index(output_dir, [video.output_dir.name for video in videos], entries)
+        log(f"wrote {path}: {len(videos)} stage folders")
 
+
+def encode_and_write(args, source, family, video: Video, encode, runtime, timer: Timer) -> None:
+    """One video's stage 1: its prompts and images encoded, its folder written as a single run writes it."""
+    request, images, image_records, output_dir = video.request, video.images, video.image_records, video.output_dir
+    dtype = parse_dtype(args.dtype)
     with timer.phase("encode"), runtime.precision(dtype):
-        embeddings = family.encode_prompts(source, request, dtype, runtime)
+        embeddings = encode(request)
     if images:  # image encoders and single-image VAE encodes on the runtime, fp32 matmuls (family.encode_images)
         log(f"encoding {', '.join(f'--{flag}' for flag in images)} on {runtime.describe()}")
         with timer.phase("encode_images"), torch.no_grad(), runtime.precision(torch.float32):

@@ -145,20 +145,25 @@ encode_images = cogvideox_i2v.encode_images
 image_size = size_from_request  # the pipeline resizes the image to the request's size
 
 
-def encode_prompts(source, request: Request, dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:
-    """T5 embeddings of the prompt and negative prompt, padded to the transformer's text length."""
+def prompt_encoder(source, dtype: torch.dtype, runtime):
+    """T5 loaded once; per request the embeddings of the prompt and negative prompt, padded to the
+    transformer's text length."""
     text_encoder = DeviceTextEncoder(source.load("text_encoder", dtype=dtype).eval(), runtime)
     pipe = _pipeline(tokenizer=source.load("tokenizer"), text_encoder=text_encoder)
-    with torch.no_grad():
-        prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(
-            request.prompt,
-            request.negative_prompt,
-            do_classifier_free_guidance=True,  # always encode the negative: stage 2 may turn CFG on
-            max_sequence_length=Geometry.of(source).text_tokens,
-            device=runtime.device,
-            dtype=dtype,
-        )
-    return {"prompt_embeds": prompt_embeds.cpu(), "negative_prompt_embeds": negative_prompt_embeds.cpu()}
+
+    def encode(request: Request) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(
+                request.prompt,
+                request.negative_prompt,
+                do_classifier_free_guidance=True,  # always encode the negative: stage 2 may turn CFG on
+                max_sequence_length=Geometry.of(source).text_tokens,
+                device=runtime.device,
+                dtype=dtype,
+            )
+        return {"prompt_embeds": prompt_embeds.cpu(), "negative_prompt_embeds": negative_prompt_embeds.cpu()}
+
+    return encode
 
 
 # Stage 2 -------------------------------------------------------------------------------------------

@@ -71,8 +71,9 @@ class Family(Protocol):
     def latents_normalization(self, source: ModelSource) -> dict[str, Any]:
         """How stage 2's latents relate to the VAE's (recorded by stage 2, undone by stage 3)."""
 
-    def encode_prompts(self, source: ModelSource, request: Request, dtype: torch.dtype, runtime: Runtime) -> dict:
-        """Stage 1: the pipeline's own prompt encoding; tensors named as the pipeline's arguments."""
+    def prompt_encoder(self, source: ModelSource, dtype: torch.dtype, runtime: Runtime) -> Callable[[Request], dict]:
+        """Stage 1: the text encoders loaded once; a function of a request giving the pipeline's own prompt
+        encoding, tensors named as the pipeline's arguments."""
 
     def image_inputs(self, source: ModelSource) -> tuple[tuple[str, ...], bool]:
         """The image flags this model takes ("image", "last_image"; none for text-to-video) and whether

@@ -278,9 +278,9 @@ image_inputs, image_size = hunyuanvideo15_i2v.image_inputs, hunyuanvideo15_i2v.i
 encode_images = hunyuanvideo15_i2v.encode_images
 
 
-def encode_prompts(source, request: Request, dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:
-    """Both encoders through the pipeline's own `encode_prompt` (Qwen2.5-VL with its chat template and
-    crop; ByT5 on the quoted text only), for the prompt and the negative prompt, masks included."""
+def prompt_encoder(source, dtype: torch.dtype, runtime):
+    """Both encoders loaded once; per request the pipeline's own `encode_prompt` (Qwen2.5-VL with its chat
+    template and crop; ByT5 on the quoted text only) of the prompt and the negative prompt, masks included."""
     pipe = _pipeline(
         source,
         tokenizer=source.load("tokenizer"),
@@ -288,12 +288,16 @@ def encode_prompts(source, request: Request, dtype: torch.dtype, runtime) -> dic
         tokenizer_2=source.load("tokenizer_2"),
         text_encoder_2=DeviceTextEncoder(source.load("text_encoder_2", dtype=dtype).eval(), runtime),
     )
-    tensors = {}
-    with torch.no_grad():
-        for prefix, text in (("", request.prompt), ("negative_", request.negative_prompt)):
-            encoded = pipe.encode_prompt(prompt=text, device=runtime.device, dtype=dtype, batch_size=1)
-            tensors.update({prefix + key: value.cpu() for key, value in zip(PROMPT_KEYS, encoded, strict=True)})
-    return tensors
+
+    def encode(request: Request) -> dict[str, torch.Tensor]:
+        tensors = {}
+        with torch.no_grad():
+            for prefix, text in (("", request.prompt), ("negative_", request.negative_prompt)):
+                encoded = pipe.encode_prompt(prompt=text, device=runtime.device, dtype=dtype, batch_size=1)
+                tensors.update({prefix + key: value.cpu() for key, value in zip(PROMPT_KEYS, encoded, strict=True)})
+        return tensors
+
+    return encode
 
 
 # Stage 2 -------------------------------------------------------------------------------------------

@@ -141,24 +141,28 @@ def _pipeline(source, **components):
 # Stage 1 -------------------------------------------------------------------------------------------
 
 
-def encode_prompts(source, request: Request, dtype: torch.dtype, runtime) -> dict[str, torch.Tensor]:
-    """UMT5 through the pipeline's own `encode_prompt` (its cleaning, 512-token layout, trimming and zero
-    padding), for the prompt and the negative prompt."""
+def prompt_encoder(source, dtype: torch.dtype, runtime):
+    """UMT5 loaded once; per request the pipeline's own `encode_prompt` (its cleaning, 512-token layout,
+    trimming and zero padding) of the prompt and the negative prompt."""
     pipe = _pipeline(
         source,
         tokenizer=source.load("tokenizer"),
         text_encoder=DeviceTextEncoder(source.load("text_encoder", dtype=dtype).eval(), runtime),
     )
-    with torch.no_grad():
-        prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            do_classifier_free_guidance=True,
-            max_sequence_length=MAX_SEQUENCE_LENGTH,
-            device=runtime.device,
-            dtype=dtype,
-        )
-    return {"prompt_embeds": prompt_embeds.cpu(), "negative_prompt_embeds": negative_prompt_embeds.cpu()}
+
+    def encode(request: Request) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(
+                prompt=request.prompt,
+                negative_prompt=request.negative_prompt,
+                do_classifier_free_guidance=True,
+                max_sequence_length=MAX_SEQUENCE_LENGTH,
+                device=runtime.device,
+                dtype=dtype,
+            )
+        return {"prompt_embeds": prompt_embeds.cpu(), "negative_prompt_embeds": negative_prompt_embeds.cpu()}
+
+    return encode
 
 
 def image_inputs(source) -> tuple[tuple[str, ...], bool]:

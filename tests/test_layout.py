@@ -165,7 +165,7 @@ def test_family_fills_in_the_interface(family):
 
 def test_the_family_protocol_names_the_core_members():
     """family_members() reads the protocol itself, so the per-family check above covers what stages call."""
-    assert {"denoise_loop", "encode_prompts", "validate_request", "Decoder", "PRESETS"} <= set(family_members())
+    assert {"denoise_loop", "prompt_encoder", "validate_request", "Decoder", "PRESETS"} <= set(family_members())
 
 
 def test_presets_are_unique_and_registered():

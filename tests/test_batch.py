@@ -1,0 +1,132 @@
+"""Many videos per run (utils/batch.py). Stage 1: a prompt list or a seed sweep writes one stage folder per
+entry, each what a single stage-1 run with that entry's flags writes (embeddings bit-identical, the config
+equal but for the timing table), and a batch.json listing them; bad entries are one `error:` naming the
+line, before any weights load, with nothing written. Stage 3: several folders, or a batch folder, decoded
+with one loaded VAE, each as a single run decodes it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import stage1_text_encoder
+import stage3_vae_decoder
+from helpers import expect_user_error, run_stage
+from utils import batch, read_config, read_tensors
+
+MODEL = "tiny-wan2.1"
+# What a batched folder's stage-1 section may differ in from its single run's: the timing table (the
+# batch's first folder also holds the one encoder load).
+STAGE1_EXCLUDED = ("seconds",)
+
+
+def stage1_outputs(folder):
+    config = read_config(folder, needs="stage1")
+    tensors = read_tensors(folder, config["stage1"])
+    section = {key: value for key, value in config["stage1"].items() if key not in STAGE1_EXCLUDED}
+    return tensors, {**config, "stage1": section}
+
+
+def test_prompt_list_folders_equal_single_runs(tmp_path):
+    entries = [
+        {"prompt": "a cat on a sofa", "seed": 3},
+        {"prompt": "a dog in the rain", "negative_prompt": "blurry", "name": "dog"},
+        {"prompt": "a red kite", "seed": 11, "negative_prompt": "dark"},
+    ]
+    listing = tmp_path / "list.jsonl"
+    listing.write_text("# three videos\n\n" + "\n".join(json.dumps(entry) for entry in entries) + "\n")
+    out = tmp_path / "batch"
+    run_stage(stage1_text_encoder, ["--model", MODEL, "--prompts", listing, "--output_dir", out, "--seed", 5])
+    index = json.loads((out / batch.BATCH_FILE).read_text())
+    assert [video["folder"] for video in index["videos"]] == ["000", "dog", "002"]
+    for position, (entry, video) in enumerate(zip(entries, index["videos"], strict=True)):
+        single = tmp_path / f"single{position}"
+        flags = ["--prompt", entry["prompt"], "--seed", entry.get("seed", 5)]
+        flags += ["--negative_prompt", entry["negative_prompt"]] if "negative_prompt" in entry else []
+        run_stage(stage1_text_encoder, ["--model", MODEL, "--output_dir", single, *flags])
+        (got_tensors, got_config), (want_tensors, want_config) = (
+            stage1_outputs(out / video["folder"]),
+            stage1_outputs(single),
+        )
+        assert got_tensors.keys() == want_tensors.keys()
+        assert all(torch.equal(got_tensors[key], want_tensors[key]) for key in want_tensors)
+        assert got_config == want_config
+    assert batch.expand_folders([str(out)]) == [out / "000", out / "dog", out / "002"]
+
+
+def test_seed_sweep_and_plain_text_list(tmp_path):
+    out = tmp_path / "sweep"
+    run_stage(stage1_text_encoder, ["--model", MODEL, "--prompt", "a cat", "--seeds", "1,3-4", "--output_dir", out])
+    seeds = [read_config(folder)["seed"] for folder in batch.expand_folders([str(out)])]
+    assert seeds == [1, 3, 4]
+    listing = tmp_path / "list.txt"
+    listing.write_text("a cat\n# a comment\n\n  a dog  \n")
+    out = tmp_path / "plain"
+    run_stage(stage1_text_encoder, ["--model", MODEL, "--prompts", listing, "--output_dir", out])
+    prompts = [read_config(folder)["prompt"] for folder in batch.expand_folders([str(out)])]
+    assert prompts == ["a cat", "a dog"]
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"prompt": "a cat"}', '{"prompt": ""}'], "line 2: the prompt is empty"),
+        (['{"prompt": "a cat", "image": "missing.png"}'], "line 1: image"),
+        (['{"prompt": "a cat"}', "", '{"prompt": "a dog", "seed": "7"}'], "line 3: 'seed' must be an integer"),
+        (['{"prompt": "a", "name": "x"}', '{"prompt": "b", "name": "x"}'], "line 2: name 'x' is already used by"),
+        (['{"prompt": "a cat"}', '{"prompt": "a dog",}'], "line 2: not a JSON object"),
+        (['{"prompt": "a cat", "steps": 4}'], "line 1: unknown key(s) steps"),
+        (['{"prompt": "a cat", "seed": -1}'], "line 1: --seed -1 must be from 0"),
+    ],
+)
+def test_bad_list_entries_name_the_line_and_write_nothing(capsys, tmp_path, lines, message):
+    listing = tmp_path / "list.jsonl"
+    listing.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    expect_user_error(
+        capsys, stage1_text_encoder, ["--model", MODEL, "--prompts", listing, "--output_dir", out], message
+    )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--prompt", "a", "--seeds", "1,x"], "'x' is not a seed or a range"),
+        (["--prompt", "a", "--seeds", "5-3"], "runs backwards"),
+        (["--prompt", "a", "--seeds", "1,1"], "a seed appears twice"),
+        (["--prompt", "a", "--seeds", "1", "--seed", "2"], "give one seed or a sweep"),
+        ([], "the prompt is missing"),
+    ],
+)
+def test_bad_sweeps(capsys, tmp_path, flags, message):
+    expect_user_error(capsys, stage1_text_encoder, ["--model", MODEL, "--output_dir", tmp_path / "o", *flags], message)
+    assert not (tmp_path / "o").exists()
+
+
+def test_stage3_decodes_a_batch_folder_with_one_vae(capsys, tmp_path):
+    import stage2_transformer
+
+    out = tmp_path / "batch"
+    argv = ["--model", MODEL, "--prompt", "a cat", "--seeds", "1-2", "--output_dir", out, "--dtype", "fp32"]
+    run_stage(stage1_text_encoder, argv)
+    folders = batch.expand_folders([str(out)])
+    for folder in folders:  # stage 2 one folder at a time (its batching is tested elsewhere)
+        run_stage(stage2_transformer, ["--input_dir", folder, "--num_inference_steps", 1])
+    single = tmp_path / "single"
+    run_stage(
+        stage3_vae_decoder, ["--input_dir", folders[1], "--output_dir", single, "--backend", "torch", "--save_frames"]
+    )
+    run_stage(stage3_vae_decoder, ["--input_dir", out, "--backend", "torch", "--save_frames"])
+    sections = [read_config(folder, needs="stage3")["stage3"] for folder in (*folders, single)]
+    frames = [
+        read_tensors(folder, section["frames_file"])["frames"]
+        for folder, section in zip((*folders, single), sections, strict=True)
+    ]
+    assert torch.equal(frames[1], frames[2]) and not torch.equal(frames[0], frames[1])
+    assert "load" in sections[0]["seconds"] and "load" not in sections[1]["seconds"]  # one VAE for both
+    argv = ["--input_dir", *folders, "--output_dir", tmp_path / "x", "--backend", "torch"]
+    expect_user_error(capsys, stage3_vae_decoder, argv, "with several input folders each video is written into its own")
+    expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", out, folders[0]], "named twice in the input folders")

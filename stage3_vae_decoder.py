@@ -6,11 +6,15 @@ that JAX sees, else torch on the CPU. `--backend torch` runs plain PyTorch on CP
 imports JAX (for GPU hosts); `--backend torchax` runs the same VAE on every JAX device. The latents'
 normalisation that stage 2 recorded (the VAE scaling factor, or Wan's per-channel mean and std) is
 undone exactly as the diffusers pipeline does before decoding.
+
+Several input folders (or a batch folder stage 1 wrote, standing for the folders its batch.json lists) are
+decoded one after another with one loaded VAE, each video written into its own folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +37,7 @@ from utils import (
     VIDEO_FILE,
     Request,
     UserError,
+    batch,
     check_output_dir,
     check_stage1_fresh,
     check_stage2_fresh,
@@ -56,7 +61,10 @@ from workarounds.warning_filters import filter_harmless_warnings
 def parse_args(argv=None) -> argparse.Namespace:
     parser = stage_parser(__file__, __doc__)
     parser.add_argument(
-        "--input_dir", default=DEFAULT_OUTPUT_DIR, help="folder with stage 2's files (default: %(default)s)"
+        "--input_dir",
+        nargs="+",
+        default=[DEFAULT_OUTPUT_DIR],
+        help="folder(s) with stage 2's files, or a batch folder (its batch.json) (default: %(default)s)",
     )
     parser.add_argument("--output_dir", help="where to write the video and config (default: --input_dir)")
     parser.add_argument("--output_name", default=VIDEO_FILE, help="video file name (default: %(default)s)")
@@ -96,8 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--chunk_frames",
         type=int,
         help="--backend torchax: latent frames per compiled call, the VAE's state carried between calls; 0 "
-        "compiles the whole decode as one program (default: Wan 1, CogVideoX 2; HunyuanVideo-1.5 0, not "
-        "chunked yet)",
+        "compiles the whole decode as one program (Wan 1, CogVideoX 2, HunyuanVideo-1.5 1 to 32; default: "
+        "the first)",
     )
     parser.add_argument(
         "--preview_frames",
@@ -113,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--plan",
         metavar="TPU",
         help="compile this decode (--backend torchax layout: VAE replicated, latents split along width over "
-        "every device; Wan and CogVideoX: each frame program, with the calls per video) for a TPU slice, report "
+        "every device; each frame program, with the calls per video) for a TPU slice, report "
         "HBM fit, then exit (0: fits, 3: does not fit); writes nothing. "
         "TPU: v5litepod-8, v5e-8, v5p-8, v6e-8, tpu7x-8, ... or a topology (v6e:2x4)",
     )
@@ -133,7 +141,9 @@ def plan_main(args) -> None:
 
     target = plan.target_from_flag(args.plan)
     flags = {key: getattr(args, key) for key in PLAN_REQUEST_KEYS}
-    request, source, family, _ = plan.request_to_plan(Path(args.input_dir), args.model, flags, args.dtype)
+    if len(args.input_dir) > 1:
+        raise UserError("--plan compiles one decode: give one --input_dir (or none, with --model)")
+    request, source, family, _ = plan.request_to_plan(Path(args.input_dir[0]), args.model, flags, args.dtype)
     dtype = parse_dtype(args.dtype or request.dtype)
     chunk_frames = chunk_frames_choice(args, family, "torchax")  # what a TPU run would take
     log(f"planning the {family.NAME} decode for {target.name} ({target.topology}), tiling {args.tiling}")
@@ -149,12 +159,12 @@ def frames_name(video_name: str) -> str:
     return str(Path(video_name).with_suffix("")) + "_frames.safetensors"
 
 
-def output_paths(args) -> tuple[Path, str]:
+def output_paths(args, input_dir: Path) -> tuple[Path, str]:
     """The video's folder and name: --output_dir/--output_name, or the reference's --output_video PATH."""
     if args.output_video is None:
         if Path(args.output_name).suffix.lower() != ".mp4":
             raise UserError(f"--output_name {args.output_name!r}: the video is an mp4 (name it .mp4)")
-        return Path(args.output_dir or args.input_dir), args.output_name
+        return Path(args.output_dir or input_dir), args.output_name
     if args.output_dir is not None or args.output_name != VIDEO_FILE:
         raise UserError("--output_video names the folder and the file; drop --output_dir and --output_name")
     path = Path(args.output_video)
@@ -202,33 +212,86 @@ def main(argv=None) -> None:
     check_backend_flags(args.backend, args.device)
     if args.preview_frames < 0:
         raise UserError(f"--preview_frames {args.preview_frames} must be >= 0")
-    input_dir = Path(args.input_dir)
-    output_dir, output_name = output_paths(args)
-    timer = Timer()
+    folders = batch.expand_folders(args.input_dir)
+    if len(folders) > 1 and (args.output_dir or args.output_video or args.output_name != VIDEO_FILE):
+        raise UserError(
+            "--output_dir/--output_name/--output_video name one video; with several input folders each video is "
+            "written into its own folder"
+        )
+    videos = [checked_video(args, folder) for folder in folders]  # every folder checked before any work
 
+    # With --backend torchax the VAE's weights are replicated and its activations split along width.
+    backend, device, reason = choose_backend(args.backend, args.device)
+    log(f"--backend {args.backend}: {reason}")
+    runtime = open_runtime(backend, device, SP, compile_cache=not args.no_compile_cache)
+    vaes: dict = {}  # one loaded VAE per model and dtype, for every folder that uses it
+    for number, video in enumerate(videos, 1):
+        if len(videos) > 1:
+            log(f"video {number} of {len(videos)}: {video.input_dir}")
+        decode_and_write(args, video, runtime, backend, reason, vaes)
+
+
+@dataclasses.dataclass
+class Video:
+    """One folder's decode, checked: where it reads and writes, its request, model and latents."""
+
+    input_dir: Path
+    output_dir: Path
+    output_name: str
+    config: dict
+    request: Request
+    overrides: dict
+    source: object
+    family: object
+    dtype_name: str
+    latents: torch.Tensor
+
+
+def checked_video(args, input_dir: Path) -> Video:
+    """Read and check one input folder (fresh stage files, a writable output), before anything decodes."""
+    output_dir, output_name = output_paths(args, input_dir)
     config = read_config(input_dir, needs="stage2")
     request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides({"fps": args.fps})
     source, family = models.resolve_model_for_request(request, args.model)
     check_stage1_fresh(input_dir, config, request)
     check_stage2_fresh(input_dir, config, request)
     dtype_name = args.dtype or request.dtype
-    dtype = parse_dtype(dtype_name)
+    parse_dtype(dtype_name)
     latents = read_tensors(input_dir, config["stage2"])["latents"]
     check_output_dir(output_dir, input_dir, config)
     ensure_writable_dir(output_dir, (output_name, preview_name(output_name), frames_name(output_name)))
+    return Video(input_dir, output_dir, output_name, config, request, overrides, source, family, dtype_name, latents)
 
-    # With --backend torchax the VAE's weights are replicated and its activations split along width.
-    backend, device, reason = choose_backend(args.backend, args.device)
-    log(f"--backend {args.backend}: {reason}")
-    runtime = open_runtime(backend, device, SP, compile_cache=not args.no_compile_cache)
+
+def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vaes: dict) -> None:
+    """Decode one folder's latents (with the VAE `vaes` holds for its model, loaded on first use) and write
+    its mp4, preview, frames and config section as a single run does."""
+    family, source, request, latents, config = video.family, video.source, video.request, video.latents, video.config
+    output_dir, output_name, dtype_name = video.output_dir, video.output_name, video.dtype_name
+    dtype = parse_dtype(dtype_name)
+    timer = Timer()
     chunk_frames = chunk_frames_choice(args, family, backend)
     how = f"{chunk_frames} latent frame(s) per call" if chunk_frames else "one program"
     log(
         f"decoding latents {tuple(latents.shape)} with the {family.NAME} VAE, {runtime.describe()}, {dtype_name}, {how}"
     )
+    if (source.location, dtype) not in vaes:
+        with timer.phase("load"):
+            vaes[source.location, dtype] = source.load("vae", dtype=dtype).eval()
     normalization = stage2_normalization(config["stage2"], lambda: family.latents_normalization(source))
     with runtime.precision(dtype):
-        frames = decode(family, source, latents, normalization, dtype, runtime, timer, args.tiling, chunk_frames)
+        frames = decode(
+            family,
+            source,
+            latents,
+            normalization,
+            dtype,
+            runtime,
+            timer,
+            args.tiling,
+            chunk_frames,
+            vae=vaes[source.location, dtype],
+        )
     if not torch.isfinite(frames).all():
         raise UserError(
             f"the decoded frames hold NaN or Inf: the VAE overflowed in {dtype_name} (try --dtype fp32), or the "
@@ -256,7 +319,7 @@ def main(argv=None) -> None:
         "fps": request.fps,
         "tiling": args.tiling,
         "chunk_frames": chunk_frames,
-        "overrides": overrides,
+        "overrides": video.overrides,
         "backend_choice": reason,
         **run_record(runtime, dtype_name, timer.finish(), ("diffusers", "imageio-ffmpeg")),
     }

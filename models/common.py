@@ -344,14 +344,17 @@ def decode(
     timer: Timer,
     tiling=False,
     chunk_frames: int | None = None,
+    vae=None,
 ):
     """Load the VAE, decode on `runtime` with the family's `Decoder` (undoing `normalization`, what stage
     2 recorded; latents to pixels in [-1, 1]): as one graph, or with `chunk_frames` through the family's
     frame programs (`frame_programs`: a host loop, the decoder's state carried between calls); then
-    post-process with the pipeline's own processor: frames (F, H, W, 3) float32 in [0, 1]."""
+    post-process with the pipeline's own processor: frames (F, H, W, 3) float32 in [0, 1]. `vae`: one
+    loaded before (stage 3 decoding several folders), else loaded here."""
     processor = family.video_processor(source)
-    with timer.phase("load"):
-        vae = source.load("vae", dtype=dtype).eval()
+    if vae is None:
+        with timer.phase("load"):
+            vae = source.load("vae", dtype=dtype).eval()
     if tiling:
         vae.enable_tiling()
     latents = latents.to(dtype)

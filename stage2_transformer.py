@@ -14,33 +14,29 @@ import argparse
 import dataclasses
 import functools
 import re
+import types
 from pathlib import Path
 
-import models
 from models import lora
-from models.cache_schedule import CacheSettings, add_cache_arguments, kind_from_flags, settings_from_flags
+from models.batching import default_batch_size, denoise_group, group_key
+from models.cache_schedule import add_cache_arguments, kind_from_flags
 from models.common import attention_heads
-from models.denoise import DenoiseGuard, DenoiseOptions, denoise
-from models.images import check_image_size_kept
+from models.denoise import DenoiseOptions, denoise, sigterm_sets_stop
+from models.stage2_inputs import ValidatedRun, batch_resume, check_batch_flags, validated_run
 from runtime import distributed
-from runtime.interface import SP_MODES, Timer, run_record
+from runtime.interface import SP_MODES, run_record
 from utils import (
     CHECKPOINT_FILE,
-    CONFIG_FILE,
     DEFAULT_OUTPUT_DIR,
     STAGE2_FILE,
     Request,
     UserError,
     add_request_arguments,
-    check_output_dir,
-    check_stage1_fresh,
+    batch,
     dtype_flag,
-    ensure_writable_dir,
     flag_names,
     log,
     parse_dtype,
-    read_config,
-    read_tensors,
     request_flags,
     run_cli,
     set_logging,
@@ -55,7 +51,16 @@ from workarounds.warning_filters import filter_harmless_warnings
 def parse_args(argv=None) -> argparse.Namespace:
     parser = stage_parser(__file__, __doc__)
     parser.add_argument(
-        "--input_dir", default=DEFAULT_OUTPUT_DIR, help="folder with stage 1's files (default: %(default)s)"
+        "--input_dir",
+        nargs="+",
+        default=[DEFAULT_OUTPUT_DIR],
+        help="folder(s) with stage 1's files, or a batch folder (its batch.json) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch_size",
+        type=int,
+        help="several folders: videos per batch, those of a group sharing one compiled program (default: the "
+        "group's size, at most the devices, half of them with CFG)",
     )
     parser.add_argument("--output_dir", help="where to write the latents and config (default: --input_dir)")
     parser.add_argument(
@@ -203,8 +208,9 @@ def splash_config(args, family, generation=None):
         raise UserError(f"--{err}") from None
 
 
-def mesh_shape(args, family, source, request: Request, dtype, devices: int, per_host=None, memory=None):
-    """The dp/sp/tp mesh: the flags given, the rest by runtime.mesh.default_mesh (logged with its reason)."""
+def mesh_shape(args, family, source, request: Request, dtype, devices: int, per_host=None, memory=None, videos=1):
+    """The dp/sp/tp mesh for a batch of `videos`: the flags given, the rest by runtime.mesh.default_mesh
+    (logged with its reason)."""
     from models.meta import model_facts
     from runtime.mesh import default_mesh
 
@@ -212,7 +218,15 @@ def mesh_shape(args, family, source, request: Request, dtype, devices: int, per_
     cfg = family.cfg_enabled(request.guidance_scale)
     try:
         choice = default_mesh(
-            devices, args.dp, args.sp, args.tp, cfg=cfg, model=facts, devices_per_host=per_host, device_memory=memory
+            devices,
+            args.dp,
+            args.sp,
+            args.tp,
+            cfg=cfg,
+            model=facts,
+            devices_per_host=per_host,
+            device_memory=memory,
+            videos=videos,
         )
     except ValueError as err:  # the library names mesh axes; the flags have the same names
         raise UserError(re.sub(r"\b(dp|sp|tp)\b", r"--\1", str(err)).replace(" x --", " --")) from None
@@ -242,7 +256,7 @@ def plan_main(args) -> None:
 
     target = plan.target_from_flag(args.plan)
     request, source, family, embeddings = plan.request_to_plan(
-        Path(args.input_dir), args.model, request_flags(args), args.dtype
+        Path(args.input_dir[0]), args.model, request_flags(args), args.dtype
     )
     dtype = parse_dtype(args.dtype or request.dtype)
     adapters = lora.read_adapters(args, family, source, dtype)
@@ -290,94 +304,33 @@ def main(argv=None) -> None:
         raise UserError("--plan_json needs --plan")
     if args.peer_timeout <= 0:
         raise UserError(f"--peer_timeout {args.peer_timeout} must be a positive number of seconds")
+    folders = batch.expand_folders(args.input_dir)
+    check_batch_flags(args, folders)
     settings = distributed.launch_settings(args.coordinator_address, args.num_processes, args.process_id)
     # Several processes: JAX's distributed runtime starts first, so they can agree on their inputs.
     processes = distributed.Processes.start(settings, args.peer_timeout)
     set_logging(processes.is_main)
+    if len(folders) > 1 and processes.count > 1:
+        raise UserError("several input folders run in one process for now; give each multi-host run one folder")
+    trace_dir = profile_dir(args)
     with processes.agreeing("inputs"):
-        run = validated_run(args, processes)
-    run.guard.share_restored()
+        runs = [
+            validated_run(args, processes, folder, Path(args.output_dir or folder), trace_dir, resume)
+            for folder, resume in batch_resume(args, folders)
+        ]
+    for run in runs:
+        run.guard.share_restored()
     with processes.failures_shared():
-        denoise_and_write(args, run, processes)
+        if len(folders) == 1:
+            denoise_and_write(args, runs[0], processes)
+        else:
+            denoise_batches(args, runs, processes)
     processes.finish()
 
 
-@dataclasses.dataclass
-class ValidatedRun:
-    """What stage 2 knows once its inputs are checked (in every process), before JAX does any work."""
-
-    input_dir: Path
-    output_dir: Path
-    config: dict
-    request: Request
-    overrides: dict
-    source: object
-    family: object
-    dtype_name: str
-    dtype: object  # torch.dtype
-    embeddings: dict
-    cache: CacheSettings
-    adapters: list  # models.lora.Adapter
-    guard: DenoiseGuard
-    trace_dir: str | None
-    timer: Timer
-
-
-def validated_run(args, processes) -> ValidatedRun:
-    """Read and check the flags and stage 1's folder (every process reads its own copy; only process 0
-    prepares the output folder)."""
-    timer = Timer()
-    trace_dir = profile_dir(args)
-    if args.warmup_steps < 0:
-        raise UserError(f"--warmup_steps {args.warmup_steps} must be >= 0")
-    input_dir = Path(args.input_dir)
-    output_dir = Path(args.output_dir or args.input_dir)
-    config = read_config(input_dir, needs="stage1")
-    request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides(
-        {**request_flags(args), "model_id": args.model}
-    )
-    check_stage1_fresh(input_dir, config, request)
-    check_image_size_kept(config, overrides)
-    source, family = models.resolve_model_for_request(request)
-    dtype_name = args.dtype or request.dtype
-    dtype = parse_dtype(dtype_name)
-    models.validate_request(family, source, request)
-    embeddings = read_tensors(input_dir, config["stage1"])
-    check_output_dir(output_dir, input_dir, config)
-    adapters = lora.read_adapters(args, family, source, dtype)
-    cache = settings_from_flags(args, input_dir, request.model_id, lora.identity(adapters))
-    if processes.is_main:
-        ensure_writable_dir(output_dir, (STAGE2_FILE,))
-    fingerprint = {**request.fingerprint(), "dtype": dtype_name, "stage1_sha256": config["stage1"]["sha256"]}
-    fingerprint.update({"cache": cache.record(), **({"adapters": lora.identity(adapters)} if adapters else {})})
-    guard = DenoiseGuard(
-        output_dir,
-        fingerprint,
-        every=args.checkpoint_every,
-        resume=args.resume,
-        processes=processes,
-    )
-    return ValidatedRun(
-        input_dir,
-        output_dir,
-        config,
-        request,
-        overrides,
-        source,
-        family,
-        dtype_name,
-        dtype,
-        embeddings,
-        cache,
-        adapters,
-        guard,
-        trace_dir,
-        timer,
-    )
-
-
-def denoise_and_write(args, run: ValidatedRun, processes) -> None:
-    """Place, compile and run the loop on the mesh; process 0 writes the latents and the config section."""
+def runtime_for(args, run, processes, videos: int = 1):
+    """The mesh (for a batch of `videos`), runtime, attention backend, loop options and their record: what
+    one folder's denoise and a group of batches set up alike."""
     import jax
 
     import sharding
@@ -385,14 +338,13 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
     from runtime.torchax_runtime import CompileCache, TorchaxRuntime, device_memory
     from splash_attention import attention_backend, resolve_backend
 
-    family, source, request, timer, guard = run.family, run.source, run.request, run.timer, run.guard
-    dtype = run.dtype
-    compile_cache = CompileCache(enabled=not args.no_compile_cache)
+    family, source, dtype = run.family, run.source, run.dtype
     per_host = jax.local_device_count() if processes.count > 1 else None
-    choice = mesh_shape(args, family, source, request, dtype, jax.device_count(), per_host, device_memory())
-    shape = choice.shape
-    sp_choice, sp_why = sequence_parallel(args, source, shape)
-    mesh = sharding.make_mesh(shape)
+    devices, memory = jax.device_count(), device_memory()
+    choice = mesh_shape(args, family, source, run.request, dtype, devices, per_host, memory, videos)
+    sp_choice, sp_why = sequence_parallel(args, source, choice.shape)
+    mesh = sharding.make_mesh(choice.shape)
+    compile_cache = CompileCache(enabled=not args.no_compile_cache)
     runtime = TorchaxRuntime(mesh, profile_dir=run.trace_dir, compile_cache=compile_cache)
     try:
         attention, why = resolve_backend(args.attention, dtype, runtime.platform)
@@ -404,27 +356,10 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
     splash = splash_config(args, family, generation)
     hosts = f", {processes.count} processes" if processes.count > 1 else ""
     log(f"{family.NAME} transformer, {runtime.describe()}{hosts}, {run.dtype_name}, attention {attention} ({why})")
-    log(f"request overrides: {run.overrides or 'none'}")
     fuse = functools.partial(lora.fuse, adapters=run.adapters, family=family) if run.adapters else None
-    options = DenoiseOptions(args.tp_mode, args.warmup_steps, guard, run.cache, on_loaded=fuse)
+    options = DenoiseOptions(args.tp_mode, args.warmup_steps, run.guard, run.cache, on_loaded=fuse)
     backend = attention_backend(runtime.env, attention, splash, runtime.mesh)
-    with backend, runtime.precision(dtype), guard.stop_handler():
-        latents, info, step_cache = denoise(family, source, request, run.embeddings, dtype, runtime, timer, options)
-    if not processes.is_main:
-        processes.agree("written", None)  # wait for process 0's files, and fail if it failed
-        return
-    with timer.phase("save"):
-        record = write_tensors(run.output_dir / STAGE2_FILE, {"latents": latents})
-        if args.cache_calibrate:
-            step_cache.write_ratios(run.output_dir, request.model_id, lora.identity(run.adapters))
-    timing = timer.finish()
-
-    section = {
-        **record,
-        "stage1_sha256": run.config["stage1"]["sha256"],
-        "request": request.fingerprint(),
-        "resumed": args.resume,
-        **info,
+    record = {
         "tp_mode": args.tp_mode,
         "attention": attention,
         "attention_choice": why,
@@ -432,16 +367,83 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
         "sequence_parallel": {"mode": sp_choice, "why": sp_why},
         "processes": processes.count,
         **({"splash": dataclasses.asdict(splash)} if attention == "splash" else {}),
+    }
+    return runtime, backend, options, record
+
+
+def denoise_and_write(args, run: ValidatedRun, processes) -> None:
+    """Place, compile and run the loop on the mesh; process 0 writes the latents and the config section."""
+    runtime, backend, options, record = runtime_for(args, run, processes)
+    log(f"request overrides: {run.overrides or 'none'}")
+    with backend, runtime.precision(run.dtype), run.guard.stop_handler():
+        latents, info, step_cache = denoise(
+            run.family, run.source, run.request, run.embeddings, run.dtype, runtime, run.timer, options
+        )
+    if not processes.is_main:
+        processes.agree("written", None)  # wait for process 0's files, and fail if it failed
+        return
+    with run.timer.phase("save"):
+        saved = write_tensors(run.output_dir / STAGE2_FILE, {"latents": latents})
+        if args.cache_calibrate:
+            step_cache.write_ratios(run.output_dir, run.request.model_id, lora.identity(run.adapters))
+    run.timer.finish()
+    if step_cache is not None:
+        record["step_cache"] = {**step_cache.record(), **run.timer.median_steps()}
+    write_section(args, run, saved, latents, info, run.timer, record, runtime)
+    run.guard.finished()
+    processes.agree("written", None)
+
+
+def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
+    """Several folders: grouped by what the compiled program and schedule depend on (in list order), each
+    group denoised in batches of --batch_size sharing one placement and program (models/batching.py)."""
+    import jax
+
+    groups: dict[tuple, list[ValidatedRun]] = {}
+    for run in runs:
+        task = run.config["stage1"].get("task", "t2v")
+        groups.setdefault((group_key(run.request, task, run.cache.record()), run.dtype_name), []).append(run)
+    stop = types.SimpleNamespace(stop_requested=False)
+    for number, members in enumerate(groups.values(), 1):
+        first = members[0]
+        size = args.batch_size or default_batch_size(first, len(members), jax.device_count())
+        log(f"group {number} of {len(groups)}: {len(members)} video(s), batches of {size}")
+        runtime, backend, options, record = runtime_for(args, first, processes, size)
+        by_start: dict[int, list[ValidatedRun]] = {}  # videos stopped after the same step batch together
+        for run in members:
+            by_start.setdefault(run.guard.start_step, []).append(run)
+        batches = [same[i : i + size] for same in by_start.values() for i in range(0, len(same), size)]
+        batches.sort(key=len, reverse=True)  # the first batch sets the padded size
+
+        def write(run, latents, info, timer, timing, batch_record, record=record, group=number, runtime=runtime):
+            timer.seconds = timing  # the batch's table, finished once
+            saved = write_tensors(run.output_dir / STAGE2_FILE, {"latents": latents})
+            write_section(
+                args, run, saved, latents, info, timer, {**record, "batch": {"group": group, **batch_record}}, runtime
+            )
+
+        with backend, runtime.precision(first.dtype), sigterm_sets_stop(stop):
+            denoise_group(first.family, first.source, batches, first.dtype, runtime, options, stop, write)
+
+
+def write_section(args, run: ValidatedRun, saved: dict, latents, info, timer, record: dict, runtime) -> None:
+    """Write one folder's stage2 section (process 0), once its latents are `saved`."""
+    step_cache = {"step_cache": record.pop("step_cache")} if "step_cache" in record else {}
+    section = {
+        **saved,
+        "stage1_sha256": run.config["stage1"]["sha256"],
+        "request": run.request.fingerprint(),
+        "resumed": run.guard.restored is not None,
+        **info,
+        **record,
         "overrides": run.overrides,
         **({"adapters": [adapter.record() for adapter in run.adapters]} if run.adapters else {}),
         "warmup_steps": args.warmup_steps,
         "step_seconds": timer.step_seconds,
-        **({"step_cache": {**step_cache.record(), **timer.median_steps()}} if step_cache is not None else {}),
-        **run_record(runtime, run.dtype_name, timing, ("diffusers",)),
+        **step_cache,
+        **run_record(runtime, run.dtype_name, timer.seconds, ("diffusers",)),
     }
-    write_stage_config(run.output_dir, request, stage_sections(run.config), "stage2", section)
-    guard.finished()
-    processes.agree("written", None)
+    write_stage_config(run.output_dir, run.request, stage_sections(run.config), "stage2", section)
     log(f"wrote {run.output_dir / STAGE2_FILE}: latents {tuple(latents.shape)} ({info['latents_layout']})")
 
 

@@ -92,18 +92,9 @@ class DenoiseGuard:
         """The first step this run computes (0 unless resuming)."""
         return self.restored[0] if self.restored is not None else 0
 
-    @contextlib.contextmanager
-    def stop_handler(self) -> Iterator[None]:
+    def stop_handler(self) -> contextlib.AbstractContextManager:
         """Within the block SIGTERM only sets a flag; the loop saves and stops after the current step."""
-
-        def request_stop(signum, frame):
-            self.stop_requested = True
-
-        previous = signal.signal(signal.SIGTERM, request_stop)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        return sigterm_sets_stop(self)
 
     def save(self, next_step: int, tensors: dict[str, torch.Tensor]) -> None:
         """Write the checkpoint (process 0 only; the others hold the same state)."""
@@ -136,6 +127,20 @@ class DenoiseGuard:
     def finished(self) -> None:
         if self.processes.is_main:
             self.path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def sigterm_sets_stop(target) -> Iterator[None]:
+    """Within the block SIGTERM sets `target.stop_requested` (a guard, or a whole run of batches)."""
+
+    def request_stop(signum, frame):
+        target.stop_requested = True
+
+    previous = signal.signal(signal.SIGTERM, request_stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass(frozen=True)
@@ -213,15 +218,21 @@ def step_progress(steps, timer: Timer, desc: str = "denoise", trace=None, trace_
     bar.close()
 
 
-def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options: DenoiseOptions):
-    """Place and compile the guided denoisers (every expert's weights placed once, up front), warm each up,
-    then run (or resume) the timed steps; the final latents on the host, and the step cache (or None)."""
-    cache = None
+def place_denoisers(loop: DenoiseLoop, runtime: Runtime, options: DenoiseOptions) -> list | StepCache:
+    """The guided denoisers placed and jitted (every expert's weights placed once): one program per expert,
+    or the step cache's programs. Later loops of the same group (models/batching.py) reuse them."""
+    if options.cache.enabled:
+        return StepCache(options.cache, loop, runtime, loop.rules.nested("guided.transformer."))
+    return [runtime.compile(guided, loop.rules.nested("transformer.")) for guided in loop.guided]
+
+
+def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options: DenoiseOptions, placed=None):
+    """Place and compile the guided denoisers (unless `placed` holds them already), warm each up, then run
+    (or resume) the timed steps; the final latents on the host, and the step cache (or None)."""
     with timer.phase("place"):
-        if options.cache.enabled:
-            cache = StepCache(options.cache, loop, runtime, loop.rules.nested("guided.transformer."))
-        else:
-            denoisers = [runtime.compile(guided, loop.rules.nested("transformer.")) for guided in loop.guided]
+        if placed is None:
+            placed = place_denoisers(loop, runtime, options)
+        cache, denoisers = (placed, None) if isinstance(placed, StepCache) else (None, placed)
         static_inputs = tuple(runtime.to_device(tensor, layout) for tensor, layout in loop.static_inputs)
 
     def predict_noise(latents, i, t, expert, warmup=False):

@@ -3,8 +3,9 @@ checks on axis sizes given as flags. Plain arithmetic over `ModelFacts` (heads, 
 rule table splits on tp, weight bytes), so it needs no JAX and no compile.
 
 The default, for the axes the user left unset:
-- `dp` takes the classifier-free-guidance batch (2 with CFG, where it divides the devices), since the two
-  branches need no traffic until they are combined;
+- `dp` takes the classifier-free-guidance batch (2 with CFG; times the videos of a batch, stage 2's
+  `--batch_size`), its largest divisor that divides the devices, since the samples need no traffic until
+  the branches are combined;
 - `tp` is the largest divisor of the attention heads and of every weight dimension the rule table splits
   on tp that fits within one host (its all-reduces run twice per block and want the fastest links);
 - `sp` takes the remaining devices, attention over it by Ulysses where the heads per tp shard divide by
@@ -104,7 +105,7 @@ def _divisors(n: int) -> list[int]:
 
 def _candidates(devices: int, dp, sp, tp, batch: int, model: ModelFacts, per_host: int):
     """Valid meshes for the given axes, in order of preference: dp the batch first, then tp largest."""
-    for d in [dp] if dp else ([batch, 1] if batch > 1 else [1]):
+    for d in [dp] if dp else [d for d in _divisors(batch) if devices % d == 0]:
         if devices % d:
             continue
         rest = devices // d
@@ -131,18 +132,19 @@ def default_mesh(
     model: ModelFacts,
     devices_per_host: int | None = None,
     device_memory: int | None = None,
+    videos: int = 1,
 ) -> MeshChoice:
     """The mesh for `devices` with the axes given (None: chosen as the module docstring says) and why.
 
     Raises ValueError, naming a mesh that works where there is one, when the given sizes cannot work:
     their product is not the device count, tp does not divide the heads or spans hosts, or dp is larger
-    than the batch (2 with CFG, else 1).
+    than the batch (`videos`, twice that with CFG).
     """
     for name, value in ((DP, dp), (SP, sp), (TP, tp)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     per_host = min(devices_per_host or devices, devices)
-    batch = 2 if cfg else 1
+    batch = videos * (2 if cfg else 1)
     defaults = list(_candidates(devices, None, None, None, batch, model, per_host))
     hint = f"; a mesh that works: {defaults[0]}" if defaults else ""
     _check_given(devices, (dp, sp, tp), batch, model.heads, per_host, hint)
@@ -180,7 +182,7 @@ def _check_given(devices: int, given, batch: int, heads: int, per_host: int, hin
             f"the hosts on dp or sp{hint}"
         )
     if dp and dp > batch:
-        what = "the two CFG branches" if batch == 2 else "one sample (CFG is off)"
+        what = {1: "one sample (CFG is off)", 2: "the two CFG branches"}.get(batch, "videos times CFG branches")
         raise ValueError(
             f"dp {dp} is more than the batch of {batch}, {what}: devices would hold identical copies doing "
             f"identical work{hint}"

@@ -60,7 +60,8 @@ class CompileCache:
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
             jax.monitoring.register_event_listener(self._count)
-        else:
+        self.listening = enabled
+        if not enabled:
             jax.config.update("jax_enable_compilation_cache", False)
         # JAX settles its cache state at the first compile, and `import torchax` (above) already
         # compiles (with $JAX_COMPILATION_CACHE_DIR if set): start over so the settings above take effect.
@@ -74,8 +75,9 @@ class CompileCache:
 
     def report(self) -> dict[str, object]:
         """Stop counting; a summary for the config (the folder is logged, not recorded: configs hold no
-        host paths)."""
-        if self.enabled:
+        host paths). Several folders' sections ask once each: the counts are the run's so far."""
+        if self.listening:
+            self.listening = False
             jax.monitoring.unregister_event_listener(self._count)
             log(f"compile cache {self.directory}: {self.hits} hits, {self.misses} misses")
         return {"enabled": self.enabled, "hits": self.hits, "misses": self.misses}

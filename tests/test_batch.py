@@ -13,7 +13,7 @@ import torch
 
 import stage1_text_encoder
 import stage3_vae_decoder
-from helpers import expect_user_error, run_stage
+from helpers import expect_user_error, relative_error, run_stage
 from utils import batch, read_config, read_tensors
 
 MODEL = "tiny-wan2.1"
@@ -130,3 +130,72 @@ def test_stage3_decodes_a_batch_folder_with_one_vae(capsys, tmp_path):
     argv = ["--input_dir", *folders, "--output_dir", tmp_path / "x", "--backend", "torch"]
     expect_user_error(capsys, stage3_vae_decoder, argv, "with several input folders each video is written into its own")
     expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", out, folders[0]], "named twice in the input folders")
+
+
+# Stage 2 --------------------------------------------------------------------------------------------------
+
+# What a batched folder's stage-2 section may differ in from its single run's: the batch record, timings,
+# the mesh (chosen for the batch) and its placement, and the compile cache's counts.
+STAGE2_EXCLUDED = (
+    "sha256",  # the latents agree within the tolerance, not bit for bit
+    "batch",
+    "seconds",
+    "step_seconds",
+    "mesh_choice",
+    "mesh",
+    "placement",
+    "compile_cache",
+    "sequence_parallel",
+)
+ENTRIES = [
+    {"prompt": "a cat on a sofa", "seed": 3},
+    {"prompt": "a dog in the rain", "negative_prompt": "blurry", "seed": 4},
+    {"prompt": "a red kite", "negative_prompt": "dark", "seed": 11},
+]
+
+
+def stage1_batch(tmp_path, model, name="batch", extra=()):
+    listing = tmp_path / f"{name}.jsonl"
+    listing.write_text("\n".join(json.dumps(entry) for entry in ENTRIES) + "\n")
+    out = tmp_path / name
+    argv = ["--model", model, "--prompts", listing, "--output_dir", out, "--dtype", "fp32", *extra]
+    run_stage(stage1_text_encoder, argv)
+    return out
+
+
+def stage2_outputs(folder):
+    config = read_config(folder, needs="stage2")
+    latents = read_tensors(folder, config["stage2"])["latents"]
+    section = {key: value for key, value in config["stage2"].items() if key not in STAGE2_EXCLUDED}
+    return latents, {**config, "stage2": section}
+
+
+@pytest.mark.parametrize("model", ["tiny-cogvideox", "tiny-hunyuanvideo15"])
+def test_batched_videos_equal_their_single_runs(tmp_path, model):
+    """3 videos with different prompts, negative prompts and seeds, on the 8 CPU devices: alone (the default
+    mesh), batched 3 at a time on 2x1x4 and 2 at a time on 4x1x2 (the second batch padded): latents within
+    1e-5 relative, configs equal but for `STAGE2_EXCLUDED`."""
+    import shutil
+
+    import stage2_transformer
+
+    out = stage1_batch(tmp_path, model)
+    folders = batch.expand_folders([str(out)])
+    steps = ["--num_inference_steps", 2, "--warmup_steps", 0]
+    singles = []
+    for folder in folders:
+        single = tmp_path / f"single-{folder.name}"
+        shutil.copytree(folder, single)
+        run_stage(stage2_transformer, ["--input_dir", single, *steps])
+        singles.append(stage2_outputs(single))
+    runs = {"3": ["--batch_size", 3, "--dp", 2, "--tp", 4], "2": ["--batch_size", 2, "--dp", 4, "--tp", 2]}
+    for name, flags in runs.items():
+        copy = tmp_path / name
+        shutil.copytree(out, copy)
+        run_stage(stage2_transformer, ["--input_dir", copy, *steps, *flags])
+        for folder, (expected, expected_config) in zip(batch.expand_folders([str(copy)]), singles, strict=True):
+            latents, config = stage2_outputs(folder)
+            assert relative_error(latents, expected) <= 1e-5, (name, folder.name)
+            assert config == expected_config
+        record = read_config(copy / "002")["stage2"]["batch"]
+        assert record["size"] == int(name) and record["padding"] == (0 if name == "3" else 1)

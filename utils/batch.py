@@ -163,3 +163,15 @@ def expand_folders(paths: list[str]) -> list[Path]:
         if resolved.count(where) > 1:
             raise UserError(f"{folder}: named twice in the input folders")
     return folders
+
+
+def denoised(folder: Path) -> bool:
+    """Stage 2 finished this folder from its current stage-1 files: its section names them, no checkpoint."""
+    from utils.files import CHECKPOINT_FILE, STAGE2_FILE, read_config
+
+    try:
+        config = read_config(folder, needs="stage2")
+    except UserError:
+        return False
+    fresh = config["stage2"].get("stage1_sha256") == config["stage1"].get("sha256")
+    return fresh and (folder / STAGE2_FILE).is_file() and not (folder / CHECKPOINT_FILE).is_file()

@@ -1,0 +1,239 @@
+"""Several videos denoised as one batch, each exactly as if run alone.
+
+Every video gets its own `DenoiseLoop` from its family (its noise from its seed, its scheduler, generator
+and image inputs); `batched_loop` joins them into one loop for the shared loop runner. Only the transformer
+call is batched: its latents and per-video inputs are concatenated along the batch (a CFG-doubled input
+keeps the pipelines' order, every video's first branch then every video's second, which is what the
+guided transformer's doubled latents line up with), and each video's scheduler then steps its own slice
+on the host with its own generator and history. The videos of one batch must agree on everything the
+compiled program and the schedule depend on (`group_key`), so inputs shared by all (rotary tables, the
+guidance scale, per-token timesteps) are taken from the first and checked equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .denoise import DenoiseLoop, DenoiseOptions, place_denoisers, run_denoise_loop
+
+# The request fields a batch's videos share: the compiled program and the timestep schedule depend on them.
+GROUP_FIELDS = (
+    "model_id",
+    "dtype",
+    "height",
+    "width",
+    "num_frames",
+    "num_inference_steps",
+    "guidance_scale",
+    "guidance_scale_2",
+    "flow_shift",
+    "scheduler",
+)
+
+
+def group_key(request, task: str, cache_record: dict) -> tuple:
+    """What must be equal for two videos to share a batch: the request's schedule and shape fields, the task
+    (t2v or i2v) and the step-cache settings."""
+    fields = tuple((name, getattr(request, name, None)) for name in GROUP_FIELDS)
+    return (*fields, ("task", task), ("cache", tuple(sorted(cache_record.items()))))
+
+
+def default_batch_size(run, videos: int, devices: int) -> int:
+    """The group's size, capped by the devices `dp` can take: all of them, half with CFG."""
+    cfg = run.family.cfg_enabled(run.request.guidance_scale)
+    return max(1, min(videos, devices // 2 if cfg else devices))
+
+
+class Generators:
+    """The videos' CPU generators as one, for checkpoints: the state is every generator's, stacked."""
+
+    def __init__(self, generators: list[torch.Generator]) -> None:
+        self.generators = generators
+
+    def get_state(self) -> torch.Tensor:
+        return torch.stack([generator.get_state() for generator in self.generators])
+
+    def set_state(self, state: torch.Tensor) -> None:
+        for generator, own in zip(self.generators, state, strict=True):
+            generator.set_state(own.contiguous())
+
+
+def _join(tensors: list[torch.Tensor], branches: int) -> torch.Tensor:
+    """Per-video batches of `branches` chunks each, as [every video's chunk 0, every video's chunk 1, ...]."""
+    chunks = [tensor.chunk(branches) for tensor in tensors]
+    return torch.cat([video[branch] for branch in range(branches) for video in chunks])
+
+
+def _same(a, b) -> bool:
+    """Equal inputs (tensors, or tuples of them such as rotary tables; None)."""
+    from torch.utils import _pytree
+
+    (left, left_spec), (right, right_spec) = _pytree.tree_flatten(a), _pytree.tree_flatten(b)
+    return left_spec == right_spec and all(
+        x is y or (torch.is_tensor(x) and torch.is_tensor(y) and torch.equal(x, y)) or x == y
+        for x, y in zip(left, right, strict=True)
+    )
+
+
+def _batched_static(loops: list[DenoiseLoop]) -> tuple:
+    """The transformer's inputs for the batch: those laid out along the batch joined, the others shared."""
+    from runtime.interface import DP
+
+    joined = []
+    for position, (first, layout) in enumerate(loops[0].static_inputs):
+        values = [loop.static_inputs[position][0] for loop in loops]
+        if first is not None and layout and layout[0] == DP:
+            joined.append((_join(values, first.shape[0]), layout))
+            continue
+        if not all(_same(value, first) for value in values[1:]):
+            raise ValueError(f"transformer input {position} differs between videos but is not laid out on the batch")
+        joined.append((first, layout))
+    return tuple(joined)
+
+
+def _prefixed(carry: dict, video: int) -> dict:
+    return {f"video{video}.{key}": value for key, value in carry.items()}
+
+
+def _own(carry: dict, video: int) -> dict:
+    prefix = f"video{video}."
+    return {key[len(prefix) :]: value for key, value in carry.items() if key.startswith(prefix)}
+
+
+def batched_loop(loops: list[DenoiseLoop]) -> DenoiseLoop:
+    """One loop for the videos of `loops` (one each, batch 1, same group): the batch's latents are the
+    videos' in order; a checkpoint's carry holds each video's under `video<i>.`."""
+    if len(loops) == 1:
+        return loops[0]
+    first = loops[0]
+    sizes = [loop.latents.shape[0] for loop in loops]
+    if set(sizes) != {1} or any(not torch.equal(loop.timesteps, first.timesteps) for loop in loops):
+        raise ValueError("a batch joins single videos with the same schedule")
+
+    def model_input(latents, t):
+        return torch.cat([loop.model_input(latents[v : v + 1], t) for v, loop in enumerate(loops)])
+
+    def step(i, t, noise_pred, latents, carry):
+        pieces, carries = [], {}
+        for v, loop in enumerate(loops):
+            own, own_carry = loop.step(i, t, noise_pred[v : v + 1], latents[v : v + 1], _own(carry, v))
+            pieces.append(own)
+            carries.update(_prefixed(own_carry, v))
+        return torch.cat(pieces), carries
+
+    def on_start(start, carry):
+        for v, loop in enumerate(loops):
+            loop.on_start(start, _own(carry, v))
+
+    carry = {key: value for v, loop in enumerate(loops) for key, value in _prefixed(loop.carry, v).items()}
+    return DenoiseLoop(
+        guided=first.guided,
+        rules=first.rules,
+        static_inputs=_batched_static(loops),
+        timesteps=first.timesteps,
+        latents=torch.cat([loop.latents for loop in loops]),
+        generator=Generators([loop.generator for loop in loops]),
+        step=step,
+        model_input=model_input,
+        on_start=on_start,
+        carry=carry,
+        expert=first.expert,
+        expert_names=first.expert_names,
+        timestep_input=first.timestep_input,
+        cache_branches=first.cache_branches,
+    )
+
+
+class BatchGuard:
+    """The DenoiseGuards of a batch's videos (each its folder's) as one for the loop: NaN checks on the
+    batch, and each checkpoint split into the videos' own (what a single run of that folder saves, so a
+    folder stopped in a batch resumes alone or in a batch). Videos past `guards` are padding: copies of
+    the last video, restored from its state and never saved."""
+
+    def __init__(self, guards: list, size: int, run) -> None:
+        self.guards = guards
+        self.size = size
+        self.run = run  # its `stop_requested` is set by SIGTERM (denoise.sigterm_sets_stop)
+        self.restored = self._restored()
+
+    def _restored(self):
+        restored = [guard.restored for guard in self.guards]
+        if all(state is None for state in restored):
+            return None
+        steps = {None if state is None else state[0] for state in restored}
+        if len(steps) > 1:
+            raise ValueError("a batch joins videos stopped after the same step")
+        states = [state[1] for state in restored] + [restored[-1][1]] * (self.size - len(restored))
+        joined = {
+            "latents": torch.cat([state["latents"] for state in states]),
+            "generator_state": torch.stack([state["generator_state"] for state in states]),
+        }
+        for v, state in enumerate(states):
+            rest = {key: value for key, value in state.items() if key not in ("latents", "generator_state")}
+            joined.update(_prefixed(rest, v))
+        return steps.pop(), joined
+
+    def after_step(self, index: int, total: int, tensors: dict, more=dict) -> None:
+        from utils import Stopped
+
+        stopped = []
+        for v, guard in enumerate(self.guards):
+            guard.stop_requested = self.run.stop_requested
+            own = {
+                "latents": tensors["latents"][v : v + 1],
+                "generator_state": tensors["generator_state"][v],
+                **_own(tensors, v),
+            }
+            try:
+                guard.after_step(index, total, own)
+            except Stopped as stop:
+                stopped.append(stop)
+        if stopped:
+            raise stopped[0]
+
+    def finished(self) -> None:
+        for guard in self.guards:
+            guard.finished()
+
+
+def denoise_group(family, source, batches: list[list], dtype, runtime, options: DenoiseOptions, run, write) -> None:
+    """Denoise one group's batches (lists of models.stage2_inputs.ValidatedRun, the first the largest) with
+    the transformers loaded, placed and compiled once: every batch is padded to the first's size with
+    copies of its last video, so all share one program. `write(video, latents, info, timer, timing, record)` is
+    called for each video as its batch finishes (`timing`: the batch's timing table, shared by its videos);
+    `run.stop_requested` (SIGTERM) stops after a step."""
+    size = len(batches[0])
+    with batches[0][0].timer.phase("load"):
+        transformers = {name: source.load(name, dtype=dtype).eval() for name in family.transformer_components(source)}
+        if options.on_loaded is not None:
+            options.on_loaded(transformers)
+    placed = None
+    for number, videos in enumerate(batches, 1):
+        members = videos + [videos[-1]] * (size - len(videos))
+        built = [
+            family.denoise_loop(source, video.request, video.embeddings, dtype, transformers, runtime, options.tp_mode)
+            for video in members
+        ]
+        loop, timer = batched_loop([loop for loop, _ in built]), videos[0].timer
+        reused = placed is not None
+        if placed is None:
+            with timer.phase("place"):
+                placed = place_denoisers(loop, runtime, options)
+        guard = BatchGuard([video.guard for video in videos], size, run)
+        batch_options = dataclasses.replace(options, guard=guard, warmup_steps=0 if reused else options.warmup_steps)
+        latents, _ = run_denoise_loop(loop, runtime, timer, batch_options, placed)
+        record = {
+            "number": number,
+            "of": len(batches),
+            "size": size,
+            "padding": size - len(videos),
+            "folders": [video.output_dir.name for video in videos],  # configs hold no host paths
+            "program": "reused" if reused else "compiled",
+        }
+        timing = timer.finish()
+        for position, video in enumerate(videos):
+            own, info = built[position][1](latents[position : position + 1])
+            write(video, own, info, timer, timing, record)
+        guard.finished()

@@ -1,0 +1,135 @@
+"""Stage 2's inputs for one folder, read and checked before JAX does any work: the request with the flags'
+overrides, the model, the stage-1 tensors, the LoRA adapters, the step-cache settings and the checkpoint
+guard (with its fingerprint). stage2_transformer.py builds one per input folder, after checking the flags
+that concern several folders (`check_batch_flags`, `batch_resume`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import models
+from models import lora
+from models.cache_schedule import CacheSettings, kind_from_flags, settings_from_flags
+from models.denoise import DenoiseGuard
+from models.images import check_image_size_kept
+from runtime.interface import Timer
+from utils import (
+    CHECKPOINT_FILE,
+    CONFIG_FILE,
+    STAGE2_FILE,
+    Request,
+    UserError,
+    batch,
+    check_output_dir,
+    check_stage1_fresh,
+    ensure_writable_dir,
+    log,
+    parse_dtype,
+    read_config,
+    read_tensors,
+    request_flags,
+)
+
+
+@dataclasses.dataclass
+class ValidatedRun:
+    """What stage 2 knows once its inputs are checked (in every process), before JAX does any work."""
+
+    input_dir: Path
+    output_dir: Path
+    config: dict
+    request: Request
+    overrides: dict
+    source: object
+    family: object
+    dtype_name: str
+    dtype: object  # torch.dtype
+    embeddings: dict
+    cache: CacheSettings
+    adapters: list  # models.lora.Adapter
+    guard: DenoiseGuard
+    trace_dir: str | None
+    timer: Timer
+
+
+def validated_run(
+    args, processes, input_dir: Path, output_dir: Path, trace_dir: str | None, resume: bool
+) -> ValidatedRun:
+    """Read and check the flags and one stage-1 folder (every process reads its own copy; only process 0
+    prepares the output folder)."""
+    timer = Timer()
+    if args.warmup_steps < 0:
+        raise UserError(f"--warmup_steps {args.warmup_steps} must be >= 0")
+    config = read_config(input_dir, needs="stage1")
+    request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides(
+        {**request_flags(args), "model_id": args.model}
+    )
+    check_stage1_fresh(input_dir, config, request)
+    check_image_size_kept(config, overrides)
+    source, family = models.resolve_model_for_request(request)
+    dtype_name = args.dtype or request.dtype
+    dtype = parse_dtype(dtype_name)
+    models.validate_request(family, source, request)
+    embeddings = read_tensors(input_dir, config["stage1"])
+    check_output_dir(output_dir, input_dir, config)
+    adapters = lora.read_adapters(args, family, source, dtype)
+    cache = settings_from_flags(args, input_dir, request.model_id, lora.identity(adapters))
+    if processes.is_main:
+        ensure_writable_dir(output_dir, (STAGE2_FILE,))
+    fingerprint = {**request.fingerprint(), "dtype": dtype_name, "stage1_sha256": config["stage1"]["sha256"]}
+    fingerprint.update({"cache": cache.record(), **({"adapters": lora.identity(adapters)} if adapters else {})})
+    guard = DenoiseGuard(
+        output_dir,
+        fingerprint,
+        every=args.checkpoint_every,
+        resume=resume,
+        processes=processes,
+    )
+    return ValidatedRun(
+        input_dir,
+        output_dir,
+        config,
+        request,
+        overrides,
+        source,
+        family,
+        dtype_name,
+        dtype,
+        embeddings,
+        cache,
+        adapters,
+        guard,
+        trace_dir,
+        timer,
+    )
+
+
+def check_batch_flags(args, folders: list[Path]) -> None:
+    """Flags that cannot apply to several folders, or to a batch of several videos, refused up front."""
+    if len(folders) > 1 and args.output_dir:
+        raise UserError("--output_dir names one folder; with several input folders each writes into its own")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UserError(f"--batch_size {args.batch_size} must be >= 1")
+    if (args.batch_size or 1) > 1 and kind_from_flags(args) != "none":
+        raise UserError(
+            f"--cache {kind_from_flags(args)} with --batch_size {args.batch_size}: the step cache runs one video "
+            "per batch (MagCache decides from each video's own data); use --batch_size 1"
+        )
+
+
+def batch_resume(args, folders: list[Path]) -> list[tuple[Path, bool]]:
+    """The folders to denoise and whether each resumes. One folder: as given. Several with --resume: a
+    folder with a checkpoint resumes, one already denoised (its latents fresh, no checkpoint) is skipped,
+    any other starts over."""
+    if len(folders) == 1 or not args.resume:
+        return [(folder, args.resume) for folder in folders]
+    todo = []
+    for folder in folders:
+        if (folder / CHECKPOINT_FILE).is_file():
+            todo.append((folder, True))
+        elif batch.denoised(folder):
+            log(f"--resume: {folder} is denoised already; skipped")
+        else:
+            todo.append((folder, False))
+    return todo

@@ -413,7 +413,6 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
         for run in members:
             by_start.setdefault(run.guard.start_step, []).append(run)
         batches = [same[i : i + size] for same in by_start.values() for i in range(0, len(same), size)]
-        batches.sort(key=len, reverse=True)  # the first batch sets the padded size
 
         def write(run, latents, info, timer, timing, batch_record, record=record, group=number, runtime=runtime):
             timer.seconds = timing  # the batch's table, finished once
@@ -423,7 +422,7 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
             )
 
         with backend, runtime.precision(first.dtype), sigterm_sets_stop(stop):
-            denoise_group(first.family, first.source, batches, first.dtype, runtime, options, stop, write)
+            denoise_group(first.family, first.source, batches, size, first.dtype, runtime, options, stop, write)
 
 
 def write_section(args, run: ValidatedRun, saved: dict, latents, info, timer, record: dict, runtime) -> None:

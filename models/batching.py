@@ -57,7 +57,9 @@ class Generators:
 
     def set_state(self, state: torch.Tensor) -> None:
         for generator, own in zip(self.generators, state, strict=True):
-            generator.set_state(own.contiguous())
+            # A copy: torch 2.13's Generator.set_state crashes (segfault, or "Invalid mt19937 state") when
+            # given a row of the stack, a view at a storage offset; a row at offset 0 happens to work.
+            generator.set_state(own.clone())
 
 
 def _join(tensors: list[torch.Tensor], branches: int) -> torch.Tensor:
@@ -105,8 +107,6 @@ def _own(carry: dict, video: int) -> dict:
 def batched_loop(loops: list[DenoiseLoop]) -> DenoiseLoop:
     """One loop for the videos of `loops` (one each, batch 1, same group): the batch's latents are the
     videos' in order; a checkpoint's carry holds each video's under `video<i>.`."""
-    if len(loops) == 1:
-        return loops[0]
     first = loops[0]
     sizes = [loop.latents.shape[0] for loop in loops]
     if set(sizes) != {1} or any(not torch.equal(loop.timesteps, first.timesteps) for loop in loops):
@@ -198,13 +198,15 @@ class BatchGuard:
             guard.finished()
 
 
-def denoise_group(family, source, batches: list[list], dtype, runtime, options: DenoiseOptions, run, write) -> None:
-    """Denoise one group's batches (lists of models.stage2_inputs.ValidatedRun, the first the largest) with
-    the transformers loaded, placed and compiled once: every batch is padded to the first's size with
-    copies of its last video, so all share one program. `write(video, latents, info, timer, timing, record)` is
-    called for each video as its batch finishes (`timing`: the batch's timing table, shared by its videos);
-    `run.stop_requested` (SIGTERM) stops after a step."""
-    size = len(batches[0])
+def denoise_group(
+    family, source, batches: list[list], size: int, dtype, runtime, options: DenoiseOptions, run, write
+) -> None:
+    """Denoise one group's batches (lists of models.stage2_inputs.ValidatedRun, at most `size` each) with
+    the transformers loaded, placed and compiled once: every batch is padded to `size` with copies of its
+    last video, so all share one program (and a resumed batch is the batch it was).
+    `write(video, latents, info, timer, timing, record)` is called for each video as its batch finishes
+    (`timing`: the batch's timing table, shared by its videos); `run.stop_requested` (SIGTERM) stops after
+    a step."""
     with batches[0][0].timer.phase("load"):
         transformers = {name: source.load(name, dtype=dtype).eval() for name in family.transformer_components(source)}
         if options.on_loaded is not None:

@@ -199,3 +199,59 @@ def test_batched_videos_equal_their_single_runs(tmp_path, model):
             assert config == expected_config
         record = read_config(copy / "002")["stage2"]["batch"]
         assert record["size"] == int(name) and record["padding"] == (0 if name == "3" else 1)
+
+
+def test_sigterm_in_the_second_batch_then_resume(tmp_path, monkeypatch):
+    """SIGTERM while the second batch runs: the first batch's folders are complete, the others hold a
+    checkpoint; --resume skips the former, resumes the latter, and every folder's latents equal an
+    uninterrupted batched run's bit for bit."""
+    import os
+    import shutil
+    import signal
+
+    import stage2_transformer
+    from models import batching
+    from utils import CHECKPOINT_FILE, STAGE2_FILE
+
+    out = stage1_batch(tmp_path, "tiny-cogvideox")
+    argv = ["--num_inference_steps", 4, "--warmup_steps", 0, "--batch_size", 2]
+    whole = tmp_path / "whole"
+    shutil.copytree(out, whole)
+    run_stage(stage2_transformer, ["--input_dir", whole, *argv])
+
+    loops = []
+    real_loop = batching.run_denoise_loop
+
+    def signalled_in_the_second(*args, **kwargs):
+        loops.append(1)
+        if len(loops) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # the real handler: the batch stops after its first step
+        return real_loop(*args, **kwargs)
+
+    monkeypatch.setattr(batching, "run_denoise_loop", signalled_in_the_second)
+    with pytest.raises(SystemExit) as stopped:
+        run_stage(stage2_transformer, ["--input_dir", out, *argv])
+    assert stopped.value.code == 143
+    assert [(out / name / STAGE2_FILE).is_file() for name in ("000", "001", "002")] == [True, True, False]
+    assert (out / "002" / CHECKPOINT_FILE).is_file()
+    monkeypatch.setattr(batching, "run_denoise_loop", real_loop)
+    run_stage(stage2_transformer, ["--input_dir", out, *argv, "--resume"])
+    for name in ("000", "001", "002"):
+        assert torch.equal(stage2_outputs(out / name)[0], stage2_outputs(whole / name)[0]), name
+    assert read_config(out / "002")["stage2"]["resumed"] and not (out / "002" / CHECKPOINT_FILE).exists()
+
+
+def test_two_sizes_form_two_groups_each_compiled_once(tmp_path):
+    """Two lists of two lengths in one stage-2 run: two groups, each with a padded second batch that
+    compiles nothing (the compile cache counts no new program after the group's first batch)."""
+    import stage2_transformer
+
+    small = stage1_batch(tmp_path, "tiny-cogvideox", "small")
+    longer = stage1_batch(tmp_path, "tiny-cogvideox", "longer", ["--num_frames", 17])
+    run_stage(stage2_transformer, ["--input_dir", small, longer, "--num_inference_steps", 1, "--batch_size", 2])
+    for group, folder in ((1, small), (2, longer)):
+        sections = [read_config(folder / name)["stage2"] for name in ("000", "001", "002")]
+        assert [s["batch"]["group"] for s in sections] == [group] * 3
+        assert [s["batch"]["program"] for s in sections] == ["compiled", "compiled", "reused"]
+        counts = [s["compile_cache"]["hits"] + s["compile_cache"]["misses"] for s in sections]
+        assert counts[0] > 0 and counts[2] == counts[1], counts

@@ -22,7 +22,7 @@ from models.batching import default_batch_size, denoise_group, group_key
 from models.cache_schedule import add_cache_arguments, kind_from_flags
 from models.common import attention_heads
 from models.denoise import DenoiseOptions, denoise, sigterm_sets_stop
-from models.stage2_inputs import ValidatedRun, batch_resume, check_batch_flags, validated_run
+from models.stage2_inputs import PROFILE_DIR, ValidatedRun, batch_resume, check_batch_flags, profile_dir, validated_run
 from runtime import distributed
 from runtime.interface import SP_MODES, run_record
 from utils import (
@@ -167,21 +167,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-PROFILE_DIR = "./jax-trace"
-
-
-def profile_dir(args) -> str | None:
-    """Where the profiler trace goes: `--profile DIR`, or the reference scripts' `--enable_profiler` with
-    `--profiler_output_dir`; None for no trace."""
-    if args.profiler_output_dir and not args.enable_profiler:
-        raise UserError("--profiler_output_dir needs --enable_profiler (or use --profile DIR)")
-    if not args.enable_profiler:
-        return args.profile
-    if args.profile and args.profiler_output_dir and args.profile != args.profiler_output_dir:
-        raise UserError("--profile and --profiler_output_dir name different folders; give one")
-    return args.profile or args.profiler_output_dir or PROFILE_DIR
-
-
 def splash_config(args, family, generation=None):
     """Splash tiles and options: the family's default tiles (replaced by the generation's measured cap where
     its scoped VMEM cannot hold them: tpus.Generation.splash_tile_cap), then the tile flags as given. `generation` None:
@@ -261,7 +246,8 @@ def plan_main(args) -> None:
     dtype = parse_dtype(args.dtype or request.dtype)
     adapters = lora.read_adapters(args, family, source, dtype)
     per_host, memory = target.devices_per_host, target.hbm_per_device
-    choice = mesh_shape(args, family, source, request, dtype, target.devices, per_host, memory)
+    videos = args.batch_size or 1
+    choice = mesh_shape(args, family, source, request, dtype, target.devices, per_host, memory, videos)
     shape = choice.shape
     sequence_parallel(args, source, shape)
     if args.attention == "cudnn":
@@ -282,6 +268,7 @@ def plan_main(args) -> None:
             attention,
             splash,
             kind_from_flags(args),
+            videos,
         )
     except plan.KernelDoesNotFit as err:
         tiles = f"{splash.block_q}/{splash.block_kv}/{splash.block_kv_compute}"
@@ -299,6 +286,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     filter_harmless_warnings()
     if args.plan:
+        check_batch_flags(args, [])
         return plan_main(args)
     if args.plan_json:
         raise UserError("--plan_json needs --plan")
@@ -407,6 +395,11 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
     for number, members in enumerate(groups.values(), 1):
         first = members[0]
         size = args.batch_size or default_batch_size(first, len(members), jax.device_count())
+        if size > 1 and first.config["stage1"].get("task") == "i2v":
+            raise UserError(
+                f"--batch_size {size}: image-to-video videos are denoised one per batch for now (each image's "
+                "conditioning is an input the program takes once); use --batch_size 1"
+            )
         log(f"group {number} of {len(groups)}: {len(members)} video(s), batches of {size}")
         runtime, backend, options, record = runtime_for(args, first, processes, size)
         by_start: dict[int, list[ValidatedRun]] = {}  # videos stopped after the same step batch together

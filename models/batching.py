@@ -16,6 +16,9 @@ import dataclasses
 
 import torch
 
+from runtime.interface import Timer
+from utils import UserError, log
+
 from .denoise import DenoiseLoop, DenoiseOptions, place_denoisers, run_denoise_loop
 
 # The request fields a batch's videos share: the compiled program and the timestep schedule depend on them.
@@ -41,7 +44,10 @@ def group_key(request, task: str, cache_record: dict) -> tuple:
 
 
 def default_batch_size(run, videos: int, devices: int) -> int:
-    """The group's size, capped by the devices `dp` can take: all of them, half with CFG."""
+    """The group's size, capped by the devices `dp` can take: all of them, half with CFG; 1 for
+    image-to-video (not batched yet)."""
+    if run.config["stage1"].get("task") == "i2v":
+        return 1
     cfg = run.family.cfg_enabled(run.request.guidance_scale)
     return max(1, min(videos, devices // 2 if cfg else devices))
 
@@ -73,8 +79,10 @@ def _same(a, b) -> bool:
     from torch.utils import _pytree
 
     (left, left_spec), (right, right_spec) = _pytree.tree_flatten(a), _pytree.tree_flatten(b)
-    return left_spec == right_spec and all(
-        x is y or (torch.is_tensor(x) and torch.is_tensor(y) and torch.equal(x, y)) or x == y
+    if left_spec != right_spec:
+        return False
+    return all(
+        torch.equal(x, y) if torch.is_tensor(x) and torch.is_tensor(y) else x is y or x == y
         for x, y in zip(left, right, strict=True)
     )
 
@@ -90,7 +98,10 @@ def _batched_static(loops: list[DenoiseLoop]) -> tuple:
             joined.append((_join(values, first.shape[0]), layout))
             continue
         if not all(_same(value, first) for value in values[1:]):
-            raise ValueError(f"transformer input {position} differs between videos but is not laid out on the batch")
+            raise UserError(
+                f"--batch_size: the videos differ in transformer input {position}, which this family's program "
+                "takes once for the batch (an image-to-video image's conditioning); run them with --batch_size 1"
+            )
         joined.append((first, layout))
     return tuple(joined)
 
@@ -207,7 +218,8 @@ def denoise_group(
     `write(video, latents, info, timer, timing, record)` is called for each video as its batch finishes
     (`timing`: the batch's timing table, shared by its videos); `run.stop_requested` (SIGTERM) stops after
     a step."""
-    with batches[0][0].timer.phase("load"):
+    timer = Timer()  # one per batch (the first also times the load), its table shared by the batch's videos
+    with timer.phase("load"):
         transformers = {name: source.load(name, dtype=dtype).eval() for name in family.transformer_components(source)}
         if options.on_loaded is not None:
             options.on_loaded(transformers)
@@ -218,7 +230,7 @@ def denoise_group(
             family.denoise_loop(source, video.request, video.embeddings, dtype, transformers, runtime, options.tp_mode)
             for video in members
         ]
-        loop, timer = batched_loop([loop for loop, _ in built]), videos[0].timer
+        loop, timer = batched_loop([loop for loop, _ in built]), timer if number == 1 else Timer()
         reused = placed is not None
         if placed is None:
             with timer.phase("place"):
@@ -235,6 +247,8 @@ def denoise_group(
             "program": "reused" if reused else "compiled",
         }
         timing = timer.finish()
+        record["videos_per_hour"] = round(3600 * len(videos) / timing["total"], 1)  # this batch's rate
+        log(f"batch {number} of {len(batches)}: {len(videos)} video(s), {record['videos_per_hour']} videos per hour")
         for position, video in enumerate(videos):
             own, info = built[position][1](latents[position : position + 1])
             write(video, own, info, timer, timing, record)

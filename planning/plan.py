@@ -224,14 +224,27 @@ def cache_programs(loop, kind: str, runtime, mesh, rules, inputs, env):
 
 
 def plan_stage2(
-    family, source, request, embeds, dtype, target: Target, mesh_shape, tp_mode, attention, splash, cache="none"
+    family,
+    source,
+    request,
+    embeds,
+    dtype,
+    target: Target,
+    mesh_shape,
+    tp_mode,
+    attention,
+    splash,
+    cache="none",
+    videos: int = 1,
 ):
     """Compile stage 2's guided denoiser call (what every step runs) for `target`; the report as a dict.
 
     The program is built by the family's own `denoise_loop`, as a real run builds it, around a
     meta-device transformer. It is compiled at the model's depth (memory, FLOPs, every collective) and
     at two and three blocks, whose difference gives the collectives of one block. With a step cache
-    (`cache`: magcache or interval) that is the full step, and the cached step is compiled as well."""
+    (`cache`: magcache or interval) that is the full step, and the cached step is compiled as well. With
+    `videos` > 1 it is stage 2's batch of that many videos (models/batching.py)."""
+    from models.batching import batched_loop
     from runtime.torchax_runtime import TorchaxRuntime
     from splash_attention import attention_backend, record_kernel_calls
 
@@ -243,7 +256,8 @@ def plan_stage2(
     small = (3, 4) if cache == "interval" else (2, 3)  # the interval cache runs 2 outer blocks around its span
     for depth in sorted({layers, *small}, reverse=True):
         transformers = meta_transformers(family, source, dtype, num_layers=depth)
-        loop, _ = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, tp_mode)
+        loops = [family.denoise_loop(source, request, embeds, dtype, transformers, runtime, tp_mode)[0]]
+        loop = batched_loop(loops * videos) if videos > 1 else loops[0]
         t = loop.timesteps[0]
         inputs = [(loop.model_input(loop.latents, t), ()), (loop.timestep_input(0, t), ()), *loop.static_inputs]
         with attention_backend(runtime.env, attention, splash, mesh):
@@ -265,7 +279,7 @@ def plan_stage2(
         if compiled[depth].refused:
             break
     full = compiled[layers]
-    fields = {"tp_mode": tp_mode, "attention": attention, "experts": len(transformers)}
+    fields = {"tp_mode": tp_mode, "attention": attention, "experts": len(transformers), "videos": videos}
     report = _report(2, target, mesh, request, dtype, full, **fields)
     if resident:
         report["hbm_bytes_per_device"]["other_experts_weights"] = resident
@@ -279,6 +293,7 @@ def plan_stage2(
         "total": {op: value for op, value in full.collectives.items() if value["count"]},
     }
     _flops(report, target, full.flops, sum(call.flops_per_device for call in calls[layers]))
+    report["step_seconds_lower_bound_per_video"] = report["step_seconds_lower_bound"] / videos
     report["splash_custom_calls"] = full.hlo_text.count('custom_call_target="tpu_custom_call"')
     report["splash_padding"] = _padding(calls[layers])
     if cache != "none":

@@ -75,6 +75,11 @@ def print_report(report: dict[str, Any]) -> None:
         f"  FLOPs per {what} per device: {flops['total']:.3e} ({flops['xla']:.3e} XLA + {flops['attention']:.3e} "
         f"attention); at peak bf16 that is at least {report[what + '_seconds_lower_bound']:.3f} s (a lower bound)"
     )
+    if report.get("videos", 1) > 1:
+        print(
+            f"  a batch of {report['videos']} videos: at least "
+            f"{report['step_seconds_lower_bound_per_video']:.3f} s per video per step"
+        )
     for shape in report.get("splash_padding", ()):
         print(
             f"  Splash x{shape['calls']}: q {shape['q_len']} -> {shape['q_padded']} "

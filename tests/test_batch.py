@@ -255,3 +255,30 @@ def test_two_sizes_form_two_groups_each_compiled_once(tmp_path):
         assert [s["batch"]["program"] for s in sections] == ["compiled", "compiled", "reused"]
         counts = [s["compile_cache"]["hits"] + s["compile_cache"]["misses"] for s in sections]
         assert counts[0] > 0 and counts[2] == counts[1], counts
+
+
+def test_image_to_video_list_denoises_one_per_batch(capsys, tmp_path):
+    """Entries with their own images (paths relative to the list): stage 1 encodes each, stage 2 denoises
+    them one per batch (each image's conditioning is a program input it takes once), equal to single runs
+    bit for bit; a larger --batch_size is refused."""
+    import numpy as np
+    from PIL import Image
+
+    import stage2_transformer
+
+    for index in range(2):
+        pixels = (np.random.RandomState(index).rand(64, 96, 3) * 255).astype(np.uint8)
+        Image.fromarray(pixels).save(tmp_path / f"frame{index}.png")
+    listing = tmp_path / "list.jsonl"
+    entries = [{"prompt": "a cat", "image": "frame0.png"}, {"prompt": "a dog", "image": "frame1.png", "seed": 9}]
+    listing.write_text("\n".join(json.dumps(entry) for entry in entries) + "\n")
+    out = tmp_path / "batch"
+    run_stage(stage1_text_encoder, ["--model", "tiny-wan2.1-i2v", "--prompts", listing, "--output_dir", out])
+    steps = ["--num_inference_steps", 1, "--warmup_steps", 0]
+    expect_user_error(capsys, stage2_transformer, ["--input_dir", out, *steps, "--batch_size", 2], "image-to-video")
+    single = tmp_path / "single"
+    argv = ["--model", "tiny-wan2.1-i2v", "--prompt", "a dog", "--image", tmp_path / "frame1.png", "--seed", 9]
+    run_stage(stage1_text_encoder, [*argv, "--output_dir", single])
+    run_stage(stage2_transformer, ["--input_dir", single, *steps])
+    run_stage(stage2_transformer, ["--input_dir", out, *steps])
+    assert torch.equal(stage2_outputs(out / "001")[0], stage2_outputs(single)[0])

@@ -11,13 +11,15 @@ from typing import Any
 
 import torch
 
-from runtime.interface import SP, TP, Runtime, Timer, TorchRuntime
+from runtime.interface import DP, SP, TP, Runtime, Timer, TorchRuntime
 from utils import UserError, atomic_write
 from workarounds.torchax import quiet_attribute_scan
 
-# Stage 3: (B, C, F, H, W) latents split along width over the mesh's `sp` axis, or along height.
+# Stage 3: (B, C, F, H, W) latents split along width over the mesh's `sp` axis, or along height; or
+# (measured, not a default: docs/planning.md) height over a `dp` x `sp` mesh's dp and width over its sp.
 LATENTS_WIDTH_SPLIT = (None, None, None, None, SP)
 LATENTS_HEIGHT_SPLIT = (None, None, None, SP, None)
+LATENTS_GRID_SPLIT = (None, None, None, DP, SP)
 
 
 def latents_split(shape, devices: int) -> tuple[str | None, tuple]:

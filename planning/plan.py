@@ -316,16 +316,19 @@ def _cached_step_report(kind: str, target: Target, cached: Compiled, calls) -> d
     return report
 
 
-def plan_stage3(family, source, request, dtype, target: Target, tiling: bool, chunk_frames: int | None = None):
+def plan_stage3(
+    family, source, request, dtype, target: Target, tiling: bool, chunk_frames: int | None = None, rows: int = 1
+):
     """Compile stage 3's torchax decode (VAE weights replicated, latents split over every device along
     width, else height: models.common.latents_split) for `target`, as one program or, with `chunk_frames`,
     as the family's frame programs; the report as a dict. The latents' shape comes from the family's own
-    stage-2 loop (built around a one-block meta transformer), so it is the shape stage 2 writes."""
-    from models.common import latents_split
+    stage-2 loop (built around a one-block meta transformer), so it is the shape stage 2 writes. `rows` > 1
+    (benchmarks/vae_split.py): height split `rows` ways and width the rest, on a rows x devices/rows mesh."""
+    from models.common import LATENTS_GRID_SPLIT, latents_split
     from runtime.torchax_runtime import TorchaxRuntime
     from sharding import REPLICATED_TABLE, MeshShape
 
-    mesh = topology_mesh(target, MeshShape(sp=target.devices))
+    mesh = topology_mesh(target, MeshShape(dp=rows, sp=target.devices // rows))
     runtime = TorchaxRuntime(mesh)
     transformers = meta_transformers(family, source, dtype, num_layers=1)
     embeds = family.planning_embeds(source, request, dtype)
@@ -336,6 +339,10 @@ def plan_stage3(family, source, request, dtype, target: Target, tiling: bool, ch
         vae.enable_tiling()
     decoder = family.Decoder(vae, record["latents_normalization"])
     axis, layout = latents_split(latents.shape, target.devices)  # None: kept whole, as in a real run
+    if rows > 1:
+        if latents.shape[-2] % rows or latents.shape[-1] % (target.devices // rows):
+            raise ValueError(f"latents {list(latents.shape)} do not split {rows} x {target.devices // rows}")
+        axis, layout = f"height x width ({rows} x {target.devices // rows})", LATENTS_GRID_SPLIT
     fields = {"tiling": tiling, "chunk_frames": chunk_frames, "latents": list(latents.shape), "split": axis}
     if chunk_frames:
         return _plan_frame_programs(

@@ -196,3 +196,24 @@ def test_height_split_where_the_width_does_not_divide():
     runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=8)))
     got = decode(family, source, latents, normalization, torch.float32, runtime, Timer(), chunk_frames=2)
     assert relative_error(got, expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize("preset", ["tiny-wan2.1", "tiny-hunyuanvideo15"])
+def test_height_by_width_split_is_exact(preset):
+    """The 2D split benchmarks/vae_split.py compares on the TPU compiler (height over dp 2, width over sp 4)
+    decodes exactly too."""
+    from models.common import LATENTS_GRID_SPLIT
+
+    source, family = models.resolve_model(preset)
+    config = source.load_config("vae")
+    channels = config.get("z_dim") or config["latent_channels"]
+    latents = torch.randn(1, channels, 3, 4, 16, generator=torch.Generator().manual_seed(6))
+    normalization = family.latents_normalization(source)
+    expected = decode(family, source, latents, normalization, torch.float32, TorchRuntime("cpu"), Timer())
+    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(dp=2, sp=4)))
+    decoder = family.Decoder(source.load("vae", dtype=torch.float32).eval(), normalization)
+    chunk = family.CHUNK_FRAMES[0]
+    with torch.no_grad():
+        video = family.frame_programs(source, decoder, latents.shape, runtime, LATENTS_GRID_SPLIT, chunk)(latents)
+    frames = family.video_processor(source).postprocess_video(video=video.float(), output_type="np")
+    assert relative_error(torch.from_numpy(frames[0]), expected) <= TOLERANCE

@@ -173,8 +173,8 @@ def stage2_outputs(folder):
 @pytest.mark.parametrize("model", ["tiny-cogvideox", "tiny-hunyuanvideo15"])
 def test_batched_videos_equal_their_single_runs(tmp_path, model):
     """3 videos with different prompts, negative prompts and seeds, on the 8 CPU devices: alone (the default
-    mesh), batched 3 at a time on 2x1x4 and 2 at a time on 4x1x2 (the second batch padded): latents within
-    1e-5 relative, configs equal but for `STAGE2_EXCLUDED`."""
+    mesh), batched 3 at a time on 2x1x4 (CogVideoX) and 2 at a time on 4x1x2 (the second batch padded):
+    latents within 1e-5 relative, configs equal but for `STAGE2_EXCLUDED`."""
     import shutil
 
     import stage2_transformer
@@ -189,6 +189,8 @@ def test_batched_videos_equal_their_single_runs(tmp_path, model):
         run_stage(stage2_transformer, ["--input_dir", single, *steps])
         singles.append(stage2_outputs(single))
     runs = {"3": ["--batch_size", 3, "--dp", 2, "--tp", 4], "2": ["--batch_size", 2, "--dp", 4, "--tp", 2]}
+    if model == "tiny-hunyuanvideo15":  # the suite's time: the padded batches on 4x1x2 only
+        del runs["3"]
     for name, flags in runs.items():
         copy = tmp_path / name
         shutil.copytree(out, copy)

@@ -245,6 +245,7 @@ class Video:
     family: object
     dtype_name: str
     latents: torch.Tensor
+    normalization: dict  # what stage 2 recorded, undone before decoding
 
 
 def checked_video(args, input_dir: Path) -> Video:
@@ -258,9 +259,12 @@ def checked_video(args, input_dir: Path) -> Video:
     dtype_name = args.dtype or request.dtype
     parse_dtype(dtype_name)
     latents = read_tensors(input_dir, config["stage2"])["latents"]
+    normalization = stage2_normalization(config["stage2"], lambda: family.latents_normalization(source))
+    source.load_config("vae")  # a model folder without a VAE is refused here, before any folder decodes
     check_output_dir(output_dir, input_dir, config)
     ensure_writable_dir(output_dir, (output_name, preview_name(output_name), frames_name(output_name)))
-    return Video(input_dir, output_dir, output_name, config, request, overrides, source, family, dtype_name, latents)
+    fields = (config, request, overrides, source, family, dtype_name, latents, normalization)
+    return Video(input_dir, output_dir, output_name, *fields)
 
 
 def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vaes: dict) -> None:
@@ -278,7 +282,7 @@ def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vae
     if (source.location, dtype) not in vaes:
         with timer.phase("load"):
             vaes[source.location, dtype] = source.load("vae", dtype=dtype).eval()
-    normalization = stage2_normalization(config["stage2"], lambda: family.latents_normalization(source))
+    normalization = video.normalization
     with runtime.precision(dtype):
         frames = decode(
             family,

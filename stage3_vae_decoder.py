@@ -282,13 +282,12 @@ def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vae
     if (source.location, dtype) not in vaes:
         with timer.phase("load"):
             vaes[source.location, dtype] = source.load("vae", dtype=dtype).eval()
-    normalization = video.normalization
     with runtime.precision(dtype):
         frames = decode(
             family,
             source,
             latents,
-            normalization,
+            video.normalization,
             dtype,
             runtime,
             timer,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from utils.cli import UserError
-from utils.files import CONFIG_FILE, atomic_write
+from utils.files import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, atomic_write, read_config
 
 BATCH_FILE = "batch.json"
 BATCH_FORMAT = 1
@@ -167,8 +167,6 @@ def expand_folders(paths: list[str]) -> list[Path]:
 
 def denoised(folder: Path) -> bool:
     """Stage 2 finished this folder from its current stage-1 files: its section names them, no checkpoint."""
-    from utils.files import CHECKPOINT_FILE, STAGE2_FILE, read_config
-
     try:
         config = read_config(folder, needs="stage2")
     except UserError:

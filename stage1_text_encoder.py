@@ -137,6 +137,7 @@ def main(argv=None) -> None:
 
     source, family = models.resolve_model(args.model)
     log(f"stage 1 for {family.NAME}, model {args.model}")
+    batch.check_output_kind(output_dir, many=entries is not None)
     if entries is None:
         videos = [checked_video(args, source, family, output_dir)]
     else:

@@ -284,3 +284,12 @@ def test_image_to_video_list_denoises_one_per_batch(capsys, tmp_path):
     run_stage(stage2_transformer, ["--input_dir", single, *steps])
     run_stage(stage2_transformer, ["--input_dir", out, *steps])
     assert torch.equal(stage2_outputs(out / "001")[0], stage2_outputs(single)[0])
+
+
+def test_a_batch_and_a_single_run_never_share_a_folder(capsys, tmp_path):
+    run_stage(stage1_text_encoder, ["--model", MODEL, "--prompt", "a cat", "--output_dir", tmp_path / "single"])
+    argv = ["--model", MODEL, "--prompt", "a cat", "--seeds", "1-2", "--output_dir", tmp_path / "single"]
+    expect_user_error(capsys, stage1_text_encoder, argv, "holds a single run's files")
+    run_stage(stage1_text_encoder, [*argv[:-1], tmp_path / "many"])
+    argv = ["--model", MODEL, "--prompt", "a cat", "--output_dir", tmp_path / "many"]
+    expect_user_error(capsys, stage1_text_encoder, argv, "holds a batch")

@@ -135,6 +135,15 @@ def folder_names(entries: list[Entry]) -> list[str]:
     return names
 
 
+def check_output_kind(output_dir: Path, many: bool) -> None:
+    """A batch folder holds stage folders and batch.json, a stage folder its own files: writing one kind into
+    the other would leave later stages reading the wrong one."""
+    if many and (output_dir / CONFIG_FILE).is_file():
+        raise UserError(f"--output_dir {output_dir} holds a single run's files; give the list its own folder")
+    if not many and (output_dir / BATCH_FILE).is_file():
+        raise UserError(f"--output_dir {output_dir} holds a batch ({BATCH_FILE}); give this run its own folder")
+
+
 def write_index(output_dir: Path, folders: list[str], entries: list[Entry]) -> Path:
     """`batch.json`: the entries' folders in list order (relative to it), with what each set."""
     videos = [{"folder": folder, **entry.flags()} for folder, entry in zip(folders, entries, strict=True)]

@@ -395,11 +395,6 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
     for number, members in enumerate(groups.values(), 1):
         first = members[0]
         size = args.batch_size or default_batch_size(first, len(members), jax.device_count())
-        if size > 1 and first.config["stage1"].get("task") == "i2v":
-            raise UserError(
-                f"--batch_size {size}: image-to-video videos are denoised one per batch for now (each image's "
-                "conditioning is an input the program takes once); use --batch_size 1"
-            )
         log(f"group {number} of {len(groups)}: {len(members)} video(s), batches of {size}")
         runtime, backend, options, record = runtime_for(args, first, processes, size)
         by_start: dict[int, list[ValidatedRun]] = {}  # videos stopped after the same step batch together

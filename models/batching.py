@@ -4,7 +4,9 @@ Every video gets its own `DenoiseLoop` from its family (its noise from its seed,
 and image inputs); `batched_loop` joins them into one loop for the shared loop runner. Only the transformer
 call is batched: its latents and per-video inputs are concatenated along the batch (a CFG-doubled input
 keeps the pipelines' order, every video's first branch then every video's second, which is what the
-guided transformer's doubled latents line up with), and each video's scheduler then steps its own slice
+guided transformer's doubled latents line up with; an image's conditioning, one per video, joins the
+latents before the doubling, and image embeddings are repeated for both branches), and each video's
+scheduler then steps its own slice
 on the host with its own generator and history. The videos of one batch must agree on everything the
 compiled program and the schedule depend on (`group_key`), so inputs shared by all (rotary tables, the
 guidance scale, per-token timesteps) are taken from the first and checked equal.
@@ -17,7 +19,7 @@ import dataclasses
 import torch
 
 from runtime.interface import Timer
-from utils import UserError, log
+from utils import log
 
 from .denoise import DenoiseLoop, DenoiseOptions, place_denoisers, run_denoise_loop
 
@@ -44,10 +46,7 @@ def group_key(request, task: str, cache_record: dict) -> tuple:
 
 
 def default_batch_size(run, videos: int, devices: int) -> int:
-    """The group's size, capped by the devices `dp` can take: all of them, half with CFG; 1 for
-    image-to-video (not batched yet)."""
-    if run.config["stage1"].get("task") == "i2v":
-        return 1
+    """The group's size, capped by the devices `dp` can take: all of them, half with CFG."""
     cfg = run.family.cfg_enabled(run.request.guidance_scale)
     return max(1, min(videos, devices // 2 if cfg else devices))
 
@@ -97,12 +96,12 @@ def _batched_static(loops: list[DenoiseLoop]) -> tuple:
         if first is not None and layout and layout[0] == DP:
             joined.append((_join(values, first.shape[0]), layout))
             continue
-        if not all(_same(value, first) for value in values[1:]):
-            raise UserError(
-                f"--batch_size: the videos differ in transformer input {position}, which this family's program "
-                "takes once for the batch (an image-to-video image's conditioning); run them with --batch_size 1"
-            )
-        joined.append((first, layout))
+        if all(_same(value, first) for value in values[1:]):
+            joined.append((first, layout))  # shared: rotary tables, the guidance scale, t2v's zero images
+        elif torch.is_tensor(first) and first.shape[0] == 1:
+            joined.append((torch.cat(values), layout))  # per video (image conditioning), before the CFG doubling
+        else:
+            raise ValueError(f"transformer input {position} differs between videos and has no batch dimension")
     return tuple(joined)
 
 

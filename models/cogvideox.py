@@ -257,6 +257,8 @@ class GuidedTransformer(Guided):
     def forward(self, latents, timestep, prompt_embeds, image_rotary_emb, guidance_scale, image_latents=None, ofs=None):
         """Image-to-video: `image_latents` join the (scaled) latents on channels, and `ofs` goes to the
         transformer as is, as CogVideoXImageToVideoPipeline does."""
+        if image_latents is not None:  # one per video, or one for all (a batch of videos with the same image)
+            image_latents = image_latents.expand(latents.shape[0], *image_latents.shape[1:])
         model_input = latents if image_latents is None else torch.cat([latents, image_latents], dim=2)
 
         def predict(model_input):

@@ -331,13 +331,15 @@ class GuidedTransformer(Guided):
         # the image's (hunyuanvideo15_i2v.condition), and the image tokens count as valid text tokens.
         text_to_video = cond is None
         cond, mask = (torch.zeros_like(latents), torch.zeros_like(latents[:, :1])) if text_to_video else (cond, mask)
+        # one per video, or one for all (the mask; a batch of videos with the same image)
+        cond, mask = (tensor.expand(latents.shape[0], *tensor.shape[1:]) for tensor in (cond, mask))
         model_input = torch.cat([latents, cond, mask], dim=1)
 
         def predict(model_input):
             batch = model_input.shape[0]
             return self.transformer(
                 hidden_states=model_input,
-                image_embeds=image_embeds.expand(batch, -1, -1),
+                image_embeds=image_embeds.repeat(batch // len(image_embeds), 1, 1),  # both branches, per video
                 timestep=timestep.expand(batch).to(model_input.dtype),
                 timestep_r=None if timestep_r is None else timestep_r.expand(batch).to(model_input.dtype),
                 encoder_hidden_states=text,

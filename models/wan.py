@@ -250,10 +250,15 @@ class GuidedTransformer(Guided):
     def forward(self, latents, timestep, prompt_embeds, condition=None, image_embeds=None):
         """`condition` (image-to-video): the mask and image latents concatenated to the latents on channels,
         as the pipeline does before casting; `image_embeds`: the CLIP tokens, the same for both branches."""
+        if condition is not None:  # one per video, or one for all (a batch of videos with the same image)
+            condition = condition.expand(latents.shape[0], *condition.shape[1:])
         model_input = latents if condition is None else torch.cat([latents, condition], dim=1)
 
         def predict(model_input):
-            images = None if image_embeds is None else image_embeds.expand(model_input.shape[0], -1, -1)
+            # the CLIP tokens for both branches (a batch of videos: each video's, in the latents' order)
+            images = (
+                None if image_embeds is None else image_embeds.repeat(model_input.shape[0] // len(image_embeds), 1, 1)
+            )
             return self.transformer(
                 hidden_states=model_input,
                 timestep=timestep.expand(model_input.shape[0], *timestep.shape[1:]),  # TI2V: (1, tokens)

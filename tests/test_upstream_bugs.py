@@ -130,3 +130,16 @@ def test_jax_0_10_2_splash_cannot_shard_a_local_window_mask_eight_ways():
     with pytest.raises(AssertionError) as raised:
         jax.jit(lambda q, k, v: splash_attention(q, k, v, None, config=config, mesh=mesh))(q, k, v)
     assert raised.traceback[-1].path.name == "splash_attention_mask_info.py", raised.traceback[-1]
+
+
+def test_torch_2_13_generator_set_state_fails_on_a_view_at_an_offset():
+    """torch 2.13's CPU `Generator.set_state` reads a state tensor that is a view at a storage offset (a row
+    of a stacked state) wrongly: it crashes the process or says "Invalid mt19937 state". Workaround:
+    models.batching.Generators.set_state gives each generator a copy (delete the `.clone()` once this fails)."""
+    code = (
+        "import torch; s = torch.stack([torch.Generator().manual_seed(1).get_state(), "
+        "torch.Generator().manual_seed(2).get_state()]); g = torch.Generator(); g.set_state(s[1]); "
+        "assert torch.equal(torch.randn(3, generator=g), torch.randn(3, generator=torch.Generator().manual_seed(2)))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode != 0, "set_state now takes a row of a stack: drop the copy in models.batching"

@@ -312,7 +312,8 @@ def _place_array(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> dict[str, object]:
-    """Replace the module's CPU weights, one at a time, by torchax tensors sharded by `table`.
+    """Replace the module's CPU weights, one at a time, by torchax tensors sharded by `table` (weights
+    already placed that way are kept as they are).
 
     Each CPU tensor is released as soon as its device copy exists, so host memory stays near one copy
     of the weights. Tied weights (one tensor under several names, e.g. T5's `shared` and
@@ -337,7 +338,11 @@ def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> 
                 full_name = f"{owner_name}.{leaf}" if owner_name else leaf
                 spec = specs.get(full_name, REPLICATED) if kind == "param" else REPLICATED
                 spec = fit_spec(spec, value.shape, mesh)
-                array = _place_array(_host_array(value), NamedSharding(mesh, spec))
+                target = NamedSharding(mesh, spec)
+                if isinstance(value, Tensor) and value.jax().sharding.is_equivalent_to(target, value.ndim):
+                    array = value.jax()  # placed before, as wanted (stage 3 reusing one VAE): kept, no host trip
+                else:
+                    array = _place_array(_host_array(value), target)
                 getattr(owner, store)[leaf] = device_copy = Tensor(array, env)
                 placed[id(value)] = (weakref.ref(value), device_copy)
                 del value

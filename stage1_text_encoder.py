@@ -161,16 +161,15 @@ def main(argv=None) -> None:
     for number, (video, timer) in enumerate(zip(videos, timers, strict=True), 1):
         if entries is not None:
             log(f"video {number} of {len(videos)}: {video.output_dir}")
-        encode_and_write(args, source, family, video, encode, runtime, timer)
+        encode_and_write(args, dtype, source, family, video, encode, runtime, timer)
     if entries is not None:
         path = batch.write_index(output_dir, [video.output_dir.name for video in videos], entries)
         log(f"wrote {path}: {len(videos)} stage folders")
 
 
-def encode_and_write(args, source, family, video: Video, encode, runtime, timer: Timer) -> None:
+def encode_and_write(args, dtype, source, family, video: Video, encode, runtime, timer: Timer) -> None:
     """One video's stage 1: its prompts and images encoded, its folder written as a single run writes it."""
     request, images, image_records, output_dir = video.request, video.images, video.image_records, video.output_dir
-    dtype = parse_dtype(args.dtype)
     with timer.phase("encode"), runtime.precision(dtype):
         embeddings = encode(request)
     if images:  # image encoders and single-image VAE encodes on the runtime, fp32 matmuls (family.encode_images)

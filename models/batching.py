@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from runtime.interface import Timer
+from runtime.interface import DP, Timer
 from utils import log
 
 from .denoise import DenoiseLoop, DenoiseOptions, place_denoisers, run_denoise_loop
@@ -88,8 +88,6 @@ def _same(a, b) -> bool:
 
 def _batched_static(loops: list[DenoiseLoop]) -> tuple:
     """The transformer's inputs for the batch: those laid out along the batch joined, the others shared."""
-    from runtime.interface import DP
-
     joined = []
     for position, (first, layout) in enumerate(loops[0].static_inputs):
         values = [loop.static_inputs[position][0] for loop in loops]

@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--batch_size",
         type=int,
         help="several folders: videos per batch, those of a group sharing one compiled program (default: the "
-        "group's size, at most the devices, half of them with CFG)",
+        "group's size, at most the devices, half of them with CFG; 1 with --cache magcache)",
     )
     parser.add_argument("--output_dir", help="where to write the latents and config (default: --input_dir)")
     parser.add_argument(
@@ -402,12 +402,13 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
             by_start.setdefault(run.guard.start_step, []).append(run)
         batches = [same[i : i + size] for same in by_start.values() for i in range(0, len(same), size)]
 
-        def write(run, latents, info, timer, timing, batch_record, record=record, group=number, runtime=runtime):
+        def write(run, latents, info, timer, timing, batch, step_cache, record=record, group=number, runtime=runtime):
             timer.seconds = timing  # the batch's table, finished once
             saved = write_tensors(run.output_dir / STAGE2_FILE, {"latents": latents})
-            write_section(
-                args, run, saved, latents, info, timer, {**record, "batch": {"group": group, **batch_record}}, runtime
-            )
+            record = {**record, "batch": {"group": group, **batch}}
+            if step_cache is not None:
+                record["step_cache"] = step_cache
+            write_section(args, run, saved, latents, info, timer, record, runtime)
 
         with backend, runtime.precision(first.dtype), sigterm_sets_stop(stop):
             denoise_group(first.family, first.source, batches, size, first.dtype, runtime, options, stop, write)

@@ -15,6 +15,7 @@ guidance scale, per-token timesteps) are taken from the first and checked equal.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -22,6 +23,7 @@ from runtime.interface import DP, Timer
 from utils import log
 
 from .denoise import DenoiseLoop, DenoiseOptions, place_denoisers, run_denoise_loop
+from .step_cache import is_batched_state
 
 # The request fields a batch's videos share: the compiled program and the timestep schedule depend on them.
 GROUP_FIELDS = (
@@ -46,7 +48,10 @@ def group_key(request, task: str, cache_record: dict) -> tuple:
 
 
 def default_batch_size(run, videos: int, devices: int) -> int:
-    """The group's size, capped by the devices `dp` can take: all of them, half with CFG."""
+    """The group's size, capped by the devices `dp` can take: all of them, half with CFG. One with MagCache,
+    which decides from each video's own data."""
+    if run.cache.record()["kind"] == "magcache":
+        return 1
     cfg = run.family.cfg_enabled(run.request.guidance_scale)
     return max(1, min(videos, devices // 2 if cfg else devices))
 
@@ -101,6 +106,11 @@ def _batched_static(loops: list[DenoiseLoop]) -> tuple:
         else:
             raise ValueError(f"transformer input {position} differs between videos and has no batch dimension")
     return tuple(joined)
+
+
+def _video_rows(tensor: torch.Tensor, video: int, size: int) -> torch.Tensor:
+    """One video's rows of a tensor laid out along the transformer's batch (`_join`'s order)."""
+    return tensor.reshape(tensor.shape[0] // size, size, *tensor.shape[1:])[:, video]
 
 
 def _prefixed(carry: dict, video: int) -> dict:
@@ -178,13 +188,23 @@ class BatchGuard:
             "latents": torch.cat([state["latents"] for state in states]),
             "generator_state": torch.stack([state["generator_state"] for state in states]),
         }
+        for key in filter(is_batched_state, states[0]):  # the step cache's residuals
+            joined[key] = _join([state[key] for state in states], states[0][key].shape[0])
         for v, state in enumerate(states):
-            rest = {key: value for key, value in state.items() if key not in ("latents", "generator_state")}
+            rest = {key: value for key, value in state.items() if key not in joined}
             joined.update(_prefixed(rest, v))
         return steps.pop(), joined
 
     def after_step(self, index: int, total: int, tensors: dict, more=dict) -> None:
         from utils import Stopped
+
+        batch_more = functools.cache(more)  # fetched once, only if some video's checkpoint is written
+
+        def own_more(video):
+            return {
+                key: _video_rows(value, video, self.size) if is_batched_state(key) else value
+                for key, value in batch_more().items()
+            }
 
         stopped = []
         for v, guard in enumerate(self.guards):
@@ -195,7 +215,7 @@ class BatchGuard:
                 **_own(tensors, v),
             }
             try:
-                guard.after_step(index, total, own)
+                guard.after_step(index, total, own, more=functools.partial(own_more, v))
             except Stopped as stop:
                 stopped.append(stop)
         if stopped:
@@ -212,9 +232,9 @@ def denoise_group(
     """Denoise one group's batches (lists of models.stage2_inputs.ValidatedRun, at most `size` each) with
     the transformers loaded, placed and compiled once: every batch is padded to `size` with copies of its
     last video, so all share one program (and a resumed batch is the batch it was).
-    `write(video, latents, info, timer, timing, record)` is called for each video as its batch finishes
-    (`timing`: the batch's timing table, shared by its videos); `run.stop_requested` (SIGTERM) stops after
-    a step."""
+    `write(video, latents, info, timer, timing, record, step_cache)` is called for each video as its batch
+    finishes (`timing`: the batch's timing table, shared by its videos; `step_cache`: the step cache's record
+    or None); `run.stop_requested` (SIGTERM) stops after a step."""
     timer = Timer()  # one per batch (the first also times the load), its table shared by the batch's videos
     with timer.phase("load"):
         transformers = {name: source.load(name, dtype=dtype).eval() for name in family.transformer_components(source)}
@@ -234,7 +254,7 @@ def denoise_group(
                 placed = place_denoisers(loop, runtime, options)
         guard = BatchGuard([video.guard for video in videos], size, run)
         batch_options = dataclasses.replace(options, guard=guard, warmup_steps=0 if reused else options.warmup_steps)
-        latents, _ = run_denoise_loop(loop, runtime, timer, batch_options, placed)
+        latents, cache = run_denoise_loop(loop, runtime, timer, batch_options, placed)
         record = {
             "number": number,
             "of": len(batches),
@@ -245,8 +265,9 @@ def denoise_group(
         }
         timing = timer.finish()
         record["videos_per_hour"] = round(3600 * len(videos) / timing["total"], 1)  # this batch's rate
+        step_cache = {**cache.record(), **timer.median_steps()} if cache is not None else None
         log(f"batch {number} of {len(batches)}: {len(videos)} video(s), {record['videos_per_hour']} videos per hour")
         for position, video in enumerate(videos):
             own, info = built[position][1](latents[position : position + 1])
-            write(video, own, info, timer, timing, record)
+            write(video, own, info, timer, timing, record, step_cache)
         guard.finished()

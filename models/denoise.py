@@ -233,6 +233,8 @@ def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options:
         if placed is None:
             placed = place_denoisers(loop, runtime, options)
         cache, denoisers = (placed, None) if isinstance(placed, StepCache) else (None, placed)
+        if cache is not None:
+            cache.reset()  # placed for an earlier batch of the group: its residuals are that batch's
         static_inputs = tuple(runtime.to_device(tensor, layout) for tensor, layout in loop.static_inputs)
 
     def predict_noise(latents, i, t, expert, warmup=False):

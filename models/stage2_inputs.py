@@ -111,10 +111,11 @@ def check_batch_flags(args, folders: list[Path]) -> None:
         raise UserError("--output_dir names one folder; with several input folders each writes into its own")
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError(f"--batch_size {args.batch_size} must be >= 1")
-    if (args.batch_size or 1) > 1 and kind_from_flags(args) != "none":
+    if (args.batch_size or 1) > 1 and kind_from_flags(args) == "magcache":
+        what = "--cache_calibrate" if args.cache_calibrate else "--cache magcache"
         raise UserError(
-            f"--cache {kind_from_flags(args)} with --batch_size {args.batch_size}: the step cache runs one video "
-            "per batch (MagCache decides from each video's own data); use --batch_size 1"
+            f"{what} with --batch_size {args.batch_size}: MagCache decides from each video's own data, so it "
+            "runs one video per batch; use --batch_size 1 (the interval cache batches)"
         )
 
 

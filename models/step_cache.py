@@ -216,6 +216,13 @@ def cached_denoiser(guided, settings: CacheSettings, branches: int, constrain) -
     return CachedDenoiser(guided, BlockCache(guided.transformer, span, branches, kind == "interval", constrain))
 
 
+def is_batched_state(key: str) -> bool:
+    """A checkpoint key of the device state (`cache.<expert>.hidden` or `.text`): residuals laid out along
+    the transformer's batch, which a batch of videos splits per video (models/batching.py)."""
+    parts = key.split(".")
+    return len(parts) == 3 and parts[0] == "cache" and parts[1].isdigit()
+
+
 def probe_shapes(call) -> list:
     """Run `call` (which traces a CachedDenoiser.probe) and return the span's input shapes."""
     try:
@@ -237,6 +244,11 @@ class StepCache:
         self.plan = schedule(settings, self.experts, self.names, self.branches)
         self.modules = [cached_denoiser(g, settings, len(self.branches), runtime.constrain) for g in loop.guided]
         self.programs = [runtime.compile(m, rules, methods=("forward", "cached", "probe")) for m in self.modules]
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the device state, the calibration and the step kinds: a new video (or batch of videos,
+        models/batching.py) starts here with the same programs."""
         self.state: dict[int, tuple] = {}
         self.ratios = {name: [] for name in state_names(self.names, self.branches)}
         self.kinds: list[str] = []

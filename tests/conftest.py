@@ -69,3 +69,13 @@ def no_weights_loaded(monkeypatch):
         raise AssertionError(f"{component} was loaded before the refusal")
 
     monkeypatch.setattr(models.ModelSource, "load", refuse)
+
+
+@pytest.fixture(scope="session")
+def four_layer_cogvideox(tmp_path_factory):
+    """A tiny CogVideoX 1.5 pipeline folder with 4 transformer blocks (the interval cache needs 3 or more)."""
+    from models import tiny
+
+    folder = tmp_path_factory.mktemp("cogvideox-4-layers")
+    tiny.cogvideox("1.5", num_layers=4).save_pretrained(folder)
+    return folder

@@ -313,6 +313,8 @@ CASES = [
         "s2-max-skip-minus-1", "nonsense", ["--cache", "magcache", "--cache_max_skip_steps", "-1"], "must be at least 1"
     ),
     s2("s2-retention-5", "nonsense", ["--cache", "magcache", "--cache_retention_ratio", "5"], "must be from 0 up to"),
+    s2("s2-batch-size-0", "nonsense", ["--batch_size", "0"], "--batch_size 0 must be >= 1"),
+    s2("s2-magcache-batch-2", "nonsense", ["--cache", "magcache", "--batch_size", "2"], "use --batch_size 1"),
     s2("s2-peer-timeout-minus-5", "nonsense", ["--peer_timeout", "-5"], "must be a positive number of seconds"),
     s1("s1-seed-minus-1", "nonsense", ["--seed=-1"], "--seed -1 must be from 0 to 2**64 - 1"),
     s2("s2-seed-minus-1", "nonsense", ["--seed", "-1"], "--seed -1 must be from 0 to 2**64 - 1"),

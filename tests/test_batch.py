@@ -298,3 +298,60 @@ def test_a_batch_and_a_single_run_never_share_a_folder(capsys, tmp_path):
     run_stage(stage1_text_encoder, [*argv[:-1], tmp_path / "many"])
     argv = ["--model", MODEL, "--prompt", "a cat", "--output_dir", tmp_path / "many"]
     expect_user_error(capsys, stage1_text_encoder, argv, "holds a batch")
+
+
+def test_interval_cache_batches_and_resumes_per_folder(tmp_path, four_layer_cogvideox):
+    """--cache interval over 3 videos in batches of 2 (the second padded, reusing the first's programs with
+    its residuals reset): each folder within 1e-5 of its single cached run, with its schedule recorded. Stopped
+    after the first batch's second step (a residual held, the next step cached), the checkpoints hold each
+    video's own residual rows: --resume equals the uninterrupted batched run bit for bit, and one folder resumed alone
+    equals its single run (1e-5)."""
+    import shutil
+
+    import stage2_transformer
+    from models import batching
+    from utils import CHECKPOINT_FILE
+
+    size = ["--height", 64, "--width", 96, "--num_frames", 9, "--num_inference_steps", 5]
+    out = stage1_batch(tmp_path, str(four_layer_cogvideox), extra=size)
+    cache = ["--cache", "interval", "--cache_start_step", 1, "--cache_end_step", 5, "--cache_step_interval", 2]
+    argv = ["--warmup_steps", 0, *cache]
+    singles = {}
+    for folder in batch.expand_folders([str(out)]):
+        single = tmp_path / f"single-{folder.name}"
+        shutil.copytree(folder, single)
+        run_stage(stage2_transformer, ["--input_dir", single, *argv])
+        singles[folder.name] = stage2_outputs(single)
+    whole = tmp_path / "whole"
+    shutil.copytree(out, whole)
+    run_stage(stage2_transformer, ["--input_dir", whole, *argv, "--batch_size", 2])
+    for name, (expected, expected_config) in singles.items():
+        latents, config = stage2_outputs(whole / name)
+        assert relative_error(latents, expected) <= 1e-5, name
+        timed = ("median full step", "median cached step")  # the step cache's record but its timings
+        for record in (config["stage2"]["step_cache"], expected_config["stage2"]["step_cache"]):
+            assert all(record.pop(key) > 0 for key in timed)
+        assert config == expected_config
+        assert config["stage2"]["step_cache"]["schedule"] == "FFCFC"
+
+    real_after_step = batching.BatchGuard.after_step
+
+    def stopped_after_the_second_step(self, index, total, tensors, more=dict):
+        self.run.stop_requested = self.run.stop_requested or index == 1  # as SIGTERM's handler does
+        return real_after_step(self, index, total, tensors, more)
+
+    stopped = tmp_path / "stopped"
+    shutil.copytree(out, stopped)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batching.BatchGuard, "after_step", stopped_after_the_second_step)
+        with pytest.raises(SystemExit) as stop:
+            run_stage(stage2_transformer, ["--input_dir", stopped, *argv, "--batch_size", 2])
+    assert stop.value.code == 143
+    assert [(stopped / name / CHECKPOINT_FILE).is_file() for name in ("000", "001", "002")] == [True, True, False]
+    alone = tmp_path / "alone"
+    shutil.copytree(stopped / "001", alone)
+    run_stage(stage2_transformer, ["--input_dir", stopped, *argv, "--batch_size", 2, "--resume"])
+    for name in ("000", "001", "002"):
+        assert torch.equal(stage2_outputs(stopped / name)[0], stage2_outputs(whole / name)[0]), name
+    run_stage(stage2_transformer, ["--input_dir", alone, *argv, "--resume"])
+    assert relative_error(stage2_outputs(alone)[0], singles["001"][0]) <= 1e-5

@@ -23,7 +23,7 @@ import models
 import stage1_text_encoder
 import stage2_transformer
 from helpers import expect_user_error, relative_error, run_stage
-from models import cache_schedule, step_cache, tiny
+from models import cache_schedule, step_cache
 from models.cache_schedule import CacheSettings, schedule
 from models.denoise import DenoiseGuard
 from utils import CHECKPOINT_FILE, Stopped, read_config, read_tensors
@@ -331,13 +331,6 @@ class IntervalReference:
             return out
 
         return call
-
-
-@pytest.fixture(scope="module")
-def four_layer_cogvideox(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("cogvideox-4-layers")
-    tiny.cogvideox("1.5", num_layers=4).save_pretrained(folder)
-    return folder
 
 
 def test_interval_cache_equals_its_definition(tmp_path, four_layer_cogvideox):

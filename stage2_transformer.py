@@ -60,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--batch_size",
         type=int,
         help="several folders: videos per batch, those of a group sharing one compiled program (default: the "
-        "group's size, at most the devices, half of them with CFG; 1 with --cache magcache)",
+        "largest part of the group whose default mesh gives each device one sample (a video's CFG branch) with "
+        "the weights within their share of memory; 1 with --cache magcache)",
     )
     parser.add_argument("--output_dir", help="where to write the latents and config (default: --input_dir)")
     parser.add_argument(
@@ -387,15 +388,18 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
     group denoised in batches of --batch_size sharing one placement and program (models/batching.py)."""
     import jax
 
+    from runtime.torchax_runtime import device_memory
+
     groups: dict[tuple, list[ValidatedRun]] = {}
     for run in runs:
         task = run.config["stage1"].get("task", "t2v")
         groups.setdefault((group_key(run.request, task, run.cache.record()), run.dtype_name), []).append(run)
     stop = types.SimpleNamespace(stop_requested=False)
+    per_host, memory = jax.local_device_count() if processes.count > 1 else None, device_memory()
     for number, members in enumerate(groups.values(), 1):
         first = members[0]
-        size = args.batch_size or default_batch_size(first, len(members), jax.device_count())
-        log(f"group {number} of {len(groups)}: {len(members)} video(s), batches of {size}")
+        log(f"group {number} of {len(groups)}: {len(members)} video(s)")
+        size = args.batch_size or default_batch_size(args, first, len(members), jax.device_count(), per_host, memory)
         runtime, backend, options, record = runtime_for(args, first, processes, size)
         by_start: dict[int, list[ValidatedRun]] = {}  # videos stopped after the same step batch together
         for run in members:

@@ -47,13 +47,29 @@ def group_key(request, task: str, cache_record: dict) -> tuple:
     return (*fields, ("task", task), ("cache", tuple(sorted(cache_record.items()))))
 
 
-def default_batch_size(run, videos: int, devices: int) -> int:
-    """The group's size, capped by the devices `dp` can take: all of them, half with CFG. One with MagCache,
-    which decides from each video's own data."""
+def default_batch_size(args, run, videos: int, devices: int, per_host: int | None, memory: int | None) -> int:
+    """--batch_size unset: runtime.mesh.default_batch for the group's `videos` (one with MagCache, which
+    decides from each video's own data), logged with its reason."""
+    from runtime.mesh import default_batch
+
+    from .meta import model_facts
+
     if run.cache.record()["kind"] == "magcache":
-        return 1
-    cfg = run.family.cfg_enabled(run.request.guidance_scale)
-    return max(1, min(videos, devices // 2 if cfg else devices))
+        size, why = 1, "--cache magcache runs one video per batch"
+    else:
+        size, why = default_batch(
+            videos,
+            devices,
+            cfg=run.family.cfg_enabled(run.request.guidance_scale),
+            model=model_facts(run.family, run.source, run.dtype, args.tp_mode),
+            dp=args.dp,
+            sp=args.sp,
+            tp=args.tp,
+            devices_per_host=per_host,
+            device_memory=memory,
+        )
+    log(f"batches of {size} ({why})")
+    return size
 
 
 class Generators:

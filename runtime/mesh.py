@@ -154,8 +154,27 @@ def default_mesh(
     budget = device_memory * WEIGHT_SHARE if device_memory else None
     fitting = [shape for shape in options if budget is None or model.weight_bytes(shape.tp) <= budget]
     shape = fitting[0] if fitting else max(options, key=lambda option: option.tp)
-    why = _why(shape, (dp, sp, tp), cfg, model, device_memory, bool(fitting))
+    why = _why(shape, (dp, sp, tp), cfg, model, device_memory, bool(fitting), videos)
     return MeshChoice(shape, why, bool(fitting))
+
+
+def default_batch(videos: int, devices: int, *, cfg: bool, model: ModelFacts, **mesh) -> tuple[int, str]:
+    """Stage 2's default videos per batch for a group of `videos`, and why: the largest number whose default
+    mesh (`mesh`: default_mesh's axis and memory arguments) gives every device at most one sample (a video's
+    CFG branch) with the weights within WEIGHT_SHARE of its memory. A second sample per device would add
+    a whole sample's activations where the weights already take their share; `--plan --batch_size`
+    measures a larger batch exactly."""
+    branches = 2 if cfg else 1
+    for size in range(min(videos, devices // branches), 1, -1):
+        try:
+            choice = default_mesh(devices, cfg=cfg, model=model, videos=size, **mesh)
+        except ValueError:  # axes given as flags that cannot hold this batch
+            continue
+        if choice.fits and size * branches <= choice.shape.dp:
+            return size, f"{size} videos: one sample per device on {choice.shape}"
+    if videos == 1:
+        return 1, "one video"
+    return 1, "one video: two would put a second sample on a device, or the weights past their share"
 
 
 def _given(dp, sp, tp) -> str:
@@ -189,19 +208,22 @@ def _check_given(devices: int, given, batch: int, heads: int, per_host: int, hin
         )
 
 
-def _why(shape: MeshShape, given, cfg: bool, model: ModelFacts, device_memory: int | None, fits: bool) -> str:
+def _why(
+    shape: MeshShape, given, cfg: bool, model: ModelFacts, device_memory: int | None, fits: bool, videos: int
+) -> str:
     """One line: which axes were given, and why each default axis got its size."""
     dp, sp, tp = given
     parts = []
     if not dp:
-        if not cfg:
+        samples = videos * (2 if cfg else 1)
+        what = f"{videos} videos" if videos > 1 else "one video"
+        what += " x 2 CFG branches" if cfg else " (CFG is off)"
+        if samples == 1:
             parts.append("dp 1: one sample (CFG is off)")
+        elif shape.dp == samples:
+            parts.append(f"dp {shape.dp}: the {samples} samples of {what}")
         else:
-            parts.append(
-                "dp 2: the 2 CFG branches"
-                if shape.dp == 2
-                else "dp 1: the 2 CFG branches batched on each device (dp 2 fits no mesh here)"
-            )
+            parts.append(f"dp {shape.dp}: the largest divisor of the {samples} samples of {what} a mesh here allows")
     if not tp:
         parts.append(
             f"tp {shape.tp}: the largest divisor of the {model.heads} heads and the split weight dimensions "

@@ -18,7 +18,7 @@ from helpers import run_stage
 from models import published
 from models.meta import model_facts
 from planning import tpus
-from runtime.mesh import WEIGHT_SHARE, MeshShape, ModelFacts, default_mesh, sp_mode_choice
+from runtime.mesh import WEIGHT_SHARE, MeshShape, ModelFacts, default_batch, default_mesh, sp_mode_choice
 from runtime.torchax_runtime import TorchaxRuntime
 
 TOPOLOGIES = ("v5e-8", "v6e-8", "v5p-8", "tpu7x-8", "v6e-16")
@@ -70,7 +70,8 @@ def test_default_meshes_the_issue_named(published_facts):
     wan22 = published_facts["Wan-AI/Wan2.2-T2V-A14B-Diffusers"]
     assert wan22.weight_bytes(4) > WEIGHT_SHARE * v5e.hbm_per_device
     choice = default_mesh(8, cfg=True, model=wan22, device_memory=v5e.hbm_per_device)
-    assert choice.shape == MeshShape(1, 1, 8) and "dp 2 fits no mesh here" in choice.why
+    assert choice.shape == MeshShape(1, 1, 8)
+    assert "dp 1: the largest divisor of the 2 samples of one video x 2 CFG branches" in choice.why
     assert default_mesh(8, cfg=True, model=wan22, device_memory=None).shape == MeshShape(2, 1, 4)
 
 
@@ -171,5 +172,30 @@ def test_published_models_plan_on_their_default_mesh(tmp_path, capsys, model, me
     assert report["fits"] and report["mesh"] == dict(zip(("dp", "sp", "tp"), mesh, strict=True))
     assert report["mesh_choice"]["weights_fit"] and report["splash_custom_calls"] > 0
     log = capsys.readouterr().out
-    assert f"mesh dp {mesh[0]} x sp {mesh[1]} x tp {mesh[2]} (dp 2: the 2 CFG branches" in log
+    assert f"mesh dp {mesh[0]} x sp {mesh[1]} x tp {mesh[2]} (dp 2: the 2 samples of one video x 2 CFG branches;" in log
     assert scheme == "none" or f"sequence parallel: {scheme}" in log
+
+
+@pytest.mark.parametrize(
+    "videos, cfg, memory_gib, flags, expected",
+    [
+        (3, True, None, {}, 2),  # 3 videos x 2 branches cannot be one per device on 8: 2 videos on dp 4
+        (4, True, None, {}, 4),  # dp 8
+        (9, True, None, {}, 4),
+        (8, False, None, {}, 8),
+        (4, True, 32, {}, 2),  # 40 GiB of weights fit 75% of 32 GiB from tp 2 on: dp 4
+        (4, True, 16, {}, 1),  # from tp 4 on: dp 2 holds one video's two branches only
+        (4, True, None, {"tp": 4}, 1),
+        (1, True, None, {}, 1),
+    ],
+)
+def test_default_batch_is_one_sample_per_device_with_the_weights_within_their_share(
+    videos, cfg, memory_gib, flags, expected
+):
+    facts = ModelFacts(heads=8, split_bytes=((64, 40 * 2**30),))
+    memory = memory_gib * 2**30 if memory_gib else None
+    size, why = default_batch(videos, 8, cfg=cfg, model=facts, device_memory=memory, **flags)
+    assert size == expected, why
+    if size > 1:
+        shape = default_mesh(8, cfg=cfg, model=facts, device_memory=memory, videos=size, **flags).shape
+        assert shape.dp == size * (2 if cfg else 1) and f"on {shape}" in why

@@ -370,9 +370,19 @@ def place(tree, mesh: Mesh, spec: PartitionSpec, env):
     return torch.utils._pytree.tree_map(one, tree)
 
 
-def constrain(tensor: torch.Tensor, mesh: Mesh, spec: PartitionSpec) -> torch.Tensor:
-    """A sharding constraint on a traced torchax tensor (axes that do not divide it are dropped)."""
+def constraint_spec(spec: PartitionSpec | tuple, shape: Sequence[int], mesh: Mesh, uneven: bool) -> PartitionSpec:
+    """`spec` for a constraint inside a compiled program: `fit_spec`, or with `uneven` each axis kept where the
+    dimension is at least the axis size, divided or not: XLA's partitioner then pads the last shards (jit's
+    arguments and results must divide; a constraint inside may not)."""
+    if not uneven:
+        return fit_spec(spec, shape, mesh)
+    dims = zip(shape, tuple(spec), strict=False)  # a spec may name fewer dimensions than the tensor has
+    return P(*(axes if axes is None or dim >= mesh.shape[axes] else None for dim, axes in dims))
+
+
+def constrain(tensor: torch.Tensor, mesh: Mesh, spec: PartitionSpec, uneven: bool = False) -> torch.Tensor:
+    """A sharding constraint on a traced torchax tensor (`constraint_spec`)."""
     from torchax.interop import call_jax
 
-    sharding = NamedSharding(mesh, fit_spec(spec, tensor.shape, mesh))
+    sharding = NamedSharding(mesh, constraint_spec(spec, tensor.shape, mesh, uneven))
     return call_jax(jax.lax.with_sharding_constraint, tensor, sharding)

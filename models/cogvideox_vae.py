@@ -43,6 +43,7 @@ class BatchPrograms(torch.nn.Module):
 
     def _batch(self, latents, cache):
         vae = self.decoder.vae
+        latents = self.constrain(latents, self.layout, uneven=True)  # models.common.latents_split
         latents = 1 / self.decoder.scaling_factor * latents  # CogVideoXPipeline.decode_latents' expression
         if vae.post_quant_conv is not None:
             latents = vae.post_quant_conv(latents)

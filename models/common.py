@@ -22,15 +22,20 @@ LATENTS_HEIGHT_SPLIT = (None, None, None, SP, None)
 LATENTS_GRID_SPLIT = (None, None, None, DP, SP)
 
 
+UNEVEN_WIDTH = "width, uneven"
+
+
 def latents_split(shape, devices: int) -> tuple[str | None, tuple]:
     """Stage 3's spatial split of the latents over `devices`: along width where the count divides the latent
     width, else along height where it divides that (CogVideoX1.5's 1360 pixels make 170 latent columns), else
-    none (the layout then keeps them whole); (the axis or None, the layout)."""
+    along width unevenly (HunyuanVideo-1.5 480p's 53 columns: the frame programs place the latents whole and
+    constrain them inside, where XLA pads the last shards); (the axis, the layout). Narrower than the
+    devices: kept whole (None)."""
     if shape[-1] % devices == 0:
         return "width", LATENTS_WIDTH_SPLIT
     if shape[-2] % devices == 0:
         return "height", LATENTS_HEIGHT_SPLIT
-    return None, LATENTS_WIDTH_SPLIT
+    return (UNEVEN_WIDTH if shape[-1] >= devices else None), LATENTS_WIDTH_SPLIT
 
 
 # Stage 2's initial noise is drawn in fp32 on the CPU and then cast to the run's dtype, so a seed gives

@@ -169,6 +169,7 @@ class FramePrograms(torch.nn.Module):
 
     def _chunk(self, latents, previous):
         state = _State(previous)
+        latents = self.constrain(latents, self.layout, uneven=True)  # models.common.latents_split
         latents = latents.to(self.decoder.vae.dtype) / self.decoder.scaling_factor
         out = decode_chunk(self.decoder.vae.decoder, latents, state, previous is None, self.video_frames)
         return tuple(t if t.dim() == 0 else self.constrain(t, self.layout) for t in (out, *state.left))
@@ -196,7 +197,7 @@ def frame_plan(source, decoder: Decoder, latents_shape, runtime, layout, chunk_f
     chunks = [torch.zeros(*latents_shape[:2], n, *latents_shape[3:], dtype=dtype) for n in (end - start, chunk_frames)]
     module = FramePrograms(decoder, latents_shape[2], runtime.constrain, layout)
     with torch.no_grad():
-        meta = FramePrograms(decoder, latents_shape[2], lambda tensor, _: tensor, layout)
+        meta = FramePrograms(decoder, latents_shape[2], lambda tensor, *_, **__: tensor, layout)
         _, *state = meta.first(chunks[0].to("meta"))
     steady = [(chunks[1], layout), *((t, () if t.dim() == 0 else layout) for t in state)]
     return module, {"first": [(chunks[0], layout)], "steady": steady}, {"first": 1, "steady": len(rest)}

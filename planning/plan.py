@@ -324,7 +324,7 @@ def plan_stage3(
     as the family's frame programs; the report as a dict. The latents' shape comes from the family's own
     stage-2 loop (built around a one-block meta transformer), so it is the shape stage 2 writes. `rows` > 1
     (benchmarks/vae_split.py): height split `rows` ways and width the rest, on a rows x devices/rows mesh."""
-    from models.common import LATENTS_GRID_SPLIT, latents_split
+    from models.common import LATENTS_GRID_SPLIT, UNEVEN_WIDTH, latents_split
     from runtime.torchax_runtime import TorchaxRuntime
     from sharding import REPLICATED_TABLE, MeshShape
 
@@ -339,6 +339,8 @@ def plan_stage3(
         vae.enable_tiling()
     decoder = family.Decoder(vae, record["latents_normalization"])
     axis, layout = latents_split(latents.shape, target.devices)  # None: kept whole, as in a real run
+    if axis == UNEVEN_WIDTH and not chunk_frames:
+        axis = None  # only the frame programs constrain the latents inside
     if rows > 1:
         if latents.shape[-2] % rows or latents.shape[-1] % (target.devices // rows):
             raise ValueError(f"latents {list(latents.shape)} do not split {rows} x {target.devices // rows}")

@@ -37,11 +37,7 @@ def print_report(report: dict[str, Any]) -> None:
     )
     print(f"  compiled by the TPU compiler in {report['compile_seconds']} s")
     if report["stage"] == 3:
-        split = (
-            f"split along {report['split']}"
-            if report["split"]
-            else "NOT split: neither latent side divides by the devices"
-        )
+        split = f"split along {report['split']}" if report["split"] else "NOT split: kept whole on every device"
         print(f"  latents {report['latents']} {split}; VAE tiling {'on' if report['tiling'] else 'off'}")
         if report.get("calls"):
             calls = ", ".join(f"{name} x{count}" for name, count in report["calls"].items())

@@ -57,8 +57,9 @@ class Runtime(Protocol):
     def to_host(self, tensor: Any) -> torch.Tensor:
         """A CPU torch tensor; waits for the device."""
 
-    def constrain(self, tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """Inside a compiled forward: pin an activation's layout (a no-op without a mesh)."""
+    def constrain(self, tensor: torch.Tensor, layout: Layout, uneven: bool = False) -> torch.Tensor:
+        """Inside a compiled forward: pin an activation's layout (a no-op without a mesh); `uneven` splits a
+        dimension the axis does not divide (sharding.constrain)."""
 
     def profile_trace(self) -> contextlib.AbstractContextManager:
         """A profiler trace around the block, or a context that does nothing."""
@@ -90,7 +91,7 @@ class TorchRuntime:
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to("cpu")
 
-    def constrain(self, tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def constrain(self, tensor: torch.Tensor, layout: Layout, uneven: bool = False) -> torch.Tensor:
         return tensor
 
     def profile_trace(self) -> contextlib.AbstractContextManager:

@@ -157,9 +157,10 @@ class TorchaxRuntime:
         """The CPU tensors in `tree` as torchax tensors laid out as `layout` on the mesh (default: replicated)."""
         return sharding.place(tree, self.mesh, sharding.P(*(layout or ())), self.env)
 
-    def constrain(self, tensor: torch.Tensor, layout: tuple) -> torch.Tensor:
-        """Inside a compiled forward: pin an activation's layout (e.g. the CFG batch on `dp`)."""
-        return sharding.constrain(tensor, self.mesh, sharding.P(*layout))
+    def constrain(self, tensor: torch.Tensor, layout: tuple, uneven: bool = False) -> torch.Tensor:
+        """Inside a compiled forward: pin an activation's layout (e.g. the CFG batch on `dp`); `uneven`
+        splits a dimension the axis does not divide (sharding.constrain)."""
+        return sharding.constrain(tensor, self.mesh, sharding.P(*layout), uneven)
 
     def to_host(self, tensor) -> torch.Tensor:
         """A CPU torch tensor; blocks until the device has computed it. With several processes each gets

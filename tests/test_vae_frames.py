@@ -116,7 +116,7 @@ def test_hunyuanvideo15_chunks_equal_the_stock_decoder_eagerly(frames):
     source, family = models.resolve_model("tiny-hunyuanvideo15")
     decoder = hv.Decoder(source.load("vae", dtype=torch.float32).eval(), family.latents_normalization(source))
     latents = torch.randn(1, 4, frames, 4, 6, generator=torch.Generator().manual_seed(5))
-    programs = hv.FramePrograms(decoder, frames, lambda tensor, _: tensor, ())
+    programs = hv.FramePrograms(decoder, frames, TorchRuntime("cpu").constrain, ())
     with torch.no_grad():
         expected = decoder(latents)
         for chunk in range(1, frames + 1):
@@ -196,6 +196,46 @@ def test_height_split_where_the_width_does_not_divide():
     runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=8)))
     got = decode(family, source, latents, normalization, torch.float32, runtime, Timer(), chunk_frames=2)
     assert relative_error(got, expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize("preset, chunk", [("tiny-hunyuanvideo15", 2), ("tiny-cogvideox", 2), ("tiny-wan2.1", 1)])
+def test_uneven_width_split_is_exact(preset, chunk):
+    """13 latent columns and 6 rows divide by 8 devices along neither side (HunyuanVideo-1.5 480p's 30 x 53
+    and CogVideoX-5b's 60 x 90 neither): the frame programs split the width unevenly inside (XLA pads the
+    last shards), exact to the stock decode."""
+    from models.common import UNEVEN_WIDTH, latents_split
+
+    source, family = models.resolve_model(preset)
+    config = source.load_config("vae")
+    channels = config.get("z_dim") or config["latent_channels"]
+    latents = torch.randn(1, channels, 5, 6, 13, generator=torch.Generator().manual_seed(3))
+    assert latents_split(latents.shape, 8)[0] == UNEVEN_WIDTH
+    normalization = family.latents_normalization(source)
+    expected = decode(family, source, latents, normalization, torch.float32, TorchRuntime("cpu"), Timer())
+    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=8)))
+    got = decode(family, source, latents, normalization, torch.float32, runtime, Timer(), chunk)
+    assert relative_error(got, expected) <= TOLERANCE
+
+
+def test_an_uneven_constraint_splits_the_dimension_it_does_not_divide():
+    """sharding.constraint_spec(uneven=True) keeps the axis on a dimension it does not divide (13 over 8), where
+    the default drops it, and XLA partitions by it: each device computes 2 of the 13 columns (the last
+    shards padded). A dimension smaller than the axis stays whole either way."""
+    import jax
+    import numpy as np
+
+    mesh = sharding.make_mesh(sharding.MeshShape(sp=8))
+    spec = sharding.P(None, "sp")
+    assert sharding.constraint_spec(spec, (4, 13), mesh, uneven=True) == spec
+    assert sharding.constraint_spec(spec, (4, 13), mesh, uneven=False) == sharding.P(None, None)
+    assert sharding.constraint_spec(spec, (4, 5), mesh, uneven=True) == sharding.P(None, None)
+
+    def doubled(x):
+        pinned = sharding.NamedSharding(mesh, sharding.constraint_spec(spec, x.shape, mesh, uneven=True))
+        return jax.lax.with_sharding_constraint(x * 2, pinned) + 1
+
+    hlo = jax.jit(doubled).lower(np.zeros((4, 13), np.float32)).compile().as_text()
+    assert "f32[4,2]" in hlo
 
 
 @pytest.mark.parametrize("preset", ["tiny-wan2.1", "tiny-hunyuanvideo15"])

@@ -159,15 +159,16 @@ def hunyuan_inputs(batch=2, seed=1):
     }
 
 
-def collectives_in(jax_function, shapes, mesh) -> list[str]:
-    """The collective ops in `jax_function` compiled for inputs of `shapes` with the batch on `dp`."""
+def collectives_in(jax_function, shapes, mesh, layout=("dp",)) -> list[str]:
+    """The collective ops in `jax_function` compiled for inputs of `shapes` laid out as `layout` (default: the
+    batch on `dp`)."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from runtime import torchax_runtime
 
-    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("dp"))) for shape, dtype in shapes]
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*layout))) for shape, dtype in shapes]
     with torchax_runtime.torchax.default_env():
         hlo = jax.jit(jax_function).lower(*args).compile().as_text()
     return [name for name in ("all-reduce", "all-gather", "collective-permute", "all-to-all") if f" {name}" in hlo]

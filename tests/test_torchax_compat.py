@@ -5,7 +5,7 @@ import jax
 import pytest
 import torch
 
-from helpers import collectives_in
+from helpers import collectives_in, relative_error
 from models.hunyuanvideo15 import reorder_text_tokens
 from runtime.torchax_runtime import TorchaxRuntime
 from sharding import MeshShape, make_mesh
@@ -67,3 +67,28 @@ def test_token_reorder_needs_no_collectives_on_a_dp_sharded_batch():
 
     shapes = [((2, 100, 64), f32), ((2, 30, 64), f32), ((2, 100), boolean), ((2, 30), boolean)]
     assert collectives_in(interop.jax_view(reorder), shapes, runtime.mesh) == []
+
+
+def test_group_norm_lowering_equals_torch_and_keeps_the_width_split():
+    """layout_keeping_group_norm: torch's GroupNorm values (affine, 5-D video activations) within 1e-6, and
+    on activations split along width only all-reduces of the statistics (tests/test_upstream_bugs.py shows
+    torchax's own lowering all-gathers them)."""
+    from torchax import interop
+
+    runtime = TorchaxRuntime(make_mesh(MeshShape(1, 8, 1)))
+    norm = torch.nn.GroupNorm(8, 32, eps=1e-6)
+    torch.nn.init.normal_(norm.weight)
+    torch.nn.init.normal_(norm.bias)
+    values = torch.randn(2, 32, 3, 8, 64, generator=torch.Generator().manual_seed(0))
+    with runtime.env, torch.no_grad():
+        placed = runtime.to_device(values, (None, None, None, None, "sp"))
+        actual = torch.nn.functional.group_norm(placed, 8, *runtime.to_device((norm.weight, norm.bias)), 1e-6)
+        expected = norm(values)
+    assert relative_error(runtime.to_host(actual), expected) <= 1e-6
+
+    def normalise(x):
+        return torch.nn.functional.group_norm(x, 8, None, None, 1e-6)
+
+    shapes = [((1, 32, 2, 8, 64), jax.numpy.float32)]
+    found = collectives_in(interop.jax_view(normalise), shapes, runtime.mesh, layout=(None, None, None, None, "sp"))
+    assert found == ["all-reduce"]

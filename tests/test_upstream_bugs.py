@@ -38,6 +38,23 @@ def test_torchax_gather_lowering_adds_collectives_on_a_dp_sharded_batch():
     assert collectives_in(lambda x, i: stock(x, 1, i), gather_shapes, runtime.mesh) != []
 
 
+def test_torchax_group_norm_gathers_activations_split_along_width():
+    """torchax 0.0.13 lowers `aten.native_group_norm` through one flattened dimension per group; on
+    activations split along width XLA's partitioner then all-gathers them. Workaround:
+    workarounds.torchax.layout_keeping_group_norm."""
+    from torchax.ops.jaten import _aten_native_group_norm
+
+    mesh = make_mesh(MeshShape(1, 8, 1))
+    shapes = [((1, 32, 2, 8, 64), jax.numpy.float32)]  # (batch, channels, frames, height, width)
+    found = collectives_in(
+        lambda x: _aten_native_group_norm(x, None, None, 1, 32, 2 * 8 * 64, 8, 1e-6)[0],
+        shapes,
+        mesh,
+        layout=(None, None, None, None, "sp"),
+    )
+    assert "all-gather" in found, f"torchax's group norm keeps the width split now ({found}): drop the workaround"
+
+
 def test_xla_cpu_miscompiles_cogvideox_in_place_rotary_update_at_batch_1():
     """XLA:CPU gets diffusers' in-place rotary write (`query[:, :, T:] = ...`) wrong under jit.
     Workaround: cogvideox.rotary_attention_processor (torch.cat)."""

@@ -135,6 +135,43 @@ def install_gather(env) -> None:
         env.override_op_definition(torch.ops.aten.gather, take_along_axis_gather(current.func))
 
 
+def layout_keeping_group_norm(input, weight, bias, N, C, HxW, group, eps=1e-5):
+    """`aten.native_group_norm` with the statistics taken over the group's channels and every other
+    dimension in place, not over one flattened dimension.
+
+    torchax 0.0.13 reshapes the input to (1, N * groups, C / groups * frames * height * width) and maps over
+    the groups; with the activations split along width (stage 3's VAE decode) that reshape merges the split
+    dimension into others, so XLA's partitioner all-gathers every normalised activation whole (CogVideoX's
+    VAE: 25.5 GB per frame batch at 768x1360 on v6e-8, docs/planning.md). Here only the channel dimension is
+    reshaped; the means are the same numbers up to summation order. tests/test_upstream_bugs.py fails once
+    torchax's lowering stops gathering (then delete this and install_group_norm).
+    """
+    import jax
+    import jax.numpy as jnp
+    from torchax.interop import call_jax
+
+    def norm(x, weight, bias):
+        grouped = x.reshape(N, group, C // group, *x.shape[2:])
+        axes = tuple(range(2, grouped.ndim))
+        mean = jnp.mean(grouped, axis=axes, keepdims=True)
+        var = jnp.var(grouped, axis=axes, keepdims=True)
+        rstd = jax.lax.rsqrt(var + eps)
+        out = ((grouped - mean) * rstd).reshape(x.shape)
+        affine = (1, -1) + (1,) * (x.ndim - 2)
+        if weight is not None:
+            out = out * weight.reshape(affine)
+        if bias is not None:
+            out = out + bias.reshape(affine)
+        return out, mean.reshape(N, group), rstd.reshape(N, group)
+
+    return call_jax(norm, input, weight, bias)
+
+
+def install_group_norm(env) -> None:
+    """Put layout_keeping_group_norm into torchax environment `env`."""
+    env.override_op_definition(torch.ops.aten.native_group_norm, layout_keeping_group_norm)
+
+
 @contextlib.contextmanager
 def quiet_attribute_scan():
     """torchax 0.0.13's JittableModule finds a module's tensors by reading every attribute of every

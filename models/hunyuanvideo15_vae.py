@@ -61,17 +61,21 @@ PROGRAMS = ("first", "steady")
 
 class _State:
     """One chunk's carried tensors in the decoder's order: those the previous chunk left (`take`: None on
-    the first chunk) and those this one leaves (`keep`)."""
+    the first chunk) and those this one leaves (`keep`), each marked whether it stays whole on every device
+    (`whole`: the attention's buffers, which every query reads) or split like the activations."""
 
-    def __init__(self, previous: tuple | None) -> None:
+    def __init__(self, previous: tuple | None, pin_whole=lambda tensor: tensor) -> None:
         self._previous = None if previous is None else iter(previous)
         self.left: list[torch.Tensor] = []
+        self.whole: list[bool] = []
+        self.pin_whole = pin_whole  # a tensor made whole on every device (a sharding constraint)
 
     def take(self) -> torch.Tensor | None:
         return None if self._previous is None else next(self._previous)
 
-    def keep(self, tensor: torch.Tensor) -> None:
+    def keep(self, tensor: torch.Tensor, whole: bool = False) -> None:
         self.left.append(tensor)
+        self.whole.append(whole or tensor.dim() == 0)
 
 
 def _conv(conv, x: torch.Tensor, state: _State) -> torch.Tensor:
@@ -102,10 +106,12 @@ def _attention(block, x: torch.Tensor, state: _State, video_frames: int) -> torc
     if keys is None:
         keys = key.new_zeros(batch, channels, video_frames, height, width)
         values, seen = torch.zeros_like(keys), torch.zeros((), dtype=torch.int32, device=x.device)
+    # The chunk's keys and values made whole before they join the buffers, so only they are gathered.
+    key, value = state.pin_whole(key), state.pin_whole(value)
     keys, values = (torch.cat([buffer[:, :, frames:], new], dim=2) for buffer, new in ((keys, key), (values, value)))
     seen = seen + frames
-    for tensor in (keys, values, seen):
-        state.keep(tensor)
+    for tensor in (keys, values, seen):  # whole: a split buffer would be all-gathered again every call
+        state.keep(tensor, whole=True)
     tokens = height * width
     slot = torch.arange(video_frames * tokens, device=x.device) // tokens
     own = torch.arange(frames * tokens, device=x.device) // tokens + (video_frames - frames)
@@ -166,13 +172,17 @@ class FramePrograms(torch.nn.Module):
         self.video_frames = video_frames
         self.constrain = constrain
         self.layout = layout
+        self.state_layouts: list[tuple] = []  # the last traced chunk's, per state tensor (for --plan)
 
     def _chunk(self, latents, previous):
-        state = _State(previous)
+        state = _State(previous, lambda tensor: self.constrain(tensor, (None,) * tensor.dim()))
         latents = self.constrain(latents, self.layout, uneven=True)  # models.common.latents_split
         latents = latents.to(self.decoder.vae.dtype) / self.decoder.scaling_factor
         out = decode_chunk(self.decoder.vae.decoder, latents, state, previous is None, self.video_frames)
-        return tuple(t if t.dim() == 0 else self.constrain(t, self.layout) for t in (out, *state.left))
+        kept = zip(state.left, state.whole, strict=True)
+        self.state_layouts = [(None,) * t.dim() if whole else self.layout for t, whole in kept]
+        pinned = [self.constrain(t, layout) for t, layout in zip(state.left, self.state_layouts, strict=True)]
+        return self.constrain(out, self.layout), *pinned
 
     def first(self, latents):
         return self._chunk(latents, None)
@@ -199,5 +209,5 @@ def frame_plan(source, decoder: Decoder, latents_shape, runtime, layout, chunk_f
     with torch.no_grad():
         meta = FramePrograms(decoder, latents_shape[2], lambda tensor, *_, **__: tensor, layout)
         _, *state = meta.first(chunks[0].to("meta"))
-    steady = [(chunks[1], layout), *((t, () if t.dim() == 0 else layout) for t in state)]
+    steady = [(chunks[1], layout), *zip(state, meta.state_layouts, strict=True)]
     return module, {"first": [(chunks[0], layout)], "steady": steady}, {"first": 1, "steady": len(rest)}

@@ -14,7 +14,7 @@ import sharding
 import stage3_vae_decoder
 from helpers import expect_user_error, relative_error, run_stage
 from models import wan_vae
-from models.common import decode
+from models.common import LATENTS_WIDTH_SPLIT, decode
 from models.meta import meta_module
 from runtime.interface import Timer, TorchRuntime
 from runtime.torchax_runtime import TorchaxRuntime
@@ -172,6 +172,25 @@ def test_plan_compiles_each_frame_program(tmp_path, preset, size, calls, split):
     per_call = report["flops_per_call"]
     assert report["flops_per_device"]["total"] == sum(per_call[name] * count for name, count in calls.items())
     assert max(report["hbm_bytes_per_program"].values()) == report["hbm_bytes_per_device"]["total"]
+
+
+def test_hunyuanvideo15_steady_call_gathers_only_the_chunk_keys_and_values():
+    """The attention's key and value buffers stay whole on every device and only the chunk's new keys and
+    values are gathered: a steady call's all-gathers (8 devices, width split) move the same bytes for a video
+    of 5 latent frames as for one of 9."""
+    from planning.plan import compile_module
+    from sharding import REPLICATED_TABLE
+
+    source, family = models.resolve_model("tiny-hunyuanvideo15")
+    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=8)))
+    decoder = family.Decoder(meta_module(source, "vae", torch.float32), family.latents_normalization(source))
+    gathered = {}
+    for frames in (5, 9):
+        shape = (1, decoder.vae.config.latent_channels, frames, 4, 16)
+        module, inputs, _ = family.frame_plan(source, decoder, shape, runtime, LATENTS_WIDTH_SPLIT, 1)
+        steady = compile_module(module, REPLICATED_TABLE, inputs["steady"], runtime.mesh, runtime.env, "steady")
+        gathered[frames] = steady.collectives["all-gather"]["bytes"]
+    assert gathered[5] == gathered[9] > 0, gathered
 
 
 def test_plan_with_chunk_frames_0_compiles_the_one_program_decode(tmp_path):

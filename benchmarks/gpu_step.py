@@ -23,6 +23,7 @@ JAX and PyTorch share the GPU (XLA_PYTHON_CLIENT_PREALLOCATE=false, set here bef
     python benchmarks/gpu_step.py                                   # the three models, all layers, on the GPU
     python benchmarks/gpu_step.py --models hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v --layers 20
     python benchmarks/gpu_step.py --baselines eager compile --backends cudnn flash   # fewer compiles
+    python benchmarks/gpu_step.py --models zai-org/CogVideoX1.5-5B --profile traces   # both sides traced
     python benchmarks/gpu_step.py --models tiny-cogvideox --device cpu --attention xla   # a CPU smoke run
 """
 
@@ -178,6 +179,23 @@ def pytorch_rows(step_for, args, flops: float, peak: float | None) -> tuple[dict
     return rows, reference
 
 
+def profile_torch(step, folder: Path, backend: str, label: str) -> Path:
+    """Three steps under the PyTorch profiler: a Chrome trace and the operator table (CUDA time first)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with sdpa_kernel(backend), torch.no_grad(), profile(activities=activities) as profiler:
+        for _ in range(3):
+            step()
+    folder.mkdir(parents=True, exist_ok=True)
+    profiler.export_chrome_trace(str(folder / f"{label}.json"))
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    table = folder / f"{label}.txt"
+    table.write_text(profiler.key_averages().table(sort_by=sort, row_limit=40))
+    return table
+
+
 def best_of(rows: dict) -> dict:
     """Per baseline: its fastest correct kernel and that row."""
     best = {}
@@ -215,6 +233,17 @@ def measure(model: str, args) -> dict:
         return make_step(family, source, request, embeds, dtype, torch_runtime, torch_transformer, wrap)
 
     rows, expected = pytorch_rows(step_for, args, flops, peak)
+    best = best_of(rows)
+    profiles = {}
+    if args.profile:  # the fastest PyTorch baseline, as it ran
+        name = min(best, key=lambda b: best[b]["median_step_seconds"])
+        mode = BASELINES[name]
+        torch._dynamo.reset()
+        step = step_for(None if mode is None else lambda module: torch.compile(module, mode=mode))
+        with sdpa_kernel(best[name]["backend"]), torch.no_grad():
+            step()  # compiled outside the trace
+        folder = Path(args.profile) / model.replace("/", "--")
+        profiles["pytorch"] = str(profile_torch(step, folder, best[name]["backend"], f"pytorch-{name}"))
     torch_transformer.to("cpu")  # the GPU's memory to JAX
     torch._dynamo.reset()
     if args.device.startswith("cuda"):
@@ -231,11 +260,16 @@ def measure(model: str, args) -> dict:
     ours_step = make_step(family, source, request, embeds, dtype, runtime, transformer)
     with attention_backend(runtime.env, args.attention, SplashConfig(), runtime.mesh):
         first, median, got = median_step(ours_step, args.steps, args.warmup)
+        if args.profile:  # three steps under JAX's profiler (TensorBoard / XProf)
+            folder = Path(args.profile) / model.replace("/", "--") / "ours"
+            with jax.profiler.trace(str(folder)):
+                for _ in range(3):
+                    ours_step()
+            profiles["ours"] = str(folder)
     device = jax.devices()[0]
     memory = (device.memory_stats() or {}).get("peak_bytes_in_use")
     ours = {"attention": args.attention, **timing(first, median, flops, peak, memory)}
     ours["relative_error_vs_eager"] = relative_difference(got, expected)  # bf16 rounding, not a bug
-    best = best_of(rows)
     return {
         "model": model,
         "layers": layers,
@@ -250,6 +284,7 @@ def measure(model: str, args) -> dict:
         "best": best,
         "ours_over_best": {name: round(median / row["median_step_seconds"], 3) for name, row in best.items()},
         "steps": args.steps,
+        **({"profiles": profiles} if profiles else {}),
         "versions": {
             "python": sys.version.split()[0],
             **library_versions("jax", "jaxlib", "torch", "torchax", "diffusers"),
@@ -270,6 +305,7 @@ def main() -> None:
     parser.add_argument("--attention", choices=("cudnn", "xla"), default="cudnn", help="ours (default: cudnn)")
     parser.add_argument("--baselines", nargs="+", choices=list(BASELINES), default=list(BASELINES))
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), help="SDPA kernels")
+    parser.add_argument("--profile", help="folder: traces of 3 steps of ours (JAX) and of the fastest PyTorch baseline")
     parser.add_argument("--device", default="cuda", help="torch device of the eager baseline (default: cuda)")
     args = parser.parse_args()
     for model in args.models:

@@ -8,6 +8,8 @@ which runs only where JAX sees a GPU: `JAX_PLATFORMS=cuda,cpu pytest tests/test_
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -153,7 +155,7 @@ def test_stage2_refuses_cudnn_off_a_gpu_before_loading(capsys, tmp_path, request
                       "--attention cudnn needs an NVIDIA GPU; JAX's devices here are cpu")  # fmt: skip
 
 
-def test_the_gpu_benchmark_runs_its_cpu_smoke_configuration():
+def test_the_gpu_benchmark_runs_its_cpu_smoke_configuration(tmp_path):
     """benchmarks/gpu_step.py cannot be measured here (no GPU); its code path runs on the CPU."""
     import json
 
@@ -161,6 +163,7 @@ def test_the_gpu_benchmark_runs_its_cpu_smoke_configuration():
 
     argv = ["--models", "tiny-cogvideox", "--device", "cpu", "--attention", "xla", "--steps", "1", "--warmup", "1"]
     argv += ["--baselines", "eager", "--backends", "auto", "flash", "cudnn"]  # torch.compile: minutes of C++ here
+    argv += ["--profile", tmp_path]
     result = run_script(str(ROOT / "benchmarks" / "gpu_step.py"), argv)
     assert result.returncode == 0, result.stderr[-2000:]
     row = json.loads(result.stdout.strip().splitlines()[-1])
@@ -170,3 +173,5 @@ def test_the_gpu_benchmark_runs_its_cpu_smoke_configuration():
     assert "refused" in kernels["cudnn"]  # no cuDNN on a CPU
     assert row["best"]["eager"]["backend"] in ("auto", "flash") and row["ours_over_best"]["eager"] > 0
     assert row["ours"]["mfu"] is None  # no peak FLOP/s for a CPU
+    assert "aten::" in Path(row["profiles"]["pytorch"]).read_text()
+    assert list(Path(row["profiles"]["ours"]).rglob("*.xplane.pb"))

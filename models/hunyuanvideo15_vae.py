@@ -64,11 +64,12 @@ class _State:
     the first chunk) and those this one leaves (`keep`), each marked whether it stays whole on every device
     (`whole`: the attention's buffers, which every query reads) or split like the activations."""
 
-    def __init__(self, previous: tuple | None, pin_whole=lambda tensor: tensor) -> None:
+    def __init__(self, previous: tuple | None, pin_whole=lambda tensor: tensor, pin_split=lambda tensor: tensor):
         self._previous = None if previous is None else iter(previous)
         self.left: list[torch.Tensor] = []
         self.whole: list[bool] = []
         self.pin_whole = pin_whole  # a tensor made whole on every device (a sharding constraint)
+        self.pin_split = pin_split  # a tensor split like the latents, unevenly where it must
 
     def take(self) -> torch.Tensor | None:
         return None if self._previous is None else next(self._previous)
@@ -154,7 +155,8 @@ def decode_chunk(decoder, latents: torch.Tensor, state: _State, first: bool, vid
         for resnet in up.resnets:
             hidden = _resnet(resnet, hidden, state)
         for upsampler in up.upsamplers or ():
-            hidden = _upsample(upsampler, hidden, state, first)
+            # Split again after the upsampler's rearrange: a width split unevenly does not survive it.
+            hidden = state.pin_split(_upsample(upsampler, hidden, state, first))
     return _conv(decoder.conv_out, decoder.conv_act(decoder.norm_out(hidden)), state)
 
 
@@ -175,7 +177,11 @@ class FramePrograms(torch.nn.Module):
         self.state_layouts: list[tuple] = []  # the last traced chunk's, per state tensor (for --plan)
 
     def _chunk(self, latents, previous):
-        state = _State(previous, lambda tensor: self.constrain(tensor, (None,) * tensor.dim()))
+        state = _State(
+            previous,
+            pin_whole=lambda tensor: self.constrain(tensor, (None,) * tensor.dim()),
+            pin_split=lambda tensor: self.constrain(tensor, self.layout, uneven=True),
+        )
         latents = self.constrain(latents, self.layout, uneven=True)  # models.common.latents_split
         latents = latents.to(self.decoder.vae.dtype) / self.decoder.scaling_factor
         out = decode_chunk(self.decoder.vae.decoder, latents, state, previous is None, self.video_frames)

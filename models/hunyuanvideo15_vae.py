@@ -85,7 +85,7 @@ def _conv(conv, x: torch.Tensor, state: _State) -> torch.Tensor:
     earlier = state.take()
     if earlier is None:  # the video's start: the stock replicate padding repeats the first frame
         earlier = x[:, :, :1].expand(-1, -1, before, -1, -1)
-    frames = torch.cat([earlier, x], dim=2)
+    frames = state.pin_split(torch.cat([earlier, x], dim=2))  # the carried frames may arrive whole
     state.keep(frames[:, :, frames.shape[2] - before :])
     return conv.conv(F.pad(frames, (*conv.time_causal_padding[:4], 0, 0), mode=conv.pad_mode))
 

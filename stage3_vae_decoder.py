@@ -120,8 +120,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     planning.add_argument(
         "--plan",
         metavar="TPU",
-        help="compile this decode (--backend torchax layout: VAE replicated, latents split along width over "
-        "every device; each frame program, with the calls per video) for a TPU slice, report "
+        help="compile this decode (--backend torchax layout: VAE replicated, latents split over every device "
+        "along width, else height, else width unevenly; each frame program, with the calls per video) for a "
+        "TPU slice, report "
         "HBM fit, then exit (0: fits, 3: does not fit); writes nothing. "
         "TPU: v5litepod-8, v5e-8, v5p-8, v6e-8, tpu7x-8, ... or a topology (v6e:2x4)",
     )
@@ -220,7 +221,8 @@ def main(argv=None) -> None:
         )
     videos = [checked_video(args, folder) for folder in folders]  # every folder checked before any work
 
-    # With --backend torchax the VAE's weights are replicated and its activations split along width.
+    # With --backend torchax the VAE's weights are replicated and its activations split spatially
+    # (models.common.latents_split).
     backend, device, reason = choose_backend(args.backend, args.device)
     log(f"--backend {args.backend}: {reason}")
     runtime = open_runtime(backend, device, SP, compile_cache=not args.no_compile_cache)

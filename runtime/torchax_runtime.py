@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 import sharding
 from runtime.interface import cache_root
 from utils import log
-from workarounds.torchax import import_torchax, install_gather, install_group_norm
+from workarounds.torchax import import_torchax, install_gather, install_group_norm, install_repeat_upsample
 
 torchax = import_torchax()
 
@@ -95,6 +95,7 @@ class TorchaxRuntime:
         self.env = torchax.default_env()
         install_gather(self.env)
         install_group_norm(self.env)
+        install_repeat_upsample(self.env)
         self.mesh = mesh if mesh is not None else sharding.make_mesh(sharding.MeshShape())
         self.placements: list[dict[str, object]] = []  # every compiled module's, in order
         self.profile_dir = profile_dir

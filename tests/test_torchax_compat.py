@@ -92,3 +92,38 @@ def test_group_norm_lowering_equals_torch_and_keeps_the_width_split():
     shapes = [((1, 32, 2, 8, 64), jax.numpy.float32)]
     found = collectives_in(interop.jax_view(normalise), shapes, runtime.mesh, layout=(None, None, None, None, "sp"))
     assert found == ["all-reduce"]
+
+
+@pytest.mark.parametrize("mode", ["nearest", "nearest-exact"])
+@pytest.mark.parametrize(
+    "shape, resize",
+    [
+        ((2, 3, 8), {"scale_factor": 2.0}),
+        ((2, 3, 4, 8), {"scale_factor": 2.0}),
+        ((2, 3, 2, 4, 8), {"scale_factor": (1.0, 2.0, 2.0)}),  # CogVideoX's upsampler keeping frames
+        ((2, 3, 4, 8), {"size": (12, 16)}),  # whole factors 3 and 2 from a size
+        ((2, 3, 4, 8), {"size": (6, 12)}),  # not whole: torchax's own decomposition
+        ((2, 3, 4, 8), {"scale_factor": 1.5}),
+    ],
+)
+def test_repeat_upsample_equals_torch_interpolate(mode, shape, resize):
+    """workarounds.torchax.repeat_upsample: F.interpolate's values exactly, whole factors or not."""
+    runtime = TorchaxRuntime(make_mesh(MeshShape()))
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    with runtime.env:
+        actual = torch.nn.functional.interpolate(runtime.to_device(values), mode=mode, **resize)
+    assert torch.equal(runtime.to_host(actual), torch.nn.functional.interpolate(values, mode=mode, **resize))
+
+
+def test_upsampling_keeps_the_width_split():
+    """With repeat_upsample a 2x nearest upsampling of activations split along width compiles without
+    collectives (tests/test_upstream_bugs.py shows torchax's decomposition all-gathers them)."""
+    from torchax import interop
+
+    runtime = TorchaxRuntime(make_mesh(MeshShape(1, 8, 1)))
+
+    def upsampled(x):
+        return torch.nn.functional.interpolate(x, scale_factor=2.0)
+
+    shapes = [((2, 4, 8, 64), jax.numpy.float32)]
+    assert collectives_in(interop.jax_view(upsampled), shapes, runtime.mesh, layout=(None, None, None, "sp")) == []

@@ -55,6 +55,23 @@ def test_torchax_group_norm_gathers_activations_split_along_width():
     assert "all-gather" in found, f"torchax's group norm keeps the width split now ({found}): drop the workaround"
 
 
+def test_torchax_nearest_upsampling_adds_collectives_on_a_width_split():
+    """torchax 0.0.13 decomposes nearest upsampling into an index gather, which XLA's partitioner cannot split
+    along a sharded width: it adds collectives (all-gathers in the VAE decodes, an all-reduce here).
+    Workaround: workarounds.torchax.repeat_upsample."""
+    from torchax import interop
+
+    runtime = TorchaxRuntime(make_mesh(MeshShape(1, 8, 1)))
+    stock = runtime.env._get_op_or_decomp(torch.ops.aten.upsample_nearest2d.vec).func.stock
+
+    def upsampled(x):
+        return stock(x, None, [2.0, 2.0])
+
+    shapes = [((2, 4, 8, 64), jax.numpy.float32)]
+    found = collectives_in(interop.jax_view(upsampled), shapes, runtime.mesh, layout=(None, None, None, "sp"))
+    assert found != [], "torchax's nearest upsampling keeps the width split now: drop the workaround"
+
+
 def test_xla_cpu_miscompiles_cogvideox_in_place_rotary_update_at_batch_1():
     """XLA:CPU gets diffusers' in-place rotary write (`query[:, :, T:] = ...`) wrong under jit.
     Workaround: cogvideox.rotary_attention_processor (torch.cat)."""

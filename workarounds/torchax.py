@@ -172,6 +172,58 @@ def install_group_norm(env) -> None:
     env.override_op_definition(torch.ops.aten.native_group_norm, layout_keeping_group_norm)
 
 
+NEAREST_UPSAMPLES = ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d")
+NEAREST_UPSAMPLES += tuple(f"_upsample_nearest_exact{dims}d" for dims in (1, 2, 3))
+
+
+def repeat_upsample(stock, overload: str):
+    """Nearest (and nearest-exact) upsampling by whole factors as `jnp.repeat` along each spatial dimension.
+
+    torchax 0.0.13 decomposes these ops into an index gather (`_unsafe_index`), which XLA's partitioner
+    cannot split along a sharded spatial dimension: it all-gathers the whole input of every upsampler
+    (the Wan VAE's 3, CogVideoX's 4 per frame program on 8 CPU devices). For a whole factor k both modes
+    pick input i // k for output i, which `repeat` computes without a gather. Other sizes keep torchax's
+    decomposition (`stock`). tests/test_upstream_bugs.py fails once the decomposition stops gathering.
+    """
+    import jax.numpy as jnp
+    from torchax.interop import call_jax
+
+    def upsample(input, output_size=None, *scales):
+        dims = len(output_size) if output_size is not None else len(scales[0])
+        spatial = input.shape[-dims:]
+        if overload == "vec":  # (input, output_size or None, scale_factors or None)
+            factors = scales[0] if scales and scales[0] is not None else [None] * dims
+            sizes = output_size or [int(size * factor) for size, factor in zip(spatial, factors, strict=True)]
+        else:  # (self, output_size, scales per dimension or None)
+            factors = list(scales) + [None] * (dims - len(scales))
+            sizes = output_size
+        whole = [out // size if out % size == 0 else 0 for out, size in zip(sizes, spatial, strict=True)]
+        given = all(f is None or f == k for f, k in zip(factors, whole, strict=True))
+        if not all(whole) or not given:
+            return stock(input, output_size, *scales)
+
+        def repeated(x):
+            for axis, factor in zip(range(x.ndim - dims, x.ndim), whole, strict=True):
+                x = jnp.repeat(x, factor, axis=axis) if factor > 1 else x
+            return x
+
+        return call_jax(repeated, input)
+
+    upsample.stock = stock
+    return upsample
+
+
+def install_repeat_upsample(env) -> None:
+    """Put repeat_upsample into torchax environment `env` for both overloads of every nearest upsampling,
+    once."""
+    for name in NEAREST_UPSAMPLES:
+        for overload in ("default", "vec"):
+            op = getattr(getattr(torch.ops.aten, name), overload)
+            current = env._get_op_or_decomp(op)
+            if not hasattr(current.func, "stock"):
+                env.override_op_definition(op, repeat_upsample(current.func, overload))
+
+
 @contextlib.contextmanager
 def quiet_attribute_scan():
     """torchax 0.0.13's JittableModule finds a module's tensors by reading every attribute of every

@@ -140,6 +140,8 @@ class Processes:
             return
         failed = [(index, message) for index, message in self._exchange(phase, error or "") if message]
         if failed:
+            # Every process leaves with this error: a peer that exits first must not read as lost contact.
+            self.finish()
             raise UserError("; ".join(f"process {index}: {message}" for index, message in failed))
 
     @contextlib.contextmanager
@@ -184,6 +186,7 @@ class Processes:
         try:
             yield
         except (Stopped, SystemExit, KeyboardInterrupt):
+            self.finish()  # every process stops here; a peer that exits first is not lost contact
             raise  # a stop is agreed by all processes; the others are not failures of the run
         except BaseException as err:
             if self.count == 1:

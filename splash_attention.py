@@ -8,11 +8,10 @@ the valid keys. Zeroing padded K/V instead (the reference notes' approach) leave
 score 0 in the denominator: 28% relative error at 40% padding (benchmarks/attention_exactness.py). Segment ids
 have no such term; tests/test_splash_attention.py holds them to 1e-5 of a float64 reference.
 
-With a mesh the kernel runs under shard_map: batch on `dp`, heads on `tp`, and with `sp` Ulysses (SP_MODES).
-On TPU the kernel is compiled by Mosaic; elsewhere it runs in Pallas interpret mode (slow, for tests).
-
-On NVIDIA GPUs the `cudnn` backend is attention.cudnn.fused_attention; the `sp` schemes are in
-attention/sequence_parallel.py.
+With a mesh the kernel runs under shard_map: batch on `dp`, heads on `tp`, and with `sp` the scheme the
+run's attention plan chose (Ulysses, ring or gather: attention/sequence_parallel.py). On TPU the kernel
+is compiled by Mosaic; elsewhere it runs in Pallas interpret mode (slow, for tests). Its tiles and options
+are attention.plan.SplashConfig; the SDPA override that calls it is attention/dispatch.py.
 """
 
 from __future__ import annotations
@@ -24,52 +23,15 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import torch
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from attention.cudnn import fused_attention
-from attention.masks import masks_from_attn_mask, pad_sequence, round_up, rows_with_a_key
-from attention.sequence_parallel import attention_scheme, mesh_axes, ring, ulysses
-from attention.xla import xla_attention, xla_sequence_parallel_attention
-from runtime.interface import DP, SP, SP_MODES, TP
-from workarounds.torchax import op_definition, restore_op_definition
-
-LANE = 128  # TPU lane width: block sizes are multiples of it
-BACKENDS = ("auto", "splash", "xla", "cudnn")
-FUSED_DTYPES = (torch.bfloat16, torch.float16)  # what cuDNN's fused attention takes
-
-
-@dataclass(frozen=True)
-class SplashConfig:
-    """Tile sizes (upper bounds: a short sequence uses one tile of its own padded length) and options.
-
-    `local_window` w lets query i see keys i-w..i+w only (self-attention). `k_smoothing` subtracts the
-    mean of the valid keys from every key: each query's scores shift by one constant, which softmax
-    ignores, so the result is unchanged in exact arithmetic while scores are centred (better bf16 range).
-    """
-
-    block_q: int = 3328
-    block_kv: int = 2816
-    block_kv_compute: int = 256
-    interpret: bool = False
-    local_window: int | None = None
-    k_smoothing: bool = False
-    sp_mode: str = "auto"  # how attention uses `sp`: see SP_MODES
-
-    def __post_init__(self) -> None:
-        if self.sp_mode not in SP_MODES:
-            raise ValueError(f"sp_mode {self.sp_mode!r} is not one of {', '.join(SP_MODES)}")
-        for name in ("block_q", "block_kv", "block_kv_compute"):
-            value = getattr(self, name)
-            if value <= 0 or value % LANE:
-                raise ValueError(f"{name} {value} must be a positive multiple of {LANE}")
-        if self.block_kv % self.block_kv_compute:
-            raise ValueError(f"block_kv_compute {self.block_kv_compute} must divide block_kv {self.block_kv}")
-        if self.local_window is not None and self.local_window < 0:
-            raise ValueError(f"local_window {self.local_window} must be >= 0")
+from attention.masks import pad_sequence, round_up, rows_with_a_key
+from attention.plan import LANE, SplashConfig
+from attention.sequence_parallel import mesh_axes, ring, ulysses
+from runtime.interface import DP, SP, TP
 
 
 def tile_sizes(config: SplashConfig, q_len: int, kv_len: int) -> splash_kernel.BlockSizes:
@@ -132,11 +94,12 @@ def splash_attention(
     scale: float | None = None,
     config: SplashConfig,
     mesh: Mesh | None = None,
+    scheme: str | None = None,
 ):
     """Exact masked attention. query (B, H, Sq, D), key/value (B, H, Skv, D), key_valid (B, Skv) bool or None.
 
-    With a mesh, runs under shard_map: batch on `dp`, heads on `tp`; with `sp`, the scheme that
-    sequence_parallel.attention_scheme picks: Ulysses (queries, keys and values split along the sequence,
+    With a mesh, runs under shard_map: batch on `dp`, heads on `tp`; with `sp`, `scheme` (this call's, from
+    the plan: sequence_parallel.call_scheme): Ulysses (queries, keys and values split along the sequence,
     exchanged for a head split inside), ring (key/value chunks passed round `sp`), or gather (the query
     sequence on `sp` with keys and values whole on every device). Query rows that are invalid
     (`query_valid` False) or have no valid key at all return zeros, as PyTorch's SDPA does for fully
@@ -149,7 +112,6 @@ def splash_attention(
         raise ValueError(f"a local window needs self-attention; got {q_len} queries and {kv_len} keys")
     batch_axis, head_axis, q_shards = mesh_axes(mesh, batch, heads)
     head_shards = mesh.shape[TP] if head_axis else 1
-    scheme = attention_scheme(config.sp_mode, mesh, heads, q_len == kv_len, window is not None)
     if scheme == "ulysses":
         # Each device attends over the whole (padded) sequence for heads / (tp * sp) heads.
         sp = mesh.shape[SP]
@@ -271,74 +233,3 @@ def record_kernel_calls():
 def _record(call: KernelCall) -> None:
     for calls in _RECORDERS:
         calls.append(call)
-
-
-def make_sdpa(backend: str, config: SplashConfig, mesh: Mesh | None = None, fused_implementation: str | None = "cudnn"):
-    """A torch-level `scaled_dot_product_attention` (diffusers' keyword names) running `backend`
-    (`fused_implementation` None runs the cudnn backend's call on XLA: how CPU tests exercise it)."""
-    from torchax.interop import call_jax
-
-    def scaled_dot_product_attention(
-        query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
-    ):
-        if dropout_p or is_causal or enable_gqa:
-            raise ValueError(f"{backend} attention supports neither dropout, is_causal nor enable_gqa")
-
-        def jax_attention(q, k, v, mask):
-            if backend == "xla":
-                boolean = mask is None or mask.dtype == jnp.bool_
-                scheme = attention_scheme(config.sp_mode, mesh, q.shape[1], q.shape[2] == k.shape[2])
-                if boolean and scheme in ("ulysses", "ring"):
-                    return xla_sequence_parallel_attention(q, k, v, mask, scale=scale, mesh=mesh, scheme=scheme)
-                return xla_attention(q, k, v, mask, scale=scale)
-            key_valid, query_valid = masks_from_attn_mask(mask, q.shape[0], q.shape[2], k.shape[2])
-            if backend == "cudnn":
-                return fused_attention(
-                    q, k, v, key_valid, query_valid, scale=scale, implementation=fused_implementation
-                )
-            return splash_attention(q, k, v, key_valid, query_valid=query_valid, scale=scale, config=config, mesh=mesh)
-
-        return call_jax(jax_attention, query, key, value, attn_mask)
-
-    return scaled_dot_product_attention
-
-
-def resolve_backend(requested: str, dtype: torch.dtype, platform: str | None = None) -> tuple[str, str]:
-    """The backend to run and why: `auto` is Splash on TPU, cuDNN fused attention on a GPU (XLA in fp32,
-    which cuDNN does not take), plain XLA attention elsewhere. `cudnn` needs a GPU and bf16/fp16."""
-    if requested not in BACKENDS:
-        raise ValueError(f"attention backend {requested!r} is not one of {BACKENDS}")
-    platform = platform or jax.devices()[0].platform
-    fused_ok = dtype in FUSED_DTYPES
-    if requested == "cudnn" and platform != "gpu":
-        raise ValueError(f"attention cudnn needs an NVIDIA GPU; JAX's devices here are {platform}")
-    if requested == "cudnn" and not fused_ok:
-        raise ValueError(f"attention cudnn takes bf16 or fp16, not {dtype}; use xla for fp32")
-    if requested != "auto":
-        return requested, "as given"
-    if platform == "tpu":
-        return "splash", "auto: TPU"
-    if platform == "gpu" and fused_ok:
-        return "cudnn", "auto: GPU"
-    if platform == "gpu":
-        return "xla", f"auto: GPU, but cuDNN's fused attention takes bf16/fp16, not {dtype}: XLA attention"
-    return "xla", f"auto: {platform}"
-
-
-@contextlib.contextmanager
-def attention_backend(
-    env, backend: str, config: SplashConfig, mesh: Mesh | None = None, fused_implementation: str | None = "cudnn"
-):
-    """Within the block, SDPA in the torchax environment `env` runs `backend`: "splash" (the kernel),
-    "xla" (`xla_attention`) or "cudnn" (`fused_attention`).
-
-    The previous lowering is put back on exit (workarounds.torchax.restore_op_definition), which keeps
-    tests and repeated in-process runs independent.
-    """
-    op = torch.nn.functional.scaled_dot_product_attention
-    previous = op_definition(env, op)
-    env.override_op_definition(op, make_sdpa(backend, config, mesh, fused_implementation))
-    try:
-        yield
-    finally:
-        restore_op_definition(env, op, previous)

@@ -11,12 +11,11 @@ the section's `latents_normalization` says how) plus a `stage2` section in the c
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
-import re
 import types
 from pathlib import Path
 
+from attention.plan import SP_MODES
 from models import lora
 from models.batching import default_batch_size, denoise_group, group_key
 from models.cache_schedule import add_cache_arguments, kind_from_flags
@@ -24,12 +23,11 @@ from models.common import attention_heads
 from models.denoise import DenoiseOptions, denoise, sigterm_sets_stop
 from models.stage2_inputs import PROFILE_DIR, ValidatedRun, batch_resume, check_batch_flags, profile_dir, validated_run
 from runtime import distributed
-from runtime.interface import SP_MODES, run_record
+from runtime.interface import run_record
 from utils import (
     CHECKPOINT_FILE,
     DEFAULT_OUTPUT_DIR,
     STAGE2_FILE,
-    Request,
     UserError,
     add_request_arguments,
     batch,
@@ -168,71 +166,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def splash_config(args, family, generation=None):
-    """Splash tiles and options: the family's default tiles (replaced by the generation's measured cap where
-    its scoped VMEM cannot hold them: tpus.Generation.splash_tile_cap), then the tile flags as given. `generation` None:
-    not a TPU, so the kernel runs in Pallas interpret mode."""
-    from splash_attention import SplashConfig
-
-    names = ("block_q", "block_kv", "block_kv_compute")
-    blocks = dict(family.SPLASH_BLOCK_SIZES)
-    cap = generation.splash_tile_cap if generation is not None else None
-    if cap is not None and any(blocks[name] > limit for name, limit in zip(names, cap, strict=True)):
-        capped = dict(zip(names, cap, strict=True))  # the measured set, not a mix of both
-        log(f"Splash tiles {blocks} replaced by {capped}: larger ones exceed {generation.prefix}'s scoped VMEM")
-        blocks = capped
-    blocks.update({name: getattr(args, name) for name in names if getattr(args, name) is not None})
-    try:
-        return SplashConfig(
-            **blocks,
-            interpret=generation is None,
-            local_window=args.local_window,
-            k_smoothing=args.k_smoothing,
-            sp_mode=args.sp_mode,
-        )
-    except ValueError as err:
-        raise UserError(f"--{err}") from None
-
-
-def mesh_shape(args, family, source, request: Request, dtype, devices: int, per_host=None, memory=None, videos=1):
-    """The dp/sp/tp mesh for a batch of `videos`: the flags given, the rest by runtime.mesh.default_mesh
-    (logged with its reason)."""
+def attention_plan(args, run_model, platform: str, devices: int, per_host=None, memory=None, generation=None, videos=1):
+    """The run's AttentionPlan (attention/plan.py), as --plan and a run both build it: `run_model` is the
+    (family, source, request, dtype) denoised; the mesh for a batch of `videos` (runtime.mesh.default_mesh
+    for the axes not given); `generation` the TPU's (None: not a TPU). Logged with its reasons."""
+    from attention.plan import AttentionFlags, build_plan
     from models.meta import model_facts
     from runtime.mesh import default_mesh
 
+    family, source, request, dtype = run_model
     facts = model_facts(family, source, dtype, args.tp_mode)
     cfg = family.cfg_enabled(request.guidance_scale)
-    try:
-        choice = default_mesh(
-            devices,
-            args.dp,
-            args.sp,
-            args.tp,
-            cfg=cfg,
-            model=facts,
-            devices_per_host=per_host,
-            device_memory=memory,
-            videos=videos,
-        )
-    except ValueError as err:  # the library names mesh axes; the flags have the same names
-        raise UserError(re.sub(r"\b(dp|sp|tp)\b", r"--\1", str(err)).replace(" x --", " --")) from None
-    log(f"mesh {choice.shape} ({choice.why})")
-    return choice
 
-
-def sequence_parallel(args, source, shape) -> tuple[str, str]:
-    """The sequence-parallel scheme (runtime.SP_MODES) for this model's heads on this mesh, logged."""
-    from runtime.mesh import sp_mode_choice
+    def choose_mesh(dp, sp, tp, sequence_split):
+        mesh = {"devices_per_host": per_host, "device_memory": memory, "videos": videos}
+        return default_mesh(devices, dp, sp, tp, cfg=cfg, model=facts, sequence_split=sequence_split, **mesh)
 
     try:
-        choice, why = sp_mode_choice(
-            args.sp_mode, shape.as_dict(), attention_heads(source), args.local_window is not None
+        plan = build_plan(
+            AttentionFlags.from_args(args),
+            platform=platform,
+            dtype=dtype,
+            heads=attention_heads(source),
+            tile_defaults=family.SPLASH_BLOCK_SIZES,
+            tile_cap=generation.splash_tile_cap if generation is not None else None,
+            choose_mesh=choose_mesh,
+            log=log,
         )
     except ValueError as err:
-        raise UserError(f"--{err}") from None
-    if choice != "none":
-        log(f"sequence parallel: {choice} ({why})")
-    return choice, why
+        raise UserError(str(err)) from None
+    log(f"mesh {plan.mesh.shape} ({plan.mesh.why})")
+    if plan.sequence_parallel != "none":
+        log(f"sequence parallel: {plan.sequence_parallel} ({plan.sequence_parallel_why})")
+    return plan
 
 
 def plan_main(args) -> None:
@@ -246,16 +212,11 @@ def plan_main(args) -> None:
     )
     dtype = parse_dtype(args.dtype or request.dtype)
     adapters = lora.read_adapters(args, family, source, dtype)
-    per_host, memory = target.devices_per_host, target.hbm_per_device
-    videos = args.batch_size or 1
-    choice = mesh_shape(args, family, source, request, dtype, target.devices, per_host, memory, videos)
-    shape = choice.shape
-    sequence_parallel(args, source, shape)
-    if args.attention == "cudnn":
-        raise UserError("--attention cudnn is for NVIDIA GPUs; --plan compiles for a TPU (splash or xla)")
-    attention = "splash" if args.attention == "auto" else args.attention
-    log(f"planning {family.NAME} stage 2 for {target.name} ({target.topology}), mesh {shape}")
-    splash = splash_config(args, family, target.generation)
+    target_devices = (target.devices, target.devices_per_host, target.hbm_per_device)
+    attention = attention_plan(
+        args, (family, source, request, dtype), "tpu", *target_devices, target.generation, args.batch_size or 1
+    )
+    log(f"planning {family.NAME} stage 2 for {target.name} ({target.topology}), mesh {attention.mesh.shape}")
     try:
         report = plan.plan_stage2(
             family,
@@ -264,20 +225,18 @@ def plan_main(args) -> None:
             embeddings,
             dtype,
             target,
-            shape,
-            args.tp_mode,
             attention,
-            splash,
             kind_from_flags(args),
-            videos,
+            args.batch_size or 1,
         )
     except plan.KernelDoesNotFit as err:
+        splash = attention.splash
         tiles = f"{splash.block_q}/{splash.block_kv}/{splash.block_kv_compute}"
         raise UserError(
             f"--plan {args.plan}: Splash with tiles {tiles} (block_q/block_kv/block_kv_compute) {err} on "
             f"{target.generation.prefix}; use smaller tiles, e.g. --block_q 1024 --block_kv 1024 --block_kv_compute 512"
         ) from None
-    report["mesh_choice"] = choice.record()
+    report["mesh_choice"] = attention.mesh.record()
     if adapters:
         report["adapters"] = {"fused": [a.record() for a in adapters], "effect": lora.PLAN_EFFECT}
     plan_report.finish(report, args.plan_json)
@@ -318,46 +277,32 @@ def main(argv=None) -> None:
 
 
 def runtime_for(args, run, processes, videos: int = 1):
-    """The mesh (for a batch of `videos`), runtime, attention backend, loop options and their record: what
-    one folder's denoise and a group of batches set up alike."""
+    """The attention plan (its mesh for a batch of `videos`), runtime, SDPA override, loop options and their
+    record: what one folder's denoise and a group of batches set up alike."""
     import jax
 
     import sharding
+    from attention.dispatch import attention_backend
     from planning import tpus
     from runtime.torchax_runtime import CompileCache, TorchaxRuntime, device_memory
-    from splash_attention import attention_backend, resolve_backend
 
-    family, source, dtype = run.family, run.source, run.dtype
+    platform, kind = jax.devices()[0].platform, jax.devices()[0].device_kind
+    generation = tpus.generation_of(kind) if platform == "tpu" else None
+    if platform == "tpu" and generation is None:
+        log(f"unknown TPU generation {kind!r}: Splash tiles are not capped")
     per_host = jax.local_device_count() if processes.count > 1 else None
-    devices, memory = jax.device_count(), device_memory()
-    choice = mesh_shape(args, family, source, run.request, dtype, devices, per_host, memory, videos)
-    sp_choice, sp_why = sequence_parallel(args, source, choice.shape)
-    mesh = sharding.make_mesh(choice.shape)
+    run_model = (run.family, run.source, run.request, run.dtype)
+    plan = attention_plan(args, run_model, platform, jax.device_count(), per_host, device_memory(), generation, videos)
     compile_cache = CompileCache(enabled=not args.no_compile_cache)
+    mesh = sharding.make_mesh(plan.mesh.shape)
     runtime = TorchaxRuntime(mesh, profile_dir=run.trace_dir, compile_cache=compile_cache)
-    try:
-        attention, why = resolve_backend(args.attention, dtype, runtime.platform)
-    except ValueError as err:
-        raise UserError(f"--{err}") from None
-    generation = tpus.generation_of(mesh.devices.flat[0].device_kind) if runtime.platform == "tpu" else None
-    if runtime.platform == "tpu" and generation is None:
-        log(f"unknown TPU generation {mesh.devices.flat[0].device_kind!r}: Splash tiles are not capped")
-    splash = splash_config(args, family, generation)
     hosts = f", {processes.count} processes" if processes.count > 1 else ""
-    log(f"{family.NAME} transformer, {runtime.describe()}{hosts}, {run.dtype_name}, attention {attention} ({why})")
-    fuse = functools.partial(lora.fuse, adapters=run.adapters, family=family) if run.adapters else None
-    options = DenoiseOptions(args.tp_mode, args.warmup_steps, run.guard, run.cache, on_loaded=fuse)
-    backend = attention_backend(runtime.env, attention, splash, runtime.mesh)
-    record = {
-        "tp_mode": args.tp_mode,
-        "attention": attention,
-        "attention_choice": why,
-        "mesh_choice": choice.record(),
-        "sequence_parallel": {"mode": sp_choice, "why": sp_why},
-        "processes": processes.count,
-        **({"splash": dataclasses.asdict(splash)} if attention == "splash" else {}),
-    }
-    return runtime, backend, options, record
+    described = f"{runtime.describe()}{hosts}, {run.dtype_name}, attention {plan.backend} ({plan.backend_why})"
+    log(f"{run.family.NAME} transformer, {described}")
+    fuse = functools.partial(lora.fuse, adapters=run.adapters, family=run.family) if run.adapters else None
+    options = DenoiseOptions(plan.tp_mode, args.warmup_steps, run.guard, run.cache, on_loaded=fuse)
+    backend = attention_backend(runtime.env, plan, runtime.mesh)
+    return runtime, backend, options, {**plan.record(), "processes": processes.count}
 
 
 def denoise_and_write(args, run: ValidatedRun, processes) -> None:

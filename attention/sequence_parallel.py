@@ -1,5 +1,6 @@
-"""Attention over a sequence split on the mesh's `sp` axis: which scheme runs (runtime.SP_MODES), and
-the collectives of the two schemes that keep the split inside attention (splash_attention uses both).
+"""Attention over a sequence split on the mesh's `sp` axis: which scheme one call runs (from the run's
+attention plan, attention/plan.py), and the collectives of the two schemes that keep the split inside
+attention (splash_attention and attention.xla use both).
 
 Ulysses: q, k and v arrive split along the sequence; one all-to-all each trades that for a split of the
 `tp`-local heads over `sp`, so each device attends over the whole sequence for its heads, and one
@@ -21,16 +22,21 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from runtime.interface import DP, SP, TP
-from runtime.mesh import sp_mode_choice
 
 
-def attention_scheme(sp_mode: str, mesh: Mesh | None, heads: int, self_attention: bool, local_window: bool = False):
-    """The scheme one attention call runs (sp_mode_choice; None without a split sequence). Cross-attention
-    to a short text never rings: its keys are whole on every device already, so `gather` moves nothing."""
-    if mesh is None or mesh.shape[SP] == 1:
+def call_scheme(scheme: str, mesh: Mesh | None, heads: int, self_attention: bool) -> str | None:
+    """The scheme one attention call runs, from the plan's `scheme` for the model's heads (AttentionPlan.
+    sequence_parallel); None without a split sequence. Cross-attention to a short text never rings: its
+    keys are whole on every device already, so `gather` moves nothing."""
+    if mesh is None or mesh.shape[SP] == 1 or scheme == "none":
         return None
-    choice = sp_mode_choice(sp_mode, dict(mesh.shape), heads, local_window)[0]
-    return "gather" if choice == "ring" and not self_attention else choice
+    if scheme == "ulysses":
+        local = heads // mesh.shape[TP] if heads % mesh.shape[TP] == 0 else heads
+        if local % mesh.shape[SP]:
+            raise ValueError(
+                f"ulysses was planned for the model's heads; this call's {local} heads per tp shard do not divide by sp"
+            )
+    return "gather" if scheme == "ring" and not self_attention else scheme
 
 
 def mesh_axes(mesh: Mesh | None, batch: int, heads: int) -> tuple[str | None, str | None, int]:

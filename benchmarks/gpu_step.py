@@ -253,12 +253,13 @@ def measure(model: str, args) -> dict:
     # devices"), so the PyTorch baselines run first.
     import jax
 
+    from attention.dispatch import attention_backend
+    from attention.plan import fixed_plan
     from runtime.torchax_runtime import TorchaxRuntime
-    from splash_attention import SplashConfig, attention_backend
 
     runtime = TorchaxRuntime.on_all_devices("tp")
     ours_step = make_step(family, source, request, embeds, dtype, runtime, transformer)
-    with attention_backend(runtime.env, args.attention, SplashConfig(), runtime.mesh):
+    with attention_backend(runtime.env, fixed_plan(args.attention), runtime.mesh):  # cudnn or xla
         first, median, got = median_step(ours_step, args.steps, args.warmup)
         if args.profile:  # three steps under JAX's profiler (TensorBoard / XProf)
             folder = Path(args.profile) / model.replace("/", "--") / "ours"

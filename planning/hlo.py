@@ -18,9 +18,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import sharding
+from attention.dispatch import attention_backend
+from attention.plan import SplashConfig, fixed_plan
 from models import cogvideox, hunyuanvideo15, published, wan
 from runtime.interface import DP, SP, TP
-from splash_attention import SplashConfig, attention_backend
 from workarounds.torchax import import_torchax
 
 torchax = import_torchax()
@@ -109,7 +110,7 @@ def measure(
 ) -> dict[str, object]:
     """Collectives of one transformer block of `model_name` (TRANSFORMERS) compiled on `mesh`, with
     abstract f32 weights placed by the family's rule table and inputs laid out as stage 2 lays them;
-    `sp_mode` is how attention uses `sp` (runtime.SP_MODES)."""
+    `sp_mode` is how attention uses `sp` (attention.plan.SP_MODES); Splash runs with the family's tiles."""
     family, build, blocks, returns_text = BLOCKS[model_name]
     model = build()
     table = family.transformer_rules(tp_mode)
@@ -132,8 +133,11 @@ def measure(
 
     jitted = jax.jit(interop.jax_view(run_block), out_shardings=outputs)
     env = torchax.default_env()
-    splash = SplashConfig(interpret=jax.devices()[0].platform != "tpu", sp_mode=sp_mode)
-    with env, attention_backend(env, attention, splash, mesh):
+    interpret = jax.devices()[0].platform != "tpu"
+    splash = SplashConfig(**family.SPLASH_BLOCK_SIZES, interpret=interpret) if attention == "splash" else None
+    heads = model.config.num_attention_heads
+    plan = fixed_plan(attention, splash, mesh_shape=dict(mesh.shape), heads=heads, sp_mode=sp_mode, tp_mode=tp_mode)
+    with env, attention_backend(env, plan, mesh):
         hlo = jitted.lower(weights, *inputs).compile().as_text()
     weight_bytes = sum(
         int(np.prod(w.sharding.shard_shape(w.shape))) * w.dtype.itemsize for w in jax.tree.leaves(weights)
@@ -143,17 +147,11 @@ def measure(
         "tp_mode": tp_mode,
         "mesh": dict(mesh.shape),
         "attention": attention,
-        "sp_mode": sp_choice(sp_mode, mesh, model),
+        "sp_mode": plan.sequence_parallel,
         "video_tokens": video_tokens,
         "collectives_per_block": {k: v for k, v in count_collectives(hlo).items() if v["count"]},
         "block_weight_bytes_per_device": weight_bytes,
     }
-
-
-def sp_choice(sp_mode: str, mesh, model) -> str:
-    from runtime.mesh import sp_mode_choice
-
-    return sp_mode_choice(sp_mode, dict(mesh.shape), model.config.num_attention_heads)[0]
 
 
 # name: (family module, one-block builder, the attribute holding the blocks, whether a block also

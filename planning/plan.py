@@ -21,6 +21,7 @@ import torch
 from jax.sharding import Mesh
 
 import sharding
+from attention.plan import AttentionPlan
 from models.common import attention_heads
 from models.meta import meta_module, meta_transformers, weight_facts
 from planning import hlo
@@ -230,10 +231,7 @@ def plan_stage2(
     embeds,
     dtype,
     target: Target,
-    mesh_shape,
-    tp_mode,
-    attention,
-    splash,
+    attention: AttentionPlan,
     cache="none",
     videos: int = 1,
 ):
@@ -244,11 +242,12 @@ def plan_stage2(
     at two and three blocks, whose difference gives the collectives of one block. With a step cache
     (`cache`: magcache or interval) that is the full step, and the cached step is compiled as well. With
     `videos` > 1 it is stage 2's batch of that many videos (models/batching.py)."""
+    from attention.dispatch import attention_backend
     from models.batching import batched_loop
     from runtime.torchax_runtime import TorchaxRuntime
-    from splash_attention import attention_backend, record_kernel_calls
+    from splash_attention import record_kernel_calls
 
-    mesh = topology_mesh(target, mesh_shape)
+    mesh, tp_mode = topology_mesh(target, attention.mesh.shape), attention.tp_mode
     runtime = TorchaxRuntime(mesh)  # only its environment and `constrain` are used: nothing is placed
     layers = source.load_config("transformer")["num_layers"]
     compiled, calls = {}, {}
@@ -260,7 +259,7 @@ def plan_stage2(
         loop = batched_loop(loops * videos) if videos > 1 else loops[0]
         t = loop.timesteps[0]
         inputs = [(loop.model_input(loop.latents, t), ()), (loop.timestep_input(0, t), ()), *loop.static_inputs]
-        with attention_backend(runtime.env, attention, splash, mesh):
+        with attention_backend(runtime.env, attention, mesh):
             full_step, cached_step = cache_programs(
                 loop, cache, runtime, mesh, loop.rules.nested("transformer."), inputs, runtime.env
             )
@@ -272,14 +271,14 @@ def plan_stage2(
             resident = facts.weight_bytes(mesh.shape[TP])
             compiled[depth].add_resident(resident)
             if cached_step is not None and not compiled[depth].refused:
-                with attention_backend(runtime.env, attention, splash, mesh), record_kernel_calls() as cached_calls:
+                with attention_backend(runtime.env, attention, mesh), record_kernel_calls() as cached_calls:
                     cached = compile_module(*cached_step, mesh, runtime.env, method="cached")
                 cached.add_resident(resident)
         calls[depth] = traced
         if compiled[depth].refused:
             break
     full = compiled[layers]
-    fields = {"tp_mode": tp_mode, "attention": attention, "experts": len(transformers), "videos": videos}
+    fields = {"tp_mode": tp_mode, "attention": attention.backend, "experts": len(transformers), "videos": videos}
     report = _report(2, target, mesh, request, dtype, full, **fields)
     if resident:
         report["hbm_bytes_per_device"]["other_experts_weights"] = resident

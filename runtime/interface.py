@@ -25,14 +25,6 @@ DP, SP, TP = AXES = ("dp", "sp", "tp")
 
 Layout = tuple  # a PartitionSpec-like tuple of mesh axis names (or None) per dimension
 
-# How attention uses a sequence split on `sp` (sequence_parallel.sp_mode_choice). ulysses: an all-to-all
-# turns the sequence split into a head split, attention runs over the whole sequence for the device's
-# heads, one all-to-all turns the output back (DeepSpeed-Ulysses). ring: queries stay split and key/value
-# chunks pass round the sp devices, merged exactly by log-sum-exp. gather: queries stay split and every
-# device gathers all keys and values. auto: ulysses where the heads per tp shard divide by sp, else ring
-# (gather with a Splash local window, which ring cannot shift).
-SP_MODES = ("auto", "ulysses", "ring", "gather")
-
 
 def cache_root() -> Path:
     """This tool's per-user cache: materialized presets, published configs, the JAX compilation cache.

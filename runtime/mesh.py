@@ -133,12 +133,14 @@ def default_mesh(
     devices_per_host: int | None = None,
     device_memory: int | None = None,
     videos: int = 1,
+    sequence_split: bool = True,
 ) -> MeshChoice:
     """The mesh for `devices` with the axes given (None: chosen as the module docstring says) and why.
 
     Raises ValueError, naming a mesh that works where there is one, when the given sizes cannot work:
     their product is not the device count, tp does not divide the heads or spans hosts, or dp is larger
-    than the batch (`videos`, twice that with CFG).
+    than the batch (`videos`, twice that with CFG). `sequence_split` False: a default sp is 1 (attention
+    that does not run on a split sequence).
     """
     for name, value in ((DP, dp), (SP, sp), (TP, tp)):
         if value is not None and value < 1:
@@ -148,13 +150,14 @@ def default_mesh(
     defaults = list(_candidates(devices, None, None, None, batch, model, per_host))
     hint = f"; a mesh that works: {defaults[0]}" if defaults else ""
     _check_given(devices, (dp, sp, tp), batch, model.heads, per_host, hint)
-    options = list(_candidates(devices, dp, sp, tp, batch, model, per_host))
+    options = list(_candidates(devices, dp, sp or (None if sequence_split else 1), tp, batch, model, per_host))
     if not options:
-        raise ValueError(f"no mesh of {devices} devices has {_given(dp, sp, tp)}{hint}")
+        wanted = _given(dp, sp, tp) or "its defaults"
+        raise ValueError(f"no mesh of {devices} devices has {wanted}{'' if sequence_split else ' and sp 1'}{hint}")
     budget = device_memory * WEIGHT_SHARE if device_memory else None
     fitting = [shape for shape in options if budget is None or model.weight_bytes(shape.tp) <= budget]
     shape = fitting[0] if fitting else max(options, key=lambda option: option.tp)
-    why = _why(shape, (dp, sp, tp), cfg, model, device_memory, bool(fitting), videos)
+    why = _why(shape, (dp, sp, tp), cfg, model, device_memory, bool(fitting), videos, sequence_split)
     return MeshChoice(shape, why, bool(fitting))
 
 
@@ -209,7 +212,14 @@ def _check_given(devices: int, given, batch: int, heads: int, per_host: int, hin
 
 
 def _why(
-    shape: MeshShape, given, cfg: bool, model: ModelFacts, device_memory: int | None, fits: bool, videos: int
+    shape: MeshShape,
+    given,
+    cfg: bool,
+    model: ModelFacts,
+    device_memory: int | None,
+    fits: bool,
+    videos: int,
+    sequence_split: bool = True,
 ) -> str:
     """One line: which axes were given, and why each default axis got its size."""
     dp, sp, tp = given
@@ -229,7 +239,9 @@ def _why(
             f"tp {shape.tp}: the largest divisor of the {model.heads} heads and the split weight dimensions "
             "that fits in one host"
         )
-    if not sp:
+    if not (sp or sequence_split):
+        parts.append("sp 1: the attention backend does not run on a split sequence")
+    elif not sp:
         scheme = sp_mode_choice("auto", shape.as_dict(), model.heads)[0]
         parts.append(f"sp {shape.sp}: the rest" + (f" ({scheme} attention)" if shape.sp > 1 else ""))
     weights = model.weight_bytes(shape.tp) / GIB

@@ -192,3 +192,14 @@ def stop_stage2_after(monkeypatch, argv: list[str], steps: int) -> None:
         patch.setattr(DenoiseGuard, "after_step", stop_after)
         with pytest.raises(Stopped, match=f"after step {steps} of"):
             stage2_transformer.main([str(arg) for arg in argv])
+
+
+def attention_plan(backend: str, mesh=None, *, heads: int = 1, sp_mode: str = "auto", **splash_options):
+    """A fixed AttentionPlan for `backend` on `mesh` (a jax Mesh or None), its scheme resolved for `heads`;
+    Splash with 128 tiles in interpret mode (and `splash_options`)."""
+    from attention.plan import SplashConfig, fixed_plan
+
+    tiles = {"block_q": 128, "block_kv": 128, "block_kv_compute": 128, "interpret": True, **splash_options}
+    splash = SplashConfig(**tiles) if backend == "splash" else None
+    shape = None if mesh is None else dict(mesh.shape)
+    return fixed_plan(backend, splash, mesh_shape=shape, heads=heads, sp_mode=sp_mode)

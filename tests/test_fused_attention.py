@@ -17,6 +17,8 @@ import torch
 import sharding
 import stage2_transformer
 from attention.cudnn import fused_attention
+from attention.dispatch import attention_backend
+from attention.plan import fixed_plan, resolve_backend
 from helpers import (
     Sample,
     expect_user_error,
@@ -28,7 +30,6 @@ from helpers import (
 )
 from models import hunyuanvideo15
 from runtime.torchax_runtime import TorchaxRuntime
-from splash_attention import SplashConfig, attention_backend, resolve_backend
 
 
 def qkv(batch=2, heads=2, q_len=40, kv_len=56, head_dim=16, seed=0):
@@ -115,7 +116,7 @@ def test_hunyuanvideo15_masks_are_prefixes_and_the_fused_call_matches_eager(mesh
     runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(*mesh)))
     transformer = hunyuanvideo15.make_jit_safe(tiny_hunyuan_transformer())
     compiled = runtime.compile(Sample(transformer), sharding.hunyuanvideo15_transformer_rules().nested("transformer."))
-    with attention_backend(runtime.env, "cudnn", SplashConfig(), runtime.mesh, fused_implementation=None):
+    with attention_backend(runtime.env, fixed_plan("cudnn"), runtime.mesh, fused_implementation=None):
         got = runtime.to_host(compiled(**runtime.to_device(right_padded())))
     assert relative_error(got, expected) <= 1e-5
 

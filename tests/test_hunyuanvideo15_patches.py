@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import sharding
-from helpers import BYT5, IMAGE, TEXT, Sample, hunyuan_inputs, relative_error, tiny_hunyuan_transformer
+from attention.dispatch import attention_backend
+from helpers import BYT5, IMAGE, TEXT, Sample, attention_plan, hunyuan_inputs, relative_error, tiny_hunyuan_transformer
 from models import hunyuanvideo15, hunyuanvideo15_vae, tiny
 from runtime.torchax_runtime import TorchaxRuntime
-from splash_attention import SplashConfig, attention_backend
 
 
 def test_reorder_matches_boolean_indexing():
@@ -84,9 +84,9 @@ def test_jitted_sharded_forward_matches_stock_eager(attention, mesh, sp_mode):
         expected = tiny_hunyuan_transformer()(**hunyuan_inputs(), return_dict=False)[0]
     transformer = hunyuanvideo15.make_jit_safe(tiny_hunyuan_transformer())
     runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(*mesh)))
-    splash = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True, sp_mode=sp_mode)
+    plan = attention_plan(attention, runtime.mesh, heads=transformer.config.num_attention_heads, sp_mode=sp_mode)
     compiled = runtime.compile(Sample(transformer), sharding.hunyuanvideo15_transformer_rules().nested("transformer."))
-    with attention_backend(runtime.env, attention, splash, runtime.mesh):
+    with attention_backend(runtime.env, plan, runtime.mesh):
         got = runtime.to_host(compiled(**runtime.to_device(hunyuan_inputs())))
     assert torch.isfinite(got).all()
     assert relative_error(got, expected) <= 1e-5

@@ -109,7 +109,7 @@ def test_no_import_cycle_among_our_modules():
 LAYERS = [
     ("utils", "runtime", "runtime.interface", "runtime.mesh", "workarounds"),  # "runtime": the package opening only
     ("sharding", "attention"),
-    ("splash_attention", "runtime.torchax_runtime", "runtime.distributed"),
+    ("splash_attention", "attention.dispatch", "runtime.torchax_runtime", "runtime.distributed"),
     ("models",),
     ("planning",),
     ("stage1_text_encoder", "stage2_transformer", "stage3_vae_decoder"),
@@ -174,7 +174,8 @@ def test_presets_are_unique_and_registered():
 
 
 @pytest.mark.parametrize(
-    "name", ["utils", "runtime", "runtime.interface", "runtime.mesh", "workarounds", "attention", "planning"]
+    "name",
+    ["utils", "runtime", "runtime.interface", "runtime.mesh", "workarounds", "attention", "attention.plan", "planning"],
 )
 def test_jax_free_modules_import_no_jax(name):
     """Stage 1 and stage 3 --backend torch load these on hosts without JAX (function-level imports count)."""

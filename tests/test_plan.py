@@ -231,22 +231,22 @@ def test_a_folder_with_configs_only_plans(tmp_path):
     "generation, expected", [("v5e", (1024, 1024, 512)), ("v5p", (1024, 1024, 512)), ("v6e", None)]
 )
 def test_default_splash_tiles_are_capped_where_scoped_vmem_cannot_hold_them(generation, expected):
-    from types import SimpleNamespace
-
+    from attention.plan import AttentionFlags, build_plan
     from models import cogvideox
+    from runtime.mesh import MeshChoice, MeshShape
 
-    flags = dict.fromkeys(("block_q", "block_kv", "block_kv_compute", "local_window"), None)
-    config = stage2_transformer.splash_config(
-        SimpleNamespace(**flags, k_smoothing=False, sp_mode="auto"), cogvideox, tpus.GENERATIONS[generation]
-    )
+    def plan(**flags):
+        mesh = lambda *axes, sequence_split: MeshChoice(MeshShape(2, 1, 4), "test")  # noqa: E731
+        cap = tpus.GENERATIONS[generation].splash_tile_cap
+        tiles = cogvideox.SPLASH_BLOCK_SIZES
+        options = {"heads": 48, "tile_defaults": tiles, "tile_cap": cap, "choose_mesh": mesh}
+        return build_plan(AttentionFlags(**flags), platform="tpu", dtype=torch.bfloat16, **options).splash
+
+    config = plan()
     defaults = tuple(cogvideox.SPLASH_BLOCK_SIZES.values())
     assert (config.block_q, config.block_kv, config.block_kv_compute) == (expected or defaults)
     assert not config.interpret
-    given = stage2_transformer.splash_config(
-        SimpleNamespace(**{**flags, "block_q": 2048}, k_smoothing=False, sp_mode="auto"),
-        cogvideox,
-        tpus.GENERATIONS[generation],
-    )
+    given = plan(block_q=2048)
     assert given.block_q == 2048  # what the user asks for is kept (a plan then says whether it compiles)
 
 

@@ -14,15 +14,16 @@ import torch
 import models
 import sharding
 import stage2_transformer
-from helpers import expect_user_error, relative_error, run_stage, tiny_stage1
+from attention.dispatch import attention_backend
+from helpers import attention_plan, expect_user_error, relative_error, run_stage, tiny_stage1
 from models import published, tiny
+from models.common import attention_heads
 from models.denoise import DenoiseOptions, denoise
 from models.meta import meta_transformers, model_facts
 from runtime.interface import Timer
 from runtime.mesh import default_mesh
 from runtime.torchax_runtime import TorchaxRuntime
 from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, RuleTable
-from splash_attention import SplashConfig, attention_backend
 from utils import Request, read_config, read_tensors
 
 TOLERANCE = 1e-5
@@ -190,8 +191,8 @@ def denoise_on(stage1_dir, mesh_shape: MeshShape, attention: str = "xla"):
     source, family = models.resolve_model_for_request(request)
     embeds = read_tensors(stage1_dir, config["stage1"])
     runtime = TorchaxRuntime(sharding.make_mesh(mesh_shape))
-    splash = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
-    with attention_backend(runtime.env, attention, splash, runtime.mesh):
+    plan = attention_plan(attention, runtime.mesh, heads=attention_heads(source))
+    with attention_backend(runtime.env, plan, runtime.mesh):
         latents, _, _ = denoise(family, source, request, embeds, torch.float32, runtime, Timer(), DenoiseOptions())
     return latents
 
@@ -260,7 +261,10 @@ def test_stage2_records_mesh_and_placement(stage1_outputs, tmp_path):
     [
         (["--dp", 3], "--dp 3 = 3 does not divide the 8 devices; a mesh that works: --dp 2 --sp 1 --tp 4"),
         (["--dp", 1, "--tp", 8, "--sp", 2], "= 16 devices"),
-        (["--sp", 2, "--sp_mode", "ring", "--local_window", 8], "--sp_mode ring cannot run a local window"),
+        (
+            ["--attention", "splash", "--sp", 2, "--sp_mode", "ring", "--local_window", 8],
+            "--sp_mode ring cannot run a local window",
+        ),
     ],
 )
 def test_stage2_mesh_errors_come_before_loading(capsys, stage1_outputs, tmp_path, flags, message, no_weights_loaded):

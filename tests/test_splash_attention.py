@@ -5,8 +5,6 @@ approximation, so only fp32 rounding of the kernel's online softmax remains (~3e
 2e-2, because rounding q, k, v to bf16 alone moves the result by ~5e-3.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,11 +12,14 @@ import pytest
 import torch
 
 import sharding
+from attention.dispatch import attention_backend
 from attention.masks import masks_from_attn_mask
-from attention.sequence_parallel import attention_scheme, merge_partials, sp_mode_choice
+from attention.plan import SplashConfig, fixed_plan
+from attention.sequence_parallel import call_scheme, merge_partials
 from attention.xla import attention_with_lse, xla_attention, xla_sequence_parallel_attention
 from helpers import reference_attention, relative_error
-from splash_attention import SplashConfig, attention_backend, splash_attention, tile_sizes
+from runtime.mesh import sp_mode_choice
+from splash_attention import splash_attention, tile_sizes
 
 SMALL_TILES = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
 
@@ -121,7 +122,7 @@ def test_tile_sizes_clamp_to_short_sequences_and_keep_divisibility():
 
 def test_torchax_sdpa_override_calls_splash_and_matches_torch(monkeypatch):
     """Inside the torchax environment, F.scaled_dot_product_attention with a key mask runs Splash."""
-    import splash_attention as module
+    import attention.dispatch as module
     from runtime.torchax_runtime import TorchaxRuntime
 
     calls = []
@@ -137,7 +138,7 @@ def test_torchax_sdpa_override_calls_splash_and_matches_torch(monkeypatch):
 
     import torchax
 
-    with attention_backend(runtime.env, "splash", SMALL_TILES):
+    with attention_backend(runtime.env, fixed_plan("splash", SMALL_TILES)):
         jitted = torchax.compile(attend)
         out = runtime.to_host(jitted(*runtime.to_device((q, k, v, mask))))
     assert relative_error(out, expected) <= 1e-5
@@ -148,7 +149,7 @@ def test_torchax_sdpa_override_calls_splash_and_matches_torch(monkeypatch):
 
 def test_cogvideox_stage2_with_splash_matches_xla(tmp_path, monkeypatch, capsys):
     """The tiny CogVideoX transformer (80 tokens, padded to one 128 tile) denoised with each backend."""
-    import splash_attention as module
+    import attention.dispatch as module
     import stage1_text_encoder
     import stage2_transformer
     from helpers import run_stage
@@ -294,12 +295,13 @@ def test_sharded_equals_unsharded(mesh, sp_mode, case):
     mask = key_mask(2, 300, [300, 111])
     config = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True, local_window=window)
     single = run_splash(q, k, v, mask, config=config)
-    config = dataclasses.replace(config, sp_mode=sp_mode)
-    sharded = run_splash(q, k, v, mask, config=config, mesh=mesh)
+    scheme = call_scheme(sp_mode_choice(sp_mode, dict(mesh.shape), heads, bool(window))[0], mesh, heads, True)
+    sharded = run_splash(q, k, v, mask, config=config, mesh=mesh, scheme=scheme)
     assert relative_error(sharded, single) <= 1e-6
     assert relative_error(sharded, masked_reference(q, k, v, mask, window=window)) <= 1e-5
-    assert attention_scheme(sp_mode, mesh, heads, self_attention=True, local_window=bool(window)) == expected
-    lowered = jax.jit(lambda q, k, v, m: splash_attention(q, k, v, m, config=config, mesh=mesh)).lower(q, k, v, mask)
+    assert scheme == expected
+    attend = jax.jit(lambda q, k, v, m: splash_attention(q, k, v, m, config=config, mesh=mesh, scheme=scheme))
+    lowered = attend.lower(q, k, v, mask)
     program = lowered.compile().as_text()
     assert ("all-to-all" in program) == (expected == "ulysses")
     if expected == "ring":  # (XLA may reshard with a permute elsewhere too, so only the ring's own is checked)
@@ -370,7 +372,7 @@ def test_auto_with_a_local_window_falls_back_to_gather_not_ring():
     with pytest.raises(ValueError, match="ring cannot run a local window"):
         sp_mode_choice("ring", {"dp": 1, "sp": 2, "tp": 4}, 48, local_window=True)
     mesh = sharding.make_mesh(sharding.MeshShape(1, 2, 4))
-    assert attention_scheme("ring", mesh, 48, self_attention=False) == "gather"  # short text keys stay whole
+    assert call_scheme("ring", mesh, 48, self_attention=False) == "gather"  # short text keys stay whole
 
 
 def test_ulysses_that_the_heads_do_not_allow_is_an_error():

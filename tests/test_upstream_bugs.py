@@ -148,21 +148,20 @@ def test_diffusers_0_42_1_block_registry_lacks_hunyuanvideo15():
 def test_jax_0_10_2_splash_cannot_shard_a_local_window_mask_eight_ways():
     """jax 0.10.2's Splash mask preprocessing asserts (a bare `assert` in splash_attention_mask_info.py) when
     a local-window mask's 300 queries are split 8 ways. Workaround: `--sp_mode auto` runs Ulysses for a
-    local window (attention.sequence_parallel.sp_mode_choice), whole sequence per head. Once this fails, the case
+    local window (runtime.mesh.sp_mode_choice), whole sequence per head. Once this fails, the case
     joins tests/test_splash_attention.py's SHARDED list."""
     import jax.numpy as jnp
     import numpy as np
 
-    from splash_attention import SplashConfig, splash_attention
+    from attention.plan import SplashConfig
+    from splash_attention import splash_attention
 
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 8, 300, 64)), jnp.float32) for _ in range(3))
-    config = SplashConfig(
-        block_q=128, block_kv=128, block_kv_compute=128, interpret=True, local_window=40, sp_mode="gather"
-    )
+    config = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True, local_window=40)
     mesh = make_mesh(MeshShape(1, 8, 1))
     with pytest.raises(AssertionError) as raised:
-        jax.jit(lambda q, k, v: splash_attention(q, k, v, None, config=config, mesh=mesh))(q, k, v)
+        jax.jit(lambda q, k, v: splash_attention(q, k, v, None, config=config, mesh=mesh, scheme="gather"))(q, k, v)
     assert raised.traceback[-1].path.name == "splash_attention_mask_info.py", raised.traceback[-1]
 
 

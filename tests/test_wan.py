@@ -17,12 +17,21 @@ import models
 import sharding
 import stage1_text_encoder
 import stage2_transformer
-from helpers import Sample, expect_user_error, read_mp4, relative_error, run_stage, run_stages, stop_stage2_after
+from attention.dispatch import attention_backend
+from helpers import (
+    Sample,
+    attention_plan,
+    expect_user_error,
+    read_mp4,
+    relative_error,
+    run_stage,
+    run_stages,
+    stop_stage2_after,
+)
 from models import tiny, wan
 from models.common import decode
 from runtime.interface import Timer, TorchRuntime
 from runtime.torchax_runtime import TorchaxRuntime
-from splash_attention import SplashConfig, attention_backend
 from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, VIDEO_FILE, read_config, read_tensors
 
 TOLERANCE = 1e-4
@@ -63,8 +72,9 @@ def test_stock_transformer_jitted_and_sharded_equals_eager(mesh, batch, attentio
         expected = tiny.wan_transformer()(**transformer_inputs(batch), return_dict=False)[0]
     runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(*mesh)))
     compiled = runtime.compile(Sample(tiny.wan_transformer()), wan.transformer_rules("megatron").nested("transformer."))
-    splash = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True, sp_mode=sp_mode)
-    with attention_backend(runtime.env, attention, splash, runtime.mesh):
+    heads = tiny.wan_transformer().config.num_attention_heads
+    plan = attention_plan(attention, runtime.mesh, heads=heads, sp_mode=sp_mode)
+    with attention_backend(runtime.env, plan, runtime.mesh):
         got = runtime.to_host(compiled(**runtime.to_device(transformer_inputs(batch))))
     assert relative_error(got, expected) <= 1e-5
 

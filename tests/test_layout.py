@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
 import shutil
 import subprocess
 import sys
@@ -19,16 +20,19 @@ from models.family import family_members
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 450
-PACKAGES = ("attention", "models", "planning", "runtime", "utils", "workarounds")
+# Our packages: every folder at the top holding an __init__.py (tests and benchmarks hold none).
+PACKAGES = tuple(sorted(path.parent.name for path in ROOT.glob("*/__init__.py")))
 
 
 @functools.cache
 def project_modules() -> dict[str, Path]:
-    """Our importable modules by dotted name: top-level files and every module of our packages."""
+    """Our importable modules by dotted name: top-level files and every module of our packages and their
+    subpackages (a subpackage needs its own __init__.py, or the wheel would miss it)."""
     found = {path.stem: path for path in ROOT.glob("*.py")}
     for package in PACKAGES:
-        for path in (ROOT / package).glob("*.py"):
-            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if path.stem == "__init__" else parts)] = path
     return found
 
 
@@ -55,7 +59,7 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom):
-                base = package if node.level else ""
+                base = package.rsplit(".", node.level - 1)[0] if node.level else ""  # `..` climbs one package
                 module = ".".join(part for part in (base, node.module or "") if part)
                 submodules = {f"{module}.{alias.name}" for alias in node.names} & set(modules)
                 targets |= submodules or {module}  # `from models import cogvideox` imports the submodule
@@ -187,8 +191,18 @@ def test_jax_free_check_sees_jax():
 
 
 def test_every_package_opens_with_a_docstring():
+    openings = [path for path in project_modules().values() if path.name == "__init__.py"]
+    assert len(openings) >= len(PACKAGES) >= 6
+    for path in openings:
+        assert ast.get_docstring(ast.parse(path.read_text())), path
+
+
+def test_every_folder_of_a_package_is_a_subpackage():
+    """A folder of modules without __init__.py would be left out of the wheel and of these checks."""
     for package in PACKAGES:
-        assert ast.get_docstring(ast.parse((ROOT / package / "__init__.py").read_text())), package
+        for folder in (ROOT / package).rglob("*"):
+            if folder.is_dir() and folder.name != "__pycache__" and list(folder.glob("*.py")):
+                assert (folder / "__init__.py").exists(), folder
 
 
 def test_the_wheel_ships_every_module(tmp_path):
@@ -205,6 +219,21 @@ def test_the_wheel_ships_every_module(tmp_path):
     shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.endswith(".py")}
     expected = {str(path.relative_to(ROOT)) for path in project_modules().values()}
     assert shipped == expected
+    # Installed without the checkout (`pip install .`), every module imports from the installed copy.
+    site = tmp_path / "site"
+    install = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "-q", "--target", site, wheel]
+    assert subprocess.run(install, capture_output=True, text=True).returncode == 0
+    names = sorted(project_modules())
+    check = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    module = importlib.import_module(name)\n"
+        f"    assert module.__file__.startswith({str(site)!r}), module.__file__\n"
+        "print(len(sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"}
+    imported = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert imported.returncode == 0, imported.stderr[-3000:]
 
 
 def test_no_test_module_imports_another_and_no_benchmark_imports_a_test():

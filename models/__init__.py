@@ -1,9 +1,10 @@
 """Model families: resolving `--model`, detecting the family from model_index.json, built-in tiny presets.
 
-A family module (e.g. ``models/cogvideox.py``) owns everything specific to one diffusers pipeline and
-provides the names of ``models.family.Family``: request defaults and validation, prompt encoding, the
-stage-2 denoiser and the stage-3 decoder. Adding a family means adding one module and one line to
-``FAMILIES``.
+A family module (e.g. ``models/cogvideox.py``) provides the names of ``models.family.Family``: request
+defaults and validation, prompt encoding, the stage-2 denoiser and the stage-3 decoder. Its other parts
+still live beside it (``<family>_i2v``, ``<family>_vae``), in ``tiny`` and ``published`` (components and
+configs of every family) and in ``sharding`` (its rule table); adding a family touches each of those and
+one line of ``FAMILIES``, until each family becomes one package.
 """
 
 from __future__ import annotations

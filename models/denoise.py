@@ -1,8 +1,9 @@
 """Stage 2's denoising loop, shared by every family: placing the guided denoiser, warmup, the timed steps
 with their progress bar, per-step NaN checks, checkpoints (every N steps and on SIGTERM) and --resume.
 
-A family prepares a `DenoiseLoop` (its guided transformer, inputs, scheduler step) and calls
-`run_denoise_loop`; the scheduler stays in PyTorch on the host, exactly as the pipelines run it.
+A family's `denoise_loop` returns a `DenoiseLoop` (its guided transformer, inputs, scheduler step);
+`denoise` (one video) and models/batching.py (a batch) run it through `run_denoise_loop`. The scheduler
+stays in PyTorch on the host, exactly as the pipelines run it.
 """
 
 from __future__ import annotations

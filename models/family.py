@@ -1,8 +1,10 @@
 """The family interface: what one model-family module (`models/<family>.py`) provides to the stages.
 
 A family module fills in `Family` with module-level names; `tests/test_layout.py` checks every
-registered family has each of them. What all families share (the denoising loop, decode, text
-encoders on a runtime, request checks) lives in `models/common.py` and `utils.Request`.
+registered family has each of them. What all families share lives in the engine modules beside it:
+the denoising loop (`denoise`), guidance (`guidance`), batches (`batching`), step caches, LoRA (`lora`),
+meta-device facts (`meta`), stage 1's encoders and stage 3's decode (`common`), request checks
+(`utils.Request`).
 """
 
 from __future__ import annotations

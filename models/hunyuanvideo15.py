@@ -1,4 +1,5 @@
-"""HunyuanVideo-1.5 (diffusers `HunyuanVideo15Pipeline`, text-to-video): the transformer made traceable.
+"""HunyuanVideo-1.5 (diffusers `HunyuanVideo15Pipeline`, and `HunyuanVideo15ImageToVideoPipeline` through
+hunyuanvideo15_i2v): its request rules, prompt encoding, denoise loop, and the transformer made traceable.
 
 Two spots of `HunyuanVideo15Transformer3DModel.forward` cannot be traced by jax.jit:
 - `if torch.all(image_embeds == 0)` branches on tensor values (ConcretizationTypeError). Text-to-video

@@ -1,4 +1,5 @@
-"""Where and how a stage runs its modules: one runtime interface, a plain-PyTorch implementation, timing.
+"""Where and how a stage runs its modules: one runtime interface, a plain-PyTorch implementation, timing,
+and what every runtime records (the mesh's axis names, the per-user cache folder, library versions).
 
 Stages and families call a `Runtime` and never branch on which one they hold. `TorchRuntime` (here)
 runs eagerly on one torch device and treats mesh layouts as no-ops; `torchax_runtime.TorchaxRuntime`

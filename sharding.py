@@ -1,88 +1,62 @@
-"""The dp/sp/tp device mesh, per-model weight rule tables, and placing weights and activations on it.
+"""The dp/sp/tp mesh's axis names and shapes, and the per-model weight rule tables. No JAX: a layout
+here is a tuple of axis names (or None) per dimension; the runtime (runtime/placement.py) turns layouts into
+JAX shardings at its edge, so the planner's arithmetic, the attention plan and stages 1 and 3 with
+`--backend torch` read these tables without JAX.
 
 Mesh axes, outermost first: `dp` (the two classifier-free-guidance branches, or more batch), `sp`
 (the query sequence inside attention, and the token axis between blocks), `tp` (attention heads and
 MLP columns). `tp` is innermost so its traffic stays between neighbouring chips.
 
-A rule table is an ordered list of (regex, PartitionSpec) over parameter names; the first match wins.
-`P()` marks a weight as deliberately replicated. Every parameter must match a rule and every rule must
-match a parameter, so a renamed layer cannot silently fall back to replication.
+A rule table is an ordered list of (regex, layout) over parameter names; the first match wins.
+`REPLICATED` (the empty layout) marks a weight as deliberately replicated. Every parameter must match a
+rule and every rule must match a parameter, so a renamed layer cannot silently fall back to replication.
 
 Weights use the Megatron layout: column-parallel inputs (q/k/v, MLP in: torch's (out, in) weight split
 on `out`) and row-parallel outputs (attention out, MLP out: split on `in`), which costs one all-reduce
 after attention and one after the MLP per block, plus a small one per AdaLN modulation (MODULATION).
-`--tp_mode replicated_out` keeps the row-parallel
-outputs replicated instead: more memory, and under XLA's partitioner no fewer collectives
-(benchmarks/collectives.py measures both).
+`--tp_mode replicated_out` keeps the row-parallel outputs replicated instead: more memory, and under
+XLA's partitioner no fewer collectives (benchmarks/collectives.py measures both).
 """
 
 from __future__ import annotations
 
-import math
 import re
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import jax
-import numpy as np
-import torch
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+# The mesh's axis names, outermost first. Layouts everywhere (rule tables, activation constraints, the
+# Splash shard_map) name axes through these constants.
+DP, SP, TP = AXES = ("dp", "sp", "tp")
 
-from runtime.interface import AXES, TP
-from runtime.mesh import MeshShape
+Layout = tuple  # axis names (a str, a tuple of them, or None) per dimension; missing trailing ones: None
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    dp: int = 1
+    sp: int = 1
+    tp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.sp * self.tp
+
+    def as_dict(self) -> dict[str, int]:
+        return {DP: self.dp, SP: self.sp, TP: self.tp}
+
+    def __str__(self) -> str:
+        return f"dp {self.dp} x sp {self.sp} x tp {self.tp}"
+
 
 TP_MODES = ("megatron", "replicated_out")
-P = PartitionSpec
-REPLICATED = P()
-COLUMN = P(TP, None)  # torch Linear weight (out, in): output features split
-COLUMN_BIAS = P(TP)
-ROW = P(None, TP)  # input features split; the partial sums are all-reduced
+REPLICATED: Layout = ()
+COLUMN: Layout = (TP, None)  # torch Linear weight (out, in): output features split
+COLUMN_BIAS: Layout = (TP,)
+ROW: Layout = (None, TP)  # input features split; the partial sums are all-reduced
 # AdaLN modulation linears (timestep embedding -> 6 x width of shifts, scales, gates per block) are a
 # large share of the weights (HunyuanVideo-1.5: 2.7 B of 8.3 B parameters) but act on one vector per
 # sample: split on their input, each costs one all-reduce of (batch, 6 x width), a few hundred KiB.
 MODULATION = ROW
-
-
-def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The dp/sp/tp mesh over `devices` (default: all), host by host, so the innermost axis (tp) stays
-    within one host wherever it divides a host's devices (runtime.mesh.default_mesh)."""
-    devices = sorted(
-        jax.devices() if devices is None else devices, key=lambda device: (device.process_index, device.id)
-    )
-    return Mesh(np.array(devices[: shape.size]).reshape(shape.dp, shape.sp, shape.tp), AXES)
-
-
-def fit_spec(spec: PartitionSpec | tuple, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
-    """`spec` (a PartitionSpec or a tuple of axis names) with each mesh axis dropped from a dimension it
-    does not divide; that dimension is then replicated."""
-    fitted = []
-    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=False):
-        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        size = math.prod(mesh.shape[name] for name in names)
-        fitted.append(axes if names and dim % size == 0 else None)
-    return P(*fitted)
-
-
-# torch dtypes as JAX holds them: JAX runs without x64, as torchax does, so 64-bit types narrow.
-JAX_DTYPES = {
-    torch.float32: jax.numpy.float32,
-    torch.float64: jax.numpy.float32,
-    torch.bfloat16: jax.numpy.bfloat16,
-    torch.float16: jax.numpy.float16,
-    torch.int64: jax.numpy.int32,
-    torch.int32: jax.numpy.int32,
-    torch.bool: jax.numpy.bool_,
-}
-
-
-def abstract(shape: Sequence[int], dtype, layout: PartitionSpec | tuple = (), *, mesh: Mesh) -> jax.ShapeDtypeStruct:
-    """What an array placed on `mesh` as `layout` looks like to the compiler: shape, dtype (torch or JAX)
-    and sharding, no data. The planner and the collective counts compile over these."""
-    shape = tuple(shape)
-    return jax.ShapeDtypeStruct(
-        shape, JAX_DTYPES.get(dtype, dtype), sharding=NamedSharding(mesh, fit_spec(layout, shape, mesh))
-    )
 
 
 # Rule tables ---------------------------------------------------------------------------------------
@@ -91,7 +65,7 @@ def abstract(shape: Sequence[int], dtype, layout: PartitionSpec | tuple = (), *,
 @dataclass(frozen=True)
 class RuleTable:
     name: str
-    rules: tuple[tuple[str, PartitionSpec], ...]
+    rules: tuple[tuple[str, Layout], ...]
     optional: frozenset[int] = frozenset()  # indices of rules only some variants use (may match nothing)
 
     def nested(self, prefix: str) -> RuleTable:
@@ -99,13 +73,13 @@ class RuleTable:
         rules = tuple((re.escape(prefix) + pattern, spec) for pattern, spec in self.rules)
         return RuleTable(self.name, rules, self.optional)
 
-    def spec_for(self, param_name: str) -> tuple[int, PartitionSpec] | None:
+    def spec_for(self, param_name: str) -> tuple[int, Layout] | None:
         for index, (pattern, spec) in enumerate(self.rules):
             if re.fullmatch(pattern, param_name):
                 return index, spec
         return None
 
-    def assign(self, names: Sequence[str]) -> dict[str, PartitionSpec]:
+    def assign(self, names: Sequence[str]) -> dict[str, Layout]:
         """Each parameter's spec; raises ValueError on an unmatched parameter or an unused rule."""
         specs, used = {}, set()
         unmatched = []
@@ -227,7 +201,7 @@ def wan_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
     return RuleTable(f"wan-transformer/{tp_mode}", rules, optional)
 
 
-def _text_encoder_specs(split_attention: bool) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec]:
+def _text_encoder_specs(split_attention: bool) -> tuple[Layout, Layout, Layout]:
     """Column, column-bias and row specs for a text encoder's attention: Megatron when `tp` divides its
     heads, else replicated (the MLP is split either way)."""
     return (COLUMN, COLUMN_BIAS, ROW) if split_attention else (REPLICATED, REPLICATED, REPLICATED)
@@ -247,7 +221,7 @@ def t5_encoder_rules(split_attention: bool = True) -> RuleTable:
             (layer + r"0\.SelfAttention\.o\.weight", row),
             (
                 layer + r"0\.SelfAttention\.relative_attention_bias\.weight",
-                P(None, TP) if split_attention else REPLICATED,
+                (None, TP) if split_attention else REPLICATED,
             ),
             (layer + r"1\.DenseReluDense\.wi(_[01])?\.weight", COLUMN),
             (layer + r"1\.DenseReluDense\.wo\.weight", ROW),
@@ -293,96 +267,3 @@ def text_encoder_rules(config, tp: int) -> RuleTable:
 
 # VAEs and other small modules: convolution weights are small next to their activations.
 REPLICATED_TABLE = RuleTable("replicated", ((r".*", REPLICATED),))
-
-
-# Placement -----------------------------------------------------------------------------------------
-
-
-def _host_array(tensor: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor without copying (bf16 through its bits)."""
-    tensor = tensor.detach()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.uint16).numpy().view(jax.numpy.bfloat16)
-    return tensor.numpy()
-
-
-def _place_array(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """Each device receives only its own slice, so no full extra copy is made on the way."""
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
-
-
-def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> dict[str, object]:
-    """Replace the module's CPU weights, one at a time, by torchax tensors sharded by `table` (weights
-    already placed that way are kept as they are).
-
-    Each CPU tensor is released as soon as its device copy exists, so host memory stays near one copy
-    of the weights. Tied weights (one tensor under several names, e.g. T5's `shared` and
-    `encoder.embed_tokens`) stay one device array. Buffers are replicated. Returns the rule table's
-    name, counts and per-device bytes (the caller logs and records them).
-    """
-    from torchax.tensor import Tensor
-
-    names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
-    specs = table.assign(names)
-    stats = {"rule_table": table.name, "sharded": 0, "replicated": 0, "buffers": 0, "bytes_per_device": 0}
-    placed: dict[int, tuple] = {}  # id of a CPU tensor -> (a weak reference to it, its device copy)
-    for kind, store in (("param", "_parameters"), ("buffer", "_buffers")):
-        for owner_name, owner in module.named_modules():
-            for leaf, value in list(getattr(owner, store).items()):
-                if value is None or not isinstance(value, torch.Tensor):
-                    continue
-                known, device_copy = placed.get(id(value), (None, None))
-                if known is not None and known() is value:  # the weak reference: ids of freed tensors recur
-                    getattr(owner, store)[leaf] = device_copy
-                    continue
-                full_name = f"{owner_name}.{leaf}" if owner_name else leaf
-                spec = specs.get(full_name, REPLICATED) if kind == "param" else REPLICATED
-                spec = fit_spec(spec, value.shape, mesh)
-                target = NamedSharding(mesh, spec)
-                if isinstance(value, Tensor) and value.jax().sharding.is_equivalent_to(target, value.ndim):
-                    array = value.jax()  # placed before, as wanted (stage 3 reusing one VAE): kept, no host trip
-                else:
-                    array = _place_array(_host_array(value), target)
-                getattr(owner, store)[leaf] = device_copy = Tensor(array, env)
-                placed[id(value)] = (weakref.ref(value), device_copy)
-                del value
-                shard_bytes = array.addressable_shards[0].data.nbytes
-                stats["bytes_per_device"] += shard_bytes
-                if kind == "buffer":
-                    stats["buffers"] += 1
-                elif any(axis is not None for axis in spec):
-                    stats["sharded"] += 1
-                else:
-                    stats["replicated"] += 1
-    return stats
-
-
-def place(tree, mesh: Mesh, spec: PartitionSpec, env):
-    """torchax tensors for the CPU tensors in `tree`, each laid out as `spec` (axes it cannot divide dropped)."""
-    from torchax.tensor import Tensor
-
-    def one(value):
-        if not isinstance(value, torch.Tensor):
-            return value
-        sharding = NamedSharding(mesh, fit_spec(spec, value.shape, mesh))
-        return Tensor(_place_array(_host_array(value.contiguous()), sharding), env)
-
-    return torch.utils._pytree.tree_map(one, tree)
-
-
-def constraint_spec(spec: PartitionSpec | tuple, shape: Sequence[int], mesh: Mesh, uneven: bool) -> PartitionSpec:
-    """`spec` for a constraint inside a compiled program: `fit_spec`, or with `uneven` each axis kept where the
-    dimension is at least the axis size, divided or not: XLA's partitioner then pads the last shards (jit's
-    arguments and results must divide; a constraint inside may not)."""
-    if not uneven:
-        return fit_spec(spec, shape, mesh)
-    dims = zip(shape, tuple(spec), strict=False)  # a spec may name fewer dimensions than the tensor has
-    return P(*(axes if axes is None or dim >= mesh.shape[axes] else None for dim, axes in dims))
-
-
-def constrain(tensor: torch.Tensor, mesh: Mesh, spec: PartitionSpec, uneven: bool = False) -> torch.Tensor:
-    """A sharding constraint on a traced torchax tensor (`constraint_spec`)."""
-    from torchax.interop import call_jax
-
-    sharding = NamedSharding(mesh, constraint_spec(spec, tensor.shape, mesh, uneven))
-    return call_jax(jax.lax.with_sharding_constraint, tensor, sharding)

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from attention.masks import pad_sequence, round_up, rows_with_a_key
 from attention.plan import LANE, SplashConfig
 from attention.sequence_parallel import mesh_axes, ring, ulysses
-from runtime.interface import DP, SP, TP
+from sharding import DP, SP, TP
 
 
 def tile_sizes(config: SplashConfig, q_len: int, kv_len: int) -> splash_kernel.BlockSizes:

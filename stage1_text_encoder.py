@@ -21,7 +21,8 @@ import torch
 import models
 from models.common import check_backend_flags, open_runtime
 from models.images import IMAGE_FLAGS, check_image_flags, read_images
-from runtime.interface import TP, Timer, run_record
+from runtime.interface import Timer, run_record
+from sharding import TP
 from utils import (
     DEFAULT_OUTPUT_DIR,
     STAGE1_FILE,

@@ -281,9 +281,9 @@ def runtime_for(args, run, processes, videos: int = 1):
     record: what one folder's denoise and a group of batches set up alike."""
     import jax
 
-    import sharding
     from attention.dispatch import attention_backend
     from planning import tpus
+    from runtime import placement
     from runtime.torchax_runtime import CompileCache, TorchaxRuntime, device_memory
 
     platform, kind = jax.devices()[0].platform, jax.devices()[0].device_kind
@@ -294,7 +294,7 @@ def runtime_for(args, run, processes, videos: int = 1):
     run_model = (run.family, run.source, run.request, run.dtype)
     plan = attention_plan(args, run_model, platform, jax.device_count(), per_host, device_memory(), generation, videos)
     compile_cache = CompileCache(enabled=not args.no_compile_cache)
-    mesh = sharding.make_mesh(plan.mesh.shape)
+    mesh = placement.make_mesh(plan.mesh.shape)
     runtime = TorchaxRuntime(mesh, profile_dir=run.trace_dir, compile_cache=compile_cache)
     hosts = f", {processes.count} processes" if processes.count > 1 else ""
     described = f"{runtime.describe()}{hosts}, {run.dtype_name}, attention {plan.backend} ({plan.backend_why})"

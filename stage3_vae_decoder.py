@@ -30,7 +30,8 @@ from models.common import (
     write_mp4,
     write_preview_png,
 )
-from runtime.interface import SP, Timer, run_record
+from runtime.interface import Timer, run_record
+from sharding import SP
 from utils import (
     CONFIG_FILE,
     DEFAULT_OUTPUT_DIR,

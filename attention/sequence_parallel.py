@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from runtime.interface import DP, SP, TP
+from sharding import DP, SP, TP
 
 
 def call_scheme(scheme: str, mesh: Mesh | None, heads: int, self_attention: bool) -> str | None:

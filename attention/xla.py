@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from attention.masks import masks_from_attn_mask, pad_sequence, padded_validity, round_up
 from attention.sequence_parallel import mesh_axes, ring, ulysses
-from runtime.interface import SP
+from sharding import SP
 
 
 def attention_with_lse(query, key, value, attn_mask=None, *, scale: float | None = None):

@@ -49,11 +49,12 @@ def main() -> None:
 
     import sharding
     from planning import hlo
+    from runtime import placement
 
-    mesh = sharding.make_mesh(sharding.MeshShape(args.dp, args.sp, args.tp))
+    mesh = placement.make_mesh(sharding.MeshShape(args.dp, args.sp, args.tp))
     for model_name in args.models:
         if model_name in hlo.TEXT_ENCODERS:  # stage 1's mesh: every device on tp
-            stage1_mesh = sharding.make_mesh(sharding.MeshShape(tp=jax.device_count()))
+            stage1_mesh = placement.make_mesh(sharding.MeshShape(tp=jax.device_count()))
             print(json.dumps(hlo.measure_text_encoder(model_name, stage1_mesh)), flush=True)
             continue
         for tp_mode in [args.tp_mode] if args.tp_mode else sharding.TP_MODES:

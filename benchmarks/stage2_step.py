@@ -7,7 +7,7 @@
 2. First-call (trace + compile) seconds in two fresh processes sharing an empty persistent
    compilation cache: cold, then warm.
 3. Peak resident memory added while loading a saved model with `from_pretrained` and placing it with
-   sharding.place_module, divided by the model's weight bytes (16 layers x 1024 wide, ~0.6 GB fp32).
+   placement.place_module, divided by the model's weight bytes (16 layers x 1024 wide, ~0.6 GB fp32).
 
     python benchmarks/stage2_step.py [--steps 10]
 """

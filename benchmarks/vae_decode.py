@@ -71,9 +71,10 @@ def measure(folder: str, mode: str, frames: int, height: int, width: int, chunk:
             seconds["decode"] = time.perf_counter() - start
         else:
             import sharding
+            from runtime import placement
             from runtime.torchax_runtime import TorchaxRuntime
 
-            runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=int(os.environ["DEVICES"]))))
+            runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(sp=int(os.environ["DEVICES"]))))
             with runtime.precision(torch.float32):
                 start = time.perf_counter()
                 run = family.frame_programs(source, decoder, latents.shape, runtime, LATENTS_WIDTH_SPLIT, chunk)

@@ -19,7 +19,8 @@ import functools
 
 import torch
 
-from runtime.interface import DP, Timer
+from runtime.interface import Timer
+from sharding import DP
 from utils import log
 
 from .denoise import DenoiseLoop, DenoiseOptions, place_denoisers, run_denoise_loop

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from runtime.interface import DP, SP
+from sharding import DP, SP
 from utils import Request, UserError
 
 from . import cogvideox_i2v, cogvideox_vae, tiny

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from runtime.interface import DP, SP, TP, Runtime, Timer, TorchRuntime
+from runtime.interface import Runtime, Timer, TorchRuntime
+from sharding import DP, SP, TP
 from utils import UserError, atomic_write
 from workarounds.torchax import quiet_attribute_scan
 

@@ -23,7 +23,8 @@ from safetensors.torch import save_file
 from models.cache_schedule import CacheSettings
 from models.step_cache import StepCache
 from runtime.distributed import Processes
-from runtime.interface import Layout, Runtime, Timer
+from runtime.interface import Runtime, Timer
+from sharding import Layout
 from utils import CHECKPOINT_FILE, Stopped, UserError, atomic_write, log, logging_enabled
 
 LATENTS_LAYOUT = "BCFHW"  # stage 2's latents file, for every family

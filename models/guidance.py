@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from runtime.interface import DP
+from sharding import DP
 
 BATCH = (DP,)  # the CFG batch on dp
 

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 import torch
 
 from models.common import attention_heads
-from runtime.interface import TP
 from runtime.mesh import ModelFacts
+from sharding import TP
 
 
 def meta_module(source, component: str, dtype: torch.dtype, **overrides) -> torch.nn.Module:
@@ -40,7 +40,7 @@ def meta_transformers(family, source, dtype: torch.dtype, num_layers: int | None
 
 def weight_facts(modules: Iterable[torch.nn.Module], rules, heads: int) -> ModelFacts:
     """The modules' weight bytes by how `rules` (a sharding.RuleTable) lays them out: split on tp (by the
-    size of the split dimension) or replicated. Buffers are replicated, as sharding.place_module places them."""
+    size of the split dimension) or replicated. Buffers are replicated, as placement.place_module places them."""
     split: dict[int, int] = defaultdict(int)
     replicated = 0
     for module in modules:

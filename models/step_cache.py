@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from models.cache_schedule import CACHED, MAG_RATIOS_FILE, CacheSettings, schedule, schedule_text, state_names
-from runtime.interface import DP, SP
+from sharding import DP, SP
 from utils import UserError, atomic_write, log, strict_json
 from workarounds.diffusers import register_hunyuanvideo15_block
 

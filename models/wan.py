@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from runtime.interface import DP, SP
+from sharding import DP, SP
 from utils import Request, UserError, log
 
 from . import tiny, wan_ti2v, wan_vae

@@ -21,7 +21,8 @@ import sharding
 from attention.dispatch import attention_backend
 from attention.plan import SplashConfig, fixed_plan
 from models import cogvideox, hunyuanvideo15, published, wan
-from runtime.interface import DP, SP, TP
+from runtime import placement
+from sharding import DP, SP, TP
 from workarounds.torchax import import_torchax
 
 torchax = import_torchax()
@@ -120,7 +121,7 @@ def measure(
     block = getattr(model, blocks)[0]
     block_specs = {name[len(prefix) :]: spec for name, spec in specs.items() if name.startswith(prefix)}
 
-    abstract = functools.partial(sharding.abstract, mesh=mesh)
+    abstract = functools.partial(placement.abstract, mesh=mesh)
 
     f32 = jax.numpy.float32
     weights = {name: abstract(tuple(params[prefix + name].shape), f32, spec) for name, spec in block_specs.items()}
@@ -183,7 +184,7 @@ def text_encoder_collectives(model_name: str, layers: int, mesh) -> tuple[dict, 
     params = dict(model.named_parameters())
     specs = table.assign(list(params))
 
-    abstract = functools.partial(sharding.abstract, mesh=mesh)
+    abstract = functools.partial(placement.abstract, mesh=mesh)
 
     bf16, i32 = jax.numpy.bfloat16, jax.numpy.int32
     weights = {name: abstract(tuple(params[name].shape), bf16, spec) for name, spec in specs.items()}

@@ -20,13 +20,13 @@ import jax
 import torch
 from jax.sharding import Mesh
 
-import sharding
 from attention.plan import AttentionPlan
 from models.common import attention_heads
 from models.meta import meta_module, meta_transformers, weight_facts
 from planning import hlo
 from planning.tpus import Target, host_layout, parse_target, topology_devices, topology_mesh
-from runtime.interface import TP
+from runtime import placement
+from sharding import TP
 from utils import CONFIG_FILE, Request, UserError, parse_dtype, read_config, read_tensors
 
 # Abstract programs ---------------------------------------------------------------------------------
@@ -66,15 +66,15 @@ def _abstract_call(module: torch.nn.Module, rules, inputs, mesh: Mesh, method: s
 
     specs = rules.assign([name for name, _ in module.named_parameters()])
     state = {
-        name: sharding.abstract(param.shape, param.dtype, specs[name], mesh=mesh)
+        name: placement.abstract(param.shape, param.dtype, specs[name], mesh=mesh)
         for name, param in module.named_parameters()
     }
     state.update(
-        {name: sharding.abstract(buffer.shape, buffer.dtype, mesh=mesh) for name, buffer in module.named_buffers()}
+        {name: placement.abstract(buffer.shape, buffer.dtype, mesh=mesh) for name, buffer in module.named_buffers()}
     )
     arguments = [
         jax.tree.map(
-            lambda tensor, layout=layout: sharding.abstract(tensor.shape, tensor.dtype, layout, mesh=mesh), value
+            lambda tensor, layout=layout: placement.abstract(tensor.shape, tensor.dtype, layout, mesh=mesh), value
         )
         for value, layout in inputs
     ]

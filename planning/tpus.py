@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import sharding
+from runtime import placement
 from workarounds.libtpu import libtpu_off_tpu
 
 GIB = 2**30
@@ -144,8 +145,8 @@ def _topology_devices(topology_name: str, chips_per_host_bounds: tuple[int, ...]
 
 def topology_mesh(target: Target, shape: sharding.MeshShape) -> Mesh:
     """A dp/sp/tp mesh over the abstract devices of `target`, in the same device order as a real run's
-    mesh (sharding.make_mesh over jax.devices())."""
-    return sharding.make_mesh(shape, topology_devices(target))
+    mesh (placement.make_mesh over jax.devices())."""
+    return placement.make_mesh(shape, topology_devices(target))
 
 
 def host_layout(mesh: Mesh) -> dict[str, Any]:

@@ -18,13 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
+from sharding import Layout
 from utils import log
-
-# The mesh's axis names, outermost first. Layouts everywhere (rule tables, activation constraints, the
-# Splash shard_map) name axes through these constants. Plain strings, so no JAX is needed to write a layout.
-DP, SP, TP = AXES = ("dp", "sp", "tp")
-
-Layout = tuple  # a PartitionSpec-like tuple of mesh axis names (or None) per dimension
 
 
 def cache_root() -> Path:
@@ -52,7 +47,7 @@ class Runtime(Protocol):
 
     def constrain(self, tensor: torch.Tensor, layout: Layout, uneven: bool = False) -> torch.Tensor:
         """Inside a compiled forward: pin an activation's layout (a no-op without a mesh); `uneven` splits a
-        dimension the axis does not divide (sharding.constrain)."""
+        dimension the axis does not divide (placement.constrain)."""
 
     def profile_trace(self) -> contextlib.AbstractContextManager:
         """A profiler trace around the block, or a context that does nothing."""

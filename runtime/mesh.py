@@ -19,29 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.interface import DP, SP, TP
+from sharding import DP, SP, TP, MeshShape
 
 GIB = 2**30
 # Of each device's memory, the share the weights may take by default: activations, the compiled program
 # and XLA's scratch need the rest (the plan's compile gives the exact peak).
 WEIGHT_SHARE = 0.75
-
-
-@dataclass(frozen=True)
-class MeshShape:
-    dp: int = 1
-    sp: int = 1
-    tp: int = 1
-
-    @property
-    def size(self) -> int:
-        return self.dp * self.sp * self.tp
-
-    def as_dict(self) -> dict[str, int]:
-        return {DP: self.dp, SP: self.sp, TP: self.tp}
-
-    def __str__(self) -> str:
-        return f"dp {self.dp} x sp {self.sp} x tp {self.tp}"
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 
 `TorchaxRuntime` implements runtime.Runtime on a dp/sp/tp mesh. Stage 2 (and stages 1 and 3 with
 `--backend torchax`) hand modules to `TorchaxRuntime.compile`, which places the weights on the mesh by
-a rule table (sharding.py) and returns the module's forward under `jax.jit`. Attention is torchax's
-lowering of `torch.nn.functional.scaled_dot_product_attention` unless splash_attention.attention_backend
-overrides it; `torch.gather` is lowered by workarounds.torchax.take_along_axis_gather. `CompileCache` turns
-on JAX's persistent compilation cache.
+a rule table (sharding.py; runtime/placement.py places them) and returns the module's forward under
+`jax.jit`. Attention is torchax's lowering of `torch.nn.functional.scaled_dot_product_attention` unless
+attention.dispatch.attention_backend overrides it; `torch.gather` is lowered by
+workarounds.torchax.take_along_axis_gather. `CompileCache` turns on JAX's persistent compilation cache.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from jax.sharding import Mesh
 
 import sharding
+from runtime import placement
 from runtime.interface import cache_root
 from utils import log
 from workarounds.torchax import import_torchax, install_gather, install_group_norm, install_repeat_upsample
@@ -96,7 +97,7 @@ class TorchaxRuntime:
         install_gather(self.env)
         install_group_norm(self.env)
         install_repeat_upsample(self.env)
-        self.mesh = mesh if mesh is not None else sharding.make_mesh(sharding.MeshShape())
+        self.mesh = mesh if mesh is not None else placement.make_mesh(sharding.MeshShape())
         self.placements: list[dict[str, object]] = []  # every compiled module's, in order
         self.profile_dir = profile_dir
         self.compile_cache = compile_cache  # None: the process's cache settings are left as they are
@@ -105,7 +106,7 @@ class TorchaxRuntime:
     def on_all_devices(cls, axis: str, compile_cache: bool = True) -> TorchaxRuntime:
         """Every JAX device on mesh axis `axis` (stages 1 and 3), with the persistent compile cache."""
         cache = CompileCache(enabled=compile_cache)
-        return cls(sharding.make_mesh(sharding.MeshShape(**{axis: jax.device_count()})), compile_cache=cache)
+        return cls(placement.make_mesh(sharding.MeshShape(**{axis: jax.device_count()})), compile_cache=cache)
 
     def profile_trace(self) -> contextlib.AbstractContextManager:
         """A JAX profiler trace writing to `profile_dir` (view with TensorBoard/XProf), if one was given."""
@@ -140,7 +141,7 @@ class TorchaxRuntime:
         mesh's axis sizes returning one; default: replicated), its `methods` jitted (one program each)."""
         if callable(rules):
             rules = rules(dict(self.mesh.shape))
-        stats = sharding.place_module(module, rules or sharding.REPLICATED_TABLE, self.mesh, self.env)
+        stats = placement.place_module(module, rules or sharding.REPLICATED_TABLE, self.mesh, self.env)
         log(
             f"placed {stats['rule_table']}: {stats['sharded']} sharded, {stats['replicated']} replicated "
             f"parameters, {stats['buffers']} buffers, {stats['bytes_per_device'] / 2**20:.1f} MiB per device"
@@ -157,12 +158,12 @@ class TorchaxRuntime:
 
     def to_device(self, tree, layout: tuple | None = None):
         """The CPU tensors in `tree` as torchax tensors laid out as `layout` on the mesh (default: replicated)."""
-        return sharding.place(tree, self.mesh, sharding.P(*(layout or ())), self.env)
+        return placement.place(tree, self.mesh, layout or (), self.env)
 
     def constrain(self, tensor: torch.Tensor, layout: tuple, uneven: bool = False) -> torch.Tensor:
         """Inside a compiled forward: pin an activation's layout (e.g. the CFG batch on `dp`); `uneven`
-        splits a dimension the axis does not divide (sharding.constrain)."""
-        return sharding.constrain(tensor, self.mesh, sharding.P(*layout), uneven)
+        splits a dimension the axis does not divide (placement.constrain)."""
+        return placement.constrain(tensor, self.mesh, layout, uneven)
 
     def to_host(self, tensor) -> torch.Tensor:
         """A CPU torch tensor; blocks until the device has computed it. With several processes each gets

@@ -98,6 +98,7 @@ def test_torchax_decode_matches_torch_decode(width_split):
     """Stage 3's two backends decode the same latents to the same frames (fp32, same tolerance), also
     with the activations split along width over 8 devices as stage 3 does (latent width 16)."""
     import sharding
+    from runtime import placement
     from runtime.torchax_runtime import TorchaxRuntime
 
     source, family = models.resolve_model("tiny-cogvideox")
@@ -105,7 +106,7 @@ def test_torchax_decode_matches_torch_decode(width_split):
     on_torch = decode(
         family, source, latents, family.latents_normalization(source), torch.float32, TorchRuntime("cpu"), Timer()
     )
-    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=width_split)))
+    runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(sp=width_split)))
     placed = runtime.to_device(latents, LATENTS_WIDTH_SPLIT).jax()
     assert placed.addressable_shards[0].data.shape[-1] == 16 // width_split
     on_torchax = decode(family, source, latents, family.latents_normalization(source), torch.float32, runtime, Timer())

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-import sharding
 from planning import hlo
+from runtime import placement
 from sharding import MeshShape
 
 # One all-reduce op of two f32 tensors and one all-gather, as XLA:CPU prints them after the partitioner.
@@ -40,7 +40,7 @@ def test_count_collectives_reads_ops_tensors_and_bytes():
     ],
 )
 def test_transformer_block_has_the_megatron_minimum(model, tensors):
-    mesh = sharding.make_mesh(MeshShape(2, 1, 4))
+    mesh = placement.make_mesh(MeshShape(2, 1, 4))
     found = hlo.measure(model, "megatron", mesh, video_tokens=256, attention="xla")
     assert found["collectives_per_block"].keys() == {"all-reduce"}  # no weight gathers, no resharding
     assert found["collectives_per_block"]["all-reduce"]["tensors"] == tensors
@@ -54,7 +54,7 @@ def test_the_measured_hunyuanvideo15_block_runs_the_key_mask_processor():
 
 @pytest.mark.parametrize("model, per_layer", [("t5-xxl", 2), ("qwen2.5-vl-7b", 1)])
 def test_text_encoder_layer_collectives(model, per_layer):
-    found = hlo.measure_text_encoder(model, sharding.make_mesh(MeshShape(tp=8)))
+    found = hlo.measure_text_encoder(model, placement.make_mesh(MeshShape(tp=8)))
     assert found["collectives_per_layer"].keys() == {"all-reduce"}
     assert found["collectives_per_layer"]["all-reduce"]["tensors"] == per_layer
     assert found["collectives_outside_layers"] == {}
@@ -62,7 +62,7 @@ def test_text_encoder_layer_collectives(model, per_layer):
 
 def test_wan_block_moves_three_activations_and_four_norm_statistics():
     """The 7 Wan tensors: 3 of (batch, tokens, width) and 4 of (batch, tokens or text tokens, 1)."""
-    mesh = sharding.make_mesh(MeshShape(2, 1, 4))
+    mesh = placement.make_mesh(MeshShape(2, 1, 4))
     found = hlo.measure("wan2.1-14b", "megatron", mesh, video_tokens=256, attention="xla")
     width, text = 5120, 512
     activations = 3 * 256 * width * 4  # per device: one sample (dp=2), f32
@@ -77,7 +77,7 @@ def test_wan_block_under_ulysses_has_exactly_its_all_to_alls(sp_mode):
     tp=1). Ring: 21 permutes, keys, values and their validity passed on 7 times in self-attention (the
     512 text keys of cross-attention are whole on every device already). The gather scheme instead
     all-gathers the self-attention keys and values (2 all-gathers)."""
-    mesh = sharding.make_mesh(MeshShape(1, 8, 1))
+    mesh = placement.make_mesh(MeshShape(1, 8, 1))
     found = hlo.measure("wan2.1-14b", "megatron", mesh, video_tokens=256, attention="xla", sp_mode=sp_mode)
     counts = {op: value["count"] for op, value in found["collectives_per_block"].items()}
     if sp_mode == "auto":
@@ -91,7 +91,7 @@ def test_wan_block_under_ulysses_has_exactly_its_all_to_alls(sp_mode):
 def test_cogvideox_block_under_ulysses_gathers_no_keys():
     """CogVideoX at sp=8: Ulysses drops the K/V all-gathers (one small one is left); the joint
     text+video sequence is still re-split around attention (all-to-alls and permutes beyond Ulysses' 4)."""
-    mesh = sharding.make_mesh(MeshShape(1, 8, 1))
+    mesh = placement.make_mesh(MeshShape(1, 8, 1))
     found = hlo.measure("cogvideox1.5-5b", "megatron", mesh, video_tokens=4096, attention="xla")
     gathers = found["collectives_per_block"]["all-gather"]
     assert found["sp_mode"] == "ulysses" and gathers["count"] == 1

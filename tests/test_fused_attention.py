@@ -29,6 +29,7 @@ from helpers import (
     tiny_stage1,
 )
 from models import hunyuanvideo15
+from runtime import placement
 from runtime.torchax_runtime import TorchaxRuntime
 
 
@@ -113,7 +114,7 @@ def test_hunyuanvideo15_masks_are_prefixes_and_the_fused_call_matches_eager(mesh
 
     with torch.no_grad():
         expected = tiny_hunyuan_transformer()(**right_padded(), return_dict=False)[0]
-    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(*mesh)))
+    runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(*mesh)))
     transformer = hunyuanvideo15.make_jit_safe(tiny_hunyuan_transformer())
     compiled = runtime.compile(Sample(transformer), sharding.hunyuanvideo15_transformer_rules().nested("transformer."))
     with attention_backend(runtime.env, fixed_plan("cudnn"), runtime.mesh, fused_implementation=None):

@@ -13,6 +13,7 @@ import sharding
 from attention.dispatch import attention_backend
 from helpers import BYT5, IMAGE, TEXT, Sample, attention_plan, hunyuan_inputs, relative_error, tiny_hunyuan_transformer
 from models import hunyuanvideo15, hunyuanvideo15_vae, tiny
+from runtime import placement
 from runtime.torchax_runtime import TorchaxRuntime
 
 
@@ -83,7 +84,7 @@ def test_jitted_sharded_forward_matches_stock_eager(attention, mesh, sp_mode):
     with torch.no_grad():
         expected = tiny_hunyuan_transformer()(**hunyuan_inputs(), return_dict=False)[0]
     transformer = hunyuanvideo15.make_jit_safe(tiny_hunyuan_transformer())
-    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(*mesh)))
+    runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(*mesh)))
     plan = attention_plan(attention, runtime.mesh, heads=transformer.config.num_attention_heads, sp_mode=sp_mode)
     compiled = runtime.compile(Sample(transformer), sharding.hunyuanvideo15_transformer_rules().nested("transformer."))
     with attention_backend(runtime.env, plan, runtime.mesh):

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import models
-import sharding
 import stage2_transformer
 from helpers import run_stage
 from models import published
 from models.meta import model_facts
 from planning import tpus
+from runtime import placement
 from runtime.mesh import WEIGHT_SHARE, MeshShape, ModelFacts, default_batch, default_mesh, sp_mode_choice
 from runtime.torchax_runtime import TorchaxRuntime
 
@@ -145,12 +145,12 @@ def test_flags_that_cannot_work_name_a_mesh_that_does(flags, heads, message):
 def test_weight_bytes_agree_with_what_placement_puts_on_a_device(preset):
     pipe = models.PRESETS[preset].build()
     facts = facts_of(preset, torch.float32)
-    runtime = TorchaxRuntime(sharding.make_mesh(MeshShape(2, 1, 4)))
+    runtime = TorchaxRuntime(placement.make_mesh(MeshShape(2, 1, 4)))
     source, family = models.resolve_model(preset)
     placed = 0
     for transformer in (pipe.transformer, getattr(pipe, "transformer_2", None)):
         if transformer is not None:
-            stats = sharding.place_module(transformer, family.transformer_rules("megatron"), runtime.mesh, runtime.env)
+            stats = placement.place_module(transformer, family.transformer_rules("megatron"), runtime.mesh, runtime.env)
             placed += stats["bytes_per_device"]
     assert facts.weight_bytes(4) == placed
     assert facts.weight_bytes(1) > placed

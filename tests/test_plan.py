@@ -19,6 +19,7 @@ import stage3_vae_decoder
 from helpers import expect_user_error, run_stage, tiny_stage1
 from planning import report as plan_report
 from planning import tpus
+from runtime import placement
 from runtime.mesh import MeshShape, ModelFacts, default_mesh
 from runtime.torchax_runtime import TorchaxRuntime
 
@@ -138,8 +139,8 @@ def test_the_second_wan_expert_counts_against_hbm(tmp_path):
     assert report["experts"] == 2
     source, _ = models.resolve_model("tiny-wan2.2")
     expert_2 = source.load("transformer_2", dtype=torch.bfloat16)  # as stage 2 loads it (fp32-kept modules too)
-    runtime = TorchaxRuntime(sharding.make_mesh(MeshShape(2, 1, 4)))
-    placed = sharding.place_module(expert_2, sharding.wan_transformer_rules(), runtime.mesh, runtime.env)
+    runtime = TorchaxRuntime(placement.make_mesh(MeshShape(2, 1, 4)))
+    placed = placement.place_module(expert_2, sharding.wan_transformer_rules(), runtime.mesh, runtime.env)
     assert memory["other_experts_weights"] == placed["bytes_per_device"] > 0
     parts = sum(memory[key] for key in ("arguments", "temporaries", "outputs", "code")) - memory["aliased"]
     assert memory["total"] == parts + memory["other_experts_weights"]

@@ -56,10 +56,11 @@ def test_torchax_runs_fp32_matmuls_at_full_precision(dtype, precision):
     import jax.numpy as jnp
 
     import sharding
+    from runtime import placement
     from runtime.interface import TorchRuntime
     from runtime.torchax_runtime import TorchaxRuntime
 
-    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(1, 1, 1)))
+    runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(1, 1, 1)))
     x = jnp.ones((4, 4), jnp.float32)
     with runtime.precision(dtype):
         text = jax.jit(jnp.dot).lower(x, x).as_text()

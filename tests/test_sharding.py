@@ -20,6 +20,7 @@ from models import published, tiny
 from models.common import attention_heads
 from models.denoise import DenoiseOptions, denoise
 from models.meta import meta_transformers, model_facts
+from runtime import placement
 from runtime.interface import Timer
 from runtime.mesh import default_mesh
 from runtime.torchax_runtime import TorchaxRuntime
@@ -163,7 +164,7 @@ def test_cogvideox_table_does_not_fit_another_model():
 
 def test_place_module_shards_each_weight_by_its_rule():
     transformer = build_preset("tiny-cogvideox").transformer
-    runtime = TorchaxRuntime(sharding.make_mesh(MeshShape(2, 1, 4)))
+    runtime = TorchaxRuntime(placement.make_mesh(MeshShape(2, 1, 4)))
     reference = {name: param.detach().clone() for name, param in transformer.named_parameters()}
     runtime.compile(transformer, sharding.cogvideox_transformer_rules())
     params = dict(transformer.named_parameters())
@@ -190,7 +191,7 @@ def denoise_on(stage1_dir, mesh_shape: MeshShape, attention: str = "xla"):
     request = Request.from_config(config)
     source, family = models.resolve_model_for_request(request)
     embeds = read_tensors(stage1_dir, config["stage1"])
-    runtime = TorchaxRuntime(sharding.make_mesh(mesh_shape))
+    runtime = TorchaxRuntime(placement.make_mesh(mesh_shape))
     plan = attention_plan(attention, runtime.mesh, heads=attention_heads(source))
     with attention_backend(runtime.env, plan, runtime.mesh):
         latents, _, _ = denoise(family, source, request, embeds, torch.float32, runtime, Timer(), DenoiseOptions())

@@ -18,6 +18,7 @@ from attention.plan import SplashConfig, fixed_plan
 from attention.sequence_parallel import call_scheme, merge_partials
 from attention.xla import attention_with_lse, xla_attention, xla_sequence_parallel_attention
 from helpers import reference_attention, relative_error
+from runtime import placement
 from runtime.mesh import sp_mode_choice
 from splash_attention import splash_attention, tile_sizes
 
@@ -290,7 +291,7 @@ def test_sharded_equals_unsharded(mesh, sp_mode, case):
     dp, sp, tp = mesh
     local_heads = heads // tp if heads % tp == 0 else heads
     expected = None if sp == 1 else sp_mode if sp_mode != "auto" else "ulysses" if local_heads % sp == 0 else "ring"
-    mesh = sharding.make_mesh(sharding.MeshShape(*mesh))
+    mesh = placement.make_mesh(sharding.MeshShape(*mesh))
     q, k, v = random_qkv(2, heads, 300, 300, 64, seed=9)
     mask = key_mask(2, 300, [300, 111])
     config = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True, local_window=window)
@@ -315,7 +316,7 @@ def test_sequence_parallel_xla_attention_with_query_and_key_masks(mesh, kv_len, 
     """XLA attention under Ulysses and ring: a dense boolean (query x key) mask travels as the two
     validities; the padding to a multiple of sp is masked too (300 and 77 tokens do not divide by 8), and
     the second row's keys end inside the ring's first chunks, so later chunks see no valid key."""
-    mesh = sharding.make_mesh(sharding.MeshShape(*mesh))
+    mesh = placement.make_mesh(sharding.MeshShape(*mesh))
     q, k, v = random_qkv(2, 8, 300, kv_len, 32, seed=12)
     key_valid, query_valid = key_mask(2, kv_len, [kv_len, kv_len // 5]), key_mask(2, 300, [280, 300])
     dense = query_valid[:, None, :, None] & key_valid[:, None, None, :]
@@ -371,7 +372,7 @@ def test_auto_with_a_local_window_falls_back_to_gather_not_ring():
     assert sp_mode_choice("auto", {"dp": 1, "sp": 2, "tp": 4}, 12, local_window=True)[0] == "gather"
     with pytest.raises(ValueError, match="ring cannot run a local window"):
         sp_mode_choice("ring", {"dp": 1, "sp": 2, "tp": 4}, 48, local_window=True)
-    mesh = sharding.make_mesh(sharding.MeshShape(1, 2, 4))
+    mesh = placement.make_mesh(sharding.MeshShape(1, 2, 4))
     assert call_scheme("ring", mesh, 48, self_attention=False) == "gather"  # short text keys stay whole
 
 

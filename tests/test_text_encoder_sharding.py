@@ -17,8 +17,9 @@ import stage1_text_encoder
 from helpers import relative_error, run_stage, write_image
 from models.common import DeviceTextEncoder
 from models.published import QWEN25_VL_7B_TEXT, T5_XXL_ENCODER
+from runtime import placement
 from runtime.torchax_runtime import TorchaxRuntime
-from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, P
+from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape
 from utils import read_config
 
 TOLERANCE = 1e-5
@@ -65,7 +66,7 @@ def expected_t5_spec(name: str, split_attention: bool):
     if name.endswith((".o.weight", ".wo.weight")):
         return ROW
     if name.endswith("relative_attention_bias.weight"):
-        return P(None, "tp")
+        return (None, "tp")
     return REPLICATED
 
 
@@ -134,7 +135,7 @@ def test_unknown_text_encoder_is_a_value_error_in_the_library_and_a_user_error_i
 def encode_sharded(encoder, tp: int, input_ids, attention_mask, hidden_states: bool):
     """The encoder's output through a DeviceTextEncoder on a (1, 1, tp) mesh (this places `encoder`'s
     weights on the mesh in place), and the placement record."""
-    runtime = TorchaxRuntime(sharding.make_mesh(MeshShape(tp=tp)))
+    runtime = TorchaxRuntime(placement.make_mesh(MeshShape(tp=tp)))
     device_encoder = DeviceTextEncoder(encoder, runtime, hidden_states)
     output = device_encoder(input_ids, attention_mask, output_hidden_states=hidden_states)
     return output, runtime.placements[-1]

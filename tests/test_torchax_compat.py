@@ -7,8 +7,9 @@ import torch
 
 from helpers import collectives_in, relative_error
 from models.hunyuanvideo15 import reorder_text_tokens
+from runtime.placement import make_mesh
 from runtime.torchax_runtime import TorchaxRuntime
-from sharding import MeshShape, make_mesh
+from sharding import MeshShape
 from workarounds.torchax import MISSING_OVERLOADS, import_torchax, tolerate_missing_overloads
 
 

@@ -14,8 +14,9 @@ import torch
 
 from helpers import Sample, collectives_in, hunyuan_inputs, relative_error, tiny_hunyuan_transformer
 from models import cogvideox, tiny
+from runtime.placement import make_mesh
 from runtime.torchax_runtime import TorchaxRuntime
-from sharding import MeshShape, make_mesh
+from sharding import MeshShape
 
 pytestmark = pytest.mark.upstream_bug
 

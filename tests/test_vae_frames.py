@@ -16,6 +16,7 @@ from helpers import expect_user_error, relative_error, run_stage
 from models import wan_vae
 from models.common import LATENTS_WIDTH_SPLIT, decode
 from models.meta import meta_module
+from runtime import placement
 from runtime.interface import Timer, TorchRuntime
 from runtime.torchax_runtime import TorchaxRuntime
 from utils import read_config, read_tensors
@@ -43,7 +44,7 @@ def test_frame_programs_equal_the_stock_decode(preset, frames, chunk, devices):
     latents = torch.randn(1, channels, frames, 4, 16, generator=torch.Generator().manual_seed(3))
     normalization = family.latents_normalization(source)
     expected = decode(family, source, latents, normalization, torch.float32, TorchRuntime("cpu"), Timer())
-    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=devices)))
+    runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(sp=devices)))
     got = decode(family, source, latents, normalization, torch.float32, runtime, Timer(), chunk)
     assert got.shape == expected.shape
     assert relative_error(got, expected) <= TOLERANCE
@@ -182,7 +183,7 @@ def test_hunyuanvideo15_steady_call_gathers_only_the_chunk_keys_and_values():
     from sharding import REPLICATED_TABLE
 
     source, family = models.resolve_model("tiny-hunyuanvideo15")
-    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=8)))
+    runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(sp=8)))
     decoder = family.Decoder(meta_module(source, "vae", torch.float32), family.latents_normalization(source))
     gathered = {}
     for frames in (5, 9):
@@ -212,7 +213,7 @@ def test_height_split_where_the_width_does_not_divide():
     assert latents_split(latents.shape, 8) == ("height", LATENTS_HEIGHT_SPLIT)
     normalization = family.latents_normalization(source)
     expected = decode(family, source, latents, normalization, torch.float32, TorchRuntime("cpu"), Timer())
-    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=8)))
+    runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(sp=8)))
     got = decode(family, source, latents, normalization, torch.float32, runtime, Timer(), chunk_frames=2)
     assert relative_error(got, expected) <= TOLERANCE
 
@@ -231,26 +232,26 @@ def test_uneven_width_split_is_exact(preset, chunk):
     assert latents_split(latents.shape, 8)[0] == UNEVEN_WIDTH
     normalization = family.latents_normalization(source)
     expected = decode(family, source, latents, normalization, torch.float32, TorchRuntime("cpu"), Timer())
-    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=8)))
+    runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(sp=8)))
     got = decode(family, source, latents, normalization, torch.float32, runtime, Timer(), chunk)
     assert relative_error(got, expected) <= TOLERANCE
 
 
 def test_an_uneven_constraint_splits_the_dimension_it_does_not_divide():
-    """sharding.constraint_spec(uneven=True) keeps the axis on a dimension it does not divide (13 over 8), where
+    """placement.constraint_spec(uneven=True) keeps the axis on a dimension it does not divide (13 over 8), where
     the default drops it, and XLA partitions by it: each device computes 2 of the 13 columns (the last
     shards padded). A dimension smaller than the axis stays whole either way."""
     import jax
     import numpy as np
 
-    mesh = sharding.make_mesh(sharding.MeshShape(sp=8))
-    spec = sharding.P(None, "sp")
-    assert sharding.constraint_spec(spec, (4, 13), mesh, uneven=True) == spec
-    assert sharding.constraint_spec(spec, (4, 13), mesh, uneven=False) == sharding.P(None, None)
-    assert sharding.constraint_spec(spec, (4, 5), mesh, uneven=True) == sharding.P(None, None)
+    mesh = placement.make_mesh(sharding.MeshShape(sp=8))
+    spec = placement.P(None, "sp")
+    assert placement.constraint_spec(spec, (4, 13), mesh, uneven=True) == spec
+    assert placement.constraint_spec(spec, (4, 13), mesh, uneven=False) == placement.P(None, None)
+    assert placement.constraint_spec(spec, (4, 5), mesh, uneven=True) == placement.P(None, None)
 
     def doubled(x):
-        pinned = sharding.NamedSharding(mesh, sharding.constraint_spec(spec, x.shape, mesh, uneven=True))
+        pinned = placement.NamedSharding(mesh, placement.constraint_spec(spec, x.shape, mesh, uneven=True))
         return jax.lax.with_sharding_constraint(x * 2, pinned) + 1
 
     hlo = jax.jit(doubled).lower(np.zeros((4, 13), np.float32)).compile().as_text()
@@ -269,7 +270,7 @@ def test_height_by_width_split_is_exact(preset):
     latents = torch.randn(1, channels, 3, 4, 16, generator=torch.Generator().manual_seed(6))
     normalization = family.latents_normalization(source)
     expected = decode(family, source, latents, normalization, torch.float32, TorchRuntime("cpu"), Timer())
-    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(dp=2, sp=4)))
+    runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(dp=2, sp=4)))
     decoder = family.Decoder(source.load("vae", dtype=torch.float32).eval(), normalization)
     chunk = family.CHUNK_FRAMES[0]
     with torch.no_grad():

@@ -30,6 +30,7 @@ from helpers import (
 )
 from models import tiny, wan
 from models.common import decode
+from runtime import placement
 from runtime.interface import Timer, TorchRuntime
 from runtime.torchax_runtime import TorchaxRuntime
 from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, VIDEO_FILE, read_config, read_tensors
@@ -70,7 +71,7 @@ def test_stock_transformer_jitted_and_sharded_equals_eager(mesh, batch, attentio
     at batch 1 unsharded too (where CogVideoX's in-place slice write did not): no patch is needed."""
     with torch.no_grad():
         expected = tiny.wan_transformer()(**transformer_inputs(batch), return_dict=False)[0]
-    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(*mesh)))
+    runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(*mesh)))
     compiled = runtime.compile(Sample(tiny.wan_transformer()), wan.transformer_rules("megatron").nested("transformer."))
     heads = tiny.wan_transformer().config.num_attention_heads
     plan = attention_plan(attention, runtime.mesh, heads=heads, sp_mode=sp_mode)
@@ -244,7 +245,7 @@ def test_wan_vae_decode_under_torchax_equals_torch():
     latents = torch.randn(1, 16, 2, 4, 6, generator=torch.Generator().manual_seed(3))
     normalization = wan.latents_normalization(source)
     expected = decode(family, source, latents, normalization, torch.float32, TorchRuntime("cpu"), Timer())
-    runtime = TorchaxRuntime(sharding.make_mesh(sharding.MeshShape(sp=8)))
+    runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(sp=8)))
     got = decode(family, source, latents, normalization, torch.float32, runtime, Timer())
     assert relative_error(got, expected) <= 1e-5
 

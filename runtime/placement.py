@@ -1,0 +1,152 @@
+"""Making the dp/sp/tp JAX mesh and placing weights and activations on it: where sharding.py's layouts
+(tuples of axis names) become `PartitionSpec`s and `NamedSharding`s.
+
+An axis that does not divide a dimension is dropped from it (`fit_spec`), so one layout serves every
+mesh: that dimension is then replicated.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding import AXES, REPLICATED, Layout, MeshShape, RuleTable
+
+P = PartitionSpec
+
+
+def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The dp/sp/tp mesh over `devices` (default: all), host by host, so the innermost axis (tp) stays
+    within one host wherever it divides a host's devices (runtime.mesh.default_mesh)."""
+    devices = sorted(
+        jax.devices() if devices is None else devices, key=lambda device: (device.process_index, device.id)
+    )
+    return Mesh(np.array(devices[: shape.size]).reshape(shape.dp, shape.sp, shape.tp), AXES)
+
+
+def fit_spec(layout: Layout | PartitionSpec, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+    """`layout` as a PartitionSpec, with each mesh axis dropped from a dimension it does not divide; that
+    dimension is then replicated."""
+    fitted = []
+    for dim, axes in zip(shape, tuple(layout) + (None,) * (len(shape) - len(layout)), strict=False):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = math.prod(mesh.shape[name] for name in names)
+        fitted.append(axes if names and dim % size == 0 else None)
+    return P(*fitted)
+
+
+# torch dtypes as JAX holds them: JAX runs without x64, as torchax does, so 64-bit types narrow.
+JAX_DTYPES = {
+    torch.float32: jax.numpy.float32,
+    torch.float64: jax.numpy.float32,
+    torch.bfloat16: jax.numpy.bfloat16,
+    torch.float16: jax.numpy.float16,
+    torch.int64: jax.numpy.int32,
+    torch.int32: jax.numpy.int32,
+    torch.bool: jax.numpy.bool_,
+}
+
+
+def abstract(shape: Sequence[int], dtype, layout: Layout = REPLICATED, *, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    """What an array placed on `mesh` as `layout` looks like to the compiler: shape, dtype (torch or JAX)
+    and sharding, no data. The planner and the collective counts compile over these."""
+    shape = tuple(shape)
+    return jax.ShapeDtypeStruct(
+        shape, JAX_DTYPES.get(dtype, dtype), sharding=NamedSharding(mesh, fit_spec(layout, shape, mesh))
+    )
+
+
+def _host_array(tensor: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor without copying (bf16 through its bits)."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.uint16).numpy().view(jax.numpy.bfloat16)
+    return tensor.numpy()
+
+
+def _place_array(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """Each device receives only its own slice, so no full extra copy is made on the way."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> dict[str, object]:
+    """Replace the module's CPU weights, one at a time, by torchax tensors sharded by `table` (weights
+    already placed that way are kept as they are).
+
+    Each CPU tensor is released as soon as its device copy exists, so host memory stays near one copy
+    of the weights. Tied weights (one tensor under several names, e.g. T5's `shared` and
+    `encoder.embed_tokens`) stay one device array. Buffers are replicated. Returns the rule table's
+    name, counts and per-device bytes (the caller logs and records them).
+    """
+    from torchax.tensor import Tensor
+
+    names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
+    specs = table.assign(names)
+    stats = {"rule_table": table.name, "sharded": 0, "replicated": 0, "buffers": 0, "bytes_per_device": 0}
+    placed: dict[int, tuple] = {}  # id of a CPU tensor -> (a weak reference to it, its device copy)
+    for kind, store in (("param", "_parameters"), ("buffer", "_buffers")):
+        for owner_name, owner in module.named_modules():
+            for leaf, value in list(getattr(owner, store).items()):
+                if value is None or not isinstance(value, torch.Tensor):
+                    continue
+                known, device_copy = placed.get(id(value), (None, None))
+                if known is not None and known() is value:  # the weak reference: ids of freed tensors recur
+                    getattr(owner, store)[leaf] = device_copy
+                    continue
+                full_name = f"{owner_name}.{leaf}" if owner_name else leaf
+                spec = specs.get(full_name, REPLICATED) if kind == "param" else REPLICATED
+                spec = fit_spec(spec, value.shape, mesh)
+                target = NamedSharding(mesh, spec)
+                if isinstance(value, Tensor) and value.jax().sharding.is_equivalent_to(target, value.ndim):
+                    array = value.jax()  # placed before, as wanted (stage 3 reusing one VAE): kept, no host trip
+                else:
+                    array = _place_array(_host_array(value), target)
+                getattr(owner, store)[leaf] = device_copy = Tensor(array, env)
+                placed[id(value)] = (weakref.ref(value), device_copy)
+                del value
+                shard_bytes = array.addressable_shards[0].data.nbytes
+                stats["bytes_per_device"] += shard_bytes
+                if kind == "buffer":
+                    stats["buffers"] += 1
+                elif any(axis is not None for axis in spec):
+                    stats["sharded"] += 1
+                else:
+                    stats["replicated"] += 1
+    return stats
+
+
+def place(tree, mesh: Mesh, layout: Layout, env):
+    """torchax tensors for the CPU tensors in `tree`, each laid out as `layout` (axes it cannot divide dropped)."""
+    from torchax.tensor import Tensor
+
+    def one(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        sharding = NamedSharding(mesh, fit_spec(layout, value.shape, mesh))
+        return Tensor(_place_array(_host_array(value.contiguous()), sharding), env)
+
+    return torch.utils._pytree.tree_map(one, tree)
+
+
+def constraint_spec(layout: Layout | PartitionSpec, shape: Sequence[int], mesh: Mesh, uneven: bool) -> PartitionSpec:
+    """`layout` for a constraint inside a compiled program: `fit_spec`, or with `uneven` each axis kept where the
+    dimension is at least the axis size, divided or not: XLA's partitioner then pads the last shards (jit's
+    arguments and results must divide; a constraint inside may not)."""
+    if not uneven:
+        return fit_spec(layout, shape, mesh)
+    dims = zip(shape, tuple(layout), strict=False)  # a spec may name fewer dimensions than the tensor has
+    return P(*(axes if axes is None or dim >= mesh.shape[axes] else None for dim, axes in dims))
+
+
+def constrain(tensor: torch.Tensor, mesh: Mesh, layout: Layout, uneven: bool = False) -> torch.Tensor:
+    """A sharding constraint on a traced torchax tensor (`constraint_spec`)."""
+    from torchax.interop import call_jax
+
+    sharding = NamedSharding(mesh, constraint_spec(layout, tensor.shape, mesh, uneven))
+    return call_jax(jax.lax.with_sharding_constraint, tensor, sharding)

@@ -1,7 +1,9 @@
-"""The dp/sp/tp mesh's axis names and shapes, and the per-model weight rule tables. No JAX: a layout
-here is a tuple of axis names (or None) per dimension; the runtime (runtime/placement.py) turns layouts into
-JAX shardings at its edge, so the planner's arithmetic, the attention plan and stages 1 and 3 with
-`--backend torch` read these tables without JAX.
+"""The dp/sp/tp mesh's axis names and shapes, and the weight rule tables: how a table is written and
+checked, the Megatron block layout every transformer table uses, and the text encoders' tables (T5/UMT5,
+Qwen2.5-VL; each family's transformer table is in its package, `models/<family>/transformer.py`). No JAX:
+a layout is a tuple of axis names (or None) per dimension; the runtime (runtime/placement.py) turns
+layouts into JAX shardings at its edge, so the planner's arithmetic, the attention plan and stages 1 and 3
+with `--backend torch` read these without JAX.
 
 Mesh axes, outermost first: `dp` (the two classifier-free-guidance branches, or more batch), `sp`
 (the query sequence inside attention, and the token axis between blocks), `tp` (attention heads and
@@ -117,88 +119,6 @@ def megatron_rules(prefix: str, attn_in: str, attn_out: str, mlp: str, tp_mode: 
         (prefix + mlp + r"\.net\.2\.weight", row),
         (prefix + mlp + r"\.net\.2\.bias", row_bias),
     )
-
-
-def cogvideox_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
-    """CogVideoXTransformer3DModel (1.0 and 1.5). AdaLN modulation linears are split on their input
-    (MODULATION). Norms, embeddings and the output projection are small next to the blocks and stay
-    replicated, so nothing outside the blocks needs a collective."""
-    block = r"transformer_blocks\.\d+\."
-    rules = megatron_rules(block, r"attn1\.to_[qkv]", r"attn1\.to_out\.0", "ff", tp_mode) + (
-        (block + r"attn1\.norm_[qk]\.(weight|bias)", REPLICATED),  # per-head-dim LayerNorm
-        (block + r"norm[12]\.linear\.weight", MODULATION),
-        (block + r"norm[12]\.(linear|norm)\.(weight|bias)", REPLICATED),  # AdaLN bias, LayerNorm
-        (r"patch_embed\..*", REPLICATED),
-        (r"time_embedding\..*", REPLICATED),
-        (r"(norm_final|norm_out\.(linear|norm))\.(weight|bias)", REPLICATED),
-        (r"proj_out\.(weight|bias)", REPLICATED),
-        (r"ofs_embedding\..*", REPLICATED),  # CogVideoX 1.5 I2V's ofs embedding: optional, the last rule
-    )
-    return RuleTable(f"cogvideox-transformer/{tp_mode}", rules, frozenset({len(rules) - 1}))
-
-
-def hunyuanvideo15_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
-    """HunyuanVideo15Transformer3DModel: double-stream blocks (image stream `to_*`/`ff`, text stream
-    `add_*`/`to_add_out`/`ff_context`) and the token refiner's blocks get the Megatron layout.
-    The blocks' AdaLN modulation linears are split on their input (MODULATION). Replicated: their
-    biases, q/k RMS norms over the head dim, the refiner's small modulations, the ByT5 mapper,
-    embedders and the final layers."""
-    block = r"transformer_blocks\.\d+\."
-    refiner = r"context_embedder\.token_refiner\.refiner_blocks\.\d+\."
-    return RuleTable(
-        f"hunyuanvideo15-transformer/{tp_mode}",
-        megatron_rules(
-            block, r"attn\.(to_[qkv]|add_[qkv]_proj)", r"attn\.(to_out\.0|to_add_out)", "(ff|ff_context)", tp_mode
-        )
-        + megatron_rules(refiner, r"attn\.to_[qkv]", r"attn\.to_out\.0", "ff", tp_mode)
-        + (
-            (block + r"attn\.norm_(added_)?[qk]\.weight", REPLICATED),
-            (block + r"norm1(_context)?\.linear\.weight", MODULATION),
-            (block + r"norm1(_context)?\.linear\.bias", REPLICATED),
-            (refiner + r"(norm1|norm2|norm_out\.linear)\.(weight|bias)", REPLICATED),
-            (r"context_embedder\.(time_text_embed|proj_in)\..*", REPLICATED),
-            (r"context_embedder_2\..*", REPLICATED),  # ByT5 mapper
-            (r"(x_embedder|image_embedder|time_embed)\..*", REPLICATED),
-            (r"cond_type_embed\.weight", REPLICATED),
-            (r"(norm_out\.linear|proj_out)\.(weight|bias)", REPLICATED),
-        ),
-    )
-
-
-def wan_transformer_rules(tp_mode: str = "megatron") -> RuleTable:
-    """WanTransformer3DModel (Wan 2.1 and 2.2, text- and image-to-video): self- and cross-attention and the
-    MLP get the Megatron layout; q/k RMS norms span all heads, so their weights are split like q/k's columns.
-
-    Modulation: one `condition_embedder.time_proj` (width -> 6 x width, 14B: 157 M parameters) feeds
-    every block, which only adds its own `scale_shift_table` (6 x width). time_proj is split on its
-    input (MODULATION): one all-reduce of (batch, 6 x width) per step, not per block, and the tables
-    stay replicated (6 x width each, fp32) so no block needs a collective for its modulation.
-    Image-to-video (Wan 2.1 I2V, optional rules): the cross-attention's image keys and values are split
-    like its text ones, their RMS norm like norm_k; the image embedder (CLIP width -> width, once per
-    run's tokens) stays replicated. Replicated: the patch, time and text embedders and the output layers."""
-    block = r"blocks\.\d+\."
-    image = (
-        (block + r"attn2\.add_[kv]_proj\.weight", COLUMN),
-        (block + r"attn2\.add_[kv]_proj\.bias", COLUMN_BIAS),
-        (block + r"attn2\.norm_added_k\.weight", COLUMN_BIAS),
-        (r"condition_embedder\.image_embedder\..*", REPLICATED),
-    )
-    rules = (
-        megatron_rules(block, r"attn[12]\.to_[qkv]", r"attn[12]\.to_out\.0", "ffn", tp_mode)
-        + (
-            (block + r"attn[12]\.norm_[qk]\.weight", COLUMN_BIAS),
-            (block + r"scale_shift_table", REPLICATED),
-            (block + r"norm2\.(weight|bias)", REPLICATED),  # cross-attention LayerNorm
-            (r"condition_embedder\.time_proj\.weight", MODULATION),
-            (r"condition_embedder\.time_proj\.bias", REPLICATED),
-            (r"condition_embedder\.(time_embedder|text_embedder)\..*", REPLICATED),
-            (r"patch_embedding\.(weight|bias)", REPLICATED),
-            (r"(scale_shift_table|proj_out\.(weight|bias))", REPLICATED),
-        )
-        + image
-    )
-    optional = frozenset(range(len(rules) - len(image), len(rules)))
-    return RuleTable(f"wan-transformer/{tp_mode}", rules, optional)
 
 
 def _text_encoder_specs(split_attention: bool) -> tuple[Layout, Layout, Layout]:

@@ -2,7 +2,7 @@
 
 Builds CogVideoX1.5-5B's and HunyuanVideo-1.5's transformers from their published configs on the meta
 device (no weights, no download), with the attention processors stage 2 installs, compiles one block
-with abstract (shape-only) weights and inputs placed by sharding.py's rule tables, and counts the
+with abstract (shape-only) weights and inputs placed by the families' rule tables, and counts the
 collectives XLA inserted (planning/hlo.py). Prints one JSON line per (model, tp_mode).
 
 Stage 1's text encoders (T5-XXL v1.1 at 226 tokens, the Qwen2.5-VL-7B text model at 1108) are measured

@@ -37,7 +37,7 @@ def build(folder: Path, layers: int, rank: int) -> Path:
     from diffusers.loaders import WanLoraLoaderMixin
     from peft import LoraConfig, get_peft_model_state_dict
 
-    from models.published import WAN_14B_TRANSFORMER
+    from models.wan.published import WAN_14B_TRANSFORMER
 
     torch.manual_seed(0)
     with torch.device("meta"):

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from models.published import COGVIDEOX15_5B_TRANSFORMER  # noqa: E402
+from models.cogvideox.published import COGVIDEOX15_5B_TRANSFORMER  # noqa: E402
 
 TEXT_TOKENS = COGVIDEOX15_5B_TRANSFORMER["max_text_seq_length"]
 LATENT_SHAPE = (1, 4, 16, 20, 32)  # B, F, C, H, W (CogVideoX's transformer layout)
@@ -83,7 +83,7 @@ def interleaved_medians(calls: dict, steps: int, warmup: int = 2) -> dict[str, f
 
 
 def step_times(steps: int) -> dict[str, float]:
-    from models.cogvideox import GuidedTransformer, make_jit_safe
+    from models.cogvideox.transformer import GuidedTransformer, make_jit_safe
     from runtime.torchax_runtime import TorchaxRuntime
 
     transformer = make_jit_safe(build_transformer(**STEP_MODEL))
@@ -111,7 +111,7 @@ def step_times(steps: int) -> dict[str, float]:
 
 def first_call_seconds() -> float:
     """Child process: configure the cache, compile the step model once, report the first call's time."""
-    from models.cogvideox import GuidedTransformer, make_jit_safe
+    from models.cogvideox.transformer import GuidedTransformer, make_jit_safe
     from runtime.torchax_runtime import CompileCache, TorchaxRuntime
 
     cache = CompileCache(enabled=True)
@@ -141,14 +141,14 @@ def peak_load_ratio(folder: str) -> dict[str, float]:
     import jax
     from diffusers import CogVideoXTransformer3DModel
 
-    import sharding
+    from models import cogvideox
     from runtime.torchax_runtime import TorchaxRuntime
 
     runtime = TorchaxRuntime()
     before = peak_rss_bytes()
     transformer = CogVideoXTransformer3DModel.from_pretrained(folder, dtype=torch.float32)
     weight_bytes = sum(p.numel() * p.element_size() for p in transformer.parameters())
-    runtime.compile(transformer, sharding.cogvideox_transformer_rules())
+    runtime.compile(transformer, cogvideox.transformer_rules())
     placed = peak_rss_bytes()
     # from_pretrained maps the file and the CPU backend may alias host buffers, so nothing need be
     # resident yet: read every placed weight once to make all of it resident.

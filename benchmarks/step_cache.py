@@ -37,9 +37,9 @@ def build_pipeline(folder: Path) -> None:
     """The tiny CogVideoX-1.5 preset with a mid-size transformer, saved as a model folder."""
     from diffusers import CogVideoXTransformer3DModel
 
-    from models import tiny
+    from models import cogvideox
 
-    pipe = tiny.cogvideox("1.5")
+    pipe = cogvideox.presets.tiny_pipeline("1.5")
     config = dict(pipe.transformer.config)
     torch.manual_seed(0)
     keys = ("in_channels", "out_channels", "time_embed_dim", "text_embed_dim")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Stage 3's decode on this CPU, side by side in one run: diffusers' `vae.decode` eager in PyTorch against
-the frame programs `--backend torchax` runs (models/wan_vae.py, cogvideox_vae.py, hunyuanvideo15_vae.py),
+the frame programs `--backend torchax` runs (models/wan/vae.py, cogvideox/vae.py, hunyuanvideo15/vae.py),
 on a published VAE's widths with random weights at a reduced video size. Each in a fresh process: seconds
 (the torchax placement and compile, then a second decode timed alone), peak resident memory, and the
 relative error against eager. Prints a table and one JSON line.
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-# The published model whose VAE each --family measures (configs from models/published.py, no network).
+# The published model whose VAE each --family measures (configs from its family's published.py, no network).
 PUBLISHED = {
     "wan": "Wan-AI/Wan2.1-T2V-14B-Diffusers",
     "cogvideox": "zai-org/CogVideoX1.5-5B",

@@ -1,10 +1,9 @@
 """Model families: resolving `--model`, detecting the family from model_index.json, built-in tiny presets.
 
-A family module (e.g. ``models/cogvideox.py``) provides the names of ``models.family.Family``: request
-defaults and validation, prompt encoding, the stage-2 denoiser and the stage-3 decoder. Its other parts
-still live beside it (``<family>_i2v``, ``<family>_vae``), in ``tiny`` and ``published`` (components and
-configs of every family) and in ``sharding`` (its rule table); adding a family touches each of those and
-one line of ``FAMILIES``, until each family becomes one package.
+A family (e.g. the package ``models/cogvideox/``) provides the names of ``models.family.Family``: request
+defaults and validation, prompt encoding, the stage-2 denoiser, the stage-3 decoder, its rule table, tiny
+presets and published configs. A family package holds all of its parts; adding one is a new package and
+one line of ``FAMILIES`` (docs/architecture.md shows how).
 """
 
 from __future__ import annotations
@@ -24,12 +23,16 @@ from typing import Any
 from runtime.interface import cache_root
 from utils import UserError
 
-from . import cogvideox, hunyuanvideo15, published, wan
+from . import cogvideox, hunyuanvideo15, wan
 from .family import Family, Preset
 
 FAMILIES: dict[str, Family] = {family.NAME: family for family in (cogvideox, hunyuanvideo15, wan)}
 
 PRESETS: dict[str, Preset] = {name: preset for family in FAMILIES.values() for name, preset in family.PRESETS.items()}
+# Published hub ids by their components' configs (each family's `PUBLISHED`), to plan offline.
+PUBLISHED: dict[str, dict[str, Any]] = {
+    hub_id: pipeline for family in FAMILIES.values() for hub_id, pipeline in family.PUBLISHED.items()
+}
 
 
 @dataclass(frozen=True)
@@ -86,11 +89,11 @@ def resolve_model(model: str, configs_only: bool = False) -> tuple[ModelSource, 
     """Turn `--model` (preset name, local diffusers folder or hub id) into a source and its family module.
 
     With `configs_only` (planning: the architecture is all that is needed) a published hub id resolves
-    to its configs kept in code (models/published.py), without the network."""
+    to its configs kept in code (its family's `PUBLISHED`), without the network."""
     if model in PRESETS:
         location = str(materialize_preset(model))
         defaults = PRESETS[model].defaults
-    elif configs_only and model in published.PIPELINES and not os.path.isdir(model):
+    elif configs_only and model in PUBLISHED and not os.path.isdir(model):
         location, defaults = str(materialize_published(model)), {}
     elif os.path.isdir(model):
         location, defaults = model, {}
@@ -115,16 +118,27 @@ def resolve_model_for_request(
     return source, family
 
 
+# Request flags only some families act on (their `REQUEST_FLAGS`); any other family refuses them, saying
+# this, rather than leave them silently unused.
+FAMILY_FLAGS = {
+    "guidance_scale_2": "applies to two-expert Wan 2.2 models, not {family}",
+    "scheduler": "applies to Wan models; {family} runs its folder's scheduler",
+}
+
+
 def validate_request(family: Family, source: ModelSource, request) -> None:
     """Before any weights load: what every family's request must respect in the model's configs (steps
-    within the scheduler's training timesteps), the family's own checks (geometry, extras), then a video
-    small enough for the host's memory."""
+    within the scheduler's training timesteps, no flag the family does not act on), the family's own checks
+    (geometry, extras), then a video small enough for the host's memory."""
     train_steps = source.load_config("scheduler").get("num_train_timesteps", 1000)
     if request.num_inference_steps > train_steps:
         raise UserError(
             f"--num_inference_steps {request.num_inference_steps} is more than the scheduler's {train_steps} "
             "training timesteps"
         )
+    for flag, words in FAMILY_FLAGS.items():
+        if flag not in family.REQUEST_FLAGS and getattr(request, flag) is not None:
+            raise UserError(f"--{flag} {words.format(family=request.model_family)}")
     family.validate_request(source, request)
     frames = request.num_frames * request.height * request.width * 3 * 4  # what stage 3 holds as float32
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -183,9 +197,9 @@ PUBLISHED_FOLDER_LAYOUT = 2  # bump when materialize_published writes its folder
 
 
 def materialize_published(hub_id: str) -> Path:
-    """A diffusers folder with only the configs of a published pipeline (models/published.py): enough for
+    """A diffusers folder with only the configs of a published pipeline (`PUBLISHED`): enough for
     `load_config`, schedulers and meta-device modules, never for weights."""
-    pipeline = published.PIPELINES[hub_id]
+    pipeline = PUBLISHED[hub_id]
     # The digest covers how the folder is written too: a folder an older version wrote (without the
     # class defaults, say) is never reused.
     described = json.dumps({"layout": PUBLISHED_FOLDER_LAYOUT, **pipeline}, sort_keys=True)

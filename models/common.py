@@ -143,14 +143,6 @@ def recorded_scaling_factor(normalization: dict[str, Any]) -> float:
     return normalization["scaling_factor"]
 
 
-def refuse_wan_extras(request) -> None:
-    """For families other than Wan: a second guidance scale or a sampler choice would be silently unused."""
-    if request.guidance_scale_2 is not None:
-        raise UserError(f"--guidance_scale_2 applies to two-expert Wan 2.2 models, not {request.model_family}")
-    if request.scheduler is not None:
-        raise UserError(f"--scheduler applies to Wan models; {request.model_family} runs its folder's scheduler")
-
-
 # Flow-matching samplers by --scheduler name: the class, its name for the flow shift, and what makes it a
 # flow sampler when built from another scheduler's config.
 FLOW_SCHEDULERS = {

@@ -41,7 +41,9 @@ class Family(Protocol):
     NAME: str  # recorded as `model_family`
     PIPELINE_CLASSES: tuple[str, ...]  # model_index.json `_class_name`s this family runs
     PRESETS: dict[str, Preset]  # tiny presets by `--model` name
+    PUBLISHED: dict[str, dict[str, Any]]  # published hub ids: components' (library, class, config) for --plan
     SPLASH_BLOCK_SIZES: dict[str, int]  # default Splash tiles (block_q, block_kv, block_kv_compute)
+    REQUEST_FLAGS: tuple[str, ...]  # the family-specific request flags it acts on (models.FAMILY_FLAGS)
     LORA_LOADER: str | None  # the diffusers.loaders class whose lora_state_dict reads adapters (models/lora.py)
     # Stage 3 on torchax: the latent frames per call its frame programs decode exactly (the first is the
     # default; empty: one program). frame_programs(source, decoder, latents_shape, runtime, layout,

@@ -215,10 +215,9 @@ def likely_model(file: Path) -> str | None:
     that model's family loader converted them (over half, else None): named when the keys do not fit."""
     import models
     from models.meta import meta_transformers
-    from models.published import PIPELINES
 
     best, best_share, names_by_family = None, 0.5, {}
-    for hub_id in PIPELINES:
+    for hub_id in models.PUBLISHED:
         source, family = models.resolve_model(hub_id, configs_only=True)
         if family.NAME not in names_by_family:
             try:

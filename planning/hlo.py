@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 import sharding
 from attention.dispatch import attention_backend
 from attention.plan import SplashConfig, fixed_plan
-from models import cogvideox, hunyuanvideo15, published, wan
+from models import cogvideox, hunyuanvideo15, wan
 from runtime import placement
 from sharding import DP, SP, TP
 from workarounds.torchax import import_torchax
@@ -53,8 +53,8 @@ def cogvideox15_5b_block():
     from diffusers import CogVideoXTransformer3DModel
 
     with torch.device("meta"):
-        model = CogVideoXTransformer3DModel(**{**published.COGVIDEOX15_5B_TRANSFORMER, "num_layers": 1})
-    return cogvideox.make_jit_safe(model)
+        model = CogVideoXTransformer3DModel(**{**cogvideox.published.COGVIDEOX15_5B_TRANSFORMER, "num_layers": 1})
+    return cogvideox.transformer.make_jit_safe(model)
 
 
 def hunyuanvideo15_block():
@@ -64,7 +64,7 @@ def hunyuanvideo15_block():
 
     with torch.device("meta"):
         model = HunyuanVideo15Transformer3DModel(num_layers=1, num_refiner_layers=1, task_type="t2v")
-    return hunyuanvideo15.make_jit_safe(model)
+    return hunyuanvideo15.transformer.make_jit_safe(model)
 
 
 def wan_14b_block():
@@ -73,7 +73,7 @@ def wan_14b_block():
     from diffusers import WanTransformer3DModel
 
     with torch.device("meta"):
-        return WanTransformer3DModel(**{**published.WAN_14B_TRANSFORMER, "num_layers": 1})
+        return WanTransformer3DModel(**{**wan.published.WAN_14B_TRANSFORMER, "num_layers": 1})
 
 
 def block_inputs(model_name: str, model, video_tokens: int, batch: int, make):
@@ -92,7 +92,7 @@ def block_inputs(model_name: str, model, video_tokens: int, batch: int, make):
     if model_name == "wan2.1-14b":
         return [
             make((batch, video_tokens, width), f32, P(DP, SP, None)),  # hidden_states
-            make((batch, wan.MAX_SEQUENCE_LENGTH, width), f32, P(DP, None, None)),  # encoder_hidden_states
+            make((batch, wan.config.MAX_SEQUENCE_LENGTH, width), f32, P(DP, None, None)),  # encoder_hidden_states
             make((batch, 6, width), f32, P(DP, None, None)),  # timestep_proj
             (make((1, video_tokens, 1, head_dim), f32, P()), make((1, video_tokens, 1, head_dim), f32, P())),
         ]
@@ -165,8 +165,9 @@ BLOCKS = {
 TRANSFORMERS = tuple(BLOCKS)
 TEXT_ENCODERS = {
     # name: (transformers config class, published config, tokens the pipeline feeds it)
-    "t5-xxl": ("T5Config", published.T5_XXL_ENCODER, 226),
-    "qwen2.5-vl-7b": ("Qwen2_5_VLTextConfig", published.QWEN25_VL_7B_TEXT, 1000 + 108),  # + template crop
+    "t5-xxl": ("T5Config", cogvideox.published.T5_XXL_ENCODER, 226),
+    # Qwen2.5-VL: the pipeline's 1000 tokens + the chat template's crop
+    "qwen2.5-vl-7b": ("Qwen2_5_VLTextConfig", hunyuanvideo15.published.QWEN25_VL_7B_TEXT, 1000 + 108),
 }
 
 

@@ -74,8 +74,8 @@ def no_weights_loaded(monkeypatch):
 @pytest.fixture(scope="session")
 def four_layer_cogvideox(tmp_path_factory):
     """A tiny CogVideoX 1.5 pipeline folder with 4 transformer blocks (the interval cache needs 3 or more)."""
-    from models import tiny
+    from models import cogvideox
 
     folder = tmp_path_factory.mktemp("cogvideox-4-layers")
-    tiny.cogvideox("1.5", num_layers=4).save_pretrained(folder)
+    cogvideox.presets.tiny_pipeline("1.5", num_layers=4).save_pretrained(folder)
     return folder

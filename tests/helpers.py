@@ -124,9 +124,9 @@ TEXT, BYT5, IMAGE = 12, 6, 5
 
 def tiny_hunyuan_transformer():
     """A tiny HunyuanVideo-1.5 transformer for the forward-patch tests (seeded)."""
-    from models import tiny
+    from models import hunyuanvideo15
 
-    return tiny.hunyuanvideo15_transformer(seed=0)
+    return hunyuanvideo15.presets.tiny_transformer(seed=0)
 
 
 class Sample(torch.nn.Module):

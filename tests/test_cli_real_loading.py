@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import read_mp4, run_stages
-from models import tiny
+from models import cogvideox
 from utils import CONFIG_FILE, VIDEO_FILE
 
 FLAGS = ["--height", "48", "--width", "80", "--num_frames", "17", "--num_inference_steps", "2", "--fps", "6"]
@@ -17,7 +17,7 @@ FLAGS = ["--height", "48", "--width", "80", "--num_frames", "17", "--num_inferen
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-cogvideox-saved")
-    tiny.cogvideox("1.5", seed=3).save_pretrained(folder)
+    cogvideox.presets.tiny_pipeline("1.5", seed=3).save_pretrained(folder)
     return folder
 
 
@@ -48,10 +48,10 @@ def test_three_stages_from_a_saved_folder_make_the_requested_mp4(saved_model, tm
 def test_hunyuanvideo15_from_a_saved_folder_through_the_cli(tmp_path):
     """The same path for HunyuanVideo-1.5: both text encoders and tokenizers, guider and VAE saved and
     loaded back by class name from model_index.json."""
-    from models import tiny
+    from models import hunyuanvideo15
 
     folder = tmp_path / "tiny-hunyuanvideo15-saved"
-    tiny.hunyuanvideo15(seed=5).save_pretrained(folder)
+    hunyuanvideo15.presets.tiny_pipeline(seed=5).save_pretrained(folder)
     out = tmp_path / "stage_outputs"
     request = ["--height", "48", "--width", "64", "--num_frames", "9", "--num_inference_steps", "2", "--fps", "12"]
     steps = [

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from helpers import relative_error
-from models import cogvideox, tiny
+from models import cogvideox
 
 
 @pytest.mark.parametrize("version", ["1.5", "1.0"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_cat_rotary_processor_equals_stock_processor_in_eager_pytorch(version, batch):
-    stock = tiny.cogvideox(version).transformer.eval()
-    patched = cogvideox.make_jit_safe(copy.deepcopy(stock))
+    stock = cogvideox.presets.tiny_pipeline(version).transformer.eval()
+    patched = cogvideox.transformer.make_jit_safe(copy.deepcopy(stock))
     generator = torch.Generator().manual_seed(batch)
     hidden_states = torch.randn(batch, 4 if version == "1.5" else 3, 4, 8, 12, generator=generator)
     prompt_embeds = torch.randn(batch, 32, 32, generator=generator)

@@ -115,8 +115,8 @@ def test_hunyuanvideo15_masks_are_prefixes_and_the_fused_call_matches_eager(mesh
     with torch.no_grad():
         expected = tiny_hunyuan_transformer()(**right_padded(), return_dict=False)[0]
     runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(*mesh)))
-    transformer = hunyuanvideo15.make_jit_safe(tiny_hunyuan_transformer())
-    compiled = runtime.compile(Sample(transformer), sharding.hunyuanvideo15_transformer_rules().nested("transformer."))
+    transformer = hunyuanvideo15.transformer.make_jit_safe(tiny_hunyuan_transformer())
+    compiled = runtime.compile(Sample(transformer), hunyuanvideo15.transformer_rules().nested("transformer."))
     with attention_backend(runtime.env, fixed_plan("cudnn"), runtime.mesh, fused_implementation=None):
         got = runtime.to_host(compiled(**runtime.to_device(right_padded())))
     assert relative_error(got, expected) <= 1e-5

@@ -12,7 +12,7 @@ import torch
 import sharding
 from attention.dispatch import attention_backend
 from helpers import BYT5, IMAGE, TEXT, Sample, attention_plan, hunyuan_inputs, relative_error, tiny_hunyuan_transformer
-from models import hunyuanvideo15, hunyuanvideo15_vae, tiny
+from models import hunyuanvideo15
 from runtime import placement
 from runtime.torchax_runtime import TorchaxRuntime
 
@@ -21,7 +21,7 @@ def test_reorder_matches_boolean_indexing():
     generator = torch.Generator().manual_seed(2)
     states = [torch.randn(2, n, 3, generator=generator) for n in (4, 5, 6)]
     masks = [torch.rand(2, n, generator=generator) > 0.5 for n in (4, 5, 6)]
-    hidden, mask = hunyuanvideo15.reorder_text_tokens(states, masks)
+    hidden, mask = hunyuanvideo15.transformer.reorder_text_tokens(states, masks)
     for row in range(2):
         s, m = [x[row] for x in states], [x[row] for x in masks]
         expected = torch.cat(
@@ -42,7 +42,7 @@ def test_reorder_matches_boolean_indexing():
 
 def test_traceable_forward_equals_stock_forward_in_eager_pytorch():
     stock = tiny_hunyuan_transformer()
-    patched = hunyuanvideo15.make_jit_safe(tiny_hunyuan_transformer())
+    patched = hunyuanvideo15.transformer.make_jit_safe(tiny_hunyuan_transformer())
     with torch.no_grad():
         expected = stock(**hunyuan_inputs(), return_dict=False)[0]
         got = patched(**hunyuan_inputs(), return_dict=False)[0]
@@ -60,7 +60,7 @@ def test_blocks_pass_per_key_masks_never_dense_ones(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
     with torch.no_grad():
-        hunyuanvideo15.make_jit_safe(tiny_hunyuan_transformer())(**hunyuan_inputs(), return_dict=False)
+        hunyuanvideo15.transformer.make_jit_safe(tiny_hunyuan_transformer())(**hunyuan_inputs(), return_dict=False)
     joint = 3 * 4 * 6 + TEXT + BYT5 + IMAGE
     joint_shapes = [shape for shape in shapes if shape and shape[-1] == joint]
     assert len(joint_shapes) == 2 and all(shape == (2, 1, 1, joint) for shape in joint_shapes)
@@ -83,10 +83,10 @@ def test_blocks_pass_per_key_masks_never_dense_ones(monkeypatch):
 def test_jitted_sharded_forward_matches_stock_eager(attention, mesh, sp_mode):
     with torch.no_grad():
         expected = tiny_hunyuan_transformer()(**hunyuan_inputs(), return_dict=False)[0]
-    transformer = hunyuanvideo15.make_jit_safe(tiny_hunyuan_transformer())
+    transformer = hunyuanvideo15.transformer.make_jit_safe(tiny_hunyuan_transformer())
     runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(*mesh)))
     plan = attention_plan(attention, runtime.mesh, heads=transformer.config.num_attention_heads, sp_mode=sp_mode)
-    compiled = runtime.compile(Sample(transformer), sharding.hunyuanvideo15_transformer_rules().nested("transformer."))
+    compiled = runtime.compile(Sample(transformer), hunyuanvideo15.transformer_rules().nested("transformer."))
     with attention_backend(runtime.env, plan, runtime.mesh):
         got = runtime.to_host(compiled(**runtime.to_device(hunyuan_inputs())))
     assert torch.isfinite(got).all()
@@ -101,23 +101,23 @@ def test_frame_causal_mask_equals_the_loop(n_frame, n_hw, batch):
     from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import HunyuanVideo15AttnBlock
 
     expected = HunyuanVideo15AttnBlock.prepare_causal_attention_mask(n_frame, n_hw, torch.float32, "cpu", batch)
-    got = hunyuanvideo15_vae.frame_causal_mask(n_frame, n_hw, torch.float32, "cpu", batch)
+    got = hunyuanvideo15.vae.frame_causal_mask(n_frame, n_hw, torch.float32, "cpu", batch)
     assert got.shape == expected.shape and torch.equal(got, expected)
 
 
 def tiny_vae():
-    return tiny.hunyuanvideo15_vae(seed=3)
+    return hunyuanvideo15.presets.tiny_vae(seed=3)
 
 
 def test_vae_decode_with_the_patch_equals_stock_and_runs_under_torchax():
     latents = torch.randn(1, 4, 3, 4, 6, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = tiny_vae().decode(latents, return_dict=False)[0]
-        patched = hunyuanvideo15_vae.make_vae_jit_safe(tiny_vae())
+        patched = hunyuanvideo15.vae.make_vae_jit_safe(tiny_vae())
         assert torch.equal(patched.decode(latents, return_dict=False)[0], expected)
 
     runtime = TorchaxRuntime()
-    decode = runtime.compile(Decode(hunyuanvideo15_vae.make_vae_jit_safe(tiny_vae())))
+    decode = runtime.compile(Decode(hunyuanvideo15.vae.make_vae_jit_safe(tiny_vae())))
     got = runtime.to_host(decode(runtime.to_device(latents)))
     assert relative_error(got, expected) <= 1e-5
 

@@ -14,7 +14,6 @@ import torch
 import models
 import stage2_transformer
 from helpers import run_stage
-from models import published
 from models.meta import model_facts
 from planning import tpus
 from runtime import placement
@@ -41,7 +40,7 @@ def assert_valid(choice, devices: int, facts: ModelFacts, cfg: bool, per_host: i
 
 @pytest.fixture(scope="module")
 def published_facts():
-    return {hub_id: facts_of(hub_id) for hub_id in published.PIPELINES}
+    return {hub_id: facts_of(hub_id) for hub_id in models.PUBLISHED}
 
 
 @pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])

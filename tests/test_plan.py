@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import models
-import sharding
 import stage2_transformer
 import stage3_vae_decoder
 from helpers import expect_user_error, run_stage, tiny_stage1
+from models import wan
 from planning import report as plan_report
 from planning import tpus
 from runtime import placement
@@ -140,7 +140,7 @@ def test_the_second_wan_expert_counts_against_hbm(tmp_path):
     source, _ = models.resolve_model("tiny-wan2.2")
     expert_2 = source.load("transformer_2", dtype=torch.bfloat16)  # as stage 2 loads it (fp32-kept modules too)
     runtime = TorchaxRuntime(placement.make_mesh(MeshShape(2, 1, 4)))
-    placed = placement.place_module(expert_2, sharding.wan_transformer_rules(), runtime.mesh, runtime.env)
+    placed = placement.place_module(expert_2, wan.transformer_rules(), runtime.mesh, runtime.env)
     assert memory["other_experts_weights"] == placed["bytes_per_device"] > 0
     parts = sum(memory[key] for key in ("arguments", "temporaries", "outputs", "code")) - memory["aliased"]
     assert memory["total"] == parts + memory["other_experts_weights"]

@@ -16,7 +16,7 @@ import sharding
 import stage2_transformer
 from attention.dispatch import attention_backend
 from helpers import attention_plan, expect_user_error, relative_error, run_stage, tiny_stage1
-from models import published, tiny
+from models import cogvideox, hunyuanvideo15, wan
 from models.common import attention_heads
 from models.denoise import DenoiseOptions, denoise
 from models.meta import meta_transformers, model_facts
@@ -43,7 +43,7 @@ def real_cogvideox15_transformer():
     from diffusers import CogVideoXTransformer3DModel
 
     with torch.device("meta"):
-        return CogVideoXTransformer3DModel(**published.COGVIDEOX15_5B_TRANSFORMER)
+        return CogVideoXTransformer3DModel(**cogvideox.published.COGVIDEOX15_5B_TRANSFORMER)
 
 
 def expected_cogvideox_spec(name: str, tp_mode: str):
@@ -65,7 +65,7 @@ def test_cogvideox_rule_table_matches_every_parameter_as_intended(model, tp_mode
     else:
         transformer = build_preset(model).transformer
     names = [name for name, _ in transformer.named_parameters()]
-    specs = sharding.cogvideox_transformer_rules(tp_mode).assign(names)
+    specs = cogvideox.transformer_rules(tp_mode).assign(names)
     assert specs == {name: expected_cogvideox_spec(name, tp_mode) for name in names}
     sharded = [name for name, spec in specs.items() if spec != REPLICATED]
     per_block = 12 if tp_mode == "megatron" else 10  # q/k/v, MLP in (+ out projections), 2 modulations
@@ -79,7 +79,7 @@ def hunyuanvideo15_transformer(real: bool):
     if real:
         with torch.device("meta"):
             return HunyuanVideo15Transformer3DModel(task_type="t2v")
-    return tiny.hunyuanvideo15_transformer()
+    return hunyuanvideo15.presets.tiny_transformer()
 
 
 def expected_hunyuan_spec(name: str, tp_mode: str):
@@ -102,7 +102,7 @@ def expected_hunyuan_spec(name: str, tp_mode: str):
 def test_hunyuanvideo15_rule_table_matches_every_parameter_as_intended(real, tp_mode):
     transformer = hunyuanvideo15_transformer(real)
     names = [name for name, _ in transformer.named_parameters()]
-    specs = sharding.hunyuanvideo15_transformer_rules(tp_mode).assign(names)
+    specs = hunyuanvideo15.transformer_rules(tp_mode).assign(names)
     assert specs == {name: expected_hunyuan_spec(name, tp_mode) for name in names}
     # q/k/v and MLP-in weights+biases of both streams, 2 modulations, plus the out weights in megatron mode
     per_block, per_refiner = (22, 10) if tp_mode == "megatron" else (18, 8)
@@ -141,7 +141,7 @@ def test_wan_rule_table_matches_every_parameter_as_intended(model, tp_mode):
     assert len(transformers) == (1 if "2.1" in model else 2)
     for transformer in transformers:
         names = [name for name, _ in transformer.named_parameters()]
-        specs = sharding.wan_transformer_rules(tp_mode).assign(names)
+        specs = wan.transformer_rules(tp_mode).assign(names)
         assert specs == {name: expected_wan_spec(name, tp_mode) for name in names}
         # q/k/v of both attentions, their q/k norms, MLP in (+ both out projections): per block; plus time_proj
         per_block = 21 if tp_mode == "megatron" else 18
@@ -159,14 +159,14 @@ def test_rule_table_rejects_unmatched_parameters_and_unused_rules():
 def test_cogvideox_table_does_not_fit_another_model():
     vae = build_preset("tiny-cogvideox").vae
     with pytest.raises(ValueError, match="rules that match nothing"):
-        sharding.cogvideox_transformer_rules().assign([name for name, _ in vae.named_parameters()])
+        cogvideox.transformer_rules().assign([name for name, _ in vae.named_parameters()])
 
 
 def test_place_module_shards_each_weight_by_its_rule():
     transformer = build_preset("tiny-cogvideox").transformer
     runtime = TorchaxRuntime(placement.make_mesh(MeshShape(2, 1, 4)))
     reference = {name: param.detach().clone() for name, param in transformer.named_parameters()}
-    runtime.compile(transformer, sharding.cogvideox_transformer_rules())
+    runtime.compile(transformer, cogvideox.transformer_rules())
     params = dict(transformer.named_parameters())
     to_q, to_out = (
         params["transformer_blocks.0.attn1.to_q.weight"],

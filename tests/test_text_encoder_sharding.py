@@ -15,8 +15,9 @@ from safetensors.torch import load_file
 import sharding
 import stage1_text_encoder
 from helpers import relative_error, run_stage, write_image
+from models.cogvideox.published import T5_XXL_ENCODER
 from models.common import DeviceTextEncoder
-from models.published import QWEN25_VL_7B_TEXT, T5_XXL_ENCODER
+from models.hunyuanvideo15.published import QWEN25_VL_7B_TEXT
 from runtime import placement
 from runtime.torchax_runtime import TorchaxRuntime
 from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import collectives_in, relative_error
-from models.hunyuanvideo15 import reorder_text_tokens
+from models.hunyuanvideo15.transformer import reorder_text_tokens
 from runtime.placement import make_mesh
 from runtime.torchax_runtime import TorchaxRuntime
 from sharding import MeshShape

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import Sample, collectives_in, hunyuan_inputs, relative_error, tiny_hunyuan_transformer
-from models import cogvideox, tiny
+from models import cogvideox
 from runtime.placement import make_mesh
 from runtime.torchax_runtime import TorchaxRuntime
 from sharding import MeshShape
@@ -75,7 +75,7 @@ def test_torchax_nearest_upsampling_adds_collectives_on_a_width_split():
 
 def test_xla_cpu_miscompiles_cogvideox_in_place_rotary_update_at_batch_1():
     """XLA:CPU gets diffusers' in-place rotary write (`query[:, :, T:] = ...`) wrong under jit.
-    Workaround: cogvideox.rotary_attention_processor (torch.cat)."""
+    Workaround: cogvideox.transformer.rotary_attention_processor (torch.cat)."""
     from diffusers.models.embeddings import get_3d_rotary_pos_embed
 
     runtime = TorchaxRuntime()
@@ -83,11 +83,11 @@ def test_xla_cpu_miscompiles_cogvideox_in_place_rotary_update_at_batch_1():
     generator = torch.Generator().manual_seed(0)
     inputs = (torch.randn(1, 4, 4, 8, 12, generator=generator), torch.randn(1, 32, 32, generator=generator))
     errors = {}
-    for name, prepare in (("stock", lambda t: t), ("patched", cogvideox.make_jit_safe)):
-        transformer = prepare(tiny.cogvideox("1.5").transformer.eval())
+    for name, prepare in (("stock", lambda t: t), ("patched", cogvideox.transformer.make_jit_safe)):
+        transformer = prepare(cogvideox.presets.tiny_pipeline("1.5").transformer.eval())
         with torch.no_grad():
             expected = transformer(*inputs, timestep=torch.tensor([999]), image_rotary_emb=rotary, return_dict=False)[0]
-        jitted = runtime.compile(cogvideox.GuidedTransformer(transformer, do_cfg=False))
+        jitted = runtime.compile(cogvideox.transformer.GuidedTransformer(transformer, do_cfg=False))
         device_inputs = runtime.to_device((inputs[0], torch.tensor([999]), inputs[1], rotary, torch.tensor(1.0)))
         errors[name] = relative_error(runtime.to_host(jitted(*device_inputs)), expected)
     assert errors["patched"] <= 1e-5
@@ -96,7 +96,7 @@ def test_xla_cpu_miscompiles_cogvideox_in_place_rotary_update_at_batch_1():
 
 def test_diffusers_hunyuanvideo15_forward_cannot_be_traced():
     """diffusers 0.42.1's HunyuanVideo15Transformer3DModel.forward branches on tensor values
-    (`if torch.all(image_embeds == 0)`). Workaround: hunyuanvideo15.traceable_forward."""
+    (`if torch.all(image_embeds == 0)`). Workaround: hunyuanvideo15.transformer.traceable_forward."""
     runtime = TorchaxRuntime()
     compiled = runtime.compile(Sample(tiny_hunyuan_transformer()))
     with pytest.raises(jax.errors.ConcretizationTypeError, match="traced array with shape bool") as raised:

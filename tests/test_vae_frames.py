@@ -1,5 +1,5 @@
-"""Stage 3's decode in frame chunks on torchax (models/wan_vae.py: one latent frame per call;
-models/cogvideox_vae.py: the stock frame batches; models/hunyuanvideo15_vae.py: chunks of any length)
+"""Stage 3's decode in frame chunks on torchax (models/wan/vae.py: one latent frame per call;
+models/cogvideox/vae.py: the stock frame batches; models/hunyuanvideo15/vae.py: chunks of any length)
 against diffusers' `vae.decode` run eagerly in PyTorch, fp32: the frames within 1e-5 relative, on 1 and 8
 CPU devices, for the Wan 2.1, Wan 2.2 (TI2V-5B), CogVideoX 1.5 and 1.0 and HunyuanVideo-1.5 VAEs; through the
 real stage-3 CLI, where it is the torchax default."""
@@ -13,9 +13,9 @@ import models
 import sharding
 import stage3_vae_decoder
 from helpers import expect_user_error, relative_error, run_stage
-from models import wan_vae
 from models.common import LATENTS_WIDTH_SPLIT, decode
 from models.meta import meta_module
+from models.wan import vae as wan_vae
 from runtime import placement
 from runtime.interface import Timer, TorchRuntime
 from runtime.torchax_runtime import TorchaxRuntime
@@ -109,10 +109,10 @@ def test_chunk_flag_errors(capsys, tmp_path, wan_latents, flags, message):
 
 @pytest.mark.parametrize("frames", [1, 2, 5])
 def test_hunyuanvideo15_chunks_equal_the_stock_decoder_eagerly(frames):
-    """The restructured forward (models/hunyuanvideo15_vae.py) in eager PyTorch, every chunk length from 1 to
+    """The restructured forward (models/hunyuanvideo15/vae.py) in eager PyTorch, every chunk length from 1 to
     the whole clip, against the stock `HunyuanVideo15Decoder3D`: the same arithmetic in the same order, so
     the frames are bit-identical (tolerance 0). The attention's buffers keep the seen keys in frame order."""
-    from models import hunyuanvideo15_vae as hv
+    from models.hunyuanvideo15 import vae as hv
 
     source, family = models.resolve_model("tiny-hunyuanvideo15")
     decoder = hv.Decoder(source.load("vae", dtype=torch.float32).eval(), family.latents_normalization(source))

@@ -28,7 +28,7 @@ from helpers import (
     run_stages,
     stop_stage2_after,
 )
-from models import tiny, wan
+from models import wan
 from models.common import decode
 from runtime import placement
 from runtime.interface import Timer, TorchRuntime
@@ -48,7 +48,7 @@ def transformer_inputs(batch: int):
     return {
         "hidden_states": torch.randn(batch, 16, 3, 4, 6, generator=generator),
         "timestep": torch.tensor([700] * batch),
-        "encoder_hidden_states": torch.randn(batch, wan.MAX_SEQUENCE_LENGTH, 32, generator=generator),
+        "encoder_hidden_states": torch.randn(batch, wan.config.MAX_SEQUENCE_LENGTH, 32, generator=generator),
     }
 
 
@@ -70,10 +70,11 @@ def test_stock_transformer_jitted_and_sharded_equals_eager(mesh, batch, attentio
     """The rotary embedding's in-place strided writes (`out[..., 0::2] = ...`) compile correctly here,
     at batch 1 unsharded too (where CogVideoX's in-place slice write did not): no patch is needed."""
     with torch.no_grad():
-        expected = tiny.wan_transformer()(**transformer_inputs(batch), return_dict=False)[0]
+        expected = wan.presets.tiny_transformer()(**transformer_inputs(batch), return_dict=False)[0]
     runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(*mesh)))
-    compiled = runtime.compile(Sample(tiny.wan_transformer()), wan.transformer_rules("megatron").nested("transformer."))
-    heads = tiny.wan_transformer().config.num_attention_heads
+    rules = wan.transformer_rules("megatron").nested("transformer.")
+    compiled = runtime.compile(Sample(wan.presets.tiny_transformer()), rules)
+    heads = wan.presets.tiny_transformer().config.num_attention_heads
     plan = attention_plan(attention, runtime.mesh, heads=heads, sp_mode=sp_mode)
     with attention_backend(runtime.env, plan, runtime.mesh):
         got = runtime.to_host(compiled(**runtime.to_device(transformer_inputs(batch))))
@@ -254,7 +255,7 @@ def test_wan_vae_decode_under_torchax_equals_torch():
 def test_wan22_from_a_saved_folder_through_the_cli(tmp_path):
     """In this process, through each stage's main(), as tests/test_cli_real_loading.py does."""
     folder = tmp_path / "tiny-wan2.2-saved"
-    tiny.wan("2.2", seed=4).save_pretrained(folder)
+    wan.presets.tiny_pipeline("2.2", seed=4).save_pretrained(folder)
     out = tmp_path / "stage_outputs"
     request = ["--height", "48", "--width", "64", "--num_frames", "9", "--num_inference_steps", "4"]
     steps = [

@@ -17,7 +17,7 @@ import models
 import stage1_text_encoder
 import stage2_transformer
 from helpers import expect_user_error, relative_error, run_stage, stop_stage2_after, three_stages
-from models import tiny
+from models import wan
 from utils import CONFIG_FILE, read_config, read_tensors
 
 TOLERANCE = 1e-4
@@ -182,9 +182,9 @@ def test_tiny_i2v_transformer_matches_the_published_layout():
     """The tiny Wan 2.1 I2V transformer has the published one's extra modules (every rule of the table used)."""
     import sharding
 
-    transformer = tiny.wan_i2v("2.1").transformer
+    transformer = wan.presets.tiny_i2v_pipeline("2.1").transformer
     names = [name for name, _ in transformer.named_parameters()]
-    specs = sharding.wan_transformer_rules().assign(names)
+    specs = wan.transformer_rules().assign(names)
     assert specs["blocks.0.attn2.add_k_proj.weight"] == sharding.COLUMN
     assert specs["blocks.0.attn2.norm_added_k.weight"] == sharding.COLUMN_BIAS
-    assert transformer.config.in_channels == tiny.WAN_I2V_CHANNELS == 36
+    assert transformer.config.in_channels == wan.presets.WAN_I2V_CHANNELS == 36

@@ -16,8 +16,8 @@ import torch
 
 from utils import Request, parse_dtype
 
-from .common import DeviceImageEncoder, DeviceVAEEncoder
-from .hunyuanvideo15_vae import make_vae_jit_safe
+from ..common import DeviceImageEncoder, DeviceVAEEncoder
+from .vae import make_vae_jit_safe
 
 PIPELINE_CLASS = "HunyuanVideo15ImageToVideoPipeline"
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import decode_in_chunks
+from ..common import decode_in_chunks
 
 CHUNK_FRAMES = (1,)  # latent frames per call that equal the stock decode
 PROGRAMS = ("first", "second", "steady")
@@ -107,7 +107,7 @@ def plan_inputs(decoder: torch.nn.Module, meta_vae, latents_shape, runtime, layo
 def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, layout, chunk_frames: int = 1):
     """models/family.py's `frame_programs` for Wan: the three programs placed; a function of the latents
     giving the video on the host."""
-    from .meta import meta_module
+    from ..meta import meta_module
 
     meta_vae = meta_module(source, "vae", decoder.latents_mean.dtype)
     programs = place(decoder, meta_vae, latents_shape, runtime, layout)

@@ -1,5 +1,5 @@
-"""HunyuanVideo-1.5 (diffusers `HunyuanVideo15Pipeline`, and `HunyuanVideo15ImageToVideoPipeline` through
-hunyuanvideo15_i2v): its request rules, prompt encoding, denoise loop, and the transformer made traceable.
+"""HunyuanVideo-1.5's transformer on the mesh: made traceable, its weight rule table, Splash tiles and the
+guided call.
 
 Two spots of `HunyuanVideo15Transformer3DModel.forward` cannot be traced by jax.jit:
 - `if torch.all(image_embeds == 0)` branches on tensor values (ConcretizationTypeError). Text-to-video
@@ -9,7 +9,7 @@ Two spots of `HunyuanVideo15Transformer3DModel.forward` cannot be traced by jax.
   concatenated validity mask gives the same order with static shapes, and a gather applies it.
 
 The VAE's attention builds its frame-causal mask with a Python loop over every token (64 s to trace
-at 2048 tokens, measured here); `hunyuanvideo15_vae.frame_causal_mask` builds the identical mask from a
+at 2048 tokens, measured here); `vae.frame_causal_mask` builds the identical mask from a
 comparison of frame indices.
 
 Attention: the stock processor expands the text mask to a dense (B, 1, S, S) `valid_i & valid_j` mask
@@ -26,42 +26,18 @@ processor, equal to the stock ones in eager PyTorch.
 
 from __future__ import annotations
 
-import functools
-import math
 import types
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from utils import Request, UserError
+from sharding import MODULATION, REPLICATED, RuleTable, megatron_rules
 
-from . import common, hunyuanvideo15_i2v, hunyuanvideo15_vae, tiny
-from .common import NOISE_DTYPE, DeviceTextEncoder
-from .denoise import DenoiseLoop, latents_record
-from .family import Preset
-from .guidance import BATCH, Guided
+from ..guidance import Guided
 
-NAME = "hunyuanvideo15"
-PIPELINE_CLASSES = ("HunyuanVideo15Pipeline", hunyuanvideo15_i2v.PIPELINE_CLASS)
 # Splash tiles: 512/512/512 compiles on v5e, v5p, v6e and tpu7x (TPU compiler, benchmarks/tpu_plan.py)
 # and pads the 720p/121-frame sequence (113,585 tokens) by 0.07%; the reference notes' 2048/2048 pads
 # 0.97% and does not fit v5e/v5p's scoped VMEM. Which is faster is unmeasured (no TPU here).
 SPLASH_BLOCK_SIZES = {"block_q": 512, "block_kv": 512, "block_kv_compute": 512}
-LORA_LOADER = None  # diffusers 0.42.1 has no loader for 1.5: files must hold diffusers/PEFT keys
-# stage 3 on torchax: chunks of any length (models/hunyuanvideo15_vae.py restructures the decoder's forward)
-CHUNK_FRAMES = hunyuanvideo15_vae.CHUNK_FRAMES
-frame_programs, frame_plan = hunyuanvideo15_vae.frame_programs, hunyuanvideo15_vae.frame_plan
-
-# The pipeline's documented text-to-video defaults; the transformer's `target_size` says 480p or 720p.
-RESOLUTION_DEFAULTS = {
-    640: {"height": 480, "width": 848, "flow_shift": 5.0},
-    960: {"height": 720, "width": 1280, "flow_shift": 9.0},
-}
-COMMON_DEFAULTS = {"num_frames": 121, "fps": 24, "num_inference_steps": 50, "guidance_scale": 6.0}
-
-# Activation layout (mesh axis per dimension): the CFG batch on dp.
-PROMPT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
 
 
 def reorder_text_tokens(states: list[torch.Tensor], masks: list[torch.Tensor]):
@@ -212,107 +188,32 @@ def make_jit_safe(transformer: torch.nn.Module) -> torch.nn.Module:
     return transformer
 
 
-# Requests ------------------------------------------------------------------------------------------
-
-
-def request_defaults(source) -> dict[str, Any]:
-    target = source.load_config("transformer").get("target_size", 640)
-    resolution = RESOLUTION_DEFAULTS.get(target, RESOLUTION_DEFAULTS[640])
-    guidance = source.load_config("guider").get("guidance_scale", COMMON_DEFAULTS["guidance_scale"])
-    if hunyuanvideo15_i2v.image_to_video(source):  # its folders' shift (720p: 7.0, not t2v's 9.0); size from the image
-        resolution = {**resolution, "flow_shift": common.folder_flow_shift(source)}
-    return {**COMMON_DEFAULTS, **resolution, "guidance_scale": guidance, **source.preset_defaults}
-
-
-@dataclass(frozen=True)
-class Geometry:
-    spatial: int
-    temporal: int
-    latent_channels: int
-
-    @classmethod
-    def of(cls, source) -> Geometry:
-        vae = source.load_config("vae")
-        return cls(
-            spatial=vae["spatial_compression_ratio"],
-            temporal=vae["temporal_compression_ratio"],
-            latent_channels=vae["latent_channels"],
+def transformer_rules(tp_mode: str = "megatron") -> RuleTable:
+    """HunyuanVideo15Transformer3DModel: double-stream blocks (image stream `to_*`/`ff`, text stream
+    `add_*`/`to_add_out`/`ff_context`) and the token refiner's blocks get the Megatron layout.
+    The blocks' AdaLN modulation linears are split on their input (MODULATION). Replicated: their
+    biases, q/k RMS norms over the head dim, the refiner's small modulations, the ByT5 mapper,
+    embedders and the final layers."""
+    block = r"transformer_blocks\.\d+\."
+    refiner = r"context_embedder\.token_refiner\.refiner_blocks\.\d+\."
+    return RuleTable(
+        f"hunyuanvideo15-transformer/{tp_mode}",
+        megatron_rules(
+            block, r"attn\.(to_[qkv]|add_[qkv]_proj)", r"attn\.(to_out\.0|to_add_out)", "(ff|ff_context)", tp_mode
         )
-
-
-def validate_request(source, request: Request) -> None:
-    common.refuse_wan_extras(request)
-    geometry = Geometry.of(source)
-    for key in ("height", "width"):
-        value = getattr(request, key)
-        if value <= 0 or value % geometry.spatial:
-            raise UserError(f"--{key} {value} must be a positive multiple of {geometry.spatial}")
-    frames = request.num_frames
-    if frames < 1 or (frames - 1) % geometry.temporal:
-        raise UserError(f"--num_frames {frames} must be {geometry.temporal}n+1 (e.g. 121)")
-    if request.flow_shift is None or request.flow_shift <= 0:
-        raise UserError(f"--flow_shift {request.flow_shift} must be positive")
-    guider = source.load_config("guider")
-    if (guider.get("start", 0.0), guider.get("stop", 1.0)) != (0.0, 1.0):
-        raise UserError("this model's guider limits CFG to part of the schedule (start/stop); not supported yet")
-
-
-def _pipeline(source=None, **components):
-    """A HunyuanVideo15Pipeline holding only the given components, so its helper methods can be reused.
-
-    Its constructor reads the VAE's config, so without a real VAE it gets one built from `source`'s VAE
-    config on the meta device (no weights, no memory)."""
-    from diffusers import HunyuanVideo15Pipeline
-
-    names = ("text_encoder", "tokenizer", "transformer", "vae", "scheduler", "text_encoder_2", "tokenizer_2", "guider")
-    if "vae" not in components:
-        cls = source.component_class("vae")
-        with torch.device("meta"):
-            components["vae"] = cls.from_config(source.load_config("vae"))
-    return HunyuanVideo15Pipeline(**{**dict.fromkeys(names), **components})
-
-
-# Stage 1 -------------------------------------------------------------------------------------------
-
-
-image_inputs, image_size = hunyuanvideo15_i2v.image_inputs, hunyuanvideo15_i2v.image_size
-encode_images = hunyuanvideo15_i2v.encode_images
-
-
-def prompt_encoder(source, dtype: torch.dtype, runtime):
-    """Both encoders loaded once; per request the pipeline's own `encode_prompt` (Qwen2.5-VL with its chat
-    template and crop; ByT5 on the quoted text only) of the prompt and the negative prompt, masks included."""
-    pipe = _pipeline(
-        source,
-        tokenizer=source.load("tokenizer"),
-        text_encoder=DeviceTextEncoder(source.load("text_encoder", dtype=dtype).eval(), runtime, hidden_states=True),
-        tokenizer_2=source.load("tokenizer_2"),
-        text_encoder_2=DeviceTextEncoder(source.load("text_encoder_2", dtype=dtype).eval(), runtime),
+        + megatron_rules(refiner, r"attn\.to_[qkv]", r"attn\.to_out\.0", "ff", tp_mode)
+        + (
+            (block + r"attn\.norm_(added_)?[qk]\.weight", REPLICATED),
+            (block + r"norm1(_context)?\.linear\.weight", MODULATION),
+            (block + r"norm1(_context)?\.linear\.bias", REPLICATED),
+            (refiner + r"(norm1|norm2|norm_out\.linear)\.(weight|bias)", REPLICATED),
+            (r"context_embedder\.(time_text_embed|proj_in)\..*", REPLICATED),
+            (r"context_embedder_2\..*", REPLICATED),  # ByT5 mapper
+            (r"(x_embedder|image_embedder|time_embed)\..*", REPLICATED),
+            (r"cond_type_embed\.weight", REPLICATED),
+            (r"(norm_out\.linear|proj_out)\.(weight|bias)", REPLICATED),
+        ),
     )
-
-    def encode(request: Request) -> dict[str, torch.Tensor]:
-        tensors = {}
-        with torch.no_grad():
-            for prefix, text in (("", request.prompt), ("negative_", request.negative_prompt)):
-                encoded = pipe.encode_prompt(prompt=text, device=runtime.device, dtype=dtype, batch_size=1)
-                tensors.update({prefix + key: value.cpu() for key, value in zip(PROMPT_KEYS, encoded, strict=True)})
-        return tensors
-
-    return encode
-
-
-# Stage 2 -------------------------------------------------------------------------------------------
-
-
-def transformer_rules(tp_mode: str):
-    import sharding
-
-    return sharding.hunyuanvideo15_transformer_rules(tp_mode)
-
-
-def cfg_enabled(guidance_scale: float) -> bool:
-    """The pipeline's guider runs the unconditional branch unless the scale is 1 (its default formulation)."""
-    return not math.isclose(guidance_scale, 1.0)
 
 
 class GuidedTransformer(Guided):
@@ -329,7 +230,7 @@ class GuidedTransformer(Guided):
         # Step-distilled (meanflow) checkpoints: `timestep` holds [t, the next step's t] (meanflow_timesteps).
         timestep, timestep_r = (timestep[:1], timestep[1:]) if timestep.shape[0] == 2 else (timestep, None)
         # Text-to-video: zero condition latents and mask channel (prepare_cond_latents_and_mask); image-to-video:
-        # the image's (hunyuanvideo15_i2v.condition), and the image tokens count as valid text tokens.
+        # the image's (i2v.condition), and the image tokens count as valid text tokens.
         text_to_video = cond is None
         cond, mask = (torch.zeros_like(latents), torch.zeros_like(latents[:, :1])) if text_to_video else (cond, mask)
         # one per video, or one for all (the mask; a batch of videos with the same image)
@@ -353,98 +254,3 @@ class GuidedTransformer(Guided):
 
         # the guider's own combination
         return self.guided(model_input, predict, lambda cond, uncond: self.guider.forward(cond, uncond).pred)
-
-
-def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Zero stage-1 tensors of the shapes stage 1 writes for this model (to plan before encoding)."""
-    transformer = source.load_config("transformer")
-    pipe = _pipeline(source)
-    shapes = {
-        "prompt_embeds": ((1, pipe.tokenizer_max_length, transformer["text_embed_dim"]), dtype),
-        "prompt_embeds_mask": ((1, pipe.tokenizer_max_length), torch.int64),
-        "prompt_embeds_2": ((1, pipe.tokenizer_2_max_length, transformer["text_embed_2_dim"]), dtype),
-        "prompt_embeds_mask_2": ((1, pipe.tokenizer_2_max_length), torch.int64),
-    }
-    zeros = {key: torch.zeros(shape, dtype=kind) for key, (shape, kind) in shapes.items()}
-    image = (
-        hunyuanvideo15_i2v.planning_embeds(source, request, dtype) if hunyuanvideo15_i2v.image_to_video(source) else {}
-    )
-    return {**zeros, **{f"negative_{key}": value for key, value in zeros.items()}, **image}
-
-
-transformer_components = common.one_transformer
-latents_normalization = common.vae_scaling_factor
-
-
-def meanflow_timesteps(timesteps: torch.Tensor):
-    """The step-distilled checkpoints' timestep input: step i's timestep and the next one's (0 after the last),
-    the pipeline's `timestep_r`."""
-    following = torch.cat([timesteps[1:], timesteps.new_zeros(1)])
-    return lambda i, t: torch.stack([t, following[i]])
-
-
-def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtype, transformers, runtime, tp_mode):
-    """The pipeline's flow-matching loop as a DenoiseLoop for `transformer` on `runtime`, and the function
-    that turns its final latents into stage 2's latents and record."""
-    import numpy as np
-    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import retrieve_timesteps
-
-    geometry = Geometry.of(source)
-    scheduler = common.flow_scheduler(source, request.flow_shift)
-    guider = source.load("guider")
-    guider.guidance_scale = request.guidance_scale
-    do_cfg = cfg_enabled(request.guidance_scale)
-    transformer = transformers["transformer"]
-    pipe = _pipeline(source, transformer=transformer, scheduler=scheduler)
-
-    prefixes = ("", "negative_") if do_cfg else ("",)  # [cond, uncond], the guider's order
-    text_inputs = [torch.cat([embeds[prefix + key] for prefix in prefixes]).to(dtype) for key in PROMPT_KEYS]
-    generator = torch.Generator("cpu").manual_seed(request.seed)
-    steps = request.num_inference_steps
-    sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]
-    timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", sigmas=sigmas)
-    latents = pipe.prepare_latents(
-        1, geometry.latent_channels, request.height, request.width, request.num_frames, NOISE_DTYPE, "cpu", generator
-    ).to(dtype)
-    image_inputs = hunyuanvideo15_i2v.transformer_image_inputs(source, embeds, latents, pipe, dtype)
-
-    def step(i, t, noise_pred, latents, carry):
-        return scheduler.step(noise_pred, t, latents, return_dict=False)[0], carry
-
-    loop = DenoiseLoop(
-        guided=(GuidedTransformer(transformer, guider, do_cfg, runtime.constrain),),
-        rules=transformer_rules(tp_mode),
-        static_inputs=(*((tensor, BATCH) for tensor in text_inputs), *image_inputs),
-        timesteps=timesteps,
-        latents=latents,
-        generator=generator,
-        step=step,
-        on_start=lambda step, carry: scheduler.set_begin_index(step),  # it counts its own steps (--resume)
-        timestep_input=meanflow_timesteps(timesteps) if transformer.config.use_meanflow else DenoiseLoop.timestep_input,
-        cache_branches=("pred_cond", "pred_uncond") if do_cfg else ("pred_cond",),  # the guider's cache contexts
-    )
-    return loop, lambda latents: (
-        latents,
-        latents_record(scheduler, do_cfg, common.vae_scaling_factor(source), flow_shift=request.flow_shift),
-    )
-
-
-# Stage 3: models/hunyuanvideo15_vae.py -------------------------------------------------------------
-
-Decoder, video_processor = hunyuanvideo15_vae.Decoder, hunyuanvideo15_vae.video_processor
-
-
-# Tiny preset (models/tiny.py builds it) -------------------------------------------------------------
-
-TINY_DEFAULTS = {"height": 32, "width": 48, "num_frames": 5, "fps": 24, "num_inference_steps": 4, "flow_shift": 5.0}
-PRESETS = {
-    "tiny-hunyuanvideo15": Preset(NAME, tiny.hunyuanvideo15, TINY_DEFAULTS),
-    # image-to-video: the size comes from the image (hunyuanvideo15_i2v.image_size)
-    "tiny-hunyuanvideo15-i2v": Preset(NAME, functools.partial(tiny.hunyuanvideo15, image_to_video=True), TINY_DEFAULTS),
-    # the step-distilled image-to-video checkpoint's layout: meanflow (a second timestep), shift 7, guidance 1
-    "tiny-hunyuanvideo15-i2v-step-distilled": Preset(
-        NAME,
-        functools.partial(tiny.hunyuanvideo15, image_to_video=True, step_distilled=True),
-        {**TINY_DEFAULTS, "flow_shift": 7.0},
-    ),
-}

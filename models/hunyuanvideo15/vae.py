@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import decode_in_chunks, frame_batches, recorded_scaling_factor
+from ..common import decode_in_chunks, frame_batches, recorded_scaling_factor
 
 
 def frame_causal_mask(n_frame: int, n_hw: int, dtype, device, batch_size: int | None = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree
 
-from .common import decode_in_chunks, frame_batches
+from ..common import decode_in_chunks, frame_batches
 
 CHUNK_FRAMES = (2,)  # latent frames per call: the stock decode's frame batch
 PROGRAMS = ("first", "steady")
@@ -61,7 +61,7 @@ class BatchPrograms(torch.nn.Module):
 def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, layout, chunk_frames: int = 2):
     """models/family.py's `frame_programs` for CogVideoX: the two programs placed; a function of the latents
     giving the video on the host."""
-    from .meta import meta_module
+    from ..meta import meta_module
 
     _, spec = meta_cache(meta_module(source, "vae", decoder.vae.dtype), latents_shape, decoder.vae.dtype)
     programs = runtime.compile(BatchPrograms(decoder, spec, runtime.constrain, layout), methods=PROGRAMS)

@@ -1,0 +1,48 @@
+"""CogVideoX 1.0 and 1.5, text- and image-to-video (diffusers `CogVideoXPipeline`,
+`CogVideoXImageToVideoPipeline`): the family's `models.family.Family` members, gathered from its parts.
+
+- `config`: which pipelines are this family, documented defaults, request checks;
+- `transformer`: the jit-safe attention processor, the weight rule table, Splash tiles, the guided call;
+- `pipeline`: the three stage bodies (prompt encoding, the denoising loop, the decoder);
+- `i2v`: image-to-video (the recorded VAE posterior of the first frame);
+- `vae`: stage 3's frame programs on torchax (the stock decode's frame batches);
+- `presets`: the tiny random presets; `published`: the published checkpoints' configs for `--plan`.
+"""
+
+from ..common import one_transformer as transformer_components
+from ..common import size_from_request as image_size  # the pipeline resizes the image to the request's size
+from ..common import vae_scaling_factor as latents_normalization
+from .config import LORA_LOADER, NAME, PIPELINE_CLASSES, REQUEST_FLAGS, cfg_enabled, request_defaults, validate_request
+from .i2v import encode_images, image_inputs
+from .pipeline import Decoder, denoise_loop, planning_embeds, prompt_encoder, video_processor
+from .presets import PRESETS
+from .published import PUBLISHED
+from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
+from .vae import CHUNK_FRAMES, frame_plan, frame_programs
+
+__all__ = [
+    "CHUNK_FRAMES",
+    "LORA_LOADER",
+    "NAME",
+    "PIPELINE_CLASSES",
+    "PRESETS",
+    "PUBLISHED",
+    "REQUEST_FLAGS",
+    "SPLASH_BLOCK_SIZES",
+    "Decoder",
+    "cfg_enabled",
+    "denoise_loop",
+    "encode_images",
+    "frame_plan",
+    "frame_programs",
+    "image_inputs",
+    "image_size",
+    "latents_normalization",
+    "planning_embeds",
+    "prompt_encoder",
+    "request_defaults",
+    "transformer_components",
+    "transformer_rules",
+    "validate_request",
+    "video_processor",
+]

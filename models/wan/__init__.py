@@ -1,0 +1,57 @@
+"""Wan 2.1 and 2.2, text- and image-to-video (diffusers `WanPipeline`, `WanImageToVideoPipeline`; TI2V-5B):
+the family's `models.family.Family` members, gathered from its parts.
+
+- `config`: which pipelines are this family, the pipeline's defaults, one transformer or two experts,
+  request checks, the stock pipeline object its stages call;
+- `transformer`: the weight rule table, block input layouts, Splash tiles, one expert's guided call;
+- `pipeline`: stage 1's prompt encoding (UMT5) and stage 2's loop over one or two experts;
+- `i2v`: image-to-video (CLIP tokens, the first and last frames' VAE latents); `ti2v`: TI2V-5B's
+  per-token timesteps and image latents;
+- `vae`: stage 3's frame programs (one latent frame per call, the stock decode's cache carried);
+- `presets`: the tiny random presets; `published`: the published checkpoints' configs for `--plan`.
+"""
+
+from ..common import size_from_request as image_size  # the pipeline resizes the image to the request's size
+from .config import (
+    LORA_LOADER,
+    NAME,
+    PIPELINE_CLASSES,
+    REQUEST_FLAGS,
+    cfg_enabled,
+    request_defaults,
+    transformer_components,
+    validate_request,
+)
+from .i2v import encode_images, image_inputs
+from .pipeline import Decoder, denoise_loop, latents_normalization, planning_embeds, prompt_encoder, video_processor
+from .presets import PRESETS
+from .published import PUBLISHED
+from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
+from .vae import CHUNK_FRAMES, frame_plan, frame_programs
+
+__all__ = [
+    "CHUNK_FRAMES",
+    "LORA_LOADER",
+    "NAME",
+    "PIPELINE_CLASSES",
+    "PRESETS",
+    "PUBLISHED",
+    "REQUEST_FLAGS",
+    "SPLASH_BLOCK_SIZES",
+    "Decoder",
+    "cfg_enabled",
+    "denoise_loop",
+    "encode_images",
+    "frame_plan",
+    "frame_programs",
+    "image_inputs",
+    "image_size",
+    "latents_normalization",
+    "planning_embeds",
+    "prompt_encoder",
+    "request_defaults",
+    "transformer_components",
+    "transformer_rules",
+    "validate_request",
+    "video_processor",
+]

@@ -1,0 +1,139 @@
+"""Wan's tiny presets: random components built in code (UMT5 with a T5 tokenizer, the transformer, the Wan
+2.1 or 2.2 VAE; CLIP for 2.1 image-to-video), deterministic per seed, for every variant the family runs."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..family import Preset
+from ..tiny import t5_encoder_kwargs, t5_tokenizer
+from .config import NAME
+
+
+def tiny_transformer(seed: int = 0, **image_to_video) -> torch.nn.Module:
+    """A random tiny WanTransformer3DModel: 8 heads x 16 (divisible by every tp of 8 devices), 2 blocks.
+    `image_to_video`: in_channels 36 (noise, mask, image latents), and for Wan 2.1 the image embedder."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=8,
+        attention_head_dim=16,
+        in_channels=image_to_video.pop("in_channels", 16),
+        out_channels=16,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+        **image_to_video,
+    ).eval()
+
+
+def tiny_pipeline(version: str, seed: int = 0):
+    """Random tiny Wan components, deterministic per seed. "2.2" adds a second expert and a boundary
+    (0.875, the A14B value) that the tiny presets' schedules cross mid-way."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = t5_tokenizer()  # a T5 tokenizer, as Wan's UMT5 one is
+    torch.manual_seed(seed)
+    text_encoder = UMT5EncoderModel(UMT5Config(**t5_encoder_kwargs(tokenizer)))
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLWan(
+        base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    ).eval()
+    # The published Wan folders' scheduler: UniPC with flow sigmas.
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+    )
+    two_experts = version == "2.2"
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=scheduler,
+        transformer=tiny_transformer(seed + 2),
+        transformer_2=tiny_transformer(seed + 3) if two_experts else None,
+        boundary_ratio=0.875 if two_experts else None,
+    )
+
+
+def tiny_ti2v_pipeline(seed: int = 0):
+    """WanPipeline with expand_timesteps (Wan 2.2 TI2V-5B's layout): the tiny transformer on a tiny Wan 2.2
+    VAE (residual blocks, 2x2 patchified pixels, 16x spatial compression; 16 latent channels here, 48 in the
+    real one), UniPC at shift 5 as the published folder has it."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+
+    base = tiny_pipeline("2.1", seed)
+    torch.manual_seed(seed + 5)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        decoder_base_dim=8,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        latents_mean=torch.linspace(-0.3, 0.3, 16).tolist(),
+        latents_std=torch.linspace(0.4, 1.6, 16).tolist(),
+    ).eval()
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=5.0
+    )
+    components = {"tokenizer": base.tokenizer, "text_encoder": base.text_encoder, "transformer": base.transformer}
+    return WanPipeline(**components, vae=vae, scheduler=scheduler, expand_timesteps=True)
+
+
+WAN_I2V_CHANNELS = 16 + 4 + 16  # noise latents, the first-frame mask (4 frames per latent frame), image latents
+
+
+def tiny_i2v_pipeline(version: str, seed: int = 0):
+    """WanImageToVideoPipeline with the tiny Wan components. "2.1": one transformer with an image embedder
+    fed by a tiny CLIP vision encoder; "2.2": two experts (boundary 0.9, the A14B value) and no image encoder."""
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    base = tiny_pipeline("2.1", seed)
+    image_encoder = image_processor = None
+    extra = {}
+    if version == "2.1":
+        torch.manual_seed(seed + 4)
+        sizes = {"hidden_size": 16, "intermediate_size": 32, "image_size": 32, "patch_size": 8}
+        config = CLIPVisionConfig(num_hidden_layers=2, num_attention_heads=2, **sizes)
+        image_encoder = CLIPVisionModel(config).eval()
+        image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        extra = {"image_dim": 16, "added_kv_proj_dim": 128}
+    two_experts = version == "2.2"
+    return WanImageToVideoPipeline(
+        tokenizer=base.tokenizer,
+        text_encoder=base.text_encoder,
+        vae=base.vae,
+        scheduler=base.scheduler,
+        image_processor=image_processor,
+        image_encoder=image_encoder,
+        transformer=tiny_transformer(seed + 2, in_channels=WAN_I2V_CHANNELS, **extra),
+        transformer_2=tiny_transformer(seed + 3, in_channels=WAN_I2V_CHANNELS) if two_experts else None,
+        boundary_ratio=0.9 if two_experts else None,
+    )
+
+
+TINY_DEFAULTS = {"height": 32, "width": 48, "num_frames": 5, "fps": 16, "num_inference_steps": 6}
+PRESETS = {
+    "tiny-wan2.1": Preset(NAME, functools.partial(tiny_pipeline, "2.1"), TINY_DEFAULTS),
+    "tiny-wan2.2": Preset(NAME, functools.partial(tiny_pipeline, "2.2"), TINY_DEFAULTS),
+    "tiny-wan2.1-i2v": Preset(NAME, functools.partial(tiny_i2v_pipeline, "2.1"), TINY_DEFAULTS),
+    "tiny-wan2.2-i2v": Preset(NAME, functools.partial(tiny_i2v_pipeline, "2.2"), TINY_DEFAULTS),
+    # TI2V-5B's layout; sizes are multiples of 32 (16x VAE, 2x2 patches)
+    "tiny-wan2.2-ti2v": Preset(NAME, tiny_ti2v_pipeline, {**TINY_DEFAULTS, "height": 64, "width": 96}),
+}

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 import models
-from models.common import check_backend_flags, open_runtime
 from models.images import IMAGE_FLAGS, check_image_flags, read_images
+from runtime.backend import check_backend_flags, open_runtime
 from runtime.interface import Timer, run_record
 from sharding import TP
 from utils import (

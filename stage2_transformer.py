@@ -20,7 +20,8 @@ from models import lora
 from models.batching import default_batch_size, denoise_group, group_key
 from models.cache_schedule import add_cache_arguments, kind_from_flags
 from models.common import attention_heads
-from models.denoise import DenoiseOptions, denoise, sigterm_sets_stop
+from models.denoise import DenoiseOptions, denoise
+from models.guard import sigterm_sets_stop
 from models.stage2_inputs import PROFILE_DIR, ValidatedRun, batch_resume, check_batch_flags, profile_dir, validated_run
 from runtime import distributed
 from runtime.interface import run_record

@@ -21,15 +21,8 @@ import numpy as np
 import torch
 
 import models
-from models.common import (
-    STAGE3_BACKENDS,
-    check_backend_flags,
-    choose_backend,
-    decode,
-    open_runtime,
-    write_mp4,
-    write_preview_png,
-)
+from models.decode import decode
+from runtime.backend import STAGE3_BACKENDS, check_backend_flags, choose_backend, open_runtime
 from runtime.interface import Timer, run_record
 from sharding import SP
 from utils import (
@@ -38,6 +31,7 @@ from utils import (
     VIDEO_FILE,
     Request,
     UserError,
+    atomic_write,
     batch,
     check_output_dir,
     check_stage1_fresh,
@@ -57,6 +51,50 @@ from utils import (
     write_tensors,
 )
 from workarounds.warning_filters import filter_harmless_warnings
+
+
+def write_mp4(path: Path, frames, fps: int) -> None:
+    """Encode uint8 frames (F, H, W, 3) as H.264 mp4 with imageio-ffmpeg, atomically."""
+    import imageio_ffmpeg
+
+    _, height, width, _ = frames.shape
+
+    def write(tmp: Path) -> None:
+        writer = imageio_ffmpeg.write_frames(
+            str(tmp),
+            (width, height),
+            fps=fps,
+            codec="libx264",
+            pix_fmt_out="yuv420p",
+            macro_block_size=1,
+            quality=8,
+            ffmpeg_log_level="error",
+        )
+        writer.send(None)
+        for frame in frames:
+            writer.send(frame.tobytes())
+        writer.close()
+
+    atomic_write(path, write)
+
+
+def write_preview_png(path: Path, frames, count: int = 8, columns: int = 4) -> tuple[int, int]:
+    """Save `count` evenly spaced frames of uint8 video (F, H, W, 3) as one grid image, atomically.
+
+    Returns the grid's (rows, columns)."""
+    import numpy as np
+    from PIL import Image
+
+    total, height, width, _ = frames.shape
+    picks = np.unique(np.linspace(0, total - 1, min(count, total)).round().astype(int))
+    columns = min(columns, len(picks))
+    rows = -(-len(picks) // columns)
+    grid = np.zeros((rows * height, columns * width, 3), dtype=np.uint8)
+    for cell, index in enumerate(picks):
+        row, column = divmod(cell, columns)
+        grid[row * height : (row + 1) * height, column * width : (column + 1) * width] = frames[index]
+    atomic_write(path, lambda tmp: Image.fromarray(grid).save(tmp, format="PNG"))
+    return rows, columns
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -223,7 +261,7 @@ def main(argv=None) -> None:
     videos = [checked_video(args, folder) for folder in folders]  # every folder checked before any work
 
     # With --backend torchax the VAE's weights are replicated and its activations split spatially
-    # (models.common.latents_split).
+    # (models.decode.latents_split).
     backend, device, reason = choose_backend(args.backend, args.device)
     log(f"--backend {args.backend}: {reason}")
     runtime = open_runtime(backend, device, SP, compile_cache=not args.no_compile_cache)

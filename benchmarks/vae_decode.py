@@ -53,7 +53,7 @@ def measure(folder: str, mode: str, frames: int, height: int, width: int, chunk:
     import torch
 
     import models
-    from models.common import LATENTS_WIDTH_SPLIT
+    from models.decode import LATENTS_WIDTH_SPLIT
 
     source, family = models.resolve_model(folder)
     config = source.load_config("vae")

@@ -190,7 +190,7 @@ class BatchGuard:
     def __init__(self, guards: list, size: int, run) -> None:
         self.guards = guards
         self.size = size
-        self.run = run  # its `stop_requested` is set by SIGTERM (denoise.sigterm_sets_stop)
+        self.run = run  # its `stop_requested` is set by SIGTERM (guard.sigterm_sets_stop)
         self.restored = self._restored()
 
     def _restored(self):

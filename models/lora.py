@@ -9,10 +9,8 @@ memory and its collectives are the base model's (`--plan` says so and compiles t
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,11 +19,10 @@ import torch
 
 from utils import UserError, log, sha256_file
 
+from .lora_files import PREFIX, check_fits, family_loader, few_names, likely_model, read_file, transformer_weights
+
 # The flags, and the transformer component each one adapts.
 FLAGS = {"--lora": "transformer", "--lora_2": "transformer_2"}
-# A PEFT LoRA weight: `<module>.lora_A.weight` (down), `<module>.lora_B.weight` (up), `<module>.lora_B.bias`.
-LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)\.(?P<param>weight|bias)$")
-PREFIX = "transformer"  # diffusers' key prefix for a pipeline's transformer weights
 PLAN_EFFECT = (
     "fused into the weights on the host before placement: same shapes and layouts, so the compiled step, "
     "its HBM and its collectives are those planned for the base model"
@@ -124,118 +121,6 @@ def _only_safetensors(names: list[str], path: str, flag: str, folder: Path) -> P
     return folder / found[0]
 
 
-def _read(loader, file: Path, flag: str) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """The file through the family's diffusers loader (None: a plain read, diffusers/PEFT keys only)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(file), "pt") as handle:  # header and sizes checked before anything else reads it
-            handle.keys()
-        if loader is None:
-            from diffusers.utils.state_dict_utils import _load_sft_state_dict_metadata
-            from safetensors.torch import load_file
-
-            return load_file(str(file)), _load_sft_state_dict_metadata(str(file))
-        # use_safetensors=True: diffusers would otherwise fall back to unpickling a file it cannot read
-        return loader.lora_state_dict(str(file), use_safetensors=True, return_lora_metadata=True)
-    except (SafetensorError, OSError) as err:
-        raise UserError(f"{flag} {file}: not a readable .safetensors file (truncated?): {err}") from None
-
-
-def family_loader(family):
-    """The diffusers class whose `lora_state_dict` reads this family's adapter files, or None."""
-    if family.LORA_LOADER is None:
-        return None
-    return getattr(importlib.import_module("diffusers.loaders"), family.LORA_LOADER)
-
-
-def transformer_weights(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], str | None, list[str]]:
-    """The transformer's keys as `load_lora_adapter` sees them, its prefix, and the keys of other components
-    (a text encoder's, which stage 2 leaves alone, as diffusers' video pipelines do)."""
-    from diffusers.utils import convert_unet_state_dict_to_peft
-
-    if any(key.startswith(f"{PREFIX}.") for key in state_dict):
-        prefix = PREFIX
-        ours = {key.removeprefix(f"{PREFIX}."): v for key, v in state_dict.items() if key.startswith(f"{PREFIX}.")}
-        others = [key for key in state_dict if not key.startswith(f"{PREFIX}.")]
-    else:
-        prefix, ours, others = None, dict(state_dict), []
-    if ours and "lora_A" not in next(iter(ours)):  # load_lora_adapter's own test for the older diffusers keys
-        ours = convert_unet_state_dict_to_peft(ours)
-    return ours, prefix, others
-
-
-def check_fits(weights: dict[str, torch.Tensor], modules: dict[str, torch.nn.Module], flag: str, file: Path) -> list:
-    """Refuse keys that are not LoRA weights, and weights whose shapes do not fit their module. Returns the
-    module names the adapter names that this transformer lacks."""
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    strays = []
-    for key, tensor in weights.items():
-        match = LORA_KEY.match(key)
-        if match is None:
-            strays.append(key)
-        else:
-            pairs.setdefault(match["module"], {})[f"{match['part']}.{match['param']}"] = tensor
-    if strays:
-        raise UserError(f"{flag} {file.name}: keys that are not LoRA weights (lora_A/lora_B): {_few(strays)}")
-    missing = [name for name in pairs if name not in modules]
-    for name, parts in pairs.items():
-        if name in missing:
-            continue
-        module = modules[name]
-        if isinstance(module, torch.nn.Linear):
-            size_in, size_out = module.in_features, module.out_features
-        elif isinstance(module, torch.nn.modules.conv._ConvNd):
-            size_in, size_out = module.in_channels, module.out_channels
-        else:
-            raise UserError(f"{flag} {file.name}: {name} is a {type(module).__name__}, not a linear or conv layer")
-        down, up = parts.get("lora_A.weight"), parts.get("lora_B.weight")
-        if down is None or up is None:
-            raise UserError(f"{flag} {file.name}: {name} has only one of lora_A and lora_B")
-        if down.shape[1] != size_in or up.shape[0] != size_out or down.shape[0] != up.shape[1]:
-            raise UserError(
-                f"{flag} {file.name}: {name} ({size_in} in, {size_out} out) does not fit the adapter's lora_A "
-                f"{tuple(down.shape)} and lora_B {tuple(up.shape)} (rank {down.shape[0]}); an adapter for "
-                "another size of this model?"
-            )
-    return missing
-
-
-def _few(names: list[str], count: int = 3) -> str:
-    more = f" and {len(names) - count} more" if len(names) > count else ""
-    return ", ".join(names[:count]) + more
-
-
-def _pattern(name: str) -> str:
-    return re.sub(r"\.\d+(?=\.|$)", ".N", name)
-
-
-def likely_model(file: Path) -> str | None:
-    """The published model (hub id) whose transformer has most of the modules the file's keys name, after
-    that model's family loader converted them (over half, else None): named when the keys do not fit."""
-    import models
-    from models.meta import meta_transformers
-
-    best, best_share, names_by_family = None, 0.5, {}
-    for hub_id in models.PUBLISHED:
-        source, family = models.resolve_model(hub_id, configs_only=True)
-        if family.NAME not in names_by_family:
-            try:
-                weights = transformer_weights(_read(family_loader(family), file, "--lora")[0])[0]
-            except Exception:  # a loader whose converter does not take these keys
-                weights = {}
-            names_by_family[family.NAME] = {match["module"] for match in map(LORA_KEY.match, weights) if match}
-        names = names_by_family[family.NAME]
-        if not names:
-            continue
-        transformer = meta_transformers(family, source, torch.float32, num_layers=1)["transformer"]
-        modules = {_pattern(name) for name, _ in transformer.named_modules()}
-        share = sum(_pattern(name) in modules for name in names) / max(len(names), 1)
-        if share > best_share:
-            best, best_share = f"{hub_id} ({family.NAME})", share
-    return best
-
-
 def read_adapters(args, family, source, dtype: torch.dtype) -> list[Adapter]:
     """Every `--lora`/`--lora_2` flag, read and checked against the transformers' modules on the meta
     device (no weights): all errors come before anything is loaded or placed."""
@@ -255,7 +140,7 @@ def read_adapters(args, family, source, dtype: torch.dtype) -> list[Adapter]:
         file = resolve_file(path, flag)
         if file.suffix != ".safetensors":
             raise UserError(f"{flag} {path}: {file.name} is not a .safetensors file")
-        state_dict, metadata = _read(loader, file, flag)
+        state_dict, metadata = read_file(loader, file, flag)
         weights, prefix, others = transformer_weights(state_dict)
         component = FLAGS[flag]
         modules = dict(transformers[component].named_modules())
@@ -265,10 +150,10 @@ def read_adapters(args, family, source, dtype: torch.dtype) -> list[Adapter]:
             looks = f"they look made for {made_for}" if made_for else "no supported model has them"
             raise UserError(
                 f"{flag} {file.name}: {len(missing)} of its modules are not in this {family.NAME} {component} "
-                f"({_few(missing)}); {looks}"
+                f"({few_names(missing)}); {looks}"
             )
         if others:
-            log(f"{flag} {file.name}: {len(others)} keys of other components left alone ({_few(others, 2)})")
+            log(f"{flag} {file.name}: {len(others)} keys of other components left alone ({few_names(others, 2)})")
         if loader is not None and prefix is None:
             log(f"{flag} {file.name}: keys without the '{PREFIX}.' prefix, taken as the transformer's")
         sha = sha256_file(file)

@@ -11,7 +11,7 @@ from pathlib import Path
 import models
 from models import lora
 from models.cache_schedule import CacheSettings, kind_from_flags, settings_from_flags
-from models.denoise import DenoiseGuard
+from models.guard import DenoiseGuard
 from models.images import check_image_size_kept
 from runtime.interface import Timer
 from utils import (

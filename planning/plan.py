@@ -207,18 +207,18 @@ def _flops(report: dict[str, Any], target: Target, xla: float, attention: float 
 def cache_programs(loop, kind: str, runtime, mesh, rules, inputs, env):
     """With a step cache (`kind` magcache or interval): the guided denoiser wrapped as a real run wraps it,
     and the (module, rules, inputs) of its full step and of its cached step; else the plain denoiser."""
-    from models import step_cache
+    from models import cached_blocks
     from models.cache_schedule import CacheSettings
 
     if kind == "none":
         return (loop.guided[0], rules, inputs), None
     settings = CacheSettings(kind=kind)
-    module = step_cache.cached_denoiser(loop.guided[0], settings, len(loop.cache_branches), runtime.constrain)
+    module = cached_blocks.cached_denoiser(loop.guided[0], settings, len(loop.cache_branches), runtime.constrain)
     rules = loop.rules.nested("guided.transformer.")
-    hidden, text = step_cache.probe_shapes(lambda: trace_module(module, rules, inputs, mesh, env, "probe"))
-    residuals = [(torch.zeros(hidden[0], dtype=hidden[1]), step_cache.HIDDEN_LAYOUT)]
+    hidden, text = cached_blocks.probe_shapes(lambda: trace_module(module, rules, inputs, mesh, env, "probe"))
+    residuals = [(torch.zeros(hidden[0], dtype=hidden[1]), cached_blocks.HIDDEN_LAYOUT)]
     residuals.append(
-        (torch.zeros(text[0], dtype=text[1]), step_cache.TEXT_LAYOUT) if module.cache.cache_text else (None, ())
+        (torch.zeros(text[0], dtype=text[1]), cached_blocks.TEXT_LAYOUT) if module.cache.cache_text else (None, ())
     )
     reuse = (torch.zeros(len(loop.cache_branches), dtype=torch.bool), ())
     return (module, rules, [*residuals, reuse, *inputs]), (module, rules, [*residuals, *inputs])
@@ -319,11 +319,11 @@ def plan_stage3(
     family, source, request, dtype, target: Target, tiling: bool, chunk_frames: int | None = None, rows: int = 1
 ):
     """Compile stage 3's torchax decode (VAE weights replicated, latents split over every device along
-    width, else height: models.common.latents_split) for `target`, as one program or, with `chunk_frames`,
+    width, else height: models.decode.latents_split) for `target`, as one program or, with `chunk_frames`,
     as the family's frame programs; the report as a dict. The latents' shape comes from the family's own
     stage-2 loop (built around a one-block meta transformer), so it is the shape stage 2 writes. `rows` > 1
     (benchmarks/vae_split.py): height split `rows` ways and width the rest, on a rows x devices/rows mesh."""
-    from models.common import LATENTS_GRID_SPLIT, UNEVEN_WIDTH, latents_split
+    from models.decode import LATENTS_GRID_SPLIT, UNEVEN_WIDTH, latents_split
     from runtime.torchax_runtime import TorchaxRuntime
     from sharding import REPLICATED_TABLE, MeshShape
 

@@ -177,7 +177,7 @@ def collectives_in(jax_function, shapes, mesh, layout=("dp",)) -> list[str]:
 def stop_stage2_after(monkeypatch, argv: list[str], steps: int) -> None:
     """Run stage 2 in this process and stop it after `steps` steps as SIGTERM does (the guard saves a
     checkpoint, then raises Stopped); the test then resumes it with --resume."""
-    from models.denoise import DenoiseGuard
+    from models.guard import DenoiseGuard
     from utils import Stopped
 
     after_step = DenoiseGuard.after_step

@@ -16,7 +16,7 @@ import stage1_text_encoder
 import stage2_transformer
 from helpers import relative_error, run_stage
 from models import cogvideox
-from models.common import LATENTS_WIDTH_SPLIT, decode
+from models.decode import LATENTS_WIDTH_SPLIT, decode
 from runtime.interface import Timer, TorchRuntime
 from utils import STAGE2_FILE, read_config, read_tensors
 

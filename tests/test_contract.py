@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.denoise import DenoiseGuard
+from models.guard import DenoiseGuard
 from utils import (
     CHECKPOINT_FILE,
     CONFIG_FILE,

@@ -15,7 +15,7 @@ import models
 import stage1_text_encoder
 import stage2_transformer
 from helpers import relative_error, run_stage
-from models.common import decode
+from models.decode import decode
 from runtime.interface import Timer, TorchRuntime
 from utils import read_config, read_tensors
 

@@ -20,6 +20,7 @@ from models.family import family_members
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 450
+MAX_MODELS_LINES = 300
 # Our packages: every folder at the top holding an __init__.py (tests and benchmarks hold none).
 PACKAGES = tuple(sorted(path.parent.name for path in ROOT.glob("*/__init__.py")))
 
@@ -113,7 +114,14 @@ def test_no_import_cycle_among_our_modules():
 LAYERS = [
     ("utils", "sharding", "runtime", "runtime.interface", "runtime.mesh", "workarounds"),  # "runtime": its opening
     ("attention",),
-    ("splash_attention", "attention.dispatch", "runtime.placement", "runtime.torchax_runtime", "runtime.distributed"),
+    (
+        "splash_attention",
+        "attention.dispatch",
+        "runtime.placement",
+        "runtime.torchax_runtime",
+        "runtime.backend",
+        "runtime.distributed",
+    ),
     ("models",),
     ("planning",),
     ("stage1_text_encoder", "stage2_transformer", "stage3_vae_decoder"),
@@ -151,8 +159,10 @@ def test_library_modules_do_not_import_the_cli_contract():
 
 @pytest.mark.parametrize("name", sorted(project_modules()))
 def test_module_size(name):
+    """450 lines at most; 300 in models/ (the families and the shared engine, where new families land)."""
     lines = len(project_modules()[name].read_text().splitlines())
-    assert lines <= MAX_LINES, f"{name} has {lines} lines; split it by responsibility"
+    limit = MAX_MODELS_LINES if name == "models" or name.startswith("models.") else MAX_LINES
+    assert lines <= limit, f"{name} has {lines} lines (at most {limit}); split it by responsibility"
 
 
 @pytest.mark.parametrize("family", list(models.FAMILIES.values()), ids=list(models.FAMILIES))

@@ -18,7 +18,8 @@ import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
 from helpers import expect_user_error, run_script, run_stage
-from models.common import choose_backend, decode
+from models.decode import decode
+from runtime.backend import choose_backend
 from runtime.interface import Timer, TorchRuntime
 from utils import CONFIG_FILE, STAGE1_FILE, STAGE2_FILE, read_config, read_tensors
 

@@ -23,9 +23,9 @@ import models
 import stage1_text_encoder
 import stage2_transformer
 from helpers import expect_user_error, relative_error, run_stage
-from models import cache_schedule, step_cache
+from models import cache_schedule, cached_blocks
 from models.cache_schedule import CacheSettings, schedule
-from models.denoise import DenoiseGuard
+from models.guard import DenoiseGuard
 from utils import CHECKPOINT_FILE, Stopped, read_config, read_tensors
 
 TOLERANCE = 1e-4
@@ -65,7 +65,7 @@ def computed_calls(transformer) -> list[bool]:
     """Record, per call of `transformer`, whether its last block really ran (diffusers' skips do not)."""
     calls = []
     transformer.register_forward_pre_hook(lambda module, args: calls.append(False))
-    blocks = step_cache.block_list(transformer)
+    blocks = cached_blocks.block_list(transformer)
 
     def ran(module, args):
         calls[-1] = True
@@ -85,7 +85,7 @@ def per_context_configs(transformer, configs: dict) -> None:
             return getattr(configs[self.manager.context.name], key)
 
     transformer.enable_cache(next(iter(configs.values())))
-    for block in step_cache.block_list(transformer):
+    for block in cached_blocks.block_list(transformer):
         for hook in block._diffusers_hook.hooks.values():
             if hasattr(hook, "state_manager"):
                 hook.config = ByContext(hook.state_manager)
@@ -304,7 +304,7 @@ class IntervalReference:
     residuals (video and text tokens) from the last step that ran them."""
 
     def __init__(self, transformer, start: int, end: int, interval: int) -> None:
-        self.blocks = step_cache.block_list(transformer)
+        self.blocks = cached_blocks.block_list(transformer)
         self.start, self.end, self.interval = start, end, interval
         self.step, self.residual = -1, None
         for index, block in enumerate(self.blocks):

@@ -16,7 +16,7 @@ import sharding
 import stage1_text_encoder
 from helpers import relative_error, run_stage, write_image
 from models.cogvideox.published import T5_XXL_ENCODER
-from models.common import DeviceTextEncoder
+from models.encoders import DeviceTextEncoder
 from models.hunyuanvideo15.published import QWEN25_VL_7B_TEXT
 from runtime import placement
 from runtime.torchax_runtime import TorchaxRuntime
@@ -121,7 +121,7 @@ def test_qwen_rule_table_matches_every_parameter_as_intended(model, tp):
 def test_unknown_text_encoder_is_a_value_error_in_the_library_and_a_user_error_in_stage_1():
     from transformers import CLIPTextConfig
 
-    from models.common import text_encoder_rules
+    from models.encoders import text_encoder_rules
     from utils import UserError
 
     with pytest.raises(ValueError, match="no sharding rules for a 'clip_text_model' text encoder"):

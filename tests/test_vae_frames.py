@@ -13,7 +13,7 @@ import models
 import sharding
 import stage3_vae_decoder
 from helpers import expect_user_error, relative_error, run_stage
-from models.common import LATENTS_WIDTH_SPLIT, decode
+from models.decode import LATENTS_WIDTH_SPLIT, decode
 from models.meta import meta_module
 from models.wan import vae as wan_vae
 from runtime import placement
@@ -206,7 +206,7 @@ def test_plan_with_chunk_frames_0_compiles_the_one_program_decode(tmp_path):
 
 def test_height_split_where_the_width_does_not_divide():
     """12 latent columns do not divide by 8 devices, 8 rows do: the frames split along height, still exact."""
-    from models.common import LATENTS_HEIGHT_SPLIT, latents_split
+    from models.decode import LATENTS_HEIGHT_SPLIT, latents_split
 
     source, family = models.resolve_model("tiny-cogvideox")
     latents = torch.randn(1, 4, 5, 8, 12, generator=torch.Generator().manual_seed(4))
@@ -223,7 +223,7 @@ def test_uneven_width_split_is_exact(preset, chunk):
     """13 latent columns and 6 rows divide by 8 devices along neither side (HunyuanVideo-1.5 480p's 30 x 53
     and CogVideoX-5b's 60 x 90 neither): the frame programs split the width unevenly inside (XLA pads the
     last shards), exact to the stock decode."""
-    from models.common import UNEVEN_WIDTH, latents_split
+    from models.decode import UNEVEN_WIDTH, latents_split
 
     source, family = models.resolve_model(preset)
     config = source.load_config("vae")
@@ -262,7 +262,7 @@ def test_an_uneven_constraint_splits_the_dimension_it_does_not_divide():
 def test_height_by_width_split_is_exact(preset):
     """The 2D split benchmarks/vae_split.py compares on the TPU compiler (height over dp 2, width over sp 4)
     decodes exactly too."""
-    from models.common import LATENTS_GRID_SPLIT
+    from models.decode import LATENTS_GRID_SPLIT
 
     source, family = models.resolve_model(preset)
     config = source.load_config("vae")

@@ -29,7 +29,7 @@ from helpers import (
     stop_stage2_after,
 )
 from models import wan
-from models.common import decode
+from models.decode import decode
 from runtime import placement
 from runtime.interface import Timer, TorchRuntime
 from runtime.torchax_runtime import TorchaxRuntime

@@ -15,7 +15,7 @@ def register_hunyuanvideo15_block() -> None:
     diffusers 0.42.1 leaves it out, so `transformer.enable_cache(MagCacheConfig(...))` raises `Model class
     ...HunyuanVideo15TransformerBlock not registered`, and our step cache reads the same metadata.
     tests/test_upstream_bugs.py fails once diffusers registers it itself: then delete this and its call
-    in models/step_cache.BlockCache.
+    in models/cached_blocks.BlockCache.
     """
     from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
     from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock

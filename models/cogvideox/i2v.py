@@ -16,7 +16,7 @@ import torch
 
 from utils import Request, parse_dtype
 
-from ..common import DeviceVAEEncoder
+from ..encoders import DeviceVAEEncoder
 
 PIPELINE_CLASS = "CogVideoXImageToVideoPipeline"
 OFS = 2.0  # the pipeline's `ofs` value for transformers with an ofs embedding (CogVideoX 1.5 I2V)

@@ -12,8 +12,9 @@ import torch
 
 from utils import Request
 
-from ..common import NOISE_DTYPE, DeviceTextEncoder, recorded_scaling_factor, vae_scaling_factor
+from ..common import NOISE_DTYPE, recorded_scaling_factor, vae_scaling_factor
 from ..denoise import DenoiseLoop, latents_record
+from ..encoders import DeviceTextEncoder, t5_prompt_encoder
 from ..guidance import BATCH
 from . import i2v
 from .config import Geometry, cfg_enabled
@@ -37,20 +38,7 @@ def prompt_encoder(source, dtype: torch.dtype, runtime):
     transformer's text length."""
     text_encoder = DeviceTextEncoder(source.load("text_encoder", dtype=dtype).eval(), runtime)
     pipe = _pipeline(tokenizer=source.load("tokenizer"), text_encoder=text_encoder)
-
-    def encode(request: Request) -> dict[str, torch.Tensor]:
-        with torch.no_grad():
-            prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(
-                request.prompt,
-                request.negative_prompt,
-                do_classifier_free_guidance=True,  # always encode the negative: stage 2 may turn CFG on
-                max_sequence_length=Geometry.of(source).text_tokens,
-                device=runtime.device,
-                dtype=dtype,
-            )
-        return {"prompt_embeds": prompt_embeds.cpu(), "negative_prompt_embeds": negative_prompt_embeds.cpu()}
-
-    return encode
+    return t5_prompt_encoder(pipe, Geometry.of(source).text_tokens, runtime, dtype)
 
 
 # Stage 2 -------------------------------------------------------------------------------------------

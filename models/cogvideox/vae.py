@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree
 
-from ..common import decode_in_chunks, frame_batches
+from ..decode import decode_in_chunks, frame_batches
 
 CHUNK_FRAMES = (2,)  # latent frames per call: the stock decode's frame batch
 PROGRAMS = ("first", "steady")
@@ -43,7 +43,7 @@ class BatchPrograms(torch.nn.Module):
 
     def _batch(self, latents, cache):
         vae = self.decoder.vae
-        latents = self.constrain(latents, self.layout, uneven=True)  # models.common.latents_split
+        latents = self.constrain(latents, self.layout, uneven=True)  # models.decode.latents_split
         latents = 1 / self.decoder.scaling_factor * latents  # CogVideoXPipeline.decode_latents' expression
         if vae.post_quant_conv is not None:
             latents = vae.post_quant_conv(latents)

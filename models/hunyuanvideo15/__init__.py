@@ -19,30 +19,3 @@ from .presets import PRESETS
 from .published import PUBLISHED
 from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
 from .vae import CHUNK_FRAMES, Decoder, frame_plan, frame_programs, video_processor
-
-__all__ = [
-    "CHUNK_FRAMES",
-    "LORA_LOADER",
-    "NAME",
-    "PIPELINE_CLASSES",
-    "PRESETS",
-    "PUBLISHED",
-    "REQUEST_FLAGS",
-    "SPLASH_BLOCK_SIZES",
-    "Decoder",
-    "cfg_enabled",
-    "denoise_loop",
-    "encode_images",
-    "frame_plan",
-    "frame_programs",
-    "image_inputs",
-    "image_size",
-    "latents_normalization",
-    "planning_embeds",
-    "prompt_encoder",
-    "request_defaults",
-    "transformer_components",
-    "transformer_rules",
-    "validate_request",
-    "video_processor",
-]

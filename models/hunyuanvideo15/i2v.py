@@ -16,7 +16,7 @@ import torch
 
 from utils import Request, parse_dtype
 
-from ..common import DeviceImageEncoder, DeviceVAEEncoder
+from ..encoders import DeviceImageEncoder, DeviceVAEEncoder
 from .vae import make_vae_jit_safe
 
 PIPELINE_CLASS = "HunyuanVideo15ImageToVideoPipeline"

@@ -8,8 +8,9 @@ import torch
 from utils import Request
 
 from .. import common
-from ..common import NOISE_DTYPE, DeviceTextEncoder
+from ..common import NOISE_DTYPE
 from ..denoise import DenoiseLoop, latents_record
+from ..encoders import DeviceTextEncoder
 from ..guidance import BATCH
 from . import i2v
 from .config import Geometry, cfg_enabled

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..common import decode_in_chunks, frame_batches, recorded_scaling_factor
+from ..common import recorded_scaling_factor
+from ..decode import decode_in_chunks, frame_batches
 
 
 def frame_causal_mask(n_frame: int, n_hw: int, dtype, device, batch_size: int | None = None) -> torch.Tensor:
@@ -182,7 +183,7 @@ class FramePrograms(torch.nn.Module):
             pin_whole=lambda tensor: self.constrain(tensor, (None,) * tensor.dim()),
             pin_split=lambda tensor: self.constrain(tensor, self.layout, uneven=True),
         )
-        latents = self.constrain(latents, self.layout, uneven=True)  # models.common.latents_split
+        latents = self.constrain(latents, self.layout, uneven=True)  # models.decode.latents_split
         latents = latents.to(self.decoder.vae.dtype) / self.decoder.scaling_factor
         out = decode_chunk(self.decoder.vae.decoder, latents, state, previous is None, self.video_frames)
         kept = zip(state.left, state.whole, strict=True)

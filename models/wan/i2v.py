@@ -11,7 +11,7 @@ import torch
 
 from utils import Request, UserError, log
 
-from ..common import DeviceImageEncoder, DeviceVAEEncoder
+from ..encoders import DeviceImageEncoder, DeviceVAEEncoder
 from . import ti2v
 from .config import image_to_video, stock_pipeline
 

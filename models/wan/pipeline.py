@@ -25,8 +25,9 @@ import torch
 
 from utils import Request, UserError, log
 
-from ..common import NOISE_DTYPE, DeviceTextEncoder, flow_scheduler
+from ..common import NOISE_DTYPE, flow_scheduler
 from ..denoise import DenoiseLoop, latents_record, multistep_state, restore_multistep_state
+from ..encoders import DeviceTextEncoder, t5_prompt_encoder
 from ..guidance import BATCH
 from . import ti2v
 from .config import MAX_SEQUENCE_LENGTH, cfg_enabled, image_to_video, stock_pipeline, transformer_components
@@ -39,25 +40,9 @@ from .transformer import GuidedTransformer, transformer_rules
 def prompt_encoder(source, dtype: torch.dtype, runtime):
     """UMT5 loaded once; per request the pipeline's own `encode_prompt` (its cleaning, 512-token layout,
     trimming and zero padding) of the prompt and the negative prompt."""
-    pipe = stock_pipeline(
-        source,
-        tokenizer=source.load("tokenizer"),
-        text_encoder=DeviceTextEncoder(source.load("text_encoder", dtype=dtype).eval(), runtime),
-    )
-
-    def encode(request: Request) -> dict[str, torch.Tensor]:
-        with torch.no_grad():
-            prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(
-                prompt=request.prompt,
-                negative_prompt=request.negative_prompt,
-                do_classifier_free_guidance=True,
-                max_sequence_length=MAX_SEQUENCE_LENGTH,
-                device=runtime.device,
-                dtype=dtype,
-            )
-        return {"prompt_embeds": prompt_embeds.cpu(), "negative_prompt_embeds": negative_prompt_embeds.cpu()}
-
-    return encode
+    text_encoder = DeviceTextEncoder(source.load("text_encoder", dtype=dtype).eval(), runtime)
+    pipe = stock_pipeline(source, tokenizer=source.load("tokenizer"), text_encoder=text_encoder)
+    return t5_prompt_encoder(pipe, MAX_SEQUENCE_LENGTH, runtime, dtype)
 
 
 # Stage 2 -------------------------------------------------------------------------------------------

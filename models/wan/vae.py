@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import decode_in_chunks
+from ..decode import decode_in_chunks
 
 CHUNK_FRAMES = (1,)  # latent frames per call that equal the stock decode
 PROGRAMS = ("first", "second", "steady")
@@ -55,7 +55,7 @@ class FramePrograms(torch.nn.Module):
         from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
         vae, tensors = self.decoder.vae, iter(cache)
-        latents = self.constrain(latents, self.layout, uneven=True)  # models.common.latents_split
+        latents = self.constrain(latents, self.layout, uneven=True)  # models.decode.latents_split
         slots = [None if kind is None else REP if kind == REP else next(tensors) for kind in self.kinds[program]]
         latents = latents.to(self.decoder.latents_mean.dtype) / self.decoder.latents_std + self.decoder.latents_mean
         out = vae.decoder(vae.post_quant_conv(latents), feat_cache=slots, feat_idx=[0], first_chunk=program == 0)

@@ -1,5 +1,5 @@
-"""Attention for torchax: the Pallas Splash Attention kernel with exact key masking, registered as
-`torch.nn.functional.scaled_dot_product_attention` inside the torchax environment.
+"""Attention for torchax: the Pallas Splash Attention kernel with exact key masking, which the SDPA override
+(attention/dispatch.py) calls for `torch.nn.functional.scaled_dot_product_attention` under torchax.
 
 Exactness. Splash needs sequence lengths that are multiples of its tiles, so queries and keys are
 padded. Padded (and user-masked) keys are excluded with the kernel's segment ids: every query gets

@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 import models
+from cli import UserError, dtype_flag, flag_names, log, parse_dtype, run_cli, stage_parser
+from models import batch_folders
 from models.images import IMAGE_FLAGS, check_image_flags, read_images
 from runtime.backend import check_backend_flags, open_runtime
 from runtime.interface import Timer, run_record
@@ -27,17 +29,9 @@ from utils import (
     DEFAULT_OUTPUT_DIR,
     STAGE1_FILE,
     Request,
-    UserError,
     add_request_arguments,
-    batch,
-    dtype_flag,
     ensure_writable_dir,
-    flag_names,
-    log,
-    parse_dtype,
     read_config,
-    run_cli,
-    stage_parser,
     stage_sections,
     write_stage_config,
     write_tensors,
@@ -134,22 +128,22 @@ def main(argv=None) -> None:
     check_backend_flags(args.backend, args.device)
     dtype = parse_dtype(args.dtype)
     output_dir = Path(args.output_dir)
-    entries = batch.entries_from_flags(args)
+    entries = batch_folders.entries_from_flags(args)
 
     source, family = models.resolve_model(args.model)
     log(f"stage 1 for {family.NAME}, model {args.model}")
-    batch.check_output_kind(output_dir, many=entries is not None)
+    batch_folders.check_output_kind(output_dir, many=entries is not None)
     if entries is None:
         videos = [checked_video(args, source, family, output_dir)]
     else:
-        folders = batch.folder_names(entries)
+        folders = batch_folders.folder_names(entries)
         videos = [
             checked_video(
                 argparse.Namespace(**{**vars(args), **entry.flags()}), source, family, output_dir / name, entry.where
             )
             for entry, name in zip(entries, folders, strict=True)
         ]
-        ensure_writable_dir(output_dir, (batch.BATCH_FILE,))
+        ensure_writable_dir(output_dir, (batch_folders.BATCH_FILE,))
     for video in videos:
         ensure_writable_dir(video.output_dir, (STAGE1_FILE,))
 
@@ -164,7 +158,7 @@ def main(argv=None) -> None:
             log(f"video {number} of {len(videos)}: {video.output_dir}")
         encode_and_write(args, dtype, source, family, video, encode, runtime, timer)
     if entries is not None:
-        path = batch.write_index(output_dir, [video.output_dir.name for video in videos], entries)
+        path = batch_folders.write_index(output_dir, [video.output_dir.name for video in videos], entries)
         log(f"wrote {path}: {len(videos)} stage folders")
 
 

@@ -16,7 +16,8 @@ import types
 from pathlib import Path
 
 from attention.plan import SP_MODES
-from models import lora
+from cli import UserError, dtype_flag, flag_names, log, parse_dtype, run_cli, set_logging, stage_parser
+from models import batch_folders, lora
 from models.batching import default_batch_size, denoise_group, group_key
 from models.cache_schedule import add_cache_arguments, kind_from_flags
 from models.common import attention_heads
@@ -29,17 +30,8 @@ from utils import (
     CHECKPOINT_FILE,
     DEFAULT_OUTPUT_DIR,
     STAGE2_FILE,
-    UserError,
     add_request_arguments,
-    batch,
-    dtype_flag,
-    flag_names,
-    log,
-    parse_dtype,
     request_flags,
-    run_cli,
-    set_logging,
-    stage_parser,
     stage_sections,
     write_stage_config,
     write_tensors,
@@ -253,7 +245,7 @@ def main(argv=None) -> None:
         raise UserError("--plan_json needs --plan")
     if args.peer_timeout <= 0:
         raise UserError(f"--peer_timeout {args.peer_timeout} must be a positive number of seconds")
-    folders = batch.expand_folders(args.input_dir)
+    folders = batch_folders.expand_folders(args.input_dir)
     check_batch_flags(args, folders)
     settings = distributed.launch_settings(args.coordinator_address, args.num_processes, args.process_id)
     # Several processes: JAX's distributed runtime starts first, so they can agree on their inputs.

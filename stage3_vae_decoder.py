@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 import models
+from cli import UserError, dtype_flag, flag_names, log, parse_dtype, run_cli, stage_parser
+from models import batch_folders
 from models.decode import decode
 from runtime.backend import STAGE3_BACKENDS, check_backend_flags, choose_backend, open_runtime
 from runtime.interface import Timer, run_record
@@ -30,22 +32,14 @@ from utils import (
     DEFAULT_OUTPUT_DIR,
     VIDEO_FILE,
     Request,
-    UserError,
     atomic_write,
-    batch,
     check_output_dir,
     check_stage1_fresh,
     check_stage2_fresh,
-    dtype_flag,
     ensure_writable_dir,
-    flag_names,
-    log,
-    parse_dtype,
     read_config,
     read_tensors,
-    run_cli,
     stage2_normalization,
-    stage_parser,
     stage_sections,
     write_stage_config,
     write_tensors,
@@ -252,7 +246,7 @@ def main(argv=None) -> None:
     check_backend_flags(args.backend, args.device)
     if args.preview_frames < 0:
         raise UserError(f"--preview_frames {args.preview_frames} must be >= 0")
-    folders = batch.expand_folders(args.input_dir)
+    folders = batch_folders.expand_folders(args.input_dir)
     if len(folders) > 1 and (args.output_dir or args.output_video or args.output_name != VIDEO_FILE):
         raise UserError(
             "--output_dir/--output_name/--output_video name one video; with several input folders each video is "

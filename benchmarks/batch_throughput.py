@@ -38,7 +38,8 @@ def stage(script: str, *argv, allowed=(0,)) -> float:
 def cpu_side_by_side(model: str, videos: int, steps: int) -> dict:
     import torch
 
-    from utils import batch, read_config, read_tensors
+    from models import batch_folders
+    from utils import read_config, read_tensors
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "batch"
@@ -47,10 +48,12 @@ def cpu_side_by_side(model: str, videos: int, steps: int) -> dict:
         separate = Path(tmp) / "separate"
         shutil.copytree(folder, separate)
         flags = ["--num_inference_steps", steps, "--dtype", "fp32"]
-        alone = sum(stage("stage2_transformer.py", "--input_dir", f, *flags) for f in batch.expand_folders([separate]))
+        alone = sum(
+            stage("stage2_transformer.py", "--input_dir", f, *flags) for f in batch_folders.expand_folders([separate])
+        )
         together = stage("stage2_transformer.py", "--input_dir", folder, "--batch_size", videos, *flags)
         errors = []
-        for a, b in zip(batch.expand_folders([folder]), batch.expand_folders([separate]), strict=True):
+        for a, b in zip(batch_folders.expand_folders([folder]), batch_folders.expand_folders([separate]), strict=True):
             x, y = (read_tensors(f, read_config(f)["stage2"])["latents"] for f in (a, b))
             errors.append(((x - y).norm() / y.norm()).item())
     return {

@@ -52,7 +52,7 @@ def build_pipeline(folder: Path) -> None:
 
 def run(module, argv) -> None:
     """A stage's main() in this process, as its `__main__` block runs it."""
-    from utils import run_cli
+    from cli import run_cli
 
     run_cli(lambda: module.main([str(arg) for arg in argv]))
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cli import UserError
 from runtime.interface import cache_root
-from utils import UserError
 
 from . import cogvideox, hunyuanvideo15, wan
 from .family import Family, Preset

@@ -19,9 +19,9 @@ import functools
 
 import torch
 
+from cli import log
 from runtime.interface import Timer
 from sharding import DP
-from utils import log
 
 from .denoise import DenoiseLoop, DenoiseOptions, place_denoisers, run_denoise_loop
 from .step_cache import is_batched_state
@@ -213,7 +213,7 @@ class BatchGuard:
         return steps.pop(), joined
 
     def after_step(self, index: int, total: int, tensors: dict, more=dict) -> None:
-        from utils import Stopped
+        from cli import Stopped
 
         batch_more = functools.cache(more)  # fetched once, only if some video's checkpoint is written
 

@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from utils import UserError, finite_float, log, non_finite_keys
+from cli import UserError, finite_float, log
+from utils import non_finite_keys
 
 KINDS = ("none", "magcache", "interval")
 MAG_RATIOS_FILE = "mag_ratios.json"

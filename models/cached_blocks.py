@@ -12,9 +12,9 @@ import contextlib
 
 import torch
 
+from cli import UserError
 from models.cache_schedule import CacheSettings
 from sharding import DP, SP
-from utils import UserError
 from workarounds.diffusers import register_hunyuanvideo15_block
 
 HIDDEN_LAYOUT = (DP, SP, None)  # the residuals' layouts: the blocks' own (batch on dp, video tokens on sp)

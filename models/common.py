@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from utils import UserError
+from cli import UserError
 
 # Stage 2's initial noise is drawn in fp32 on the CPU and then cast to the run's dtype, so a seed gives
 # the same latents on every host: torch 2.11's CPU randn draws another sequence in bf16 than in fp32

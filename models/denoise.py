@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
+from cli import log, logging_enabled
 from models.cache_schedule import CacheSettings
 from models.guard import DenoiseGuard
 from models.step_cache import StepCache
 from runtime.interface import Runtime, Timer
 from sharding import Layout
-from utils import log, logging_enabled
 
 LATENTS_LAYOUT = "BCFHW"  # stage 2's latents file, for every family
 

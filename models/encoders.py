@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from cli import UserError
 from runtime.interface import Runtime
 from sharding import TP
-from utils import UserError
 from workarounds.torchax import quiet_attribute_scan
 
 

@@ -1,10 +1,10 @@
-"""The family interface: what one model-family module (`models/<family>.py`) provides to the stages.
+"""The family interface: what one model-family package (`models/<family>/`) provides to the stages.
 
-A family module fills in `Family` with module-level names; `tests/test_layout.py` checks every
-registered family has each of them. What all families share lives in the engine modules beside it:
-the denoising loop (`denoise`), guidance (`guidance`), batches (`batching`), step caches, LoRA (`lora`),
-meta-device facts (`meta`), stage 1's encoders and stage 3's decode (`common`), request checks
-(`utils.Request`).
+A family package fills in `Family` with the names its `__init__` gathers; `tests/test_layout.py` checks
+every registered family has each of them. What all families share lives in the engine modules beside
+it: the denoising loop (`denoise`) and its guard (`guard`), guidance (`guidance`), batches (`batching`,
+`batch_folders`), step caches, LoRA (`lora`, `lora_files`), meta-device facts (`meta`), stage 1's
+encoders (`encoders`), stage 3's decode (`decode`), and the request (`utils.Request`).
 """
 
 from __future__ import annotations

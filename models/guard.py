@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from cli import Stopped, UserError
 from runtime.distributed import Processes
-from utils import CHECKPOINT_FILE, Stopped, UserError, atomic_write
+from utils import CHECKPOINT_FILE, atomic_write
 
 
 class DenoiseGuard:

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from utils import UserError, sha256_file
+from cli import UserError
+from utils import sha256_file
 
 IMAGE_FLAGS = ("image", "last_image")  # stage 1's flags, in the order the pipelines take them
 FORMATS = ("PNG", "JPEG", "WEBP")

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from utils import UserError, log, sha256_file
+from cli import UserError, log
+from utils import sha256_file
 
 from .lora_files import PREFIX, check_fits, family_loader, few_names, likely_model, read_file, transformer_weights
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from utils import UserError
+from cli import UserError
 
 # A PEFT LoRA weight: `<module>.lora_A.weight` (down), `<module>.lora_B.weight` (up), `<module>.lora_B.bias`.
 LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B)\.(?P<param>weight|bias)$")

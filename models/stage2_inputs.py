@@ -9,7 +9,8 @@ import dataclasses
 from pathlib import Path
 
 import models
-from models import lora
+from cli import UserError, log, parse_dtype
+from models import batch_folders, lora
 from models.cache_schedule import CacheSettings, kind_from_flags, settings_from_flags
 from models.guard import DenoiseGuard
 from models.images import check_image_size_kept
@@ -19,13 +20,9 @@ from utils import (
     CONFIG_FILE,
     STAGE2_FILE,
     Request,
-    UserError,
-    batch,
     check_output_dir,
     check_stage1_fresh,
     ensure_writable_dir,
-    log,
-    parse_dtype,
     read_config,
     read_tensors,
     request_flags,
@@ -129,7 +126,7 @@ def batch_resume(args, folders: list[Path]) -> list[tuple[Path, bool]]:
     for folder in folders:
         if (folder / CHECKPOINT_FILE).is_file():
             todo.append((folder, True))
-        elif batch.denoised(folder):
+        elif batch_folders.denoised(folder):
             log(f"--resume: {folder} is denoised already; skipped")
         else:
             todo.append((folder, False))

@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from cli import log
 from models.cache_schedule import CACHED, MAG_RATIOS_FILE, CacheSettings, schedule, schedule_text, state_names
 from models.cached_blocks import HIDDEN_LAYOUT, TEXT_LAYOUT, cached_denoiser, probe_shapes
-from utils import atomic_write, log, strict_json
+from utils import atomic_write, strict_json
 
 
 def is_batched_state(key: str) -> bool:

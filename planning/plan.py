@@ -21,13 +21,14 @@ import torch
 from jax.sharding import Mesh
 
 from attention.plan import AttentionPlan
+from cli import UserError, parse_dtype
 from models.common import attention_heads
 from models.meta import meta_module, meta_transformers, weight_facts
 from planning import hlo
 from planning.tpus import Target, host_layout, parse_target, topology_devices, topology_mesh
 from runtime import placement
 from sharding import TP
-from utils import CONFIG_FILE, Request, UserError, parse_dtype, read_config, read_tensors
+from utils import CONFIG_FILE, Request, read_config, read_tensors
 
 # Abstract programs ---------------------------------------------------------------------------------
 

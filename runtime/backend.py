@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from cli import UserError
 from runtime.interface import Runtime, TorchRuntime
-from utils import UserError
 
 BACKENDS = ("torch", "torchax")
 STAGE3_BACKENDS = ("auto", *BACKENDS)

@@ -29,14 +29,14 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 
-from utils import Stopped, UserError, finite_float
+from cli import Stopped, UserError, finite_float
 from workarounds.jax import coordination_client
 
 NAMESPACE = "tpu_video_stage2"
 HEARTBEAT_SECONDS = 1.0
 BARRIER_TIMEOUT_MS = 30 * 60 * 1000  # agreements wait for the slowest host (reading, hashing, compiling)
 DEFAULT_PEER_TIMEOUT = 60  # seconds without a peer's heartbeat before this process gives up
-PEER_FAILED_EXIT_STATUS = 2  # the `error:` status (utils.run_cli)
+PEER_FAILED_EXIT_STATUS = 2  # the `error:` status (cli.run_cli)
 
 
 def add_arguments(parser) -> None:

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
+from cli import log
 from sharding import Layout
-from utils import log
 
 
 def cache_root() -> Path:

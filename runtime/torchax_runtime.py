@@ -21,9 +21,9 @@ import torch
 from jax.sharding import Mesh
 
 import sharding
+from cli import log
 from runtime import placement
 from runtime.interface import cache_root
-from utils import log
 from workarounds.torchax import import_torchax, install_gather, install_group_norm, install_repeat_upsample
 
 torchax = import_torchax()

@@ -30,7 +30,7 @@ def relative_error(actual, expected) -> float:
 
 def run_stage(module, argv: list[str]) -> None:
     """Run a stage's main() in this process exactly as its `__main__` block does."""
-    from utils import run_cli
+    from cli import run_cli
 
     run_cli(lambda: module.main([str(arg) for arg in argv]))
 
@@ -177,8 +177,8 @@ def collectives_in(jax_function, shapes, mesh, layout=("dp",)) -> list[str]:
 def stop_stage2_after(monkeypatch, argv: list[str], steps: int) -> None:
     """Run stage 2 in this process and stop it after `steps` steps as SIGTERM does (the guard saves a
     checkpoint, then raises Stopped); the test then resumes it with --resume."""
+    from cli import Stopped
     from models.guard import DenoiseGuard
-    from utils import Stopped
 
     after_step = DenoiseGuard.after_step
 

@@ -20,8 +20,9 @@ from safetensors.torch import load_file, save_file
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
+from cli import INTERRUPTED_EXIT_STATUS, run_cli
 from helpers import ROOT, run_script, run_stage, tiny_stage1
-from utils import CONFIG_FILE, INTERRUPTED_EXIT_STATUS, STAGE1_FILE, STAGE2_FILE, run_cli, strict_json, write_config
+from utils import CONFIG_FILE, STAGE1_FILE, STAGE2_FILE, strict_json, write_config
 
 STAGES = {"stage1": stage1_text_encoder, "stage2": stage2_transformer, "stage3": stage3_vae_decoder}
 STAGE1 = ["--model", "tiny-cogvideox", "--prompt", "a cat", "--num_inference_steps", "2", "--output_dir", "OUT"]

@@ -1,4 +1,4 @@
-"""Many videos per run (utils/batch.py). Stage 1: a prompt list or a seed sweep writes one stage folder per
+"""Many videos per run (models/batch_folders.py). Stage 1: a prompt list or a seed sweep writes one stage folder per
 entry, each what a single stage-1 run with that entry's flags writes (embeddings bit-identical, the config
 equal but for the timing table), and a batch.json listing them; bad entries are one `error:` naming the
 line, before any weights load, with nothing written. Stage 3: several folders, or a batch folder, decoded
@@ -14,7 +14,8 @@ import torch
 import stage1_text_encoder
 import stage3_vae_decoder
 from helpers import expect_user_error, relative_error, run_script, run_stage
-from utils import batch, read_config, read_tensors
+from models import batch_folders
+from utils import read_config, read_tensors
 
 MODEL = "tiny-wan2.1"
 # What a batched folder's stage-1 section may differ in from its single run's: the timing table (the
@@ -39,7 +40,7 @@ def test_prompt_list_folders_equal_single_runs(tmp_path):
     listing.write_text("# three videos\n\n" + "\n".join(json.dumps(entry) for entry in entries) + "\n")
     out = tmp_path / "batch"
     run_stage(stage1_text_encoder, ["--model", MODEL, "--prompts", listing, "--output_dir", out, "--seed", 5])
-    index = json.loads((out / batch.BATCH_FILE).read_text())
+    index = json.loads((out / batch_folders.BATCH_FILE).read_text())
     assert [video["folder"] for video in index["videos"]] == ["000", "dog", "002"]
     for position, (entry, video) in enumerate(zip(entries, index["videos"], strict=True)):
         single = tmp_path / f"single{position}"
@@ -53,19 +54,19 @@ def test_prompt_list_folders_equal_single_runs(tmp_path):
         assert got_tensors.keys() == want_tensors.keys()
         assert all(torch.equal(got_tensors[key], want_tensors[key]) for key in want_tensors)
         assert got_config == want_config
-    assert batch.expand_folders([str(out)]) == [out / "000", out / "dog", out / "002"]
+    assert batch_folders.expand_folders([str(out)]) == [out / "000", out / "dog", out / "002"]
 
 
 def test_seed_sweep_and_plain_text_list(tmp_path):
     out = tmp_path / "sweep"
     run_stage(stage1_text_encoder, ["--model", MODEL, "--prompt", "a cat", "--seeds", "1,3-4", "--output_dir", out])
-    seeds = [read_config(folder)["seed"] for folder in batch.expand_folders([str(out)])]
+    seeds = [read_config(folder)["seed"] for folder in batch_folders.expand_folders([str(out)])]
     assert seeds == [1, 3, 4]
     listing = tmp_path / "list.txt"
     listing.write_text("a cat\n# a comment\n\n  a dog  \n")
     out = tmp_path / "plain"
     run_stage(stage1_text_encoder, ["--model", MODEL, "--prompts", listing, "--output_dir", out])
-    prompts = [read_config(folder)["prompt"] for folder in batch.expand_folders([str(out)])]
+    prompts = [read_config(folder)["prompt"] for folder in batch_folders.expand_folders([str(out)])]
     assert prompts == ["a cat", "a dog"]
 
 
@@ -112,7 +113,7 @@ def test_stage3_decodes_a_batch_folder_with_one_vae(capsys, tmp_path):
     out = tmp_path / "batch"
     argv = ["--model", MODEL, "--prompt", "a cat", "--seeds", "1-2", "--output_dir", out, "--dtype", "fp32"]
     run_stage(stage1_text_encoder, argv)
-    folders = batch.expand_folders([str(out)])
+    folders = batch_folders.expand_folders([str(out)])
     for folder in folders:  # stage 2 one folder at a time (its batching is tested elsewhere)
         run_stage(stage2_transformer, ["--input_dir", folder, "--num_inference_steps", 1])
     single = tmp_path / "single"
@@ -182,7 +183,7 @@ def test_batched_videos_equal_their_single_runs(tmp_path, model):
     import stage2_transformer
 
     out = stage1_batch(tmp_path, model)
-    folders = batch.expand_folders([str(out)])
+    folders = batch_folders.expand_folders([str(out)])
     steps = ["--num_inference_steps", 2, "--warmup_steps", 0]
     singles = []
     for folder in folders:
@@ -203,7 +204,7 @@ def test_batched_videos_equal_their_single_runs(tmp_path, model):
             assert read_config(copy / "000")["stage2"]["mesh"] == {"dp": 1, "sp": 1, "tp": 1}
         else:
             run_stage(stage2_transformer, ["--input_dir", copy, *steps, *flags])
-        for folder, (expected, expected_config) in zip(batch.expand_folders([str(copy)]), singles, strict=True):
+        for folder, (expected, expected_config) in zip(batch_folders.expand_folders([str(copy)]), singles, strict=True):
             latents, config = stage2_outputs(folder)
             assert relative_error(latents, expected) <= 1e-5, (name, folder.name)
             assert config == expected_config
@@ -325,7 +326,7 @@ def test_interval_cache_batches_and_resumes_per_folder(tmp_path, four_layer_cogv
     cache = ["--cache", "interval", "--cache_start_step", 1, "--cache_end_step", 5, "--cache_step_interval", 2]
     argv = ["--warmup_steps", 0, *cache]
     singles = {}
-    for folder in batch.expand_folders([str(out)]):
+    for folder in batch_folders.expand_folders([str(out)]):
         single = tmp_path / f"single-{folder.name}"
         shutil.copytree(folder, single)
         run_stage(stage2_transformer, ["--input_dir", single, *argv])

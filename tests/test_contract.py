@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli import UserError
 from models.guard import DenoiseGuard
 from utils import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
     FORMAT_VERSION,
     Request,
-    UserError,
     check_stage2_fresh,
     read_config,
     read_tensors,

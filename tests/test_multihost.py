@@ -21,9 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cli import UserError
 from helpers import ROOT, relative_error, run_stage
 from runtime.distributed import launch_settings
-from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, UserError
+from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE
 
 pytestmark = pytest.mark.slow  # several processes each, 10-60 s a test
 

@@ -22,11 +22,12 @@ import torch
 import models
 import stage1_text_encoder
 import stage2_transformer
+from cli import Stopped
 from helpers import expect_user_error, relative_error, run_stage
 from models import cache_schedule, cached_blocks
 from models.cache_schedule import CacheSettings, schedule
 from models.guard import DenoiseGuard
-from utils import CHECKPOINT_FILE, Stopped, read_config, read_tensors
+from utils import CHECKPOINT_FILE, read_config, read_tensors
 
 TOLERANCE = 1e-4
 NEGATIVE = "blurry"

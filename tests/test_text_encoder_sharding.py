@@ -121,8 +121,8 @@ def test_qwen_rule_table_matches_every_parameter_as_intended(model, tp):
 def test_unknown_text_encoder_is_a_value_error_in_the_library_and_a_user_error_in_stage_1():
     from transformers import CLIPTextConfig
 
+    from cli import UserError
     from models.encoders import text_encoder_rules
-    from utils import UserError
 
     with pytest.raises(ValueError, match="no sharding rules for a 'clip_text_model' text encoder"):
         sharding.text_encoder_rules(CLIPTextConfig(), 8)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from utils import Request, UserError
+from cli import UserError
+from utils import Request
 
 from . import i2v
 

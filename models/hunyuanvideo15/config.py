@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from utils import Request, UserError
+from cli import UserError
+from utils import Request
 
 from .. import common
 from . import i2v

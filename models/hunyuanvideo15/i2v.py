@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from utils import Request, parse_dtype
+from cli import parse_dtype
+from utils import Request
 
 from ..encoders import DeviceImageEncoder, DeviceVAEEncoder
 from .vae import make_vae_jit_safe

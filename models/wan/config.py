@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from utils import Request, UserError
+from cli import UserError
+from utils import Request
 
 from ..common import folder_flow_shift
 

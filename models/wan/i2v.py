@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from utils import Request, UserError, log
+from cli import UserError, log
+from utils import Request
 
 from ..encoders import DeviceImageEncoder, DeviceVAEEncoder
 from . import ti2v

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from utils import Request, UserError, log
+from cli import UserError, log
+from utils import Request
 
 from ..common import NOISE_DTYPE, flow_scheduler
 from ..denoise import DenoiseLoop, latents_record, multistep_state, restore_multistep_state

@@ -1,6 +1,7 @@
-"""The CLI conventions every stage follows: one `error:` line and exit 2 for what the user can fix
-(`UserError`, argparse errors included), `stopped:` lines for SIGTERM and Ctrl-C, finite float flags,
-the reference scripts' flag spellings, dtypes by name, and timestamped log lines."""
+"""The conventions of the three stage CLIs, which the code under them raises and logs into: one `error:`
+line and exit 2 for what the user can fix (`UserError`, argparse errors included), `stopped:` lines for
+SIGTERM and Ctrl-C, finite float flags, the reference scripts' flag spellings, dtypes by name, and
+timestamped log lines. It imports nothing of the project, so everything may use it."""
 
 from __future__ import annotations
 

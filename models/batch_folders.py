@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from utils.cli import UserError
-from utils.files import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, atomic_write, read_config
+from cli import UserError
+from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, atomic_write, read_config
 
 BATCH_FILE = "batch.json"
 BATCH_FORMAT = 1

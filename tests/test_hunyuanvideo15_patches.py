@@ -46,7 +46,7 @@ def test_traceable_forward_equals_stock_forward_in_eager_pytorch():
     with torch.no_grad():
         expected = stock(**hunyuan_inputs(), return_dict=False)[0]
         got = patched(**hunyuan_inputs(), return_dict=False)[0]
-    assert torch.equal(got, expected)
+    assert relative_error(got, expected) <= 1e-5  # two programs: other CPUs may sum them in another order
 
 
 def test_blocks_pass_per_key_masks_never_dense_ones(monkeypatch):
@@ -114,7 +114,8 @@ def test_vae_decode_with_the_patch_equals_stock_and_runs_under_torchax():
     with torch.no_grad():
         expected = tiny_vae().decode(latents, return_dict=False)[0]
         patched = hunyuanvideo15.vae.make_vae_jit_safe(tiny_vae())
-        assert torch.equal(patched.decode(latents, return_dict=False)[0], expected)
+        got = patched.decode(latents, return_dict=False)[0]
+        assert relative_error(got, expected) <= 1e-5  # two programs: other CPUs may sum them in another order
 
     runtime = TorchaxRuntime()
     decode = runtime.compile(Decode(hunyuanvideo15.vae.make_vae_jit_safe(tiny_vae())))

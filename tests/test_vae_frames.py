@@ -110,8 +110,10 @@ def test_chunk_flag_errors(capsys, tmp_path, wan_latents, flags, message):
 @pytest.mark.parametrize("frames", [1, 2, 5])
 def test_hunyuanvideo15_chunks_equal_the_stock_decoder_eagerly(frames):
     """The restructured forward (models/hunyuanvideo15/vae.py) in eager PyTorch, every chunk length from 1 to
-    the whole clip, against the stock `HunyuanVideo15Decoder3D`: the same arithmetic in the same order, so
-    the frames are bit-identical (tolerance 0). The attention's buffers keep the seen keys in frame order."""
+    the whole clip, against the stock `HunyuanVideo15Decoder3D`. Two different programs, so fp32's 1e-5
+    relative, not bit-identity: on this machine they agree to the bit, on other CPUs (an AMD EPYC) the
+    kernels sum in another order and they differ by ~7e-7. The attention's buffers keep the seen keys in
+    frame order."""
     from models.hunyuanvideo15 import vae as hv
 
     source, family = models.resolve_model("tiny-hunyuanvideo15")
@@ -126,7 +128,7 @@ def test_hunyuanvideo15_chunks_equal_the_stock_decoder_eagerly(frames):
                 call = programs.first if index == 0 else programs.steady
                 out, *state = call(latents[:, :, start:end], *state)
                 pieces.append(out)
-            assert torch.equal(torch.cat(pieces, dim=2), expected), chunk
+            assert relative_error(torch.cat(pieces, dim=2), expected) <= TOLERANCE, chunk
 
 
 def test_hunyuanvideo15_stage3_torchax_decodes_in_chunks(capsys, tmp_path):

@@ -152,7 +152,7 @@ def test_a_stopped_i2v_run_resumes_bit_identically(tmp_path, images, monkeypatch
         ("tiny-wan2.1-i2v", ["--image", "EMPTY"], "is empty (0 bytes)"),
         ("tiny-wan2.1-i2v", ["--image", "TEXT"], "is not a readable image"),
         ("tiny-wan2.1-i2v", ["--image", "TRUNCATED"], "is not a readable image"),
-        ("tiny-wan2.1-i2v", ["--image", "GIF"], "is a GIF image; give a PNG, JPEG or WebP file"),
+        ("tiny-wan2.1-i2v", ["--image", "GIF"], "is an animated GIF (2 frames); give a still image"),
         ("tiny-wan2.1-i2v", ["--image", "MISSING"], "no such file"),
     ],
 )
@@ -160,7 +160,9 @@ def test_image_errors_before_loading(capsys, tmp_path, images, model, flags, mes
     (tmp_path / "empty.png").write_bytes(b"")
     (tmp_path / "text.png").write_text("not an image")
     (tmp_path / "truncated.png").write_bytes(images[0].read_bytes()[:200])
-    Image.new("RGB", (8, 8)).save(tmp_path / "image.gif")
+    Image.new("RGB", (8, 8)).save(
+        tmp_path / "image.gif", save_all=True, append_images=[Image.new("RGB", (8, 8), "red")]
+    )
     paths = {"FIRST": images[0], "EMPTY": tmp_path / "empty.png", "TEXT": tmp_path / "text.png"}
     paths |= {"TRUNCATED": tmp_path / "truncated.png", "GIF": tmp_path / "image.gif", "MISSING": tmp_path / "no.png"}
     out = tmp_path / "out"

@@ -338,6 +338,13 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
         first = members[0]
         log(f"group {number} of {len(groups)}: {len(members)} video(s)")
         size = args.batch_size or default_batch_size(args, first, len(members), jax.device_count(), per_host, memory)
+        stopped_in = {run.guard.resumed_batch_size for run in members if run.guard.restored is not None}
+        if len(stopped_in) == 1 and stopped_in != {size}:  # the same program, so the same latents to the bit
+            (size,) = stopped_in
+            log(f"--resume: this group's videos were stopped in batches of {size}; they resume in them")
+        elif not stopped_in and size > len(members):  # a batch padded with copies would only repeat work
+            log(f"--batch_size {size}: this group has {len(members)} video(s), so batches of {len(members)}")
+            size = len(members)
         runtime, backend, options, record = runtime_for(args, first, processes, size)
         by_start: dict[int, list[ValidatedRun]] = {}  # videos stopped after the same step batch together
         for run in members:

@@ -19,6 +19,9 @@ from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, atomic_write, read_
 BATCH_FILE = "batch.json"
 BATCH_FORMAT = 1
 ENTRY_FIELDS = ("prompt", "negative_prompt", "seed", "image", "last_image", "name")
+MAX_VIDEOS = 10_000  # per run, from --seeds or --prompts: a typo should not plan a million folders
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range (utils.Request checks a single --seed alike)
+NAME_BYTES = 255  # NAME_MAX: the longest file name Linux file systems take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +43,9 @@ class Entry:
 
 
 def parse_seeds(text: str) -> list[int]:
-    """`--seeds 1,2,5-8` as [1, 2, 5, 6, 7, 8]; one `error:` for anything else."""
-    seeds: list[int] = []
+    """`--seeds 1,2,5-8` as [1, 2, 5, 6, 7, 8]; one `error:` for anything else, bounds and count checked
+    before a range is expanded."""
+    ranges: list[range] = []
     for part in text.split(","):
         low, dash, high = part.strip().partition("-")
         try:
@@ -50,7 +54,13 @@ def parse_seeds(text: str) -> list[int]:
             raise UserError(f"--seeds {text!r}: {part.strip()!r} is not a seed or a range like 5-8") from None
         if last < first:
             raise UserError(f"--seeds {text!r}: the range {part.strip()} runs backwards")
-        seeds.extend(range(first, last + 1))
+        if last > MAX_SEED:
+            raise UserError(f"--seeds {text!r}: {last} is past the largest seed, {MAX_SEED} (2**64 - 1)")
+        ranges.append(range(first, last + 1))
+    count = sum(seeds.stop - seeds.start for seeds in ranges)  # len() of a range overflows past 2**63
+    if count > MAX_VIDEOS:
+        raise UserError(f"--seeds {text!r} asks for {count} videos; a run makes at most {MAX_VIDEOS}")
+    seeds = [seed for seeds in ranges for seed in seeds]
     if len(set(seeds)) != len(seeds):
         raise UserError(f"--seeds {text!r}: a seed appears twice")
     return seeds
@@ -78,14 +88,18 @@ def _json_entry(text: str, where: str, base: Path) -> Entry:
 
 def read_prompt_list(path: Path) -> list[Entry]:
     """Plain text (one prompt per line) or JSON Lines (one object per line, `ENTRY_FIELDS`); blank lines and
-    lines starting with `#` are skipped. Image paths are relative to the list's folder."""
+    lines starting with `#` are skipped. Image paths are relative to the list's folder. Lines end at `\n`
+    alone (a `\r` before it is a Windows editor's): `str.splitlines` would also split at U+2028, form
+    feeds and the like, which may sit inside a prompt. A UTF-8 byte-order mark is not part of the text."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = [line.removesuffix("\r") for line in path.read_text(encoding="utf-8-sig").split("\n")]
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"--prompts {path}: cannot read it ({err})") from None
     numbered = [
         (n, line.strip()) for n, line in enumerate(lines, 1) if line.strip() and not line.strip().startswith("#")
     ]
+    if len(numbered) > MAX_VIDEOS:
+        raise UserError(f"--prompts {path} lists {len(numbered)} videos; a run makes at most {MAX_VIDEOS}")
     json_lines = path.suffix == ".jsonl" or (numbered and numbered[0][1].startswith("{"))
     entries = []
     for number, line in numbered:
@@ -121,18 +135,34 @@ def entries_from_flags(args) -> list[Entry] | None:
 
 
 def folder_names(entries: list[Entry]) -> list[str]:
-    """Each entry's folder under --output_dir: its `name`, else its zero-padded index; names unique."""
+    """Each entry's folder under --output_dir: its `name`, else its zero-padded index; names unique and ones
+    the file system takes, all checked before any folder is made."""
     width = max(3, len(str(len(entries) - 1)))
     names, seen = [], {}
     for index, entry in enumerate(entries):
         name = entry.name if entry.name is not None else f"{index:0{width}d}"
-        if not name or name in (".", "..") or "/" in name or "\\" in name or name == BATCH_FILE:
-            raise UserError(f"{entry.where}: name {name!r} cannot be a folder name")
+        problem = _name_problem(name)
+        if problem:
+            raise UserError(f"{entry.where}: name {name[:60]!r} cannot be a folder name: {problem}")
         if name in seen:
             raise UserError(f"{entry.where}: name {name!r} is already used by {seen[name]}")
         seen[name] = entry.where
         names.append(name)
     return names
+
+
+def _name_problem(name: str) -> str | None:
+    if not name or name in (".", "..") or name == BATCH_FILE:
+        return "it is empty, a dot name or the batch index's"
+    if any(char in "/\\" or ord(char) < 32 or ord(char) == 127 for char in name):
+        return "it holds a slash, a NUL or another control character"
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "it holds a lone surrogate (\\ud800-\\udfff), which no file name can"
+    if size > NAME_BYTES:
+        return f"it is {size} bytes in UTF-8; a folder name holds at most {NAME_BYTES}"
+    return None
 
 
 def check_output_kind(output_dir: Path, many: bool) -> None:

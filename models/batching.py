@@ -189,6 +189,8 @@ class BatchGuard:
 
     def __init__(self, guards: list, size: int, run) -> None:
         self.guards = guards
+        for guard in guards:
+            guard.batch_size = size  # saved with each checkpoint: a resumed batch is the batch it was
         self.size = size
         self.run = run  # its `stop_requested` is set by SIGTERM (guard.sigterm_sets_stop)
         self.restored = self._restored()

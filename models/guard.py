@@ -46,6 +46,8 @@ class DenoiseGuard:
         self.resume = resume
         self.processes = processes or Processes()
         self.stop_requested = False
+        self.batch_size = 1  # the batch this folder runs in (BatchGuard sets it), saved with a checkpoint
+        self.resumed_batch_size: int | None = None  # the batch the checkpoint was saved in
         self._checkpoint = self._read() if resume and self.processes.is_main else None
         self.restored: tuple[int, dict[str, torch.Tensor]] | None = None
         if self._checkpoint is not None:
@@ -71,6 +73,7 @@ class DenoiseGuard:
                 f"--resume: {self.path} belongs to a different request or stage-1 file; "
                 "rerun without --resume to start over"
             )
+        self.resumed_batch_size = int(metadata.get("batch_size", 1))
         return int(metadata["next_step"]), tensors
 
     def share_restored(self) -> None:
@@ -92,7 +95,7 @@ class DenoiseGuard:
         if not self.processes.is_main:
             return
         tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items() if t is not None}
-        metadata = {"next_step": str(next_step), "fingerprint": self.fingerprint}
+        metadata = {"next_step": str(next_step), "fingerprint": self.fingerprint, "batch_size": str(self.batch_size)}
         atomic_write(self.path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
     def after_step(self, index: int, total: int, tensors: dict[str, torch.Tensor], more=dict) -> None:

@@ -13,6 +13,7 @@ import torch
 
 import stage1_text_encoder
 import stage3_vae_decoder
+from cli import UserError
 from helpers import expect_user_error, relative_error, run_script, run_stage
 from models import batch_folders
 from utils import read_config, read_tensors
@@ -70,6 +71,31 @@ def test_seed_sweep_and_plain_text_list(tmp_path):
     assert prompts == ["a cat", "a dog"]
 
 
+def test_lines_end_at_newlines_and_a_byte_order_mark_is_not_text(tmp_path):
+    """U+2028, U+0085, form feeds and the like stay inside their prompt (in plain text and in JSON strings),
+    CRLF is one line end, and a list saved with a UTF-8 BOM reads as the same list without it."""
+    entries = [{"prompt": "a cat\u2028sleeping\x85on a mat\x0cat noon", "seed": 3}, {"prompt": "a dog", "seed": 4}]
+    lines = [json.dumps(entry, ensure_ascii=False) for entry in entries]
+    for suffix, text in ((".jsonl", "\r\n".join(lines) + "\r\n"), (".txt", "\r\n".join(lines))):
+        plain, marked = tmp_path / f"plain{suffix}", tmp_path / f"marked{suffix}"
+        plain.write_text(text, encoding="utf-8", newline="")
+        marked.write_text(text, encoding="utf-8-sig", newline="")
+        for listing in (plain, marked):
+            assert [(e.prompt, e.seed) for e in batch_folders.read_prompt_list(listing)] == [
+                (entry["prompt"], entry["seed"]) for entry in entries
+            ], listing
+    plain = tmp_path / "plain.txt"
+    plain.write_text("a cat\u2028on a mat\r\na dog\n", encoding="utf-8")
+    assert [entry.prompt for entry in batch_folders.read_prompt_list(plain)] == ["a cat\u2028on a mat", "a dog"]
+
+
+def test_a_list_of_more_than_ten_thousand_is_refused_before_reading_entries(tmp_path):
+    listing = tmp_path / "list.txt"
+    listing.write_text("a cat\n" * (batch_folders.MAX_VIDEOS + 1))
+    with pytest.raises(UserError, match="lists 10001 videos; a run makes at most 10000"):
+        batch_folders.read_prompt_list(listing)
+
+
 @pytest.mark.parametrize(
     "lines, message",
     [
@@ -80,6 +106,10 @@ def test_seed_sweep_and_plain_text_list(tmp_path):
         (['{"prompt": "a cat"}', '{"prompt": "a dog",}'], "line 2: not a JSON object"),
         (['{"prompt": "a cat", "steps": 4}'], "line 1: unknown key(s) steps"),
         (['{"prompt": "a cat", "seed": -1}'], "line 1: --seed -1 must be from 0"),
+        (['{"prompt": "a", "name": "ok"}', '{"prompt": "b", "name": "a\\u0000b"}'], "line 2: name 'a\\x00b' cannot"),
+        (['{"prompt": "a", "name": "ok"}', json.dumps({"prompt": "b", "name": "x" * 256})], "256 bytes in UTF-8"),
+        (['{"prompt": "a", "name": "\\ud800"}'], "holds a lone surrogate"),
+        (['{"prompt": "a", "name": "a/b"}'], "holds a slash, a NUL or another control character"),
     ],
 )
 def test_bad_list_entries_name_the_line_and_write_nothing(capsys, tmp_path, lines, message):
@@ -99,6 +129,9 @@ def test_bad_list_entries_name_the_line_and_write_nothing(capsys, tmp_path, line
         (["--prompt", "a", "--seeds", "5-3"], "runs backwards"),
         (["--prompt", "a", "--seeds", "1,1"], "a seed appears twice"),
         (["--prompt", "a", "--seeds", "1", "--seed", "2"], "give one seed or a sweep"),
+        (["--prompt", "a", "--seeds", "0-18446744073709551616"], "is past the largest seed, 18446744073709551615"),
+        (["--prompt", "a", "--seeds", "0-18446744073709551615"], "asks for 18446744073709551616 videos; a run makes"),
+        (["--prompt", "a", "--seeds", "1-5000,10001-15001"], "asks for 10001 videos; a run makes at most 10000"),
         ([], "the prompt is missing"),
     ],
 )
@@ -191,7 +224,8 @@ def test_batched_videos_equal_their_single_runs(tmp_path, model):
         shutil.copytree(folder, single)
         run_stage(stage2_transformer, ["--input_dir", single, *steps])
         singles.append(stage2_outputs(single))
-    runs = {"3": ["--batch_size", 3], "2": ["--batch_size", 2, "--dp", 4, "--tp", 2]}
+    # --batch_size 5 for 3 videos: one batch of 3, not padded with 2 copies; 2: a padded second batch
+    runs = {"3": ["--batch_size", 5], "2": ["--batch_size", 2, "--dp", 4, "--tp", 2]}
     if model == "tiny-hunyuanvideo15":  # the suite's time: the padded batches on 4x1x2 only
         del runs["3"]
     for name, flags in runs.items():

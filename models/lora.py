@@ -20,7 +20,16 @@ import torch
 from cli import UserError, log
 from utils import sha256_file
 
-from .lora_files import PREFIX, check_fits, family_loader, few_names, likely_model, read_file, transformer_weights
+from .lora_files import (
+    PREFIX,
+    check_fits,
+    check_metadata,
+    family_loader,
+    few_names,
+    likely_model,
+    read_file,
+    transformer_weights,
+)
 
 # The flags, and the transformer component each one adapts.
 FLAGS = {"--lora": "transformer", "--lora_2": "transformer_2"}
@@ -153,14 +162,16 @@ def read_adapters(args, family, source, dtype: torch.dtype) -> list[Adapter]:
                 f"{flag} {file.name}: {len(missing)} of its modules are not in this {family.NAME} {component} "
                 f"({few_names(missing)}); {looks}"
             )
+        downs = {key.removesuffix(".lora_A.weight"): t for key, t in weights.items() if key.endswith(".lora_A.weight")}
+        ranks = {name: down.shape[0] for name, down in downs.items()}
+        check_metadata(metadata, prefix, ranks, flag, file)
         if others:
             log(f"{flag} {file.name}: {len(others)} keys of other components left alone ({few_names(others, 2)})")
         if loader is not None and prefix is None:
             log(f"{flag} {file.name}: keys without the '{PREFIX}.' prefix, taken as the transformer's")
         sha = sha256_file(file)
         adapters.append(Adapter(flag, component, file, scale, sha, state_dict, metadata, prefix))
-        rank = max((t.shape[0] for k, t in weights.items() if k.endswith("lora_A.weight")), default=0)
-        log(f"{flag} {file.name}: {len(weights) // 2} modules of {component}, rank {rank}, scale {scale:g}")
+        log(f"{flag} {file.name}: {len(ranks)} modules of {component}, rank {max(ranks.values())}, scale {scale:g}")
     return adapters
 
 

@@ -53,12 +53,16 @@ def peft_weights(preset: str, seed: int, rank: int = 4, alpha: int | None = None
 
 
 def diffusers_file(folder, name: str, preset: str, seed: int):
-    """The adapter saved by the family pipeline's save_lora_weights (keys `transformer.<module>.lora_A...`)."""
+    """The adapter saved by the family pipeline's save_lora_weights (keys `transformer.<module>.lora_A...`,
+    its LoraConfig in the metadata)."""
     from diffusers.loaders import CogVideoXLoraLoaderMixin, WanLoraLoaderMixin
 
-    weights, _ = peft_weights(preset, seed)
+    weights, transformer = peft_weights(preset, seed)
     saver = WanLoraLoaderMixin if preset.startswith("tiny-wan") else CogVideoXLoraLoaderMixin
-    saver.save_lora_weights(folder, transformer_lora_layers=weights, weight_name=name)
+    metadata = transformer.peft_config["default"].to_dict()  # the LoraConfig, as diffusers' own saves carry it
+    saver.save_lora_weights(
+        folder, transformer_lora_layers=weights, weight_name=name, transformer_lora_adapter_metadata=metadata
+    )
     return folder / name
 
 
@@ -270,7 +274,9 @@ def bad_adapters(folder):
     (folder / "two").mkdir()
     for name in ("x.safetensors", "y.safetensors"):
         (folder / "two" / name).write_bytes(good.read_bytes())
+    original = community_file(folder, "original.safetensors", "tiny-wan2.1", seed=13)
     return [
+        *malformed_adapters(folder, good, original),
         ("not-safetensors", ["--lora", folder / "notes.safetensors"], "not a readable .safetensors file"),
         ("truncated", ["--lora", folder / "cut.safetensors"], "not a readable .safetensors file"),
         ("other-family", ["--lora", cog], "(cogvideox)"),
@@ -282,6 +288,62 @@ def bad_adapters(folder):
         ("missing", ["--lora", folder / "none.safetensors"], "no such file or folder"),
         ("not-suffix", ["--lora", folder / "notes.txt"], "notes.txt is not a .safetensors file"),
     ]
+
+
+def rewritten(path, name: str, change=None, metadata=None):
+    """A copy of the adapter file `path` with `change(tensors)` applied and/or its metadata replaced."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as handle:
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        header = handle.metadata() or {}
+    if change is not None:
+        change(tensors)
+    if metadata is not None:
+        header = {**header, "lora_adapter_metadata": metadata}
+    save_file(tensors, path.parent / name, metadata=header)
+    return path.parent / name
+
+
+def malformed_adapters(folder, good, original):
+    """Files whose flaws diffusers' readers would only meet with a traceback, at load or fuse time."""
+    first, block = "transformer.blocks.0.attn1.to_q", "diffusion_model.blocks.0.self_attn.q"
+    from safetensors import safe_open
+
+    with safe_open(str(good), "pt") as handle:
+        config = json.loads(handle.metadata()["lora_adapter_metadata"])
+
+    def edit(**values):
+        return json.dumps({**config, **values})
+
+    files = {
+        "metadata-not-json": rewritten(good, "m1.safetensors", metadata="{not json"),
+        "metadata-rank": rewritten(good, "m2.safetensors", metadata=edit(**{"transformer.r": 8})),
+        "metadata-prefix": rewritten(good, "m3.safetensors", metadata=json.dumps({"r": 4, "lora_alpha": 4})),
+        "metadata-nan": rewritten(good, "m4.safetensors", metadata=edit(**{"transformer.lora_alpha": float("nan")})),
+        "one-d": rewritten(good, "d1.safetensors", lambda t: t.update({f"{first}.lora_A.weight": torch.zeros(4)})),
+        "bias": rewritten(good, "b1.safetensors", lambda t: t.update({f"{first}.lora_B.bias": torch.zeros(3)})),
+        "nan": rewritten(good, "n1.safetensors", lambda t: t[f"{first}.lora_B.weight"].fill_(float("nan"))),
+        "wan-no-up": rewritten(original, "w1.safetensors", lambda t: t.pop(next(k for k in t if "lora_up" in k))),
+        "wan-alpha-inf": rewritten(
+            original, "w2.safetensors", lambda t: t.update({k: torch.tensor(float("inf")) for k in t if "alpha" in k})
+        ),
+        "wan-diff_b": rewritten(original, "w3.safetensors", lambda t: t.update({f"{block}.diff_b": torch.ones(5)})),
+    }
+    messages = {
+        "metadata-not-json": "its lora_adapter_metadata is not JSON",
+        "metadata-rank": "its metadata says rank 8, but blocks.0.attn1.to_k",
+        "metadata-prefix": "its metadata names nothing of the 'transformer.'",
+        "metadata-nan": "holds NaN or Infinity at transformer.lora_alpha",
+        "one-d": "blocks.0.attn1.to_q.lora_A.weight is 1-D (4,); a Linear's LoRA weights are 2-D",
+        "bias": "blocks.0.attn1.to_q.lora_B.bias is (3,); the layer has",
+        "nan": f"{first}.lora_B.weight holds NaN or Inf",
+        "wan-no-up": "diffusers' WanLoraLoaderMixin cannot read it (KeyError",
+        "wan-alpha-inf": "alpha holds NaN or Inf",
+        "wan-diff_b": "blocks.0.attn1.to_q.lora_B.bias is (5,); the layer has",
+    }
+    return [(name, ["--lora", path], messages[name]) for name, path in files.items()]
 
 
 def test_bad_adapters_are_refused_before_loading_with_the_folder_untouched(capsys, tmp_path, wan_run):

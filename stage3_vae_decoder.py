@@ -237,7 +237,8 @@ def main(argv=None) -> None:
         return plan_main(args)
     given = [f"--{name}" for name in ("plan_json", *PLAN_REQUEST_KEYS) if getattr(args, name) is not None]
     if given:
-        raise UserError(f"{', '.join(given)} need --plan (stage 3 decodes the latents stage 2 wrote)")
+        verb = "needs" if len(given) == 1 else "need"
+        raise UserError(f"{', '.join(given)} {verb} --plan (stage 3 decodes the latents stage 2 wrote)")
     if args.dp is not None:
         raise UserError(
             "--dp: stage 3 has no data-parallel axis; with --backend torchax it splits the latents' width over "

@@ -205,7 +205,8 @@ def kind_from_flags(args) -> str:
     ):
         given = [f"--{flag}" for flag in flags if getattr(args, flag) is not None]
         if given and not active:
-            raise UserError(f"{', '.join(given)} only apply with {what}")
+            verb = "applies" if len(given) == 1 else "apply"
+            raise UserError(f"{', '.join(given)} only {verb} with {what}")
     for flag, (meaningful, rule) in MAGCACHE_RANGES.items():
         value = getattr(args, flag)
         if value is not None and not meaningful(value):

@@ -209,14 +209,16 @@ def _why(
     parts = []
     if not dp:
         samples = videos * (2 if cfg else 1)
-        what = f"{videos} videos" if videos > 1 else "one video"
-        what += " x 2 CFG branches" if cfg else " (CFG is off)"
+        if videos == 1:  # one video with CFG: its two branches
+            what = "the 2 CFG branches of one video"
+        else:
+            what = f"the {samples} samples of {videos} videos" + (" x 2 CFG branches" if cfg else " (CFG is off)")
         if samples == 1:
             parts.append("dp 1: one sample (CFG is off)")
         elif shape.dp == samples:
-            parts.append(f"dp {shape.dp}: the {samples} samples of {what}")
+            parts.append(f"dp {shape.dp}: {what}")
         else:
-            parts.append(f"dp {shape.dp}: the largest divisor of the {samples} samples of {what} a mesh here allows")
+            parts.append(f"dp {shape.dp}: the largest divisor of {what} a mesh here allows")
     if not tp:
         parts.append(
             f"tp {shape.tp}: the largest divisor of the {model.heads} heads and the split weight dimensions "

@@ -70,7 +70,7 @@ def test_default_meshes_the_issue_named(published_facts):
     assert wan22.weight_bytes(4) > WEIGHT_SHARE * v5e.hbm_per_device
     choice = default_mesh(8, cfg=True, model=wan22, device_memory=v5e.hbm_per_device)
     assert choice.shape == MeshShape(1, 1, 8)
-    assert "dp 1: the largest divisor of the 2 samples of one video x 2 CFG branches" in choice.why
+    assert "dp 1: the largest divisor of the 2 CFG branches of one video" in choice.why
     assert default_mesh(8, cfg=True, model=wan22, device_memory=None).shape == MeshShape(2, 1, 4)
 
 
@@ -171,7 +171,7 @@ def test_published_models_plan_on_their_default_mesh(tmp_path, capsys, model, me
     assert report["fits"] and report["mesh"] == dict(zip(("dp", "sp", "tp"), mesh, strict=True))
     assert report["mesh_choice"]["weights_fit"] and report["splash_custom_calls"] > 0
     log = capsys.readouterr().out
-    assert f"mesh dp {mesh[0]} x sp {mesh[1]} x tp {mesh[2]} (dp 2: the 2 samples of one video x 2 CFG branches;" in log
+    assert f"mesh dp {mesh[0]} x sp {mesh[1]} x tp {mesh[2]} (dp 2: the 2 CFG branches of one video;" in log
     assert scheme == "none" or f"sequence parallel: {scheme}" in log
 
 

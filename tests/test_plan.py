@@ -185,7 +185,7 @@ def test_plan_from_a_stage1_folder_uses_its_request(tmp_path, capsys):
         ),
         (
             ["--plan", "v6e-8", "--model", "tiny-cogvideox", "--cache_threshold", "0.1"],
-            "only apply with --cache magcache",
+            "only applies with --cache magcache",
         ),
     ],
 )
@@ -205,7 +205,7 @@ def test_stage3_plans_the_width_split_decode(tmp_path):
 
 
 def test_stage3_planning_flags_need_plan(capsys, tmp_path):
-    expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", tmp_path, "--height", 64], "--height need --plan")
+    expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", tmp_path, "--height", 64], "--height needs --plan")
 
 
 def test_a_folder_with_configs_only_plans(tmp_path):

@@ -362,8 +362,8 @@ def test_interval_cache_equals_its_definition(tmp_path, four_layer_cogvideox):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--cache_threshold", "0.1"], "--cache_threshold only apply with --cache magcache"),
-        (["--cache", "magcache", "--cache_step_interval", "2"], "only apply with --cache interval"),
+        (["--cache_threshold", "0.1"], "--cache_threshold only applies with --cache magcache"),
+        (["--cache", "magcache", "--cache_step_interval", "2"], "only applies with --cache interval"),
         (["--cache", "magcache"], "needs the model's magnitude ratios"),
         (["--enable_cache", "--cache", "magcache"], "--enable_cache means --cache interval"),
         (["--cache", "interval", "--cache_calibrate"], "cannot go with --cache interval"),

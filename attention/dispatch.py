@@ -5,11 +5,13 @@ sequence-parallel scheme. It reads the plan and never the flags."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax.numpy as jnp
 import torch
 from jax.sharding import Mesh
 
+from attention.calls import in_cross_attention
 from attention.cudnn import fused_attention
 from attention.masks import masks_from_attn_mask
 from attention.plan import AttentionPlan
@@ -32,8 +34,14 @@ def make_sdpa(plan: AttentionPlan, mesh: Mesh | None = None, fused_implementatio
         if dropout_p or is_causal or enable_gqa:
             raise ValueError(f"{backend} attention supports neither dropout, is_causal nor enable_gqa")
 
+        cross = in_cross_attention()  # read at trace time, where the family's marks are set
+        splash = plan.splash
+        if cross and splash is not None and splash.local_window is not None:
+            splash = dataclasses.replace(splash, local_window=None)  # a window over positions of one sequence
+
         def jax_attention(q, k, v, mask):
-            scheme = call_scheme(plan.sequence_parallel, mesh, q.shape[1], q.shape[2] == k.shape[2])
+            self_attention = q.shape[2] == k.shape[2] and not cross
+            scheme = call_scheme(plan.sequence_parallel, mesh, q.shape[1], self_attention)
             if backend == "xla":
                 boolean = mask is None or mask.dtype == jnp.bool_
                 if boolean and scheme in ("ulysses", "ring"):
@@ -45,7 +53,7 @@ def make_sdpa(plan: AttentionPlan, mesh: Mesh | None = None, fused_implementatio
                     q, k, v, key_valid, query_valid, scale=scale, implementation=fused_implementation
                 )
             return splash_attention(
-                q, k, v, key_valid, query_valid=query_valid, scale=scale, config=plan.splash, mesh=mesh, scheme=scheme
+                q, k, v, key_valid, query_valid=query_valid, scale=scale, config=splash, mesh=mesh, scheme=scheme
             )
 
         return call_jax(jax_attention, query, key, value, attn_mask)

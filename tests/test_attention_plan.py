@@ -95,3 +95,40 @@ def test_cudnn_with_a_split_sequence_is_an_error_naming_a_mesh_that_works():
 def test_the_backend_is_never_auto_and_fp32_on_a_gpu_is_xla():
     plan = gpu_plan(8, dtype=torch.float32)
     assert plan.backend == "xla" and "bf16/fp16" in plan.backend_why and plan.splash is None
+
+
+def test_a_local_window_acts_on_self_attention_only():
+    """Inside a module marked as cross-attention (Wan's attn2) the window is not applied, also where the
+    prompt happens to be as long as the video; outside it, it is."""
+    from attention.calls import mark_cross_attention
+    from attention.dispatch import attention_backend
+    from helpers import attention_plan, relative_error
+    from runtime.torchax_runtime import TorchaxRuntime
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=generator) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    runtime, plain, cross = TorchaxRuntime(None), Attend(), Attend()
+    mark_cross_attention(cross)
+    mark_cross_attention(cross)  # marking twice is marking once
+    with attention_backend(runtime.env, attention_plan("splash", local_window=8)), runtime.env:
+        inputs = [runtime.to_device(t) for t in (q, k, v)]
+        windowed, whole = (runtime.to_host(module(*inputs)) for module in (plain, cross))
+    assert relative_error(whole, expected) <= 1e-5
+    assert relative_error(windowed, expected) > 0.1
+
+
+def test_wan_runs_splash_with_a_local_window(tmp_path):
+    """Wan's text cross-attention used to fail the run after loading ("a local window needs self-attention")."""
+    import stage1_text_encoder
+
+    argv = ["--model", "tiny-wan2.1", "--prompt", "a cat", "--output_dir", tmp_path, "--dtype", "fp32"]
+    run_stage(stage1_text_encoder, argv)
+    splash = ["--attention", "splash", "--local_window", "16", "--num_inference_steps", 1, "--warmup_steps", 0]
+    run_stage(stage2_transformer, ["--input_dir", tmp_path, *splash])
+    section = json.loads((tmp_path / "generation_config.json").read_text())["stage2"]
+    assert section["attention"] == "splash" and section["splash"]["local_window"] == 16

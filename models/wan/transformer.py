@@ -7,6 +7,7 @@ import functools
 
 import torch
 
+from attention.calls import mark_cross_attention
 from sharding import COLUMN, COLUMN_BIAS, DP, MODULATION, REPLICATED, SP, RuleTable, megatron_rules
 
 from ..common import constrain_block_inputs
@@ -70,6 +71,8 @@ class GuidedTransformer(Guided):
         self, transformer, dtype, do_cfg: bool, guidance_scale: float, constrain=None, per_token=False
     ) -> None:
         super().__init__(transformer, do_cfg, constrain)
+        for block in transformer.blocks:  # video tokens to the prompt (and image): no local window there
+            mark_cross_attention(block.attn2)
         self.dtype = dtype  # the pipeline's `transformer_dtype` (fp32-kept modules aside)
         self.guidance_scale = guidance_scale
         if constrain is not None:

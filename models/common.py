@@ -80,13 +80,18 @@ def attention_heads(source) -> int:
     return source.load_config("transformer")["num_attention_heads"]
 
 
-def constrain_block_inputs(blocks, constrain, specs: dict[str | int, tuple]) -> None:
+def constrain_block_inputs(blocks, constrain, specs: dict[str | int, tuple], barrier=None) -> None:
     """Pin the layout of each block's inputs (`specs` by keyword name or by position), so XLA's sharding
     propagation does not pick a different one per block (e.g. the width split over `tp` that a
-    row-parallel weight suggests, which then costs an all-gather before the next linear)."""
+    row-parallel weight suggests, which then costs an all-gather before the next linear). With `barrier`
+    (Runtime.barrier) the positional inputs also pass one optimization barrier together: work in a block
+    that reads only inputs shared by all blocks (a timestep's modulation) then waits for the block before,
+    instead of being scheduled for every block at once with all the results alive together."""
 
     def hook(module, args, kwargs):
         args = tuple(constrain(value, specs[index]) if index in specs else value for index, value in enumerate(args))
+        if barrier is not None:
+            args = barrier(*args)
         return args, {name: constrain(value, specs[name]) if name in specs else value for name, value in kwargs.items()}
 
     for block in blocks:

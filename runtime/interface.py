@@ -49,6 +49,10 @@ class Runtime(Protocol):
         """Inside a compiled forward: pin an activation's layout (a no-op without a mesh); `uneven` splits a
         dimension the axis does not divide (placement.constrain)."""
 
+    def barrier(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Inside a compiled forward: the tensors unchanged, but nothing that reads one of the results can be
+        computed before all of them are (jax.lax.optimization_barrier); eagerly, the tensors themselves."""
+
     def profile_trace(self) -> contextlib.AbstractContextManager:
         """A profiler trace around the block, or a context that does nothing."""
 
@@ -81,6 +85,9 @@ class TorchRuntime:
 
     def constrain(self, tensor: torch.Tensor, layout: Layout, uneven: bool = False) -> torch.Tensor:
         return tensor
+
+    def barrier(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tensors
 
     def profile_trace(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

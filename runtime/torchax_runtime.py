@@ -165,6 +165,13 @@ class TorchaxRuntime:
         splits a dimension the axis does not divide (placement.constrain)."""
         return placement.constrain(tensor, self.mesh, layout, uneven)
 
+    def barrier(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Inside a compiled forward: `tensors` through one jax.lax.optimization_barrier, so what reads the
+        results waits for all of them (e.g. a block's timestep-only work for the previous block's output)."""
+        from torchax.interop import call_jax
+
+        return tuple(call_jax(jax.lax.optimization_barrier, tensors))
+
     def to_host(self, tensor) -> torch.Tensor:
         """A CPU torch tensor; blocks until the device has computed it. With several processes each gets
         the whole value (every host runs the same scheduler step on it)."""

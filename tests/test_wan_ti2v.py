@@ -68,11 +68,18 @@ def test_text_to_video_vs_wan_pipeline(tmp_path, pipelines):
 
 
 @pytest.mark.parametrize("mesh", [None, (2, 2, 2)], ids=["1-device", "splash-2x2x2"])
-def test_image_to_video_vs_the_pipelines_expand_timesteps_branch(tmp_path, pipelines, image, mesh):
+def test_image_to_video_vs_the_pipelines_expand_timesteps_branch(tmp_path, pipelines, image, mesh, monkeypatch):
     """The first latent frame is the image's and its tokens get timestep 0; on 2x2x2 with Splash the
-    per-token modulation is split over sp like the tokens."""
+    per-token modulation is split over sp like the tokens. Every block's inputs pass one optimization
+    barrier (its modulation reads only the timestep; docs/planning.md has what that saves on a TPU)."""
+    from runtime.torchax_runtime import TorchaxRuntime
+
+    barriers, barrier = [], TorchaxRuntime.barrier
+    monkeypatch.setattr(TorchaxRuntime, "barrier", lambda self, *ts: barriers.append(len(ts)) or barrier(self, *ts))
     flags = [] if mesh is None else ["--attention", "splash", "--dp", mesh[0], "--sp", mesh[1], "--tp", mesh[2]]
     latents, frames, config = staged(tmp_path, ["--image", image], flags)
+    blocks = len(pipelines[1].transformer.blocks)
+    assert barriers and len(barriers) % blocks == 0, (len(barriers), blocks)  # one per block, per trace
     assert config["stage1"]["task"] == "i2v"
     pipe = pipelines[1]
     seen = {}

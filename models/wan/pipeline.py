@@ -86,7 +86,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     names = transformer_components(source)
     per_token = ti2v.expand_timesteps(source)
     guided = tuple(
-        GuidedTransformer(transformers[name], dtype, do_cfg, scale, runtime.constrain, per_token)
+        GuidedTransformer(transformers[name], dtype, do_cfg, scale, runtime.constrain, per_token, runtime.barrier)
         for name, scale in zip(names, scales, strict=False)
     )
     prompt_embeds = embeds["prompt_embeds"].to(dtype)

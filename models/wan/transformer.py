@@ -68,7 +68,7 @@ class GuidedTransformer(Guided):
     CFG_ORDER = ("cond", "uncond")
 
     def __init__(
-        self, transformer, dtype, do_cfg: bool, guidance_scale: float, constrain=None, per_token=False
+        self, transformer, dtype, do_cfg: bool, guidance_scale: float, constrain=None, per_token=False, barrier=None
     ) -> None:
         super().__init__(transformer, do_cfg, constrain)
         for block in transformer.blocks:  # video tokens to the prompt (and image): no local window there
@@ -78,7 +78,8 @@ class GuidedTransformer(Guided):
         if constrain is not None:
             # per-token timesteps make each block's modulation (batch, tokens, 6, width), split like the tokens
             specs = {**BLOCK_INPUTS, 2: (DP, SP, None, None)} if per_token else BLOCK_INPUTS
-            constrain_block_inputs([*transformer.blocks, transformer.norm_out], constrain, specs)
+            constrain_block_inputs(transformer.blocks, constrain, specs, barrier if per_token else None)
+            constrain_block_inputs([transformer.norm_out], constrain, specs)
 
     def forward(self, latents, timestep, prompt_embeds, condition=None, image_embeds=None):
         """`condition` (image-to-video): the mask and image latents concatenated to the latents on channels,

@@ -201,6 +201,7 @@ def test_presets_are_unique_and_registered():
         "workarounds",
         "attention",
         "attention.plan",
+        "attention.calls",
         "planning",
     ],
 )

@@ -30,17 +30,15 @@ def read_file(loader, file: Path, flag: str) -> tuple[dict[str, torch.Tensor], d
 
     try:
         with safe_open(str(file), "pt") as handle:  # header and sizes checked before anything else reads it
-            for key in handle.keys():
-                tensor = handle.get_tensor(key)
-                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-                    raise UserError(f"{flag} {file.name}: {key} holds NaN or Inf")
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
             metadata = _metadata(handle.metadata(), flag, file)
-        if loader is None:
-            from safetensors.torch import load_file
-
-            return load_file(str(file)), metadata
     except (SafetensorError, OSError) as err:
         raise UserError(f"{flag} {file}: not a readable .safetensors file (truncated?): {err}") from None
+    for key, tensor in tensors.items():  # the file's own keys (Wan's alpha too), before a converter uses them
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise UserError(f"{flag} {file.name}: {key} holds NaN or Inf")
+    if loader is None:
+        return tensors, metadata
     try:  # use_safetensors=True: diffusers would otherwise fall back to unpickling a file it cannot read
         return loader.lora_state_dict(str(file), use_safetensors=True, return_lora_metadata=True)
     except Exception as err:  # its converters index keys and shapes they expect (KeyError, IndexError, ...)

@@ -162,8 +162,8 @@ def read_adapters(args, family, source, dtype: torch.dtype) -> list[Adapter]:
                 f"{flag} {file.name}: {len(missing)} of its modules are not in this {family.NAME} {component} "
                 f"({few_names(missing)}); {looks}"
             )
-        downs = {key.removesuffix(".lora_A.weight"): t for key, t in weights.items() if key.endswith(".lora_A.weight")}
-        ranks = {name: down.shape[0] for name, down in downs.items()}
+        down = ".lora_A.weight"
+        ranks = {key.removesuffix(down): t.shape[0] for key, t in weights.items() if key.endswith(down)}
         check_metadata(metadata, prefix, ranks, flag, file)
         if others:
             log(f"{flag} {file.name}: {len(others)} keys of other components left alone ({few_names(others, 2)})")

@@ -165,10 +165,10 @@ def attention_plan(args, run_model, platform: str, devices: int, per_host=None, 
     for the axes not given); `generation` the TPU's (None: not a TPU). Logged with its reasons."""
     from attention.plan import AttentionFlags, build_plan
     from models.meta import model_facts
-    from runtime.mesh import default_mesh
+    from runtime.mesh import MEMORY_SHARE, default_mesh
 
     family, source, request, dtype = run_model
-    facts = model_facts(family, source, dtype, args.tp_mode)
+    facts = model_facts(family, source, dtype, args.tp_mode, request)
     cfg = family.cfg_enabled(request.guidance_scale)
 
     def choose_mesh(dp, sp, tp, sequence_split):
@@ -189,9 +189,37 @@ def attention_plan(args, run_model, platform: str, devices: int, per_host=None, 
     except ValueError as err:
         raise UserError(str(err)) from None
     log(f"mesh {plan.mesh.shape} ({plan.mesh.why})")
+    if not plan.mesh.fits:
+        advice = where_it_fits(facts, cfg, videos, devices, per_host, memory, generation, plan.mesh.shape)
+        share = f"{MEMORY_SHARE:.0%}"
+        log(f"warning: mesh {plan.mesh.shape} is estimated to pass {share} of the device memory; {advice}")
     if plan.sequence_parallel != "none":
         log(f"sequence parallel: {plan.sequence_parallel} ({plan.sequence_parallel_why})")
     return plan
+
+
+def where_it_fits(facts, cfg: bool, videos: int, devices: int, per_host, memory: int, generation, shape) -> str:
+    """For a run or plan that does not fit on `shape`: the default mesh of these devices where the estimate
+    fits it (mesh flags gave another), else on a TPU (`generation` not None) the smallest slice of each
+    generation whose default mesh does (of `generation`, larger than `devices`); a phrase for a log line or
+    the plan's verdict."""
+    from planning import tpus
+    from runtime.mesh import default_mesh
+
+    here = default_mesh(devices, cfg=cfg, model=facts, videos=videos, devices_per_host=per_host, device_memory=memory)
+    if here.fits and here.shape != shape:
+        return f"the default mesh {here.shape} is estimated to fit (no --dp/--sp/--tp)"
+    if generation is None:
+        return f"no mesh of these {devices} devices is estimated to fit it"
+
+    def fits(target) -> bool:
+        at = {"devices_per_host": target.devices_per_host, "device_memory": target.hbm_per_device}
+        return default_mesh(target.devices, cfg=cfg, model=facts, videos=videos, **at).fits
+
+    found = tpus.smallest_fitting(fits, generation, devices)
+    if not found:
+        return "no TPU slice this tool knows is estimated to fit it"
+    return "the smallest slices estimated to fit: " + ", ".join(target.name for target in found)
 
 
 def plan_main(args) -> None:
@@ -230,6 +258,13 @@ def plan_main(args) -> None:
             f"{target.generation.prefix}; use smaller tiles, e.g. --block_q 1024 --block_kv 1024 --block_kv_compute 512"
         ) from None
     report["mesh_choice"] = attention.mesh.record()
+    if not report["fits"]:
+        from models.meta import model_facts
+
+        facts = model_facts(family, source, dtype, args.tp_mode, request)
+        cfg = family.cfg_enabled(request.guidance_scale)
+        videos, mesh = args.batch_size or 1, attention.mesh.shape
+        report["where_it_fits"] = where_it_fits(facts, cfg, videos, *target_devices, target.generation, mesh)
     if adapters:
         report["adapters"] = {"fused": [a.record() for a in adapters], "effect": lora.PLAN_EFFECT}
     plan_report.finish(report, args.plan_json)

@@ -62,7 +62,7 @@ def default_batch_size(args, run, videos: int, devices: int, per_host: int | Non
             videos,
             devices,
             cfg=run.family.cfg_enabled(run.request.guidance_scale),
-            model=model_facts(run.family, run.source, run.dtype, args.tp_mode),
+            model=model_facts(run.family, run.source, run.dtype, args.tp_mode, run.request),
             dp=args.dp,
             sp=args.sp,
             tp=args.tp,

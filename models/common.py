@@ -1,5 +1,6 @@
 """Small helpers several families share: the noise dtype, one-transformer and scaling-factor defaults of
-the family interface, flow-matching schedulers by name, head counts, and block input layouts.
+the family interface, flow-matching schedulers by name, head counts, activation estimates, and block input
+layouts.
 
 The shared engine's larger parts have their own modules: stage 1's encoders (encoders.py), stage 2's loop
 (denoise.py), stage 3's decode (decode.py).
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 
 from cli import UserError
+from runtime.mesh import Activations
 
 # Stage 2's initial noise is drawn in fp32 on the CPU and then cast to the run's dtype, so a seed gives
 # the same latents on every host: torch 2.11's CPU randn draws another sequence in bf16 than in fp32
@@ -78,6 +80,14 @@ def size_from_request(source, images) -> None:
 def attention_heads(source) -> int:
     """The transformer's attention head count (what `tp` must divide), from its config alone."""
     return source.load_config("transformer")["num_attention_heads"]
+
+
+def activations(source, tokens: int, dtype: torch.dtype, copies: tuple[float, float], fp32: float = 0.0):
+    """One sample's runtime.mesh.Activations: `tokens` video tokens at the transformer's width in `dtype`,
+    with the family's fitted (whole, split) copies and float32 copies."""
+    config = source.load_config("transformer")
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    return Activations(tokens, width, dtype.itemsize, *copies, fp32)
 
 
 def constrain_block_inputs(blocks, constrain, specs: dict[str | int, tuple], barrier=None) -> None:

@@ -66,6 +66,10 @@ class Family(Protocol):
     def cfg_enabled(self, guidance_scale: float) -> bool:
         """Whether the pipeline runs the unconditional branch at this scale."""
 
+    def activations(self, source: ModelSource, request: Request, dtype: torch.dtype) -> Any:
+        """One sample's activation estimate (runtime.mesh.Activations: its video tokens and the family's
+        copies fitted to the TPU compiler), which the default mesh adds to the weights."""
+
     def transformer_rules(self, tp_mode: str) -> Any:
         """The transformer's sharding.RuleTable."""
 

@@ -6,6 +6,7 @@ weights and no compile.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -55,7 +56,11 @@ def weight_facts(modules: Iterable[torch.nn.Module], rules, heads: int) -> Model
     return ModelFacts(heads, tuple(sorted(split.items())), replicated)
 
 
-def model_facts(family, source, dtype: torch.dtype, tp_mode: str) -> ModelFacts:
-    """What the default mesh needs of the family's stage-2 transformers (all experts: each stays resident)."""
+def model_facts(family, source, dtype: torch.dtype, tp_mode: str, request=None) -> ModelFacts:
+    """What the default mesh needs of the family's stage-2 transformers (all experts: each stays resident)
+    and, given the request, of one sample's activations."""
     modules = meta_transformers(family, source, dtype).values()
-    return weight_facts(modules, family.transformer_rules(tp_mode), attention_heads(source))
+    facts = weight_facts(modules, family.transformer_rules(tp_mode), attention_heads(source))
+    if request is None:
+        return facts
+    return dataclasses.replace(facts, activations=family.activations(source, request, dtype))

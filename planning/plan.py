@@ -406,6 +406,15 @@ def request_to_plan(input_dir: Path, model: str | None, flags: dict[str, Any], d
         return request, source, family, read_tensors(input_dir, config["stage1"])
     if not model:
         raise UserError(f"--plan needs stage-1 files in {input_dir} or a --model to plan from")
+    request, source, family = default_request(model, flags, dtype)
+    return request, source, family, family.planning_embeds(source, request, parse_dtype(request.dtype))
+
+
+def default_request(model: str, flags: dict[str, Any], dtype: str | None = None):
+    """The request a plan from `model` alone compiles for: the model's defaults and the given flags (None:
+    unset), checked; with its source and family. Published hub ids need no network."""
+    import models
+
     source, family = models.resolve_model(model, configs_only=True)
     given = {key: value for key, value in flags.items() if value is not None}
     values = {**family.request_defaults(source), "seed": 0, **given}
@@ -413,4 +422,4 @@ def request_to_plan(input_dir: Path, model: str | None, flags: dict[str, Any], d
         model_family=family.NAME, model_id=model, prompt="", negative_prompt="", dtype=dtype or "bf16", **values
     )
     models.validate_request(family, source, request)
-    return request, source, family, family.planning_embeds(source, request, parse_dtype(request.dtype))
+    return request, source, family

@@ -55,7 +55,7 @@ def print_report(report: dict[str, Any]) -> None:
         memory["capacity"] - memory["total"] if "arguments" in memory else memory["compiler_limit"] - memory["total"]
     )
     verdict = f"fits with {gib(spare)} to spare" if report["fits"] else f"does not fit by {gib(-spare)}"
-    print(f"  verdict: {verdict}")
+    print(f"  verdict: {verdict}" + (f"; {report['where_it_fits']}" if report.get("where_it_fits") else ""))
     if not report["fits"] and "arguments" not in memory:
         return
     collectives = report["collectives"]  # stage 2: per block and outside; stage 3: the program(s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +121,25 @@ def parse_target(name: str) -> Target:
         sizes = ", ".join(f"{name.split('-')[0]}-{c * 2 if generation.counts_cores else c}" for c in grids)
         raise ValueError(f"{name} is not a slice size this tool maps to a topology ({sizes})")
     return Target(name, generation, f"{generation.prefix}:{grids[chips]}")
+
+
+def slices(generation: Generation) -> list[Target]:
+    """The generation's slices this tool maps to a topology, smallest first."""
+    grids = GRIDS_3D if generation.three_d else GRIDS_2D
+    unit = 2 if generation.counts_cores else 1
+    return [parse_target(f"{generation.type_names[0]}-{chips * unit}") for chips in grids]
+
+
+def smallest_fitting(fits: Callable[[Target], bool], generation: Generation | None = None, devices: int = 0):
+    """Of each generation, the smallest slice where `fits` holds (of `generation`, one with more than
+    `devices` devices: the slice that does not fit); generations where none does are left out."""
+    found = []
+    for each in GENERATIONS.values():
+        for target in slices(each):
+            if (each != generation or target.devices > devices) and fits(target):
+                found.append(target)
+                break
+    return found
 
 
 def topology_devices(target: Target) -> list:

@@ -10,30 +10,55 @@ The default, for the axes the user left unset:
   on tp that fits within one host (its all-reduces run twice per block and want the fastest links);
 - `sp` takes the remaining devices, attention over it by Ulysses where the heads per tp shard divide by
   sp, else by ring (sp_mode_choice).
-A candidate whose weights per device would pass WEIGHT_SHARE of the device's memory is passed over for
-one that splits them further (dp 1, so tp may grow); if none fits, the most split one is returned and
-its reason says so (`--plan` then reports exactly by how much).
+A candidate whose estimated memory per device (its weights, plus the family's activation estimate for
+the samples and tokens it holds: `Activations`) would pass MEMORY_SHARE of the device's memory is passed
+over for the next (dp 1, so tp may grow; sp larger); if none fits, the one needing least is returned and
+its reason says so (`--plan` then reports exactly by how much, and names the smallest slice that fits).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from sharding import DP, SP, TP, MeshShape
 
 GIB = 2**30
-# Of each device's memory, the share the weights may take by default: activations, the compiled program
-# and XLA's scratch need the rest (the plan's compile gives the exact peak).
-WEIGHT_SHARE = 0.75
+# Of each device's memory, the share the estimate (weights and activations) may take by default: the
+# compiled program, its outputs, XLA's scratch and the estimate's error need the rest (the plan's compile
+# gives the exact peak).
+MEMORY_SHARE = 0.85
+
+
+@dataclass(frozen=True)
+class Activations:
+    """An estimate of the activation memory of one sample (a video's CFG branch) at a block's peak, in
+    copies of its [tokens, width] hidden states: `whole` copies every tp device holds entire (the residual
+    stream, norms, modulation), `split` copies tp divides (attention heads, the MLP's hidden width), `fp32`
+    copies in float32 whatever the run's dtype (Wan TI2V's per-token modulation); sp divides the tokens of
+    all of them. Each family's copies are fitted to the TPU compiler's temporaries (docs/planning.md)."""
+
+    tokens: int  # video tokens per sample
+    width: int  # the blocks' hidden width
+    element_bytes: int  # of the run's dtype
+    whole: float
+    split: float
+    fp32: float = 0.0
+
+    def bytes_per_device(self, samples: int, sp: int, tp: int) -> int:
+        cells = samples * math.ceil(self.tokens / sp) * self.width
+        return int(cells * (self.element_bytes * (self.whole + self.split / tp) + 4 * self.fp32))
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the mesh choice needs to know of a model's stage-2 weights (models.meta.model_facts)."""
+    """What the mesh choice needs to know of a model's stage-2 weights and, for one request, its
+    activations (models.meta.model_facts; None: weights only)."""
 
     heads: int
     split_bytes: tuple[tuple[int, int], ...] = ()  # (size of a dimension split on tp, bytes of its tensors)
     replicated_bytes: int = 0
+    activations: Activations | None = None
 
     @property
     def tp_dims(self) -> tuple[int, ...]:
@@ -44,15 +69,24 @@ class ModelFacts:
         split = sum(size // tp if dim % tp == 0 else size for dim, size in self.split_bytes)
         return self.replicated_bytes + split
 
+    def bytes_per_device(self, shape: MeshShape, batch: int) -> int:
+        """The estimate for one device of `shape` running a batch of `batch` samples: its weights and the
+        activations of the batch / dp samples it holds."""
+        activations = (
+            self.activations.bytes_per_device(batch // shape.dp, shape.sp, shape.tp) if self.activations else 0
+        )
+        return self.weight_bytes(shape.tp) + activations
+
 
 @dataclass(frozen=True)
 class MeshChoice:
     shape: MeshShape
     why: str
-    fits: bool = True  # False: the weights pass WEIGHT_SHARE of the device memory on every valid mesh
+    fits: bool = True  # False: the estimate passes MEMORY_SHARE of the device memory on every valid mesh
+    estimate: int = 0  # bytes per device: weights and estimated activations (ModelFacts.bytes_per_device)
 
     def record(self) -> dict:
-        return {**self.shape.as_dict(), "why": self.why, "weights_fit": self.fits}
+        return {**self.shape.as_dict(), "why": self.why, "fits_estimate": self.fits, "estimated_bytes": self.estimate}
 
 
 def sp_mode_choice(sp_mode: str, mesh_shape: dict[str, int], heads: int, local_window: bool = False) -> tuple[str, str]:
@@ -137,19 +171,21 @@ def default_mesh(
     if not options:
         wanted = _given(dp, sp, tp) or "its defaults"
         raise ValueError(f"no mesh of {devices} devices has {wanted}{'' if sequence_split else ' and sp 1'}{hint}")
-    budget = device_memory * WEIGHT_SHARE if device_memory else None
-    fitting = [shape for shape in options if budget is None or model.weight_bytes(shape.tp) <= budget]
-    shape = fitting[0] if fitting else max(options, key=lambda option: option.tp)
+    budget = device_memory * MEMORY_SHARE if device_memory else None
+    fitting = [shape for shape in options if budget is None or model.bytes_per_device(shape, batch) <= budget]
+    shape = fitting[0] if fitting else min(options, key=lambda option: model.bytes_per_device(option, batch))
     why = _why(shape, (dp, sp, tp), cfg, model, device_memory, bool(fitting), videos, sequence_split)
-    return MeshChoice(shape, why, bool(fitting))
+    if fitting and shape != options[0]:
+        first = model.bytes_per_device(options[0], batch) / GIB
+        why += f"; {options[0]} would need {first:.2f} GiB per device (estimated), more than {MEMORY_SHARE:.0%} of it"
+    return MeshChoice(shape, why, bool(fitting), model.bytes_per_device(shape, batch))
 
 
 def default_batch(videos: int, devices: int, *, cfg: bool, model: ModelFacts, **mesh) -> tuple[int, str]:
     """Stage 2's default videos per batch for a group of `videos`, and why: the largest number whose default
     mesh (`mesh`: default_mesh's axis and memory arguments) gives every device at most one sample (a video's
-    CFG branch) with the weights within WEIGHT_SHARE of its memory. A second sample per device would add
-    a whole sample's activations where the weights already take their share; `--plan --batch_size`
-    measures a larger batch exactly."""
+    CFG branch) and its estimate within MEMORY_SHARE of its memory. More samples per device is left to
+    `--batch_size`, which `--plan --batch_size` measures exactly."""
     branches = 2 if cfg else 1
     for size in range(min(videos, devices // branches), 1, -1):
         try:
@@ -160,7 +196,7 @@ def default_batch(videos: int, devices: int, *, cfg: bool, model: ModelFacts, **
             return size, f"{size} videos: one sample per device on {choice.shape}"
     if videos == 1:
         return 1, "one video"
-    return 1, "one video: two would put a second sample on a device, or the weights past their share"
+    return 1, "one video: two would put a second sample on a device, or pass the memory estimate"
 
 
 def _given(dp, sp, tp) -> str:
@@ -229,11 +265,15 @@ def _why(
     elif not sp:
         scheme = sp_mode_choice("auto", shape.as_dict(), model.heads)[0]
         parts.append(f"sp {shape.sp}: the rest" + (f" ({scheme} attention)" if shape.sp > 1 else ""))
-    weights = model.weight_bytes(shape.tp) / GIB
+    batch = videos * (2 if cfg else 1)
+    estimate = f"weights {model.weight_bytes(shape.tp) / GIB:.2f} GiB"
+    if model.activations:
+        activations = model.bytes_per_device(shape, batch) - model.weight_bytes(shape.tp)
+        estimate += f" + activations {activations / GIB:.2f} GiB (estimated)"
     memory = f" of {device_memory / GIB:.1f} GiB" if device_memory else ""
-    parts.append(f"weights {weights:.2f} GiB per device{memory}")
+    parts.append(f"{estimate} per device{memory}")
     if not fits:
-        parts.append(f"more than {WEIGHT_SHARE:.0%} of it on every mesh of these devices")
+        parts.append(f"more than {MEMORY_SHARE:.0%} of it on every mesh of these devices")
     if given != (None, None, None):
         parts.insert(0, f"given {_given(*given)}")
     return "; ".join(parts)

@@ -159,7 +159,10 @@ def test_hunyuanvideo15_720p_with_replicated_weights_does_not_fit_a_v5e_8(tmp_pa
     assert not report["fits"] and report["video"] == {"height": 720, "width": 1280, "num_frames": 121}
     memory = report["hbm_bytes_per_device"]
     assert memory["total"] > memory["compiler_limit"] and memory["capacity"] == 16 * 2**30
-    assert "verdict: does not fit by" in capsys.readouterr().out
+    advice = "the default mesh dp 2 x sp 1 x tp 4 is estimated to fit (no --dp/--sp/--tp)"
+    assert report["where_it_fits"] == advice
+    verdict = next(line for line in capsys.readouterr().out.splitlines() if "verdict:" in line)
+    assert "verdict: does not fit by" in verdict and verdict.endswith(f"; {advice}")
 
 
 def test_plan_from_a_stage1_folder_uses_its_request(tmp_path, capsys):

@@ -12,7 +12,16 @@
 from ..common import one_transformer as transformer_components
 from ..common import size_from_request as image_size  # the pipeline resizes the image to the request's size
 from ..common import vae_scaling_factor as latents_normalization
-from .config import LORA_LOADER, NAME, PIPELINE_CLASSES, REQUEST_FLAGS, cfg_enabled, request_defaults, validate_request
+from .config import (
+    LORA_LOADER,
+    NAME,
+    PIPELINE_CLASSES,
+    REQUEST_FLAGS,
+    activations,
+    cfg_enabled,
+    request_defaults,
+    validate_request,
+)
 from .i2v import encode_images, image_inputs
 from .pipeline import Decoder, denoise_loop, planning_embeds, prompt_encoder, video_processor
 from .presets import PRESETS

@@ -4,12 +4,16 @@ load)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from cli import UserError
 from utils import Request
 
+from .. import common
 from . import i2v
 
 NAME = "cogvideox"
@@ -24,6 +28,9 @@ VARIANT_DEFAULTS = {
     "1.5": {"height": 768, "width": 1360, "num_frames": 81, "fps": 16},
 }
 COMMON_DEFAULTS = {"num_inference_steps": 50, "guidance_scale": 6.0}
+# One sample's activations at a block's peak, in copies of its [video tokens, width] hidden states: (every
+# tp device's, split over tp), fitted to the TPU compiler's temporaries (docs/planning.md).
+ACTIVATION_COPIES = (0.7, 32.0)
 
 
 def variant(transformer_config: dict[str, Any]) -> str:
@@ -57,6 +64,21 @@ class Geometry:
             patch_t=transformer.get("patch_size_t"),
             text_tokens=transformer["max_text_seq_length"],
         )
+
+
+def video_tokens(source, request: Request) -> int:
+    """The transformer's video tokens for the request (CogVideoX 1.5 pads the latent frames to whole
+    temporal patches, as the pipeline does)."""
+    geometry = Geometry.of(source)
+    frames = (request.num_frames - 1) // geometry.temporal + 1
+    frames = math.ceil(frames / geometry.patch_t) if geometry.patch_t else frames
+    cells = geometry.spatial * geometry.patch
+    return frames * (request.height // cells) * (request.width // cells)
+
+
+def activations(source, request: Request, dtype: torch.dtype):
+    """One sample's activation estimate for the default mesh (runtime.mesh.Activations)."""
+    return common.activations(source, video_tokens(source, request), dtype, ACTIVATION_COPIES)
 
 
 def validate_request(source, request: Request) -> None:

@@ -12,7 +12,16 @@
 
 from ..common import one_transformer as transformer_components
 from ..common import vae_scaling_factor as latents_normalization
-from .config import LORA_LOADER, NAME, PIPELINE_CLASSES, REQUEST_FLAGS, cfg_enabled, request_defaults, validate_request
+from .config import (
+    LORA_LOADER,
+    NAME,
+    PIPELINE_CLASSES,
+    REQUEST_FLAGS,
+    activations,
+    cfg_enabled,
+    request_defaults,
+    validate_request,
+)
 from .i2v import encode_images, image_inputs, image_size
 from .pipeline import denoise_loop, planning_embeds, prompt_encoder
 from .presets import PRESETS

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from cli import UserError
 from utils import Request
 
@@ -24,6 +26,9 @@ RESOLUTION_DEFAULTS = {
     960: {"height": 720, "width": 1280, "flow_shift": 9.0},
 }
 COMMON_DEFAULTS = {"num_frames": 121, "fps": 24, "num_inference_steps": 50, "guidance_scale": 6.0}
+# One sample's activations at a block's peak, in copies of its [video tokens, width] hidden states: (every
+# tp device's, split over tp), fitted to the TPU compiler's temporaries (docs/planning.md).
+ACTIVATION_COPIES = (1.0, 26.0)
 
 
 def request_defaults(source) -> dict[str, Any]:
@@ -49,6 +54,16 @@ class Geometry:
             temporal=vae["temporal_compression_ratio"],
             latent_channels=vae["latent_channels"],
         )
+
+
+def activations(source, request: Request, dtype: torch.dtype):
+    """One sample's activation estimate for the default mesh (runtime.mesh.Activations)."""
+    geometry = Geometry.of(source)
+    transformer = source.load_config("transformer")
+    frames = ((request.num_frames - 1) // geometry.temporal + 1) // transformer["patch_size_t"]
+    cells = geometry.spatial * transformer["patch_size"]
+    tokens = frames * (request.height // cells) * (request.width // cells)
+    return common.activations(source, tokens, dtype, ACTIVATION_COPIES)
 
 
 def validate_request(source, request: Request) -> None:

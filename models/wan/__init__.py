@@ -17,6 +17,7 @@ from .config import (
     NAME,
     PIPELINE_CLASSES,
     REQUEST_FLAGS,
+    activations,
     cfg_enabled,
     request_defaults,
     transformer_components,

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from cli import UserError
 from utils import Request
 
+from .. import common
 from ..common import folder_flow_shift
+from . import ti2v
 
 NAME = "wan"
 PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
@@ -19,6 +23,12 @@ REQUEST_FLAGS = ("guidance_scale_2", "scheduler")  # Wan 2.2's second expert's s
 # WanPipeline.__call__'s defaults (480p; the 14B models also run 720p: --height 720 --width 1280).
 DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "fps": 16, "num_inference_steps": 50, "guidance_scale": 5.0}
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's prompt layout: valid tokens, then zeros up to 512
+# One sample's activations at a block's peak, in copies of its [video tokens, width] hidden states: (every
+# tp device's, split over tp), fitted to the TPU compiler's temporaries (docs/planning.md). TI2V-5B adds
+# float32 copies: its per-token modulation, [tokens, 6, width], and the float32 arithmetic it feeds (one
+# block's at a time: the block barrier).
+ACTIVATION_COPIES = (4.8, 16.5)
+TI2V_FP32_COPIES = 14
 
 
 def request_defaults(source) -> dict[str, Any]:
@@ -48,12 +58,7 @@ def validate_request(source, request: Request) -> None:
         raise UserError(f"--num_frames {request.num_frames} must be {temporal}n+1 (e.g. 81)")
     # The rotary embedding holds rope_max_seq_len positions per axis (diffusers' WanRotaryPosEmbed).
     positions = source.load_config("transformer").get("rope_max_seq_len", 1024)
-    latent_frames = ((request.num_frames - 1) // temporal + 1) // patch[0]
-    for key, count in (
-        ("num_frames", latent_frames),
-        ("height", request.height // (spatial * patch[1])),
-        ("width", request.width // (spatial * patch[2])),
-    ):
+    for key, count in zip(("num_frames", "height", "width"), token_grid(source, request), strict=True):
         if count > positions:
             raise UserError(
                 f"--{key} {getattr(request, key)} makes {count} token positions along it, more than the "
@@ -61,6 +66,22 @@ def validate_request(source, request: Request) -> None:
             )
     if request.flow_shift is None or request.flow_shift <= 0:
         raise UserError(f"--flow_shift {request.flow_shift} must be positive")
+
+
+def token_grid(source, request: Request) -> tuple[int, int, int]:
+    """The transformer's token positions along frames, height and width for the request's video."""
+    vae = source.load_config("vae")
+    patch = source.load_config("transformer")["patch_size"]
+    spatial, temporal = vae["scale_factor_spatial"], vae["scale_factor_temporal"]
+    latent_frames = (request.num_frames - 1) // temporal + 1
+    return latent_frames // patch[0], request.height // (spatial * patch[1]), request.width // (spatial * patch[2])
+
+
+def activations(source, request: Request, dtype: torch.dtype):
+    """One sample's activation estimate for the default mesh (runtime.mesh.Activations)."""
+    frames, height, width = token_grid(source, request)
+    fp32 = TI2V_FP32_COPIES if ti2v.expand_timesteps(source) else 0
+    return common.activations(source, frames * height * width, dtype, ACTIVATION_COPIES, fp32)
 
 
 def cfg_enabled(guidance_scale: float) -> bool:

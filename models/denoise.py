@@ -129,7 +129,7 @@ def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options:
 
     latents, carry, timesteps = loop.latents, dict(loop.carry), loop.timesteps
     if options.warmup_steps:
-        with timer.phase("compile"):  # the first call traces and compiles; results are discarded
+        with timer.phase("warmup"):  # the first call builds the programs (timed apart); results are discarded
             for expert in loop.experts_used():
                 for _ in range(options.warmup_steps):
                     predict_noise(latents, 0, timesteps[0], expert, warmup=True)

@@ -2,10 +2,11 @@
 
 `TorchaxRuntime` implements runtime.Runtime on a dp/sp/tp mesh. Stage 2 (and stages 1 and 3 with
 `--backend torchax`) hand modules to `TorchaxRuntime.compile`, which places the weights on the mesh by
-a rule table (sharding.py; runtime/placement.py places them) and returns the module's forward under
-`jax.jit`. Attention is torchax's lowering of `torch.nn.functional.scaled_dot_product_attention` unless
-attention.dispatch.attention_backend overrides it; `torch.gather` is lowered by
-workarounds.torchax.take_along_axis_gather. `CompileCache` turns on JAX's persistent compilation cache.
+a rule table (sharding.py; runtime/placement.py places them) and returns the module with its methods as
+compiled programs (runtime/programs.py). Attention is torchax's lowering of
+`torch.nn.functional.scaled_dot_product_attention` unless attention.dispatch.attention_backend overrides
+it; `torch.gather` is lowered by workarounds.torchax.take_along_axis_gather. `CompileCache` turns on JAX's
+persistent compilation cache.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sharding
 from cli import log
 from runtime import placement
 from runtime.interface import cache_root
+from runtime.programs import Programs
 from workarounds.torchax import import_torchax, install_gather, install_group_norm, install_repeat_upsample
 
 torchax = import_torchax()
@@ -147,7 +149,7 @@ class TorchaxRuntime:
             f"parameters, {stats['buffers']} buffers, {stats['bytes_per_device'] / 2**20:.1f} MiB per device"
         )
         self.placements.append(stats)
-        return torchax.compile(module, torchax.CompileOptions(methods_to_compile=list(methods)))
+        return Programs(module, methods)
 
     def precision(self, dtype: torch.dtype) -> contextlib.AbstractContextManager:
         """fp32 runs with fp32 matmuls. JAX's default precision lets float32 dots run in TF32 on NVIDIA

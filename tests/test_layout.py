@@ -120,6 +120,7 @@ LAYERS = [
         "attention.dispatch",
         "runtime.placement",
         "runtime.torchax_runtime",
+        "runtime.programs",
         "runtime.backend",
         "runtime.distributed",
     ),

@@ -34,7 +34,9 @@ def test_warmup_does_not_change_the_result(stage1_dir, tmp_path):
     cold, cold_info = stage2_latents(stage1_dir, tmp_path / "cold", "--warmup_steps", 0)
     warm, warm_info = stage2_latents(stage1_dir, tmp_path / "warm", "--warmup_steps", 3)
     assert torch.equal(cold, warm)
-    assert "compile" not in cold_info["seconds"] and warm_info["seconds"]["compile"] > 0
+    assert "warmup" not in cold_info["seconds"] and warm_info["seconds"]["warmup"] > 0
+    for info in (cold_info, warm_info):  # the programs are built in the first step without a warmup
+        assert info["seconds"]["trace"] > 0 and info["seconds"]["compile"] > 0
     assert warm_info["warmup_steps"] == 3
 
 
@@ -91,7 +93,7 @@ def test_timer_phases_accumulate_and_other_is_the_rest():
 def test_stage2_timing_section_is_complete(stage1_dir, tmp_path):
     _, info = stage2_latents(stage1_dir, tmp_path)
     seconds = info["seconds"]
-    assert list(seconds) == ["load", "place", "compile", "denoise", "save", "other", "total"]
+    assert list(seconds) == ["load", "place", "trace", "compile", "warmup", "denoise", "save", "other", "total"]
     assert all(isinstance(value, float) and value >= 0 for value in seconds.values())
     assert len(info["step_seconds"]) == STEPS and all(step > 0 for step in info["step_seconds"])
     assert info["sha256"] and info["mesh"] == {"dp": 2, "sp": 1, "tp": 4}

@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--warmup_steps",
         type=int,
         default=2,
-        help="denoiser calls before the timed loop, to compile; results discarded (default: %(default)s)",
+        help="denoiser calls before the timed loop, to build its programs; results discarded (default: %(default)s)",
     )
     runtime.add_argument(
         "--no_compile_cache",

@@ -58,19 +58,20 @@ def validated_run(
     timer = Timer()
     if args.warmup_steps < 0:
         raise UserError(f"--warmup_steps {args.warmup_steps} must be >= 0")
-    config = read_config(input_dir, needs="stage1")
-    request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides(
-        {**request_flags(args), "model_id": args.model}
-    )
-    check_stage1_fresh(input_dir, config, request)
-    check_image_size_kept(config, overrides)
-    source, family = models.resolve_model_for_request(request)
-    dtype_name = args.dtype or request.dtype
-    dtype = parse_dtype(dtype_name)
-    models.validate_request(family, source, request)
-    embeddings = read_tensors(input_dir, config["stage1"])
-    check_output_dir(output_dir, input_dir, config)
-    adapters = lora.read_adapters(args, family, source, dtype)
+    with timer.phase("read"):  # stage 1's files, the model folder's configs (a tiny preset: built), adapters
+        config = read_config(input_dir, needs="stage1")
+        request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides(
+            {**request_flags(args), "model_id": args.model}
+        )
+        check_stage1_fresh(input_dir, config, request)
+        check_image_size_kept(config, overrides)
+        source, family = models.resolve_model_for_request(request)
+        dtype_name = args.dtype or request.dtype
+        dtype = parse_dtype(dtype_name)
+        models.validate_request(family, source, request)
+        embeddings = read_tensors(input_dir, config["stage1"])
+        check_output_dir(output_dir, input_dir, config)
+        adapters = lora.read_adapters(args, family, source, dtype)
     cache = settings_from_flags(args, input_dir, request.model_id, lora.identity(adapters))
     if processes.is_main:
         ensure_writable_dir(output_dir, (STAGE2_FILE,))

@@ -93,7 +93,8 @@ def test_timer_phases_accumulate_and_other_is_the_rest():
 def test_stage2_timing_section_is_complete(stage1_dir, tmp_path):
     _, info = stage2_latents(stage1_dir, tmp_path)
     seconds = info["seconds"]
-    assert list(seconds) == ["load", "place", "trace", "compile", "warmup", "denoise", "save", "other", "total"]
+    phases = ["read", "load", "place", "trace", "compile", "warmup", "denoise", "save", "other", "total"]
+    assert list(seconds) == phases
     assert all(isinstance(value, float) and value >= 0 for value in seconds.values())
     assert len(info["step_seconds"]) == STEPS and all(step > 0 for step in info["step_seconds"])
     assert info["sha256"] and info["mesh"] == {"dp": 2, "sp": 1, "tp": 4}

@@ -95,12 +95,12 @@ MEASURED_TEMPORARIES = [
     (WAN13, {}, (2, 4, 1), 1, 0.497),
     (WAN13, {}, (1, 2, 4), 1, 0.606),
     (WAN13, {}, (2, 2, 2), 1, 0.504),
-    (WAN14, {}, (2, 1, 4), 1, 2.78),
-    (WAN14, {"height": 720, "width": 1280}, (2, 1, 4), 1, 6.27),
-    (TI2V, {}, (2, 1, 4), 1, 1.73),
+    (WAN14, {}, (2, 1, 4), 1, 2.778),
+    (WAN14, {"height": 720, "width": 1280}, (2, 1, 4), 1, 6.265),
+    (TI2V, {}, (2, 1, 4), 1, 1.732),
     (TI2V, TI2V_CARD, (2, 1, 4), 1, 5.578),
-    (TI2V, TI2V_CARD, (2, 4, 1), 1, 1.54),
-    (HUNYUAN.format(480), {}, (2, 1, 4), 1, 1.36),
+    (TI2V, TI2V_CARD, (2, 4, 1), 1, 1.544),
+    (HUNYUAN.format(480), {}, (2, 1, 4), 1, 1.360),
     (HUNYUAN.format(480), {}, (2, 4, 1), 1, 1.264),
     (HUNYUAN.format(720), {}, (2, 1, 4), 1, 2.91),
     ("zai-org/CogVideoX1.5-5B", {}, (2, 1, 4), 1, 1.92),
@@ -115,7 +115,7 @@ def test_the_activation_estimate_covers_what_the_tpu_compiler_measured(model, fl
     far above it: the default mesh should not pass over meshes that fit."""
     dp, sp, tp = mesh
     estimate = facts_of(model, **flags).activations.bytes_per_device(2 * videos // dp, sp, tp) / 2**30
-    assert measured_gib * 0.995 <= estimate <= measured_gib * 1.4, (estimate, measured_gib)
+    assert measured_gib <= estimate <= measured_gib * 1.4, (estimate, measured_gib)
 
 
 def valid_meshes(devices: int, batch: int, facts: ModelFacts, per_host: int):

@@ -28,7 +28,7 @@ MAX_SEQUENCE_LENGTH = 512  # the pipeline's prompt layout: valid tokens, then ze
 # float32 copies: its per-token modulation, [tokens, 6, width], and the float32 arithmetic it feeds (one
 # block's at a time: the block barrier).
 ACTIVATION_COPIES = (4.8, 16.5)
-TI2V_FP32_COPIES = 14
+TI2V_FP32_COPIES = 14.5
 
 
 def request_defaults(source) -> dict[str, Any]:

@@ -88,8 +88,8 @@ WAN13, WAN14 = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffus
 TI2V, TI2V_CARD = "Wan-AI/Wan2.2-TI2V-5B-Diffusers", {"height": 704, "width": 1280, "num_frames": 121}
 HUNYUAN = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-{}p_t2v"
 # The TPU compiler's temporaries per device in GiB (bf16, CFG on, v6e-8; one video unless a batch is
-# given), as `python benchmarks/activation_estimate.py` measured them on 2026-11-24 (docs/planning.md);
-# the batch row is `--plan v5e-8 --batch_size 2` (docs/batches.md).
+# given), each from one `stage2_transformer.py --plan` on 2026-11-24 (docs/planning.md; the rows are
+# benchmarks/activation_estimate.py's); the batch row is `--plan v5e-8 --batch_size 2` (docs/batches.md).
 MEASURED_TEMPORARIES = [
     (WAN13, {}, (2, 1, 4), 1, 0.825),
     (WAN13, {}, (2, 4, 1), 1, 0.497),

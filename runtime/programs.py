@@ -34,6 +34,7 @@ class Programs(interop.JittableModule):
 
     def __init__(self, module: torch.nn.Module, methods: tuple[str, ...]) -> None:
         super().__init__(module)
+        self._state = interop.jax_view((self.params, self.buffers))  # placed once; every call passes them
         for method in methods:
             self._jitted[method] = self._program(method)
 
@@ -44,11 +45,10 @@ class Programs(interop.JittableModule):
         def call(*args, **kwargs):
             inputs = interop.jax_view((args, kwargs))
             key = signature(inputs)
-            state = interop.jax_view((self.params, self.buffers))
             if key not in executables:
-                executables[key] = self._build(jitted, state, inputs)
+                executables[key] = self._build(jitted, self._state, inputs)
             args, kwargs = inputs
-            return interop.torch_view(executables[key](*state, *args, **kwargs))
+            return interop.torch_view(executables[key](*self._state, *args, **kwargs))
 
         return call
 

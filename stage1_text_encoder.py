@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import models
-from cli import UserError, dtype_flag, flag_names, log, parse_dtype, run_cli, stage_parser
+from cli import UserError, add_executables_argument, dtype_flag, flag_names, log, parse_dtype, run_cli, stage_parser
 from models import batch_folders
 from models.images import IMAGE_FLAGS, check_image_flags, read_images
 from runtime.backend import check_backend_flags, open_runtime
@@ -75,6 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--no_compile_cache", action="store_true", help="torchax: do not use the persistent JAX compilation cache"
     )
+    add_executables_argument(parser)
     add_request_arguments(parser, for_later_stage=False)
     return parser.parse_args(argv)
 
@@ -148,7 +149,7 @@ def main(argv=None) -> None:
         ensure_writable_dir(video.output_dir, (STAGE1_FILE,))
 
     # One prompt at a time: with --backend torchax every device goes to `tp` (heads and MLP columns).
-    runtime = open_runtime(args.backend, args.device, TP, compile_cache=not args.no_compile_cache)
+    runtime = open_runtime(args.backend, args.device, TP, not args.no_compile_cache, args.executables)
     log(f"loading the text encoders on {runtime.describe()} in {args.dtype}")
     timers = [Timer() for _ in videos]  # the first video's record holds the one load
     with timers[0].phase("load"), runtime.precision(dtype):

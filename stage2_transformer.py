@@ -16,7 +16,17 @@ import types
 from pathlib import Path
 
 from attention.plan import SP_MODES
-from cli import UserError, dtype_flag, flag_names, log, parse_dtype, run_cli, set_logging, stage_parser
+from cli import (
+    UserError,
+    add_executables_argument,
+    dtype_flag,
+    flag_names,
+    log,
+    parse_dtype,
+    run_cli,
+    set_logging,
+    stage_parser,
+)
 from models import batch_folders, lora
 from models.batching import default_batch_size, denoise_group, group_key
 from models.cache_schedule import add_cache_arguments, kind_from_flags
@@ -94,6 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="do not use the persistent JAX compilation cache (folder: $JAX_COMPILATION_CACHE_DIR, "
         "else ~/.cache/tpu-video/jax-compilation-cache)",
     )
+    add_executables_argument(runtime)
     runtime.add_argument(
         "--checkpoint_every",
         type=int,
@@ -323,7 +334,7 @@ def runtime_for(args, run, processes, videos: int = 1):
     plan = attention_plan(args, run_model, platform, jax.device_count(), per_host, device_memory(), generation, videos)
     compile_cache = CompileCache(enabled=not args.no_compile_cache)
     mesh = placement.make_mesh(plan.mesh.shape)
-    runtime = TorchaxRuntime(mesh, profile_dir=run.trace_dir, compile_cache=compile_cache)
+    runtime = TorchaxRuntime(mesh, profile_dir=run.trace_dir, compile_cache=compile_cache, executables=args.executables)
     hosts = f", {processes.count} processes" if processes.count > 1 else ""
     described = f"{runtime.describe()}{hosts}, {run.dtype_name}, attention {plan.backend} ({plan.backend_why})"
     log(f"{run.family.NAME} transformer, {described}")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import models
-from cli import UserError, dtype_flag, flag_names, log, parse_dtype, run_cli, stage_parser
+from cli import UserError, add_executables_argument, dtype_flag, flag_names, log, parse_dtype, run_cli, stage_parser
 from models import batch_folders
 from models.decode import decode
 from runtime.backend import STAGE3_BACKENDS, check_backend_flags, choose_backend, open_runtime
@@ -149,6 +149,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--no_compile_cache", action="store_true", help="torchax: do not use the persistent JAX compilation cache"
     )
+    add_executables_argument(parser)
     planning = parser.add_argument_group("planning for a TPU (from any host, no TPU, no weights)")
     planning.add_argument(
         "--plan",
@@ -259,7 +260,7 @@ def main(argv=None) -> None:
     # (models.decode.latents_split).
     backend, device, reason = choose_backend(args.backend, args.device)
     log(f"--backend {args.backend}: {reason}")
-    runtime = open_runtime(backend, device, SP, compile_cache=not args.no_compile_cache)
+    runtime = open_runtime(backend, device, SP, not args.no_compile_cache, args.executables)
     vaes: dict = {}  # one loaded VAE per model and dtype, for every folder that uses it
     for number, video in enumerate(videos, 1):
         if len(videos) > 1:

@@ -11,23 +11,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from runtime.program_checks import check
 
-def _raise_if_not_prefix(not_prefix) -> None:
-    if not_prefix:
-        raise ValueError(
-            "fused (cuDNN) attention takes padding as lengths: each row's valid keys (and queries) must come "
-            "first; this mask is not such a prefix (use --attention xla)"
-        )
+NOT_A_PREFIX = (
+    "fused (cuDNN) attention takes padding as lengths: each row's valid keys (and queries) must come "
+    "first; this mask is not such a prefix (use --attention xla)"
+)
 
 
 def _lengths(valid):
     """Per-row lengths of a boolean (B, S) validity that must be a prefix (True..True False..False)."""
     lengths = valid.sum(axis=-1).astype(jnp.int32)
     not_prefix = (valid != (jnp.arange(valid.shape[-1])[None, :] < lengths[:, None])).any()
-    if isinstance(not_prefix, jax.core.Tracer):
-        jax.debug.callback(_raise_if_not_prefix, not_prefix)
-    else:
-        _raise_if_not_prefix(bool(not_prefix))
+    check(not_prefix, NOT_A_PREFIX)
     return lengths
 
 

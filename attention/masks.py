@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from runtime.program_checks import check
 
 # Dense (.., Sq, Skv) masks are reduced and checked only up to this size (HunyuanVideo-1.5's token
 # refiner: 1000 x 1000); at video lengths (~112k tokens) the S x S work itself is the problem.
 DENSE_MASK_LIMIT = 4096 * 4096
 
 
-def _raise_if_inexact(inexact) -> None:
-    if inexact:
-        raise ValueError(
-            "splash attention got a dense attention mask that is not (valid query) x (valid key); "
-            "only key-padding masks and their outer-product form can be computed exactly"
-        )
+INEXACT_MASK = (
+    "splash attention got a dense attention mask that is not (valid query) x (valid key); "
+    "only key-padding masks and their outer-product form can be computed exactly"
+)
 
 
 def masks_from_attn_mask(attn_mask, batch: int, q_len: int, kv_len: int):
@@ -24,8 +23,8 @@ def masks_from_attn_mask(attn_mask, batch: int, q_len: int, kv_len: int):
     Accepts (B, Skv), (B, 1, 1, Skv) and the dense (B, H or 1, Sq, Skv) form `valid_q & valid_k` that
     HunyuanVideo-1.5 builds (per head in its token refiner). The dense form is reduced with `any` over
     each axis (XLA fuses the reductions, so no second S x S array appears); a dense mask that is not
-    such an outer product cannot be expressed and raises, through a host callback of one scalar when
-    traced.
+    such an outer product cannot be expressed and raises (when traced, through runtime.program_checks:
+    one scalar the program returns).
     """
     if attn_mask is None:
         return None, None
@@ -48,10 +47,7 @@ def masks_from_attn_mask(attn_mask, batch: int, q_len: int, kv_len: int):
     dense = jnp.broadcast_to(attn_mask, (batch, attn_mask.shape[1], q_len, kv_len))
     key_valid, query_valid = dense.any(axis=(1, 2)), dense.any(axis=(1, 3))
     inexact = (dense != (query_valid[:, None, :, None] & key_valid[:, None, None, :])).any()
-    if isinstance(inexact, jax.core.Tracer):
-        jax.debug.callback(_raise_if_inexact, inexact)
-    else:
-        _raise_if_inexact(bool(inexact))
+    check(inexact, INEXACT_MASK)
     return key_valid, query_valid
 
 

@@ -71,6 +71,28 @@ def finite_float(text: str) -> float:
     return value
 
 
+def executables_flag(text: str) -> str:
+    """`--executables`: auto, off, or a folder (which must not be an existing file)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give auto, off or a folder")
+    if text not in ("auto", "off") and Path(text).expanduser().is_file():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    return text
+
+
+def add_executables_argument(parser) -> None:
+    """`--executables`, the same on every stage that runs torchax programs (runtime/executables.py)."""
+    parser.add_argument(
+        "--executables",
+        type=executables_flag,
+        default="auto",
+        metavar="auto|off|DIR",
+        help="torchax: save each compiled program and load it in later runs instead of tracing and compiling "
+        "it again; auto: a folder per platform in ~/.cache/tpu-video/executables (or $TPU_VIDEO_CACHE); "
+        "off: neither load nor save (default: %(default)s)",
+    )
+
+
 def run_cli(main: Callable[[], None]) -> None:
     """Run a stage's main(): user errors become one `error:` line and exit status 2; a requested stop one
     `stopped:` line and status 143 (130 after Ctrl-C); bugs keep their traceback."""

@@ -75,9 +75,12 @@ def choose_backend(backend: str, device: str | None, cuda=None, platform=jax_pla
     return "torch", "cpu", f"torch sees no GPU and {jax_says}: torch on cpu"
 
 
-def open_runtime(backend: str, device: str | None, axis: str, compile_cache: bool = True) -> Runtime:
+def open_runtime(
+    backend: str, device: str | None, axis: str, compile_cache: bool = True, executables: str = "auto"
+) -> Runtime:
     """Stages 1 and 3: `--backend torch` on `--device` (default cpu), or `--backend torchax` with every JAX
-    device on mesh axis `axis`. A host without JAX gets one error line naming the install."""
+    device on mesh axis `axis` (and `--executables`). A host without JAX gets one error line naming the
+    install."""
     check_backend_flags(backend, device)
     if backend == "torch":
         return TorchRuntime(device or "cpu")
@@ -88,4 +91,4 @@ def open_runtime(backend: str, device: str | None, axis: str, compile_cache: boo
             f"--backend torchax needs JAX and torchax ({err}); install them with "
             "pip install -e '.[tpu]' (or .[gpu], .[cpu]), or use --backend torch"
         ) from None
-    return torchax_runtime.TorchaxRuntime.on_all_devices(axis, compile_cache=compile_cache)
+    return torchax_runtime.TorchaxRuntime.on_all_devices(axis, compile_cache=compile_cache, executables=executables)

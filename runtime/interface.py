@@ -117,7 +117,8 @@ class ProgramTimes:
 
     trace: float = 0.0
     compile: float = 0.0
-    programs: int = 0
+    executables: float = 0.0  # keying, loading and saving saved executables (runtime/executables.py)
+    programs: int = 0  # built or loaded
 
 
 PROGRAM_TIMES = ProgramTimes()
@@ -125,8 +126,9 @@ PROGRAM_TIMES = ProgramTimes()
 
 class Timer:
     """Collects named wall-clock phases ({"load": 1.2, "denoise": 30.5}) and per-step seconds. What a
-    phase spent building device programs (PROGRAM_TIMES) is moved out of it into the phases `trace` and
-    `compile`, so every stage's table names that time wherever the first call happens."""
+    phase spent building device programs (PROGRAM_TIMES) is moved out of it into the phases `trace`,
+    `compile` and `executables` (finding, loading and saving saved ones), so every stage's table names
+    that time wherever the first call happens."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.seconds: dict[str, float] = {}
@@ -161,16 +163,17 @@ class Timer:
     def phase(self, name: str) -> Iterator[None]:
         """Time the block under `name`, less the programs it built (see the class); a phase entered
         again accumulates."""
-        built = PROGRAM_TIMES.programs, PROGRAM_TIMES.trace, PROGRAM_TIMES.compile
+        built = PROGRAM_TIMES.programs, PROGRAM_TIMES.trace, PROGRAM_TIMES.compile, PROGRAM_TIMES.executables
         start = self.clock()
         try:
             yield
         finally:
             spent = self.clock() - start
             if PROGRAM_TIMES.programs > built[0]:
-                for part, before in zip(("trace", "compile"), built[1:], strict=True):
+                for part, before in zip(("trace", "compile", "executables"), built[1:], strict=True):
                     seconds = getattr(PROGRAM_TIMES, part) - before
-                    self._add(part, seconds)
+                    if seconds or part != "executables":  # that row only where a store is used
+                        self._add(part, seconds)
                     spent -= seconds
             self._add(name, max(spent, 0.0))
 

@@ -2,20 +2,24 @@
 `JittableModule` jits them (weights and buffers are arguments, never constants baked into the program),
 but lowered and compiled explicitly, once per input signature, so that tracing (Python running the
 torch forward into a JAX program) and compiling (XLA) are timed apart, and so that the
-compiled executable is in our hands: the place saved executables will go. The seconds are added to
+compiled executable is in our hands: saved to and loaded from an executable store
+(runtime/executables.py) when the runtime has one. The seconds are added to
 runtime.interface.PROGRAM_TIMES, which every stage's Timer reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
 import jax
 import torch
 
+from runtime import program_checks, program_key
 from runtime.interface import PROGRAM_TIMES
-from workarounds.torchax import import_torchax
+from workarounds.jax import without_compilation_cache
+from workarounds.torchax import import_torchax, op_definition
 
 interop = import_torchax().interop
 
@@ -30,27 +34,74 @@ def signature(tree) -> tuple:
 
 
 class Programs(interop.JittableModule):
-    """`module` with `methods` as compiled programs (each call with a new input signature builds one)."""
+    """`module` with `methods` as compiled programs (each call with a new input signature builds one, or
+    loads it from `store`). Checks inside a program (runtime.program_checks) come back as extra outputs
+    and raise after the call."""
 
-    def __init__(self, module: torch.nn.Module, methods: tuple[str, ...]) -> None:
+    def __init__(self, module: torch.nn.Module, methods: tuple[str, ...], store=None, mesh=None) -> None:
         super().__init__(module)
         self._state = interop.jax_view((self.params, self.buffers))  # placed once; every call passes them
+        self._store = store if store is not None and store.enabled else None
+        self._mesh = mesh
         for method in methods:
             self._jitted[method] = self._program(method)
 
     def _program(self, method: str):
-        jitted = jax.jit(interop.jax_view(functools.partial(self.functional_call, method)))
+        function = interop.jax_view(functools.partial(self.functional_call, method))
+        traced_messages: list[tuple[str, ...]] = []
+
+        def checked(*args, **kwargs):
+            with program_checks.collecting() as found:
+                out = function(*args, **kwargs)
+            flags, messages = program_checks.flags_by_message(found)
+            traced_messages.append(messages)
+            return out, flags
+
+        jitted = jax.jit(checked)
         executables = {}
 
         def call(*args, **kwargs):
             inputs = interop.jax_view((args, kwargs))
             key = signature(inputs)
             if key not in executables:
-                executables[key] = self._build(jitted, self._state, inputs)
+                executables[key] = self._ready(method, jitted, inputs, traced_messages)
+            executable, messages = executables[key]
             args, kwargs = inputs
-            return interop.torch_view(executables[key](*self._state, *args, **kwargs))
+            out, flags = executable(*self._state, *args, **kwargs)
+            program_checks.raise_failed(flags, messages)
+            return interop.torch_view(out)
 
         return call
+
+    def _ready(self, method: str, jitted, inputs, traced_messages: list):
+        """(executable, check messages): loaded from the store, else traced and compiled (and saved)."""
+        name = f"{program_key.qualified(type(self._model))}.{method}"
+        parts = None
+        if self._store is not None:
+            start = time.perf_counter()
+            try:
+                parts = self._parts(method, inputs)
+            except program_key.ProgramKeyError as error:
+                self._store.unsaveable(name, str(error))
+            loaded = parts and self._store.load(name, parts, self._mesh.devices.flatten())
+            PROGRAM_TIMES.executables += time.perf_counter() - start
+            if loaded:
+                PROGRAM_TIMES.programs += 1
+                return loaded
+        with without_compilation_cache() if parts else contextlib.nullcontext():
+            executable = self._build(jitted, self._state, inputs)
+        messages = traced_messages[-1]
+        if parts:
+            start = time.perf_counter()
+            self._store.save(name, parts, executable, messages)
+            PROGRAM_TIMES.executables += time.perf_counter() - start
+        return executable, messages
+
+    def _parts(self, method: str, inputs) -> dict:
+        env = import_torchax().default_env()
+        attention = op_definition(env, torch.nn.functional.scaled_dot_product_attention)
+        context = program_key.environment_parts(self._mesh)
+        return program_key.program_parts(self._model, method, self._state, inputs, context, attention)
 
     def _build(self, jitted, state, inputs):
         args, kwargs = inputs

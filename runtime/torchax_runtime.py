@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 import sharding
 from cli import log
 from runtime import placement
+from runtime.executables import store_from_flag
 from runtime.interface import cache_root
 from runtime.programs import Programs
 from workarounds.torchax import import_torchax, install_gather, install_group_norm, install_repeat_upsample
@@ -93,7 +94,11 @@ class TorchaxRuntime:
     libraries = ("torch", "jax", "jaxlib", "torchax")
 
     def __init__(
-        self, mesh: Mesh | None = None, profile_dir: str | None = None, compile_cache: CompileCache | None = None
+        self,
+        mesh: Mesh | None = None,
+        profile_dir: str | None = None,
+        compile_cache: CompileCache | None = None,
+        executables: str = "off",
     ) -> None:
         self.env = torchax.default_env()
         install_gather(self.env)
@@ -103,12 +108,22 @@ class TorchaxRuntime:
         self.placements: list[dict[str, object]] = []  # every compiled module's, in order
         self.profile_dir = profile_dir
         self.compile_cache = compile_cache  # None: the process's cache settings are left as they are
+        self.executables = store_from_flag(executables, self.platform)  # `--executables`
+        if self.executables.enabled:
+            log(f"executables: {self.executables.directory}")
 
     @classmethod
-    def on_all_devices(cls, axis: str, compile_cache: bool = True) -> TorchaxRuntime:
-        """Every JAX device on mesh axis `axis` (stages 1 and 3), with the persistent compile cache."""
+    def on_all_devices(cls, axis: str, compile_cache: bool = True, executables: str = "auto") -> TorchaxRuntime:
+        """Every JAX device on mesh axis `axis` (stages 1 and 3), with the persistent compile cache and
+        the executable store `executables` (`--executables`)."""
         cache = CompileCache(enabled=compile_cache)
-        return cls(placement.make_mesh(sharding.MeshShape(**{axis: jax.device_count()})), compile_cache=cache)
+        mesh = placement.make_mesh(sharding.MeshShape(**{axis: jax.device_count()}))
+        return cls(mesh, compile_cache=cache, executables=executables)
+
+    def program_fingerprint(self) -> dict:
+        """What a program holding this runtime's methods (constrain, barrier) reads of it: the mesh
+        (runtime/program_key.py; the attention op and the environment are keyed apart)."""
+        return {"mesh": self.mesh}
 
     def profile_trace(self) -> contextlib.AbstractContextManager:
         """A JAX profiler trace writing to `profile_dir` (view with TensorBoard/XProf), if one was given."""
@@ -132,6 +147,7 @@ class TorchaxRuntime:
         }
         if self.compile_cache is not None:
             fields["compile_cache"] = self.compile_cache.report()
+        fields["executables"] = self.executables.report()
         return fields
 
     @property
@@ -149,7 +165,7 @@ class TorchaxRuntime:
             f"parameters, {stats['buffers']} buffers, {stats['bytes_per_device'] / 2**20:.1f} MiB per device"
         )
         self.placements.append(stats)
-        return Programs(module, methods)
+        return Programs(module, methods, self.executables, self.mesh)
 
     def precision(self, dtype: torch.dtype) -> contextlib.AbstractContextManager:
         """fp32 runs with fp32 matmuls. JAX's default precision lets float32 dots run in TF32 on NVIDIA

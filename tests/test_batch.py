@@ -169,7 +169,8 @@ def test_stage3_decodes_a_batch_folder_with_one_vae(capsys, tmp_path):
 # Stage 2 --------------------------------------------------------------------------------------------------
 
 # What a batched folder's stage-2 section may differ in from its single run's: the batch record, timings,
-# the mesh (chosen for the batch), its placement and the devices it ran on, and the compile cache's counts.
+# the mesh (chosen for the batch), its placement and the devices it ran on, and the compile cache's and the
+# executable store's counts.
 STAGE2_EXCLUDED = (
     "sha256",  # the latents agree within the tolerance, not bit for bit
     "batch",
@@ -179,6 +180,7 @@ STAGE2_EXCLUDED = (
     "mesh",
     "placement",
     "compile_cache",
+    "executables",
     "sequence_parallel",
     "device_count",  # the batch of 3 runs on one device
 )
@@ -288,7 +290,7 @@ def test_sigterm_in_the_second_batch_then_resume(tmp_path, monkeypatch):
 
 def test_two_sizes_form_two_groups_each_compiled_once(tmp_path):
     """Two lists of two lengths in one stage-2 run: two groups, each with a padded second batch that
-    compiles nothing (the compile cache counts no new program after the group's first batch)."""
+    builds nothing (the executable store is asked for no new program after the group's first batch)."""
     import stage2_transformer
 
     small = stage1_batch(tmp_path, "tiny-cogvideox", "small")
@@ -298,7 +300,7 @@ def test_two_sizes_form_two_groups_each_compiled_once(tmp_path):
         sections = [read_config(folder / name)["stage2"] for name in ("000", "001", "002")]
         assert [s["batch"]["group"] for s in sections] == [group] * 3
         assert [s["batch"]["program"] for s in sections] == ["compiled", "compiled", "reused"]
-        counts = [s["compile_cache"]["hits"] + s["compile_cache"]["misses"] for s in sections]
+        counts = [s["executables"]["hits"] + s["executables"]["misses"] for s in sections]
         assert counts[0] > 0 and counts[2] == counts[1], counts
 
 

@@ -31,8 +31,9 @@ def stage2_latents(stage1_dir, out, *flags):
 
 
 def test_warmup_does_not_change_the_result(stage1_dir, tmp_path):
-    cold, cold_info = stage2_latents(stage1_dir, tmp_path / "cold", "--warmup_steps", 0)
-    warm, warm_info = stage2_latents(stage1_dir, tmp_path / "warm", "--warmup_steps", 3)
+    off = ("--executables", "off")  # both runs build their programs (none is loaded)
+    cold, cold_info = stage2_latents(stage1_dir, tmp_path / "cold", "--warmup_steps", 0, *off)
+    warm, warm_info = stage2_latents(stage1_dir, tmp_path / "warm", "--warmup_steps", 3, *off)
     assert torch.equal(cold, warm)
     assert "warmup" not in cold_info["seconds"] and warm_info["seconds"]["warmup"] > 0
     for info in (cold_info, warm_info):  # the programs are built in the first step without a warmup
@@ -93,7 +94,7 @@ def test_timer_phases_accumulate_and_other_is_the_rest():
 def test_stage2_timing_section_is_complete(stage1_dir, tmp_path):
     _, info = stage2_latents(stage1_dir, tmp_path)
     seconds = info["seconds"]
-    phases = ["read", "load", "place", "trace", "compile", "warmup", "denoise", "save", "other", "total"]
+    phases = ["read", "load", "place", "trace", "compile", "executables", "warmup", "denoise", "save", "other", "total"]
     assert list(seconds) == phases
     assert all(isinstance(value, float) and value >= 0 for value in seconds.values())
     assert len(info["step_seconds"]) == STEPS and all(step > 0 for step in info["step_seconds"])
@@ -109,14 +110,15 @@ def test_profile_writes_a_trace(stage1_dir, tmp_path):
 
 @pytest.mark.slow
 def test_compile_cache_is_filled_then_hit_across_processes(stage1_dir, tmp_path):
-    """Two fresh processes with the same shapes: the first compiles and stores, the second loads."""
+    """Two fresh processes with the same shapes: the first compiles and stores, the second loads (without
+    the executable store, whose programs skip the compilation cache: workarounds.jax)."""
     cache = tmp_path / "cache"
     env = {"JAX_COMPILATION_CACHE_DIR": str(cache)}
     runs = []
     for name in ("first", "second"):
         result = run_script(
             "stage2_transformer.py",
-            ["--input_dir", stage1_dir, "--output_dir", tmp_path / name, "--warmup_steps", 1],
+            ["--input_dir", stage1_dir, "--output_dir", tmp_path / name, "--warmup_steps", 1, "--executables", "off"],
             env_overrides=env,
             timeout=600,
         )

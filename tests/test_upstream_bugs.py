@@ -5,6 +5,7 @@ in the test and then the test. Run just these with `pytest -m upstream_bug`.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import jax
 import pytest
 import torch
 
-from helpers import Sample, collectives_in, hunyuan_inputs, relative_error, tiny_hunyuan_transformer
+from helpers import ROOT, Sample, collectives_in, hunyuan_inputs, relative_error, tiny_hunyuan_transformer
 from models import cogvideox
 from runtime.placement import make_mesh
 from runtime.torchax_runtime import TorchaxRuntime
@@ -177,3 +178,45 @@ def test_torch_2_13_generator_set_state_fails_on_a_view_at_an_offset():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode != 0, "set_state now takes a row of a stack: drop the copy in models.batching"
+
+
+SERIALIZE_AFTER_CACHE_HIT = """
+import contextlib, pickle, sys
+import jax, jax.numpy as jnp
+from jax.experimental import serialize_executable
+from workarounds.jax import without_compilation_cache
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+w, x = jnp.ones((64, 64)), jnp.ones((8, 64))
+f = jax.jit(lambda w, x: jnp.tanh(x @ w).astype(jnp.bfloat16).sum())
+if sys.argv[2] == "save":
+    f.lower(w, x).compile()  # the first process fills the cache
+elif sys.argv[2] in ("from the cache", "fresh"):
+    with without_compilation_cache() if sys.argv[2] == "fresh" else contextlib.nullcontext():
+        compiled = f.lower(w, x).compile()
+    pickle.dump(serialize_executable.serialize(compiled), open(sys.argv[3], "wb"))
+else:
+    serialized = pickle.load(open(sys.argv[3], "rb"))
+    loaded = serialize_executable.deserialize_and_load(*serialized, execution_devices=jax.devices()[:1])
+    print(float(loaded(w, x)))
+"""
+
+
+def test_jax_0_10_2_cpu_executables_from_the_compilation_cache_fail_when_loaded_in_a_new_process(tmp_path):
+    """An executable the persistent compilation cache returned serializes into bytes that load in a new
+    process and then fail when run. Workaround: workarounds.jax.without_compilation_cache, around the
+    compiles of programs bound for the executable store (runtime/programs.py)."""
+    script, cache = tmp_path / "bug.py", tmp_path / "cache"
+    script.write_text(SERIALIZE_AFTER_CACHE_HIT)
+
+    def python(*argv):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+        return subprocess.run([sys.executable, script, cache, *argv], capture_output=True, text=True, env=env)
+
+    assert python("save").returncode == 0
+    for how in ("from the cache", "fresh"):
+        assert python(how, tmp_path / f"{how}.pkl").returncode == 0
+    broken, workaround = (python("load", tmp_path / f"{how}.pkl") for how in ("from the cache", "fresh"))
+    assert broken.returncode != 0 and "not found (type id" in broken.stderr, broken.stderr[-2000:]
+    assert workaround.returncode == 0 and float(workaround.stdout) == 512.0, workaround.stderr[-2000:]

@@ -1,0 +1,141 @@
+"""Saved executables: a compiled program written to disk after its first compile and loaded by the next
+process instead of tracing and compiling it again (`--executables auto|off|DIR`).
+
+An entry is keyed by the digest of its program's parts (runtime/program_key.py). It holds the serialized
+executable (jax.experimental.serialize_executable), a digest of those bytes, the key again and the
+messages of the program's checks (runtime/program_checks.py); beside it, a small JSON file with the
+digest of each part, so that a miss can say which part differs from the entries saved for the same
+program. A missing, damaged or foreign entry, or one the installed JAX cannot load, logs one line and
+the program is compiled as if there were no store: a store can cost a compile, never a wrong result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+
+from cli import log
+from runtime.interface import cache_root
+from runtime.program_key import digest
+
+ENTRY_FORMAT = 1
+SUFFIX = ".executable"
+MODES = ("auto", "off")  # or a folder
+
+
+def store_from_flag(value: str, platform: str) -> ExecutableStore:
+    """`--executables`: auto (a folder per platform in this tool's cache), off, or a folder."""
+    if value == "off":
+        return ExecutableStore("off", None)
+    if value == "auto":
+        return ExecutableStore("auto", cache_root() / "executables" / platform)
+    return ExecutableStore("folder", Path(value).expanduser())
+
+
+class ExecutableStore:
+    """Loads and saves compiled programs in `directory` (None: off), counting what happened."""
+
+    def __init__(self, mode: str, directory: Path | None) -> None:
+        self.mode = mode
+        self.directory = directory
+        self.counts = {"hits": 0, "misses": 0, "saved": 0, "unusable": 0, "unsaveable": 0}
+
+    @property
+    def enabled(self) -> bool:
+        return self.directory is not None
+
+    def report(self) -> dict:
+        """The config's record (the folder is logged, not recorded: configs hold no host paths)."""
+        return {"mode": self.mode, **self.counts}
+
+    def load(self, name: str, parts: dict, devices) -> tuple | None:
+        """(executable, check messages) saved for `parts` on `devices`, or None (the line says why)."""
+        from jax.experimental import serialize_executable
+
+        key = digest(parts)
+        path = self.directory / f"{key}{SUFFIX}"
+        if not path.exists():
+            self.counts["misses"] += 1
+            log(f"executables: no saved {name} for this run ({self._nearest(name, parts)}); compiling it")
+            return None
+        try:
+            entry = pickle.loads(path.read_bytes())
+            if not isinstance(entry, dict) or entry.get("format") != ENTRY_FORMAT or entry.get("key") != key:
+                raise ValueError("it is not an entry of this store's format for this key")
+            if hashlib.sha256(entry["payload"]).hexdigest() != entry["payload_sha256"]:
+                raise ValueError("its bytes do not match their digest")
+            executable = serialize_executable.deserialize_and_load(
+                entry["payload"], entry["in_tree"], entry["out_tree"], execution_devices=list(devices)
+            )
+        except Exception as error:  # a damaged or foreign entry must cost a compile, nothing else
+            self.counts["misses"] += 1
+            self.counts["unusable"] += 1
+            why = f"{type(error).__name__}: {error}"
+            log(f"executables: the saved {name} ({path.name}) is unusable ({why}); compiling it")
+            return None
+        self.counts["hits"] += 1
+        log(f"executables: loaded the saved {name}")
+        return executable, tuple(entry["messages"])
+
+    def save(self, name: str, parts: dict, executable, messages: tuple[str, ...]) -> None:
+        """Write the entry (atomically: a reader never sees half of one); failures are logged, not raised."""
+        from jax.experimental import serialize_executable
+
+        key = digest(parts)
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(executable)
+        except Exception as error:
+            self.unsaveable(name, f"{type(error).__name__}: {error}")
+            return
+        entry = {
+            "format": ENTRY_FORMAT,
+            "key": key,
+            "name": name,
+            "payload": payload,
+            "payload_sha256": hashlib.sha256(payload).hexdigest(),
+            "in_tree": in_tree,
+            "out_tree": out_tree,
+            "messages": list(messages),
+        }
+        summary = {"name": name, "parts": {part: digest(value) for part, value in parts.items()}}
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            _write_atomically(self.directory / f"{key}{SUFFIX}", pickle.dumps(entry))
+            _write_atomically(self.directory / f"{key}.json", json.dumps(summary, indent=1).encode())
+        except OSError as error:
+            log(f"executables: could not save {name} in {self.directory} ({error})")
+            return
+        self.counts["saved"] += 1
+        log(f"executables: saved {name} ({len(payload) / 2**20:.1f} MiB)")
+
+    def unsaveable(self, name: str, why: str) -> None:
+        self.counts["unsaveable"] += 1
+        log(f"executables: {name} cannot be saved ({why}); compiling it")
+
+    def _nearest(self, name: str, parts: dict) -> str:
+        """Which parts differ from the closest entry saved for the same program, for the miss's line."""
+        wanted = {part: digest(value) for part, value in parts.items()}
+        differences = []
+        for summary_path in self.directory.glob("*.json") if self.directory.is_dir() else ():
+            try:
+                summary = json.loads(summary_path.read_text())
+            except (OSError, ValueError):
+                continue
+            if summary.get("name") == name:
+                saved = summary.get("parts", {})
+                differences.append(
+                    sorted(part for part in wanted.keys() | saved.keys() if wanted.get(part) != saved.get(part))
+                )
+        if not differences:
+            return "none saved yet"
+        closest = min(differences, key=len)
+        return f"the closest of {len(differences)} saved differs in: {', '.join(closest)}"
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_bytes(data)
+    os.replace(temporary, path)

@@ -83,6 +83,8 @@ class Programs(interop.JittableModule):
                 parts = self._parts(method, inputs)
             except program_key.ProgramKeyError as error:
                 self._store.unsaveable(name, str(error))
+            except Exception as error:  # describing must never stop a run: compile as without a store
+                self._store.unsaveable(name, f"describing it failed: {type(error).__name__}: {error}")
             loaded = parts and self._store.load(name, parts, self._mesh.devices.flatten())
             PROGRAM_TIMES.executables += time.perf_counter() - start
             if loaded:

@@ -133,6 +133,16 @@ def test_what_cannot_be_keyed_is_compiled_and_not_saved(tmp_path, capsys):
     assert torch.equal(got, run("off")[0])
 
 
+def test_a_failure_while_keying_costs_a_compile_not_the_run(tmp_path, capsys, monkeypatch):
+    def broken(mesh):
+        raise RuntimeError("no key today")
+
+    monkeypatch.setattr(program_key, "environment_parts", broken)
+    got, store = run(tmp_path)
+    assert "describing it failed: RuntimeError: no key today" in capsys.readouterr().out
+    assert store.counts["unsaveable"] == 1 and torch.equal(got, run("off")[0])
+
+
 def test_the_source_digest_covers_every_module_pyproject_ships():
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     packages = [name.rstrip("*") for name in setup["packages"]["find"]["include"]]

@@ -21,7 +21,7 @@ import importlib.util
 import json
 import os
 import types
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import jax
 import numpy as np
@@ -35,6 +35,11 @@ LIBRARIES += ("transformers",)
 ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "TPU_ACCELERATOR_TYPE", "JAX_PLATFORMS")
 # JAX settings that change what a trace lowers to (read through jax.config, so context managers count).
 JAX_SETTINGS = ("jax_default_matmul_precision", "jax_enable_x64", "jax_default_prng_impl", "jax_numpy_rank_promotion")
+
+
+# Config entries that say where a model came from, not what it computes: another checkpoint of the same
+# configuration in another folder reuses its programs (its weights are arguments).
+BOOKKEEPING = frozenset({"_name_or_path", "_commit_hash", "_diffusers_version", "transformers_version"})
 
 
 class ProgramKeyError(ValueError):
@@ -114,6 +119,8 @@ class Describer:
             return obj
         if isinstance(obj, float):
             return repr(obj)
+        if isinstance(obj, PurePath):
+            return ["path", str(obj)]
         if isinstance(obj, (enum.Enum, torch.dtype, torch.device, torch.Size, np.dtype, type)):
             return [type(obj).__qualname__, f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', obj)}"]
         if id(obj) in self.seen:
@@ -135,7 +142,8 @@ class Describer:
         if isinstance(obj, jax.sharding.Mesh):
             return ["mesh", describe_mesh(obj)]
         if isinstance(obj, dict):
-            return ["dict", [[self(k, path), self(v, f"{path}[{k!r}]")] for k, v in obj.items()]]
+            items = [(k, v) for k, v in obj.items() if k not in BOOKKEEPING]
+            return ["dict", [[self(k, path), self(v, f"{path}[{k!r}]")] for k, v in items]]
         if isinstance(obj, (list, tuple)):
             return [type(obj).__name__, [self(v, f"{path}[{i}]") for i, v in enumerate(obj)]]
         if isinstance(obj, (set, frozenset)):

@@ -200,3 +200,20 @@ def test_a_new_guidance_scale_misses_and_a_new_step_count_reuses_the_program(tmp
             assert record["executables"]["misses"] == 1 and f"differs in: {part})" in line, line
         run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", *flags])
         assert np.array_equal(got, latents(out))
+
+
+def test_the_same_configuration_from_another_folder_keys_alike(tmp_path):
+    """Where a checkpoint came from (`_name_or_path`, versions) is no part of a program's key."""
+    from diffusers import WanTransformer3DModel
+
+    import models
+
+    folder = models.materialize_preset("tiny-wan2.1") / "transformer"
+    shutil.copytree(folder, tmp_path / "elsewhere")
+    loaded = [WanTransformer3DModel.from_pretrained(path) for path in (folder, tmp_path / "elsewhere")]
+    assert loaded[0].config["_name_or_path"] != loaded[1].config["_name_or_path"]
+
+    def described(module):
+        return program_key.Describer({id(t) for t in (*module.parameters(), *module.buffers())})(module)
+
+    assert described(loaded[0]) == described(loaded[1])

@@ -217,3 +217,32 @@ def test_the_same_configuration_from_another_folder_keys_alike(tmp_path):
         return program_key.Describer({id(t) for t in (*module.parameters(), *module.buffers())})(module)
 
     assert described(loaded[0]) == described(loaded[1])
+
+
+def test_stages_1_and_3_load_their_programs_too(tmp_path):
+    """tiny Wan with `--backend torchax`: the stage-1 encoder program and stage 3's two frame programs are
+    saved by the first run and loaded by the second, with bit-identical embeddings and frames."""
+    import stage3_vae_decoder
+    from utils import read_config, read_tensors
+
+    store = ["--executables", tmp_path / "store"]
+    for name in ("a", "b"):
+        argv = ["--model", "tiny-wan2.1", "--prompt", "a cat", "--output_dir", tmp_path / name, "--backend", "torchax"]
+        run_stage(stage1_text_encoder, [*argv, *store])
+    first, second = (read_config(tmp_path / name, needs="stage1")["stage1"] for name in ("a", "b"))
+    assert first["executables"]["saved"] >= 1 and second["executables"]["hits"] == first["executables"]["saved"]
+    assert second["executables"]["misses"] == 0
+    embeddings = [read_tensors(tmp_path / name, read_config(tmp_path / name)["stage1"]) for name in ("a", "b")]
+    assert embeddings[0].keys() == embeddings[1].keys()
+    assert all(torch.equal(embeddings[0][key], embeddings[1][key]) for key in embeddings[0])
+
+    out = tmp_path / "a"
+    run_stage(stage2_transformer, ["--input_dir", out, *store])
+    frames, records = [], []
+    for _ in range(2):
+        run_stage(stage3_vae_decoder, ["--input_dir", out, "--backend", "torchax", "--save_frames", *store])
+        config = read_config(out, needs="stage3")
+        records.append(config["stage3"]["executables"])
+        frames.append(read_tensors(out, config["stage3"]["frames_file"])["frames_float"])
+    assert records[0]["saved"] == 2 and records[1]["hits"] == 2 and records[1]["misses"] == 0
+    assert torch.equal(frames[0], frames[1])

@@ -1,7 +1,7 @@
 """Saved executables: a compiled program written to disk after its first compile and loaded by the next
 process instead of tracing and compiling it again (`--executables auto|off|DIR`).
 
-An entry is keyed by the digest of its program's parts (runtime/program_key.py). It holds the serialized
+An entry is keyed by the digest of its program's part digests (runtime/program_key.py). It holds the serialized
 executable (jax.experimental.serialize_executable), a digest of those bytes, the key again and the
 messages of the program's checks (runtime/program_checks.py); beside it, a small JSON file with the
 digest of each part, so that a miss can say which part differs from the entries saved for the same
@@ -23,7 +23,6 @@ from runtime.program_key import digest
 
 ENTRY_FORMAT = 1
 SUFFIX = ".executable"
-MODES = ("auto", "off")  # or a folder
 
 
 def store_from_flag(value: str, platform: str) -> ExecutableStore:
@@ -51,8 +50,9 @@ class ExecutableStore:
         """The config's record (the folder is logged, not recorded: configs hold no host paths)."""
         return {"mode": self.mode, **self.counts}
 
-    def load(self, name: str, parts: dict, devices) -> tuple | None:
-        """(executable, check messages) saved for `parts` on `devices`, or None (the line says why)."""
+    def load(self, name: str, parts: dict[str, str], devices) -> tuple | None:
+        """(executable, check messages) saved for `parts` (each part's digest) on `devices`, or None (the
+        line says why)."""
         from jax.experimental import serialize_executable
 
         key = digest(parts)
@@ -80,7 +80,7 @@ class ExecutableStore:
         log(f"executables: loaded the saved {name}")
         return executable, tuple(entry["messages"])
 
-    def save(self, name: str, parts: dict, executable, messages: tuple[str, ...]) -> None:
+    def save(self, name: str, parts: dict[str, str], executable, messages: tuple[str, ...]) -> None:
         """Write the entry (atomically: a reader never sees half of one); failures are logged, not raised."""
         from jax.experimental import serialize_executable
 
@@ -100,7 +100,7 @@ class ExecutableStore:
             "out_tree": out_tree,
             "messages": list(messages),
         }
-        summary = {"name": name, "parts": {part: digest(value) for part, value in parts.items()}}
+        summary = {"name": name, "parts": parts}
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             _write_atomically(self.directory / f"{key}{SUFFIX}", pickle.dumps(entry))
@@ -117,7 +117,6 @@ class ExecutableStore:
 
     def _nearest(self, name: str, parts: dict) -> str:
         """Which parts differ from the closest entry saved for the same program, for the miss's line."""
-        wanted = {part: digest(value) for part, value in parts.items()}
         differences = []
         for summary_path in self.directory.glob("*.json") if self.directory.is_dir() else ():
             try:
@@ -127,7 +126,7 @@ class ExecutableStore:
             if summary.get("name") == name:
                 saved = summary.get("parts", {})
                 differences.append(
-                    sorted(part for part in wanted.keys() | saved.keys() if wanted.get(part) != saved.get(part))
+                    sorted(part for part in parts.keys() | saved.keys() if parts.get(part) != saved.get(part))
                 )
         if not differences:
             return "none saved yet"

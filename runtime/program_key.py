@@ -215,13 +215,13 @@ def qualified(obj) -> str:
     return f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
-def program_parts(module, method: str, state, inputs, env_parts: dict, attention) -> dict:
-    """The named parts of one program's key: the shared environment parts, the attention op the torchax
-    environment holds, the module (everything it reaches), the method and the inputs' signature."""
+def program_parts(module, method: str, state, inputs, env_parts: dict, attention) -> dict[str, str]:
+    """The digest of each named part of one program's key: the shared environment parts, the attention op
+    the torchax environment holds, the module (everything it reaches), the method and the inputs' signature."""
     arguments = {id(tensor) for tensor in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, torch.Tensor))}
     arguments |= {id(tensor) for tensor in module.parameters()} | {id(tensor) for tensor in module.buffers()}
     describe = Describer(arguments)
-    return {
+    parts = {
         **env_parts,
         "attention": describe(attention, "attention"),
         "module": describe(module),
@@ -229,6 +229,7 @@ def program_parts(module, method: str, state, inputs, env_parts: dict, attention
         "arguments": describe_signature(state),
         "inputs": describe_signature(inputs),
     }
+    return {part: digest(value) for part, value in parts.items()}
 
 
 def describe_signature(tree) -> list:

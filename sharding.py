@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # The mesh's axis names, outermost first. Layouts everywhere (rule tables, activation constraints, the
 # Splash shard_map) name axes through these constants.
@@ -69,11 +69,18 @@ class RuleTable:
     name: str
     rules: tuple[tuple[str, Layout], ...]
     optional: frozenset[int] = frozenset()  # indices of rules only some variants use (may match nothing)
+    # names of tensors that hold several blocks' weights stacked along a new first dimension
+    # (models/scanned_blocks.py): laid out as their rule says for one block, the stacked dimension whole
+    stacked: frozenset[str] = frozenset()
 
     def nested(self, prefix: str) -> RuleTable:
         """The same rules for the model mounted as submodule `prefix` (e.g. "transformer.")."""
         rules = tuple((re.escape(prefix) + pattern, spec) for pattern, spec in self.rules)
-        return RuleTable(self.name, rules, self.optional)
+        return RuleTable(self.name, rules, self.optional, frozenset(prefix + name for name in self.stacked))
+
+    def with_stacked(self, names) -> RuleTable:
+        """The same rules, with `names` holding stacked blocks (see `stacked`)."""
+        return replace(self, stacked=self.stacked | frozenset(names))
 
     def spec_for(self, param_name: str) -> tuple[int, Layout] | None:
         for index, (pattern, spec) in enumerate(self.rules):
@@ -91,7 +98,7 @@ class RuleTable:
                 unmatched.append(name)
                 continue
             used.add(found[0])
-            specs[name] = found[1]
+            specs[name] = (None, *found[1]) if name in self.stacked else found[1]
         unused = [pattern for index, (pattern, _) in enumerate(self.rules) if index not in used | self.optional]
         if unmatched or unused:
             raise ValueError(

@@ -33,6 +33,7 @@ from models.cache_schedule import add_cache_arguments, kind_from_flags
 from models.common import attention_heads
 from models.denoise import DenoiseOptions, denoise
 from models.guard import sigterm_sets_stop
+from models.scanned_blocks import add_scan_argument
 from models.stage2_inputs import PROFILE_DIR, ValidatedRun, batch_resume, check_batch_flags, profile_dir, validated_run
 from runtime import distributed
 from runtime.interface import run_record
@@ -105,6 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "else ~/.cache/tpu-video/jax-compilation-cache)",
     )
     add_executables_argument(runtime)
+    add_scan_argument(runtime)
     runtime.add_argument(
         "--checkpoint_every",
         type=int,
@@ -260,6 +262,7 @@ def plan_main(args) -> None:
             attention,
             kind_from_flags(args),
             args.batch_size or 1,
+            args.scan_blocks,
         )
     except plan.KernelDoesNotFit as err:
         splash = attention.splash
@@ -339,7 +342,9 @@ def runtime_for(args, run, processes, videos: int = 1):
     described = f"{runtime.describe()}{hosts}, {run.dtype_name}, attention {plan.backend} ({plan.backend_why})"
     log(f"{run.family.NAME} transformer, {described}")
     fuse = functools.partial(lora.fuse, adapters=run.adapters, family=run.family) if run.adapters else None
-    options = DenoiseOptions(plan.tp_mode, args.warmup_steps, run.guard, run.cache, on_loaded=fuse)
+    options = DenoiseOptions(
+        plan.tp_mode, args.warmup_steps, run.guard, run.cache, scan_blocks=args.scan_blocks, on_loaded=fuse
+    )
     backend = attention_backend(runtime.env, plan, runtime.mesh)
     return runtime, backend, options, {**plan.record(), "processes": processes.count}
 

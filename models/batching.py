@@ -23,6 +23,7 @@ from cli import log
 from runtime.interface import Timer
 from sharding import DP
 
+from . import scanned_blocks
 from .denoise import DenoiseLoop, DenoiseOptions, place_denoisers, run_denoise_loop
 from .step_cache import is_batched_state
 
@@ -288,5 +289,6 @@ def denoise_group(
         log(f"batch {number} of {len(batches)}: {len(videos)} video(s), {record['videos_per_hour']} videos per hour")
         for position, video in enumerate(videos):
             own, info = built[position][1](latents[position : position + 1])
+            info = {**info, **scanned_blocks.record(loop, options.scan_blocks)}
             write(video, own, info, timer, timing, record, step_cache)
         guard.finished()

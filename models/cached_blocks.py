@@ -192,9 +192,14 @@ def cache_span(kind: str, blocks: int) -> tuple[int, int]:
     return 0, blocks
 
 
+def settings_kind(settings: CacheSettings) -> str:
+    """The cache a run's programs hold: MagCache while calibrating, else the chosen one."""
+    return "magcache" if settings.calibrate else settings.kind
+
+
 def cached_denoiser(guided, settings: CacheSettings, branches: int, constrain) -> CachedDenoiser:
     """Wrap a family's guided denoiser (its transformer is `guided.transformer`)."""
-    kind = "magcache" if settings.calibrate else settings.kind
+    kind = settings_kind(settings)
     span = cache_span(kind, len(block_list(guided.transformer)))
     return CachedDenoiser(guided, BlockCache(guided.transformer, span, branches, kind == "interval", constrain))
 

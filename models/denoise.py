@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from cli import log, logging_enabled
+from models import scanned_blocks
 from models.cache_schedule import CacheSettings
 from models.guard import DenoiseGuard
 from models.step_cache import StepCache
@@ -34,6 +35,7 @@ class DenoiseOptions:
     warmup_steps: int = 0
     guard: DenoiseGuard | None = None
     cache: CacheSettings = CacheSettings()
+    scan_blocks: str = "auto"  # models/scanned_blocks.py
     # Run on the loaded transformers (by component name) before anything is placed: stage 2 fuses its
     # LoRA adapters there (models/lora.py).
     on_loaded: Callable[[dict[str, torch.nn.Module]], None] | None = None
@@ -104,9 +106,10 @@ def step_progress(steps, timer: Timer, desc: str = "denoise", trace=None, trace_
 def place_denoisers(loop: DenoiseLoop, runtime: Runtime, options: DenoiseOptions) -> list | StepCache:
     """The guided denoisers placed and jitted (every expert's weights placed once): one program per expert,
     or the step cache's programs. Later loops of the same group (models/batching.py) reuse them."""
+    rules = scanned_blocks.install(loop, options.scan_blocks, options.cache, runtime.scan)
     if options.cache.enabled:
-        return StepCache(options.cache, loop, runtime, loop.rules.nested("guided.transformer."))
-    return [runtime.compile(guided, loop.rules.nested("transformer.")) for guided in loop.guided]
+        return StepCache(options.cache, loop, runtime, rules.nested("guided.transformer."))
+    return [runtime.compile(guided, rules.nested("transformer.")) for guided in loop.guided]
 
 
 def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options: DenoiseOptions, placed=None):
@@ -173,7 +176,7 @@ def denoise(
     loop, finish = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, options.tp_mode)
     latents, cache = run_denoise_loop(loop, runtime, timer, options)
     latents, record = finish(latents)
-    return latents, record, cache
+    return latents, {**record, **scanned_blocks.record(loop, options.scan_blocks)}, cache
 
 
 def latents_record(scheduler, do_cfg: bool, normalization: dict[str, Any], **extra) -> dict[str, Any]:

@@ -207,15 +207,16 @@ def _flops(report: dict[str, Any], target: Target, xla: float, attention: float 
 
 def cache_programs(loop, kind: str, runtime, mesh, rules, inputs, env):
     """With a step cache (`kind` magcache or interval): the guided denoiser wrapped as a real run wraps it,
-    and the (module, rules, inputs) of its full step and of its cached step; else the plain denoiser."""
+    and the (module, rules, inputs) of its full step and of its cached step; else the plain denoiser.
+    `rules`: the transformer's rule table."""
     from models import cached_blocks
     from models.cache_schedule import CacheSettings
 
     if kind == "none":
-        return (loop.guided[0], rules, inputs), None
+        return (loop.guided[0], rules.nested("transformer."), inputs), None
     settings = CacheSettings(kind=kind)
     module = cached_blocks.cached_denoiser(loop.guided[0], settings, len(loop.cache_branches), runtime.constrain)
-    rules = loop.rules.nested("guided.transformer.")
+    rules = rules.nested("guided.transformer.")
     hidden, text = cached_blocks.probe_shapes(lambda: trace_module(module, rules, inputs, mesh, env, "probe"))
     residuals = [(torch.zeros(hidden[0], dtype=hidden[1]), cached_blocks.HIDDEN_LAYOUT)]
     residuals.append(
@@ -223,6 +224,9 @@ def cache_programs(loop, kind: str, runtime, mesh, rules, inputs, env):
     )
     reuse = (torch.zeros(len(loop.cache_branches), dtype=torch.bool), ())
     return (module, rules, [*residuals, reuse, *inputs]), (module, rules, [*residuals, *inputs])
+
+
+FULL = "full"  # plan_stage2's key for the program at the model's depth
 
 
 def plan_stage2(
@@ -235,16 +239,21 @@ def plan_stage2(
     attention: AttentionPlan,
     cache="none",
     videos: int = 1,
+    scan_blocks: str = "auto",
 ):
     """Compile stage 2's guided denoiser call (what every step runs) for `target`; the report as a dict.
 
     The program is built by the family's own `denoise_loop`, as a real run builds it, around a
-    meta-device transformer. It is compiled at the model's depth (memory, FLOPs, every collective) and
-    at two and three blocks, whose difference gives the collectives of one block. With a step cache
-    (`cache`: magcache or interval) that is the full step, and the cached step is compiled as well. With
-    `videos` > 1 it is stage 2's batch of that many videos (models/batching.py)."""
+    meta-device transformer, with its blocks under one scan as `scan_blocks` says (models/scanned_blocks.py).
+    It is compiled at the model's depth (memory, FLOPs, every collective) and, unrolled, at two and three
+    blocks, whose difference gives the FLOPs, collectives and Splash calls of one block. The compiler counts
+    a scanned loop's body once, so a scanned program's counts get the other iterations added from those.
+    With a step cache (`cache`: magcache or interval) that is the full step, and the cached step is
+    compiled as well. With `videos` > 1 it is stage 2's batch of that many videos (models/batching.py)."""
     from attention.dispatch import attention_backend
+    from models import scanned_blocks
     from models.batching import batched_loop
+    from models.cache_schedule import CacheSettings
     from runtime.torchax_runtime import TorchaxRuntime
     from splash_attention import record_kernel_calls
 
@@ -254,48 +263,63 @@ def plan_stage2(
     compiled, calls = {}, {}
     resident = 0  # bytes per device of the other experts' weights (Wan 2.2), on the device all along
     small = (3, 4) if cache == "interval" else (2, 3)  # the interval cache runs 2 outer blocks around its span
-    for depth in sorted({layers, *small}, reverse=True):
-        transformers = meta_transformers(family, source, dtype, num_layers=depth)
+    repeats = 0  # iterations of the full program's scan that the compiler counts once
+    for depth in (FULL, *small):  # the model's depth, then (unrolled) the two that give one block
+        if depth == layers and not repeats:
+            compiled[depth], calls[depth] = compiled[FULL], calls[FULL]  # the same program
+            continue
+        transformers = meta_transformers(family, source, dtype, num_layers=layers if depth == FULL else depth)
         loops = [family.denoise_loop(source, request, embeds, dtype, transformers, runtime, tp_mode)[0]]
         loop = batched_loop(loops * videos) if videos > 1 else loops[0]
         t = loop.timesteps[0]
         inputs = [(loop.model_input(loop.latents, t), ()), (loop.timestep_input(0, t), ()), *loop.static_inputs]
+        settings = CacheSettings(kind=cache) if cache != "none" else CacheSettings()
+        rules = scanned_blocks.install(loop, scan_blocks if depth == FULL else "off", settings, runtime.scan)
         with attention_backend(runtime.env, attention, mesh):
-            full_step, cached_step = cache_programs(
-                loop, cache, runtime, mesh, loop.rules.nested("transformer."), inputs, runtime.env
-            )
+            full_step, cached_step = cache_programs(loop, cache, runtime, mesh, rules, inputs, runtime.env)
             with record_kernel_calls() as traced:
                 compiled[depth] = compile_module(*full_step, mesh, runtime.env)
-        if depth == layers:
+        calls[depth] = traced
+        if depth == FULL:
+            scan = getattr(loop.guided[0].transformer, "block_scan", None)
+            repeats = scan.span[1] - scan.span[0] - 1 if scan is not None else 0
             others = [guided.transformer for guided in loop.guided[1:]]
-            facts = weight_facts(others, loop.rules, attention_heads(source))
+            facts = weight_facts(others, rules, attention_heads(source))
             resident = facts.weight_bytes(mesh.shape[TP])
             compiled[depth].add_resident(resident)
             if cached_step is not None and not compiled[depth].refused:
                 with attention_backend(runtime.env, attention, mesh), record_kernel_calls() as cached_calls:
                     cached = compile_module(*cached_step, mesh, runtime.env, method="cached")
                 cached.add_resident(resident)
-        calls[depth] = traced
         if compiled[depth].refused:
             break
-    full = compiled[layers]
+    full = compiled[FULL]
     fields = {"tp_mode": tp_mode, "attention": attention.backend, "experts": len(transformers), "videos": videos}
     report = _report(2, target, mesh, request, dtype, full, **fields)
     if resident:
         report["hbm_bytes_per_device"]["other_experts_weights"] = resident
     if full.refused:
         return report
-    per_block, outside = _per_block(full.collectives, *(compiled[depth].collectives for depth in small), layers)
+    two, three = (compiled[depth] for depth in small)
+    per_block, outside = _per_block(full.collectives, two.collectives, three.collectives, layers - repeats)
+    total = {
+        op: {key: value[key] + repeats * per_block.get(op, {}).get(key, 0) for key in value}
+        for op, value in full.collectives.items()
+    }
     report["collectives"] = {
         "layers": layers,
+        "scanned_blocks": repeats + 1 if repeats else 0,
         "per_block": per_block,
         "outside_blocks": outside,
-        "total": {op: value for op, value in full.collectives.items() if value["count"]},
+        "total": {op: value for op, value in total.items() if value["count"]},
     }
-    _flops(report, target, full.flops, sum(call.flops_per_device for call in calls[layers]))
+    block_calls = calls[small[1]][len(calls[small[0]]) :]  # the third block's Splash calls
+    all_calls = calls[FULL] + block_calls * repeats
+    xla_flops = full.flops + repeats * (three.flops - two.flops)
+    _flops(report, target, xla_flops, sum(call.flops_per_device for call in all_calls))
     report["step_seconds_lower_bound_per_video"] = report["step_seconds_lower_bound"] / videos
     report["splash_custom_calls"] = full.hlo_text.count('custom_call_target="tpu_custom_call"')
-    report["splash_padding"] = _padding(calls[layers])
+    report["splash_padding"] = _padding(all_calls)
     if cache != "none":
         report["step_cache"] = _cached_step_report(cache, target, cached, cached_calls)
         report["fits"] = report["fits"] and report["step_cache"]["fits"]

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 import sharding
 from cli import log
-from runtime import placement
+from runtime import placement, program_checks
 from runtime.executables import store_from_flag
 from runtime.interface import cache_root
 from runtime.programs import Programs
@@ -189,6 +189,26 @@ class TorchaxRuntime:
         from torchax.interop import call_jax
 
         return tuple(call_jax(jax.lax.optimization_barrier, tensors))
+
+    def scan(self, body, carry: tuple, weights: dict[str, torch.Tensor]) -> tuple:
+        """Inside a compiled forward: `body` (a torch function of (carry, one slice of `weights`)) under
+        jax.lax.scan. The checks the body hands over (runtime.program_checks) come out of the loop as one
+        flag per message and slice and are handed on, reduced, to the program around it."""
+        from torchax.interop import call_jax
+
+        traced: list[tuple[str, ...]] = []
+
+        def step(carry, weights):
+            with program_checks.collecting() as found:
+                carry = body(carry, weights)
+            flags, messages = program_checks.flags_by_message(found)
+            traced.append(messages)
+            return carry, flags
+
+        carry, flags = call_jax(jax.lax.scan, step, carry, weights)
+        for flag, message in zip(flags, traced[-1], strict=True):
+            program_checks.check(jax.numpy.any(flag.jax()), message)
+        return carry
 
     def to_host(self, tensor) -> torch.Tensor:
         """A CPU torch tensor; blocks until the device has computed it. With several processes each gets

@@ -180,7 +180,10 @@ def install(loop, setting: str, cache, scan):
     for guided in loop.guided:
         transformer = guided.transformer
         blocks = block_list(transformer)
-        span = cache_span(settings_kind(cache), len(blocks)) if cache.enabled else (0, len(blocks))
+        try:
+            span = cache_span(settings_kind(cache), len(blocks)) if cache.enabled else (0, len(blocks))
+        except UserError:
+            continue  # a cache this model cannot hold: the step cache says so, after its other checks
         why = difference(blocks[span[0] : span[1]])
         if span[1] - span[0] < 2:
             why = f"only {span[1] - span[0]} block(s) to scan"

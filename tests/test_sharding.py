@@ -254,7 +254,8 @@ def test_stage2_records_mesh_and_placement(stage1_outputs, tmp_path):
     stage2 = json.loads((tmp_path / "generation_config.json").read_text())["stage2"]
     assert stage2["mesh"] == {"dp": 2, "sp": 2, "tp": 2}
     assert stage2["tp_mode"] == "megatron"
-    assert [placement["sharded"] for placement in stage2["placement"]] == [24]
+    # the two blocks' split weights stacked (--scan_blocks auto): 12 tensors, each holding both blocks'
+    assert [placement["sharded"] for placement in stage2["placement"]] == [12]
 
 
 @pytest.mark.parametrize(

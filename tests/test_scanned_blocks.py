@@ -2,10 +2,10 @@
 the unrolled one does.
 
 Stage 2 with `--scan_blocks on` against `off` on every family's tiny preset, on one device and on a 2x2x2
-mesh with Splash (its exact-mask check runs inside the scanned body), fp32: 1e-5 relative (measured: 0,
-or a few 1e-7 where XLA fuses a loop body differently from the same ops unrolled). The interval step cache
-scans its deep span between the outer blocks; an eager Python loop over the stacked weights (TorchRuntime)
-is bit-identical to the stock forward.
+mesh with Splash (its exact-mask check runs inside the scanned body), fp32: 1e-5 relative (the same ops;
+XLA may fuse a loop body differently from the blocks unrolled). The interval step cache scans its deep span
+between the outer blocks; an eager Python loop over the stacked weights (TorchRuntime) is bit-identical to
+the stock forward.
 """
 
 from __future__ import annotations

@@ -197,10 +197,15 @@ def settings_kind(settings: CacheSettings) -> str:
     return "magcache" if settings.calibrate else settings.kind
 
 
+def cached_span(settings: CacheSettings, blocks: int) -> tuple[int, int]:
+    """The span a run with `settings` caches (models/scanned_blocks.py scans the same one)."""
+    return cache_span(settings_kind(settings), blocks)
+
+
 def cached_denoiser(guided, settings: CacheSettings, branches: int, constrain) -> CachedDenoiser:
     """Wrap a family's guided denoiser (its transformer is `guided.transformer`)."""
     kind = settings_kind(settings)
-    span = cache_span(kind, len(block_list(guided.transformer)))
+    span = cached_span(settings, len(block_list(guided.transformer)))
     return CachedDenoiser(guided, BlockCache(guided.transformer, span, branches, kind == "interval", constrain))
 
 

@@ -23,7 +23,7 @@ import json
 import torch
 
 from cli import UserError, log
-from models.cached_blocks import block_list, cache_span, settings_kind
+from models.cached_blocks import block_list, cached_span
 from workarounds.diffusers import register_hunyuanvideo15_block
 
 SCAN_CHOICES = ("auto", "on", "off")
@@ -181,12 +181,11 @@ def install(loop, setting: str, cache, scan):
         transformer = guided.transformer
         blocks = block_list(transformer)
         try:
-            span = cache_span(settings_kind(cache), len(blocks)) if cache.enabled else (0, len(blocks))
+            span = cached_span(cache, len(blocks)) if cache.enabled else (0, len(blocks))
         except UserError:
             continue  # a cache this model cannot hold: the step cache says so, after its other checks
-        why = difference(blocks[span[0] : span[1]])
-        if span[1] - span[0] < 2:
-            why = f"only {span[1] - span[0]} block(s) to scan"
+        count = span[1] - span[0]
+        why = f"only {count} block(s) to scan" if count < 2 else difference(blocks[span[0] : span[1]])
         if why is not None:
             if setting == "on":
                 raise UserError(f"--scan_blocks on: {type(transformer).__name__}: {why}")

@@ -163,11 +163,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--plan",
         metavar="TPU",
         help="compile this run's denoiser for a TPU slice and report HBM fit, collectives, FLOPs and Splash "
-        "padding, then exit (0: fits, 3: does not fit); writes nothing. TPU: an accelerator type "
-        "(v5litepod-8, v5e-8, v5p-8, v6e-8, v6e-16, tpu7x-8, ...) or a topology (v6e:2x4). Without stage-1 "
-        "files, plans from --model and the request flags",
+        "padding, then exit (0: fits, 3: does not fit); writes nothing but what --plan_json and "
+        "--save_executables ask for. TPU: an accelerator type (v5litepod-8, v5e-8, v5p-8, v6e-8, v6e-16, "
+        "tpu7x-8, ...) or a topology (v6e:2x4). Without stage-1 files, plans from --model and the request flags",
     )
     planning.add_argument("--plan_json", metavar="FILE", help="also save the plan's report as JSON")
+    planning.add_argument(
+        "--save_executables",
+        metavar="DIR",
+        help="with --plan (a single-host slice): also save the compiled programs in DIR, keyed as the run on "
+        "that TPU keys them, so a run there with --executables DIR loads them instead of compiling",
+    )
     add_request_arguments(parser, for_later_stage=True)
     return parser.parse_args(argv)
 
@@ -237,11 +243,12 @@ def where_it_fits(facts, cfg: bool, videos: int, devices: int, per_host, memory:
 
 def plan_main(args) -> None:
     """--plan: compile for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
-    from planning import plan
+    from planning import flags, plan
     from planning import report as plan_report
 
-    target = plan.target_from_flag(args.plan)
-    request, source, family, embeddings = plan.request_to_plan(
+    target = flags.target_from_flag(args.plan)
+    store = flags.executables_to_save(args.save_executables, target)
+    request, source, family, embeddings = flags.request_to_plan(
         Path(args.input_dir[0]), args.model, request_flags(args), args.dtype
     )
     dtype = parse_dtype(args.dtype or request.dtype)
@@ -263,6 +270,7 @@ def plan_main(args) -> None:
             kind_from_flags(args),
             args.batch_size or 1,
             args.scan_blocks,
+            store,
         )
     except plan.KernelDoesNotFit as err:
         splash = attention.splash
@@ -281,6 +289,8 @@ def plan_main(args) -> None:
         report["where_it_fits"] = where_it_fits(facts, cfg, videos, *target_devices, target.generation, mesh)
     if adapters:
         report["adapters"] = {"fused": [a.record() for a in adapters], "effect": lora.PLAN_EFFECT}
+    if store is not None:
+        report["executables"] = {"folder": str(store.directory), **store.counts}
     plan_report.finish(report, args.plan_json)
 
 
@@ -290,8 +300,9 @@ def main(argv=None) -> None:
     if args.plan:
         check_batch_flags(args, [])
         return plan_main(args)
-    if args.plan_json:
-        raise UserError("--plan_json needs --plan")
+    for flag in ("plan_json", "save_executables"):
+        if getattr(args, flag):
+            raise UserError(f"--{flag} needs --plan")
     if args.peer_timeout <= 0:
         raise UserError(f"--peer_timeout {args.peer_timeout} must be a positive number of seconds")
     folders = batch_folders.expand_folders(args.input_dir)

@@ -173,12 +173,13 @@ def plan_main(args) -> None:
     """--plan: compile the decode for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
     from planning import plan
     from planning import report as plan_report
+    from planning.flags import request_to_plan, target_from_flag
 
-    target = plan.target_from_flag(args.plan)
+    target = target_from_flag(args.plan)
     flags = {key: getattr(args, key) for key in PLAN_REQUEST_KEYS}
     if len(args.input_dir) > 1:
         raise UserError("--plan compiles one decode: give one --input_dir (or none, with --model)")
-    request, source, family, _ = plan.request_to_plan(Path(args.input_dir[0]), args.model, flags, args.dtype)
+    request, source, family, _ = request_to_plan(Path(args.input_dir[0]), args.model, flags, args.dtype)
     dtype = parse_dtype(args.dtype or request.dtype)
     chunk_frames = chunk_frames_choice(args, family, "torchax")  # what a TPU run would take
     log(f"planning the {family.NAME} decode for {target.name} ({target.topology}), tiling {args.tiling}")

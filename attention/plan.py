@@ -122,6 +122,12 @@ class AttentionPlan:
             **splash,
         }
 
+    def program_fingerprint(self) -> dict:
+        """What a program reads of the plan (attention.dispatch.make_sdpa), for saved executables' keys
+        (runtime/program_key.py): the reasons and the mesh's memory estimate are for the record, and a plan
+        (`--plan`, built with the nominal HBM) keys its programs as the TPU's run (the measured HBM) does."""
+        return {"backend": self.backend, "splash": self.splash, "sequence_parallel": self.sequence_parallel}
+
 
 def fixed_plan(
     backend: str,

@@ -63,7 +63,8 @@ class BlockCache:
         self.branches = branches
         self.cache_text = cache_text and self.metadata.return_encoder_hidden_states_index is not None
         self.constrain = constrain
-        self.mode = None
+        self.mode = self.entry = None
+        self.found = {}
         for index, block in enumerate(blocks):
             block.forward = _BlockForward(self, index, block.forward)
 
@@ -72,8 +73,9 @@ class BlockCache:
         self.mode, self.state, self.reuse, self.found = mode, state, reuse, {}
         try:
             yield self.found
-        finally:
-            self.mode = self.state = self.reuse = None
+        finally:  # no tracer stays on the module: the next program's key describes it (runtime/program_key.py)
+            self.mode = self.state = self.reuse = self.entry = None
+            self.found = {}
 
     def _inputs(self, args, kwargs):
         meta = self.metadata

@@ -70,7 +70,7 @@ class StepCache:
 
     def _zero_state(self, expert: int, inputs) -> tuple:
         """Zero residuals of the span's input shapes (found by tracing the probe; nothing is compiled)."""
-        hidden, text = probe_shapes(lambda: self.programs[expert].probe(*inputs))
+        hidden, text = probe_shapes(lambda: self.programs[expert].trace_ahead("probe", inputs))
         zeros = self.runtime.to_device(torch.zeros(hidden[0], dtype=hidden[1]), HIDDEN_LAYOUT)
         if not self.modules[expert].cache.cache_text:
             return zeros, None

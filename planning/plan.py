@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -21,14 +20,13 @@ import torch
 from jax.sharding import Mesh
 
 from attention.plan import AttentionPlan
-from cli import UserError, parse_dtype
 from models.common import attention_heads
 from models.meta import meta_module, meta_transformers, weight_facts
 from planning import hlo
-from planning.tpus import Target, host_layout, parse_target, topology_devices, topology_mesh
+from planning.tpus import Target, host_layout, topology_mesh
 from runtime import placement
+from runtime.interface import PROGRAM_TIMES
 from sharding import TP
-from utils import CONFIG_FILE, Request, read_config, read_tensors
 
 # Abstract programs ---------------------------------------------------------------------------------
 
@@ -61,48 +59,41 @@ _OUT_OF_HBM = re.compile(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def _abstract_call(module: torch.nn.Module, rules, inputs, mesh: Mesh, method: str):
-    """(a JAX function of (state, *arguments) calling `module.method`, abstract state, abstract arguments)."""
-    from torchax import interop
+def _programs(module: torch.nn.Module, rules, mesh: Mesh, method: str, store=None):
+    """`module.method` as the run's program (runtime/programs.py), over its weights as `rules` place them on
+    `mesh`'s devices (buffers replicated), without data."""
+    from runtime.programs import Programs
 
-    specs = rules.assign([name for name, _ in module.named_parameters()])
-    state = {
-        name: placement.abstract(param.shape, param.dtype, specs[name], mesh=mesh)
-        for name, param in module.named_parameters()
-    }
-    state.update(
-        {name: placement.abstract(buffer.shape, buffer.dtype, mesh=mesh) for name, buffer in module.named_buffers()}
-    )
-    arguments = [
+    return Programs(module, (method,), store, mesh, abstract=placement.abstract_weights(module, rules, mesh))
+
+
+def _abstract_inputs(inputs, mesh: Mesh) -> tuple:
+    """(tensor or tuple of tensors, layout) pairs as the arrays a run places from them, without data."""
+    return tuple(
         jax.tree.map(
             lambda tensor, layout=layout: placement.abstract(tensor.shape, tensor.dtype, layout, mesh=mesh), value
         )
         for value, layout in inputs
-    ]
-
-    def call(state, *arguments):
-        with torch.nn.utils.stateless._reparametrize_module(module, state):  # as torch.func.functional_call
-            return getattr(module, method)(*arguments)
-
-    return interop.jax_view(call), state, arguments
+    )
 
 
 def trace_module(module: torch.nn.Module, rules, inputs, mesh: Mesh, env, method: str = "forward") -> None:
     """Trace `module.method(*inputs)` abstractly (jax.eval_shape): nothing is lowered or compiled."""
-    call, state, arguments = _abstract_call(module, rules, inputs, mesh, method)
     with env:
-        jax.eval_shape(call, state, *arguments)
+        _programs(module, rules, mesh, method).trace_ahead(method, _abstract_inputs(inputs, mesh))
 
 
-def compile_module(module: torch.nn.Module, rules, inputs, mesh: Mesh, env, method: str = "forward") -> Compiled:
+def compile_module(
+    module: torch.nn.Module, rules, inputs, mesh: Mesh, env, method: str = "forward", store=None
+) -> Compiled:
     """Compile `module.method(*inputs)` for `mesh`'s devices with its parameters placed by `rules` (buffers
-    replicated); `inputs` are (tensor or tuple of tensors, layout) pairs. Traced inside `env`."""
-    call, state, arguments = _abstract_call(module, rules, inputs, mesh, method)
-    start = time.perf_counter()
-    with env:
-        lowered = jax.jit(call, keep_unused=True).lower(state, *arguments)  # every placed weight counts
+    replicated); `inputs` are (tensor or tuple of tensors, layout) pairs. Traced inside `env`. The program
+    is the one a run builds (runtime/programs.py), so `store` (an ExecutableStore) saves it for runs to load."""
+    programs = _programs(module, rules, mesh, method, store)
+    compiling, start = PROGRAM_TIMES.compile, time.perf_counter()
     try:
-        compiled = lowered.compile()
+        with env:
+            compiled = programs.compile_ahead(method, _abstract_inputs(inputs, mesh))
     except jax.errors.JaxRuntimeError as err:
         vmem = _OUT_OF_VMEM.search(str(err))
         if "RESOURCE_EXHAUSTED" in str(err) and vmem is not None:
@@ -113,8 +104,9 @@ def compile_module(module: torch.nn.Module, rules, inputs, mesh: Mesh, env, meth
             raise
         required = float(found.group(1)) * _UNITS[found.group(2)]
         available = float(found.group(3)) * _UNITS[found.group(4)]
-        return Compiled(time.perf_counter() - start, refused={"required": required, "available": available})
-    seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start  # trace and compile: the refusal comes before the compile is timed
+        return Compiled(seconds, refused={"required": required, "available": available})
+    seconds = PROGRAM_TIMES.compile - compiling
     stats = compiled.memory_analysis()
     memory = {
         "arguments": stats.argument_size_in_bytes,
@@ -205,17 +197,18 @@ def _flops(report: dict[str, Any], target: Target, xla: float, attention: float 
     report[f"{what}_seconds_lower_bound"] = (xla + attention) / target.bf16_flops_per_device
 
 
-def cache_programs(loop, kind: str, runtime, mesh, rules, inputs, env):
-    """With a step cache (`kind` magcache or interval): the guided denoiser wrapped as a real run wraps it,
-    and the (module, rules, inputs) of its full step and of its cached step; else the plain denoiser.
-    `rules`: the transformer's rule table."""
+def cache_programs(loop, kind: str, runtime, mesh, rules, inputs, env, expert: int = 0):
+    """With a step cache (`kind` magcache or interval): the guided denoiser of `expert` wrapped as a real run
+    wraps it, and the (module, rules, inputs) of its full step and of its cached step; else the plain
+    denoiser. `rules`: the transformer's rule table."""
     from models import cached_blocks
     from models.cache_schedule import CacheSettings
 
+    guided = loop.guided[expert]
     if kind == "none":
-        return (loop.guided[0], rules.nested("transformer."), inputs), None
+        return (guided, rules.nested("transformer."), inputs), None
     settings = CacheSettings(kind=kind)
-    module = cached_blocks.cached_denoiser(loop.guided[0], settings, len(loop.cache_branches), runtime.constrain)
+    module = cached_blocks.cached_denoiser(guided, settings, len(loop.cache_branches), runtime.constrain)
     rules = rules.nested("guided.transformer.")
     hidden, text = cached_blocks.probe_shapes(lambda: trace_module(module, rules, inputs, mesh, env, "probe"))
     residuals = [(torch.zeros(hidden[0], dtype=hidden[1]), cached_blocks.HIDDEN_LAYOUT)]
@@ -240,6 +233,7 @@ def plan_stage2(
     cache="none",
     videos: int = 1,
     scan_blocks: str = "auto",
+    store=None,
 ):
     """Compile stage 2's guided denoiser call (what every step runs) for `target`; the report as a dict.
 
@@ -249,7 +243,9 @@ def plan_stage2(
     blocks, whose difference gives the FLOPs, collectives and Splash calls of one block. The compiler counts
     a scanned loop's body once, so a scanned program's counts get the other iterations added from those.
     With a step cache (`cache`: magcache or interval) that is the full step, and the cached step is
-    compiled as well. With `videos` > 1 it is stage 2's batch of that many videos (models/batching.py)."""
+    compiled as well. With `videos` > 1 it is stage 2's batch of that many videos (models/batching.py).
+    `store` (an ExecutableStore): the full-depth programs of every expert are saved there, keyed as the run
+    on `target` keys them (runtime/program_key.py), for that run to load instead of compiling."""
     from attention.dispatch import attention_backend
     from models import scanned_blocks
     from models.batching import batched_loop
@@ -275,10 +271,11 @@ def plan_stage2(
         inputs = [(loop.model_input(loop.latents, t), ()), (loop.timestep_input(0, t), ()), *loop.static_inputs]
         settings = CacheSettings(kind=cache) if cache != "none" else CacheSettings()
         rules = scanned_blocks.install(loop, scan_blocks if depth == FULL else "off", settings, runtime.scan)
-        with attention_backend(runtime.env, attention, mesh):
+        saving = store if depth == FULL else None
+        with attention_backend(runtime.env, attention, mesh), runtime.precision(dtype):
             full_step, cached_step = cache_programs(loop, cache, runtime, mesh, rules, inputs, runtime.env)
             with record_kernel_calls() as traced:
-                compiled[depth] = compile_module(*full_step, mesh, runtime.env)
+                compiled[depth] = compile_module(*full_step, mesh, runtime.env, store=saving)
         calls[depth] = traced
         if depth == FULL:
             scan = getattr(loop.guided[0].transformer, "block_scan", None)
@@ -287,10 +284,13 @@ def plan_stage2(
             facts = weight_facts(others, rules, attention_heads(source))
             resident = facts.weight_bytes(mesh.shape[TP])
             compiled[depth].add_resident(resident)
-            if cached_step is not None and not compiled[depth].refused:
-                with attention_backend(runtime.env, attention, mesh), record_kernel_calls() as cached_calls:
-                    cached = compile_module(*cached_step, mesh, runtime.env, method="cached")
-                cached.add_resident(resident)
+            with attention_backend(runtime.env, attention, mesh), runtime.precision(dtype):
+                if cached_step is not None and not compiled[depth].refused:
+                    with record_kernel_calls() as cached_calls:
+                        cached = compile_module(*cached_step, mesh, runtime.env, method="cached", store=saving)
+                    cached.add_resident(resident)
+                if saving is not None and not compiled[depth].refused:
+                    _save_other_experts(loop, cache, runtime, mesh, rules, inputs, saving)
         if compiled[depth].refused:
             break
     full = compiled[FULL]
@@ -324,6 +324,16 @@ def plan_stage2(
         report["step_cache"] = _cached_step_report(cache, target, cached, cached_calls)
         report["fits"] = report["fits"] and report["step_cache"]["fits"]
     return report
+
+
+def _save_other_experts(loop, cache: str, runtime, mesh, rules, inputs, store) -> None:
+    """Compile and save the programs of every expert after the first (Wan 2.2's low-noise transformer): its
+    own guidance values make them other programs."""
+    for expert in range(1, len(loop.guided)):
+        full_step, cached_step = cache_programs(loop, cache, runtime, mesh, rules, inputs, runtime.env, expert)
+        compile_module(*full_step, mesh, runtime.env, store=store)
+        if cached_step is not None:
+            compile_module(*cached_step, mesh, runtime.env, method="cached", store=store)
 
 
 def _cached_step_report(kind: str, target: Target, cached: Compiled, calls) -> dict[str, Any]:
@@ -404,46 +414,3 @@ def _plan_frame_programs(family, source, decoder, latents, layout, target, mesh,
         report["flops_per_call"] = {name: program.flops for name, program in compiled.items()}
         _flops(report, target, sum(compiled[name].flops * count for name, count in calls.items()))
     return report
-
-
-def target_from_flag(name: str) -> Target:
-    """`--plan NAME` as a Target that libtpu can build, or one `error:` line naming what is known."""
-    try:
-        target = parse_target(name)
-        topology_devices(target)  # libtpu refuses grids no slice has
-    except ValueError as err:
-        raise UserError(f"--plan: {err}") from None
-    return target
-
-
-def request_to_plan(input_dir: Path, model: str | None, flags: dict[str, Any], dtype: str | None):
-    """The request, model and stage-1 tensors a plan compiles for: from the stage folder if it has a
-    config (as a real run reads it; `flags` override), else from `model` with its defaults, the given
-    request flags and zero tensors of the shapes stage 1 writes. Published hub ids need no network."""
-    import models
-
-    if (input_dir / CONFIG_FILE).is_file():
-        config = read_config(input_dir, needs="stage1")
-        request, _ = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides({**flags, "model_id": model})
-        source, family = models.resolve_model_for_request(request, configs_only=True)
-        models.validate_request(family, source, request)
-        return request, source, family, read_tensors(input_dir, config["stage1"])
-    if not model:
-        raise UserError(f"--plan needs stage-1 files in {input_dir} or a --model to plan from")
-    request, source, family = default_request(model, flags, dtype)
-    return request, source, family, family.planning_embeds(source, request, parse_dtype(request.dtype))
-
-
-def default_request(model: str, flags: dict[str, Any], dtype: str | None = None):
-    """The request a plan from `model` alone compiles for: the model's defaults and the given flags (None:
-    unset), checked; with its source and family. Published hub ids need no network."""
-    import models
-
-    source, family = models.resolve_model(model, configs_only=True)
-    given = {key: value for key, value in flags.items() if value is not None}
-    values = {**family.request_defaults(source), "seed": 0, **given}
-    request = Request(
-        model_family=family.NAME, model_id=model, prompt="", negative_prompt="", dtype=dtype or "bf16", **values
-    )
-    models.validate_request(family, source, request)
-    return request, source, family

@@ -36,6 +36,10 @@ def print_report(report: dict[str, Any]) -> None:
         f"(axes across hosts: {crossing})"
     )
     print(f"  compiled by the TPU compiler in {report['compile_seconds']} s")
+    saved = report.get("executables")
+    if saved:
+        folder = saved["folder"]
+        print(f"  saved {saved['saved']} program(s) in {folder}: copy it to the TPU VM, run with --executables DIR")
     if report["stage"] == 3:
         split = f"split along {report['split']}" if report["split"] else "NOT split: kept whole on every device"
         print(f"  latents {report['latents']} {split}; VAE tiling {'on' if report['tiling'] else 'off'}")

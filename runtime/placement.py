@@ -86,39 +86,55 @@ def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> 
     """
     from torchax.tensor import Tensor
 
-    names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
-    specs = table.assign(names)
     stats = {"rule_table": table.name, "sharded": 0, "replicated": 0, "buffers": 0, "bytes_per_device": 0}
     placed: dict[int, tuple] = {}  # id of a CPU tensor -> (a weak reference to it, its device copy)
+    for kind, store, leaf, value, spec in _weights(module, table, mesh):
+        known, device_copy = placed.get(id(value), (None, None))
+        if known is not None and known() is value:  # the weak reference: ids of freed tensors recur
+            store[leaf] = device_copy
+            continue
+        target = NamedSharding(mesh, spec)
+        if isinstance(value, Tensor) and value.jax().sharding.is_equivalent_to(target, value.ndim):
+            array = value.jax()  # placed before, as wanted (stage 3 reusing one VAE): kept, no host trip
+        else:
+            array = _place_array(_host_array(value), target)
+        store[leaf] = device_copy = Tensor(array, env)
+        placed[id(value)] = (weakref.ref(value), device_copy)
+        del value
+        stats["bytes_per_device"] += array.addressable_shards[0].data.nbytes
+        if kind == "buffer":
+            stats["buffers"] += 1
+        elif any(axis is not None for axis in spec):
+            stats["sharded"] += 1
+        else:
+            stats["replicated"] += 1
+    return stats
+
+
+def abstract_weights(module: torch.nn.Module, table: RuleTable, mesh: Mesh) -> dict[int, jax.ShapeDtypeStruct]:
+    """What place_module makes of each weight, by the id of its tensor, without data: the arguments a plan
+    (planning/plan.py) compiles a meta-device module's programs over, laid out exactly as a run's."""
+    found: dict[int, jax.ShapeDtypeStruct] = {}
+    for _, _, _, value, spec in _weights(module, table, mesh):
+        if id(value) not in found:  # tied weights: the first name's layout, as place_module keeps one copy
+            found[id(value)] = jax.ShapeDtypeStruct(
+                value.shape, JAX_DTYPES.get(value.dtype, value.dtype), sharding=NamedSharding(mesh, spec)
+            )
+    return found
+
+
+def _weights(module: torch.nn.Module, table: RuleTable, mesh: Mesh):
+    """(kind, the dict holding it, its name there, tensor, PartitionSpec) of every parameter ("param": laid
+    out by `table`), then every buffer ("buffer": replicated), module by module."""
+    specs = table.assign([name for name, _ in module.named_parameters(remove_duplicate=False)])
     for kind, store in (("param", "_parameters"), ("buffer", "_buffers")):
         for owner_name, owner in module.named_modules():
             for leaf, value in list(getattr(owner, store).items()):
                 if value is None or not isinstance(value, torch.Tensor):
                     continue
-                known, device_copy = placed.get(id(value), (None, None))
-                if known is not None and known() is value:  # the weak reference: ids of freed tensors recur
-                    getattr(owner, store)[leaf] = device_copy
-                    continue
                 full_name = f"{owner_name}.{leaf}" if owner_name else leaf
                 spec = specs.get(full_name, REPLICATED) if kind == "param" else REPLICATED
-                spec = fit_spec(spec, value.shape, mesh)
-                target = NamedSharding(mesh, spec)
-                if isinstance(value, Tensor) and value.jax().sharding.is_equivalent_to(target, value.ndim):
-                    array = value.jax()  # placed before, as wanted (stage 3 reusing one VAE): kept, no host trip
-                else:
-                    array = _place_array(_host_array(value), target)
-                getattr(owner, store)[leaf] = device_copy = Tensor(array, env)
-                placed[id(value)] = (weakref.ref(value), device_copy)
-                del value
-                shard_bytes = array.addressable_shards[0].data.nbytes
-                stats["bytes_per_device"] += shard_bytes
-                if kind == "buffer":
-                    stats["buffers"] += 1
-                elif any(axis is not None for axis in spec):
-                    stats["sharded"] += 1
-                else:
-                    stats["replicated"] += 1
-    return stats
+                yield kind, getattr(owner, store), leaf, value, fit_spec(spec, value.shape, mesh)
 
 
 def place(tree, mesh: Mesh, layout: Layout, env):

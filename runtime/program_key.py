@@ -29,10 +29,12 @@ import torch
 
 from runtime.interface import library_versions
 
-KEY_FORMAT = 1  # bump when what a key covers changes
+KEY_FORMAT = 2  # bump when what a key covers changes
 LIBRARIES = ("jax", "jaxlib", "libtpu", "jax-cuda13-plugin", "jax-cuda13-pjrt", "torch", "torchax", "diffusers")
 LIBRARIES += ("transformers",)
-ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "TPU_ACCELERATOR_TYPE", "JAX_PLATFORMS")
+# The compiler's own settings. Which platform and devices is the `devices` part's: a plan on a CPU host (which
+# sets TPU_ACCELERATOR_TYPE only to quiet libtpu) keys its TPU programs as the TPU VM's run does.
+ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 # JAX settings that change what a trace lowers to (read through jax.config, so context managers count).
 JAX_SETTINGS = ("jax_default_matmul_precision", "jax_enable_x64", "jax_default_prng_impl", "jax_numpy_rank_promotion")
 
@@ -72,8 +74,9 @@ def digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def environment_parts(mesh) -> dict:
-    """The parts every program of this process shares: libraries, settings, devices, source."""
+def environment_parts(mesh, process: int | None = None) -> dict:
+    """The parts every program of this process shares: libraries, settings, devices, source. The devices are
+    the mesh's (abstract TPU devices in a plan); `process` is the one running it (default: this process)."""
     devices = mesh.devices.flatten()
     return {
         "format": KEY_FORMAT,
@@ -83,9 +86,9 @@ def environment_parts(mesh) -> dict:
         "devices": {
             "platform": devices[0].platform,
             "kind": devices[0].device_kind,
-            "count": jax.device_count(),
-            "processes": jax.process_count(),
-            "process": jax.process_index(),  # each process keeps its own executables
+            "count": len(devices),
+            "processes": len({device.process_index for device in devices}),
+            "process": jax.process_index() if process is None else process,  # each process keeps its own
             "mesh": describe_mesh(mesh),
         },
         "source": source_digest(),
@@ -233,14 +236,24 @@ def program_parts(module, method: str, state, inputs, env_parts: dict, attention
 
 
 def describe_signature(tree) -> list:
-    """Each input's structure, shape, dtype and sharding (Python scalars by type, as jax.jit traces them)."""
+    """Each input's structure, shape, dtype and layout (Python scalars by type, as jax.jit traces them). A
+    placed array and its abstract twin (a plan's jax.ShapeDtypeStruct) describe alike."""
     leaves, structure = jax.tree.flatten(tree)
     return [
         str(structure),
         [
-            [list(leaf.shape), str(leaf.dtype), str(leaf.sharding)]
-            if isinstance(leaf, jax.Array)
+            [list(leaf.shape), str(leaf.dtype), layout(leaf.sharding, tuple(leaf.shape))]
+            if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
             else qualified(type(leaf))
             for leaf in leaves
         ],
     ]
+
+
+@functools.lru_cache(maxsize=4096)
+def layout(sharding, shape: tuple) -> tuple:
+    """Which slice of an array of `shape` each device holds. Equivalent shardings give one layout (P() and
+    P("dp", None) on a one-device mesh; a program's output sharding and the placed one it equals), as a
+    compiled executable accepts either: one program, not two."""
+    slices = sharding.devices_indices_map(shape).items()
+    return tuple(sorted((int(device.id), tuple((s.start, s.stop, s.step) for s in index)) for device, index in slices))

@@ -134,7 +134,7 @@ def test_what_cannot_be_keyed_is_compiled_and_not_saved(tmp_path, capsys):
 
 
 def test_a_failure_while_keying_costs_a_compile_not_the_run(tmp_path, capsys, monkeypatch):
-    def broken(mesh):
+    def broken(mesh, process=None):
         raise RuntimeError("no key today")
 
     monkeypatch.setattr(program_key, "environment_parts", broken)

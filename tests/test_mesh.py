@@ -19,7 +19,7 @@ import stage2_transformer
 from helpers import run_stage
 from models.meta import model_facts
 from planning import tpus
-from planning.plan import default_request
+from planning.flags import default_request
 from runtime import placement
 from runtime.mesh import MEMORY_SHARE, MeshShape, ModelFacts, default_batch, default_mesh, sp_mode_choice
 from runtime.torchax_runtime import TorchaxRuntime

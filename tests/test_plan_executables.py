@@ -1,0 +1,134 @@
+"""`--plan TARGET --save_executables DIR`: the plan compiles the run's own programs (runtime/programs.py) over
+abstract weights and saves them keyed as the run on that target keys them.
+
+A TPU cannot run here, so the key's equality is shown on the devices that can: the plan is pointed at this
+host's 8 CPU devices, and the run's store and the plan's must hold the same keys, and a run must load the
+plan's programs and give the latents the run that compiled its own gave. The TPU path itself is checked as
+far as this host goes: libtpu's programs are serialized and keyed for the topology's devices.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+import stage1_text_encoder
+import stage2_transformer
+from cli import parse_dtype
+from helpers import expect_user_error, run_stage
+from planning import flags, plan, tpus
+from runtime import placement, program_key
+from runtime.executables import SUFFIX, ExecutableStore
+from sharding import MeshShape
+
+
+def keys(store) -> list[str]:
+    return sorted(path.name for path in store.glob(f"*{SUFFIX}"))
+
+
+def latents(folder) -> np.ndarray:
+    return load_file(folder / "stage2_latents.safetensors")["latents"]
+
+
+def plan_on_this_host(monkeypatch, folder, store, argv: list[str]) -> dict:
+    """stage2_transformer's plan_main, as `--plan v6e-8 --save_executables store` builds it, but compiled for
+    this host's devices (with the attention plan a run here takes) instead of the TPU topology's."""
+    monkeypatch.setattr(plan, "topology_mesh", lambda target, shape: placement.make_mesh(shape))
+    args = stage2_transformer.parse_args(["--input_dir", str(folder), *argv])
+    request, source, family, embeddings = flags.request_to_plan(folder, None, {}, None)
+    dtype = parse_dtype(request.dtype)
+    run_model = (family, source, request, dtype)
+    attention = stage2_transformer.attention_plan(args, run_model, "cpu", jax.device_count())
+    cache = stage2_transformer.kind_from_flags(args)
+    target = tpus.parse_target("v6e-8")  # names the report; the devices are this host's
+    saving = ExecutableStore("folder", store)
+    plan.plan_stage2(family, source, request, embeddings, dtype, target, attention, cache, 1, args.scan_blocks, saving)
+    return saving.counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model, argv",
+    [
+        ("tiny-wan2.1", []),  # blocks under one scan (auto)
+        # text masks (checks inside); MagCache's full and cached steps; unrolled
+        ("tiny-hunyuanvideo15", ["--cache", "magcache", "--cache_mag_ratios", "RATIOS", "--scan_blocks", "off"]),
+    ],
+)
+def test_a_run_keys_its_programs_as_the_plan_saved_them_and_loads_them(tmp_path, monkeypatch, model, argv):
+    out, run_store, plan_store = tmp_path / "out", tmp_path / "run", tmp_path / "plan"
+    (tmp_path / "ratios.json").write_text(json.dumps([1.0] * 8))  # every step after the first can be cached
+    argv = [str(tmp_path / "ratios.json") if flag == "RATIOS" else flag for flag in argv]
+    run_stage(stage1_text_encoder, ["--model", model, "--prompt", "a cat", "--output_dir", out])
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", run_store, *argv])
+    compiled = latents(out)
+    counts = plan_on_this_host(monkeypatch, out, plan_store, argv)
+    assert counts["saved"] == len(keys(run_store)) >= 1 and counts["unsaveable"] == 0
+    assert keys(plan_store) == keys(run_store)
+
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", plan_store, *argv])
+    record = json.loads((out / "generation_config.json").read_text())["stage2"]
+    assert record["executables"]["hits"] == counts["saved"] and record["executables"]["misses"] == 0
+    assert record["seconds"]["compile"] == 0
+    assert np.array_equal(latents(out), compiled)
+
+
+@pytest.mark.slow
+def test_a_tpu_plan_saves_programs_keyed_for_the_topology(tmp_path):
+    """libtpu's executables serialize; their key names the TPU topology's devices, not this host's."""
+    store = tmp_path / "store"
+    report_path = tmp_path / "plan.json"
+    argv = ["--plan", "v5e-8", "--model", "tiny-wan2.1", "--input_dir", tmp_path / "none"]
+    run_stage(stage2_transformer, [*argv, "--save_executables", store, "--plan_json", report_path])  # fits: no exit
+    report = json.loads(report_path.read_text())
+    assert report["executables"]["saved"] == len(keys(store)) == 1
+    summary = json.loads(next(store.glob("*.json")).read_text())
+    assert summary["name"] == "models.wan.transformer.GuidedTransformer.forward"
+    devices = tpus.topology_devices(tpus.parse_target("v5e-8"))
+    mesh = placement.make_mesh(MeshShape(**report["mesh"]), devices)
+    expected = program_key.environment_parts(mesh, process=0)["devices"]
+    assert expected["platform"] == "tpu" and expected["count"] == 8
+    assert summary["parts"]["devices"] == program_key.digest(expected)
+
+
+def test_save_executables_is_refused_without_a_plan_and_for_several_hosts(capsys, tmp_path):
+    message = "--save_executables needs --plan"
+    expect_user_error(capsys, stage2_transformer, ["--save_executables", tmp_path], message)
+    argv = ["--plan", "v6e-16", "--model", "tiny-wan2.1", "--save_executables", tmp_path]
+    expect_user_error(capsys, stage2_transformer, argv, "v6e-16 spans 4 hosts")
+    assert not any(tmp_path.iterdir())
+
+
+def test_abstract_weights_are_laid_out_as_placed_ones():
+    """The plan's arguments (placement.abstract_weights) and a run's placed weights: same shapes, dtypes and
+    shardings, a tied weight once, as its first name's rule lays it out."""
+    from sharding import RuleTable
+    from workarounds.torchax import import_torchax
+
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    module[1].weight = module[0].weight
+    module.register_buffer("scale", torch.ones(4))
+    table = RuleTable("test", ((r"0\.weight", ("tp", None)), (r"1\.weight", (None, "tp")), (r".*", ())))
+    mesh = placement.make_mesh(MeshShape(dp=2, tp=4))
+    abstract = placement.abstract_weights(module, table, mesh)
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]
+    assert len(abstract) == len(named) - 1  # the tied weight once
+    expected = {name: abstract[id(tensor)] for name, tensor in named}
+    assert (
+        expected["1.weight"].sharding.spec
+        == expected["0.weight"].sharding.spec
+        == jax.sharding.PartitionSpec("tp", None)
+    )
+
+    placement.place_module(module, table, mesh, import_torchax().default_env())
+    placed = [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]
+    for name, tensor in placed:
+        array = tensor.jax()
+        assert (array.shape, array.dtype, array.sharding) == tuple(
+            getattr(expected[name], field) for field in ("shape", "dtype", "sharding")
+        ), name

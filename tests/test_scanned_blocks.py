@@ -45,28 +45,40 @@ def stage2(folder, out, *flags):
     return read_tensors(out, config["stage2"])["latents"], config["stage2"]
 
 
-def stage2_in_one_device_process(folder, tmp_path, flags: list):
-    """Stage 2 with --scan_blocks off and on, in one process of one CPU device."""
-    runs = []
-    for setting in ("off", "on"):
-        out = tmp_path / f"one-device-{setting}"
-        shutil.copytree(folder, out)
-        runs.append((out, ["--input_dir", str(out), *map(str, flags), "--scan_blocks", setting]))
-    argvs = [argv for _, argv in runs]
+MODELS = ["tiny-wan2.1", "tiny-hunyuanvideo15", "tiny-cogvideox"]
+
+
+@pytest.fixture(scope="module")
+def one_device_runs(tmp_path_factory):
+    """Every family's stage 1 (here), then stage 2 with --scan_blocks off and on in one process of one CPU
+    device (one process for all: its start-up is most of what a run costs): {model: (folder, runs)}."""
+    base = tmp_path_factory.mktemp("scan")
+    folders, argvs, outs = {}, [], {}
+    for model in MODELS:
+        folders[model] = stage1(base / model / "stage1", model)
+        for setting in ("off", "on"):
+            out = base / model / f"one-device-{setting}"
+            shutil.copytree(folders[model], out)
+            outs.setdefault(model, []).append(out)
+            flags = ["--executables", "off", "--warmup_steps", "0", "--scan_blocks", setting]
+            argvs.append(["--input_dir", str(out), *flags])
     code = f"import helpers, stage2_transformer\nfor argv in {argvs!r}: helpers.run_stage(stage2_transformer, argv)"
     one_device = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PYTHONPATH": str(Path(__file__).parent)}
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **one_device}, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return [(read_tensors(out, read_config(out)["stage2"])["latents"], read_config(out)["stage2"]) for out, _ in runs]
+
+    def result(out):
+        record = read_config(out)["stage2"]
+        return read_tensors(out, record)["latents"], record
+
+    return {model: (folders[model], [result(out) for out in outs[model]]) for model in MODELS}
 
 
-@pytest.mark.parametrize("model", ["tiny-wan2.1", "tiny-hunyuanvideo15", "tiny-cogvideox"])
-def test_scanned_blocks_equal_the_unrolled_ones(tmp_path, model):
-    folder = stage1(tmp_path / "stage1", model)
-    flags = ["--executables", "off", "--warmup_steps", "0"]
-    (unrolled, record), (scanned, scanned_record) = stage2_in_one_device_process(folder, tmp_path, flags)
+@pytest.mark.parametrize("model", MODELS)
+def test_scanned_blocks_equal_the_unrolled_ones(tmp_path, model, one_device_runs):
+    folder, ((unrolled, record), (scanned, scanned_record)) = one_device_runs[model]
     assert record["mesh"] == {"dp": 1, "sp": 1, "tp": 1}
     assert record["scan_blocks"] == {"setting": "off", "scanned": {"transformer": None}}
     assert scanned_record["scan_blocks"] == {"setting": "on", "scanned": {"transformer": [0, 2]}}

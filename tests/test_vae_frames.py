@@ -25,19 +25,21 @@ TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize(
-    "preset, frames, chunk",
+    "preset, frames, chunk, devices",
     [
-        ("tiny-wan2.1", 5, 1),  # programs first, second, steady x3
-        ("tiny-wan2.2-ti2v", 4, 1),
-        ("tiny-cogvideox", 5, 2),  # batches of 3 (the remainder joins the first) and 2
-        ("tiny-cogvideox1.0", 6, 2),  # batches of 2, 2, 2
-        ("tiny-hunyuanvideo15", 5, 2),  # chunks of 1 (the remainder), 2, 2
-        ("tiny-hunyuanvideo15", 6, 4),  # chunks of 2, 4
+        ("tiny-wan2.1", 5, 1, 8),  # programs first, second, steady x3
+        ("tiny-wan2.1", 5, 1, 1),  # the latents kept whole (one device)
+        ("tiny-wan2.2-ti2v", 4, 1, 8),
+        ("tiny-cogvideox", 5, 2, 8),  # batches of 3 (the remainder joins the first) and 2
+        ("tiny-cogvideox1.0", 6, 2, 8),  # batches of 2, 2, 2
+        ("tiny-hunyuanvideo15", 5, 2, 8),  # chunks of 1 (the remainder), 2, 2
+        ("tiny-hunyuanvideo15", 6, 4, 8),  # chunks of 2, 4
     ],
 )
-@pytest.mark.parametrize("devices", [1, 8])
 def test_frame_programs_equal_the_stock_decode(preset, frames, chunk, devices):
-    """The latents split along width (16 latent columns: 2 per device on 8)."""
+    """On 8 devices the latents split along width (16 latent columns: 2 per device): each chunk's programs and
+    the split together equal the stock decode, so one family also runs on one device, where they are kept
+    whole."""
     source, family = models.resolve_model(preset)
     config = source.load_config("vae")
     channels = config.get("z_dim") or config["latent_channels"]
@@ -171,7 +173,9 @@ def test_plan_compiles_each_frame_program(tmp_path, preset, size, calls, split):
     height, width, frames = size
     run_stage(stage3_vae_decoder, [*argv, "--height", height, "--width", width, "--num_frames", frames])
     report = json.loads(out.read_text())
+    assert report["stage"] == 3 and report["mesh"] == {"dp": 1, "sp": 8, "tp": 1}
     assert report["fits"] and report["split"] == split and report["calls"] == calls
+    assert report["hbm_bytes_per_device"]["arguments"] > 0
     per_call = report["flops_per_call"]
     assert report["flops_per_device"]["total"] == sum(per_call[name] * count for name, count in calls.items())
     assert max(report["hbm_bytes_per_program"].values()) == report["hbm_bytes_per_device"]["total"]

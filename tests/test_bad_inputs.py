@@ -135,6 +135,10 @@ def s1(case_id, cause, flags, message, prepare=None):
     return Case(case_id, cause, "stage1", (*STAGE1, *flags), message, prepare)
 
 
+def s1_hunyuan(case_id, cause, flags, message):
+    return Case(case_id, cause, "stage1", (*STAGE1, "--model", "tiny-hunyuanvideo15", *flags), message)
+
+
 def s2(case_id, cause, flags, message, prepare=None):
     return Case(case_id, cause, "stage2", ("--input_dir", "D", *flags), message, prepare)
 
@@ -214,8 +218,10 @@ CASES = [
     s1("s1-fps-1e23", "out of range", ["--fps", str(10**23)], f"--fps {10**23} must be from 1 to 1000"),
     s1("s1-fps-0", "out of range", ["--fps", "0"], "--fps 0 must be from 1 to 1000"),
     s3("s3-fps-2000", "out of range", ["--fps", "2000"], "--fps 2000 must be from 1 to 1000"),
-    s1("s1-height-16e6", "out of range", ["--height", "16000000"], "GiB of float32 frames, more than this host's"),
-    s1("s1-width-16e6", "out of range", ["--width", "16000000"], "GiB of float32 frames, more than this host's"),
+    # HunyuanVideo-1.5: no positional table bounds the size (tiny CogVideoX 1.5's rotary grid stops at 64 x 96)
+    s1_hunyuan("s1-height-16e6", "out of range", ["--height", "16000000"], "GiB of float32 frames, more than this"),
+    s1_hunyuan("s1-width-16e6", "out of range", ["--width", "16000000"], "GiB of float32 frames, more than this"),
+    s1("s1-cogvideox15-rotary-grid", "out of range", ["--width", "2048"], "the most this model's rotary embeddings"),
     s2("s2-frames-8e12", "out of range", ["--num_frames", "8000000000001"], "GiB of float32 frames"),
     Case(
         "s1-wan-rope-positions",

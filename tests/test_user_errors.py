@@ -37,6 +37,9 @@ def test_stage1_rejects_bad_requests(capsys, tmp_path, flags, message):
         ("tiny-hunyuanvideo15", ["--height", "20"], "--height 20 must be a positive multiple of 8"),
         ("tiny-hunyuanvideo15", ["--flow_shift", "0"], "--flow_shift 0.0 must be positive"),
         ("tiny-cogvideox", ["--flow_shift", "3"], "--flow_shift applies to flow-matching models"),
+        # CogVideoX 1.5's rotary grid: the tiny config's sample size is 8 x 12 latents (64 x 96 pixels)
+        ("tiny-cogvideox", ["--height", "80"], "--height 80 is over 64, the most this model's rotary embeddings"),
+        ("tiny-cogvideox", ["--width", "112"], "--width 112 is over 96, the most this model's rotary embeddings"),
     ],
 )
 def test_family_specific_request_errors(capsys, tmp_path, model, flags, message):

@@ -113,6 +113,16 @@ def validate_request(source, request: Request) -> None:
                 "this model has learned positional embeddings and only takes "
                 f"--height {expected[0]} --width {expected[1]} --num_frames {expected[2]}"
             )
+    if transformer.get("use_rotary_positional_embeddings") and geometry.patch_t is not None:
+        # CogVideoX 1.5's rotary table is cut from a grid of the config's sample size (diffusers' "slice"
+        # grid): a larger video fails inside the pipeline's rotary embeddings (a shape error in torch.cat)
+        for key in ("height", "width"):
+            limit = transformer[f"sample_{key}"] // geometry.patch * size_step
+            if getattr(request, key) > limit:
+                raise UserError(
+                    f"--{key} {getattr(request, key)} is over {limit}, the most this model's rotary embeddings "
+                    f"cover (its config's sample_{key} {transformer[f'sample_{key}']} latents)"
+                )
     if request.flow_shift is not None:
         raise UserError("--flow_shift applies to flow-matching models (HunyuanVideo-1.5), not CogVideoX")
 

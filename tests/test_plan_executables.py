@@ -21,6 +21,7 @@ import stage1_text_encoder
 import stage2_transformer
 from cli import parse_dtype
 from helpers import expect_user_error, run_stage
+from models.cache_schedule import kind_from_flags
 from planning import flags, plan, tpus
 from runtime import placement, program_key
 from runtime.executables import SUFFIX, ExecutableStore
@@ -44,7 +45,7 @@ def plan_on_this_host(monkeypatch, folder, store, argv: list[str]) -> dict:
     dtype = parse_dtype(request.dtype)
     run_model = (family, source, request, dtype)
     attention = stage2_transformer.attention_plan(args, run_model, "cpu", jax.device_count())
-    cache = stage2_transformer.kind_from_flags(args)
+    cache = kind_from_flags(args)
     target = tpus.parse_target("v6e-8")  # names the report; the devices are this host's
     saving = ExecutableStore("folder", store)
     plan.plan_stage2(family, source, request, embeddings, dtype, target, attention, cache, 1, args.scan_blocks, saving)

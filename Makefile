@@ -10,6 +10,10 @@ DEMO_IMAGE := $(OUT)/demo_first_frame.png
 IMAGE_FLAGS := $(if $(findstring i2v,$(MODEL)),--image $(DEMO_IMAGE))
 DRAW_IMAGE := import numpy as np; from PIL import Image; y, x = np.mgrid[0:240, 0:360]; rgb = [x * 255 // 359, y * 255 // 239, np.full_like(x, 96)]; Image.fromarray(np.stack(rgb, -1).astype(np.uint8)).save('$(DEMO_IMAGE)')
 
+# The quantization tests' reference (tests/test_quantize.py), kept off the import path: diffusers imports
+# any installed torchao at start-up.
+TORCHAO_VERSION := 0.18.0
+
 .PHONY: install demo test test-fast lint clean
 
 $(BIN)/python:
@@ -21,6 +25,7 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[cpu,plan,dev]"
+	$(BIN)/pip install -q --no-deps --target $(VENV)/torchao-reference torchao==$(TORCHAO_VERSION)
 	touch $@
 
 install: $(VENV)/.installed

@@ -63,6 +63,8 @@ MODULATION = ROW
 
 # Rule tables ---------------------------------------------------------------------------------------
 
+SCALE_SUFFIX = ".weight_scale"  # a quantized linear's per-output-channel scales (models/quantize.py)
+
 
 @dataclass(frozen=True)
 class RuleTable:
@@ -89,11 +91,16 @@ class RuleTable:
         return None
 
     def assign(self, names: Sequence[str]) -> dict[str, Layout]:
-        """Each parameter's spec; raises ValueError on an unmatched parameter or an unused rule."""
+        """Each parameter's spec; raises ValueError on an unmatched parameter or an unused rule. A quantized
+        linear's `weight_scale` (one per output channel) is laid out as its weight's output dimension."""
         specs, used = {}, set()
         unmatched = []
         for name in names:
-            found = self.spec_for(name)
+            if name.endswith(SCALE_SUFFIX):
+                found = self.spec_for(name.removesuffix(SCALE_SUFFIX) + ".weight")
+                found = found and (found[0], found[1][:1])
+            else:
+                found = self.spec_for(name)
             if found is None:
                 unmatched.append(name)
                 continue

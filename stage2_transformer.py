@@ -27,12 +27,13 @@ from cli import (
     set_logging,
     stage_parser,
 )
-from models import batch_folders, lora
+from models import batch_folders, lora, quantize
 from models.batching import default_batch_size, denoise_group, group_key
 from models.cache_schedule import add_cache_arguments, kind_from_flags
 from models.common import attention_heads
 from models.denoise import DenoiseOptions, denoise
 from models.guard import sigterm_sets_stop
+from models.meta import model_facts
 from models.scanned_blocks import add_scan_argument
 from models.stage2_inputs import PROFILE_DIR, ValidatedRun, batch_resume, check_batch_flags, profile_dir, validated_run
 from runtime import distributed
@@ -126,6 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     runtime.add_argument("--profiler_output_dir", metavar="DIR", help="with --enable_profiler: where the trace goes")
     add_cache_arguments(parser)
     lora.add_arguments(parser)
+    quantize.add_arguments(parser)
     mesh = parser.add_argument_group(
         "device mesh (product must equal the device count; unset axes are chosen and logged, docs/sharding.md)"
     )
@@ -183,11 +185,10 @@ def attention_plan(args, run_model, platform: str, devices: int, per_host=None, 
     (family, source, request, dtype) denoised; the mesh for a batch of `videos` (runtime.mesh.default_mesh
     for the axes not given); `generation` the TPU's (None: not a TPU). Logged with its reasons."""
     from attention.plan import AttentionFlags, build_plan
-    from models.meta import model_facts
     from runtime.mesh import MEMORY_SHARE, default_mesh
 
     family, source, request, dtype = run_model
-    facts = model_facts(family, source, dtype, args.tp_mode, request)
+    facts = model_facts(family, source, dtype, args.tp_mode, request, quantize.Quantization.from_args(args))
     cfg = family.cfg_enabled(request.guidance_scale)
 
     def choose_mesh(dp, sp, tp, sequence_split):
@@ -271,6 +272,7 @@ def plan_main(args) -> None:
             args.batch_size or 1,
             args.scan_blocks,
             store,
+            quantize.Quantization.from_args(args),
         )
     except plan.KernelDoesNotFit as err:
         splash = attention.splash
@@ -281,9 +283,7 @@ def plan_main(args) -> None:
         ) from None
     report["mesh_choice"] = attention.mesh.record()
     if not report["fits"]:
-        from models.meta import model_facts
-
-        facts = model_facts(family, source, dtype, args.tp_mode, request)
+        facts = model_facts(family, source, dtype, args.tp_mode, request, quantize.Quantization.from_args(args))
         cfg = family.cfg_enabled(request.guidance_scale)
         videos, mesh = args.batch_size or 1, attention.mesh.shape
         report["where_it_fits"] = where_it_fits(facts, cfg, videos, *target_devices, target.generation, mesh)
@@ -353,11 +353,11 @@ def runtime_for(args, run, processes, videos: int = 1):
     described = f"{runtime.describe()}{hosts}, {run.dtype_name}, attention {plan.backend} ({plan.backend_why})"
     log(f"{run.family.NAME} transformer, {described}")
     fuse = functools.partial(lora.fuse, adapters=run.adapters, family=run.family) if run.adapters else None
-    options = DenoiseOptions(
-        plan.tp_mode, args.warmup_steps, run.guard, run.cache, scan_blocks=args.scan_blocks, on_loaded=fuse
-    )
+    quantization = quantize.Quantization.from_args(args)
+    loop_flags = (plan.tp_mode, args.warmup_steps, run.guard, run.cache, args.scan_blocks)
+    options = DenoiseOptions(*loop_flags, on_loaded=fuse, quantization=quantization)
     backend = attention_backend(runtime.env, plan, runtime.mesh)
-    return runtime, backend, options, {**plan.record(), "processes": processes.count}
+    return runtime, backend, options, {**plan.record(), "processes": processes.count, "quantize": quantization.record()}
 
 
 def denoise_and_write(args, run: ValidatedRun, processes) -> None:

@@ -24,7 +24,7 @@ from runtime.interface import Timer
 from sharding import DP
 
 from . import scanned_blocks
-from .denoise import DenoiseLoop, DenoiseOptions, place_denoisers, run_denoise_loop
+from .denoise import DenoiseLoop, DenoiseOptions, load_transformers, place_denoisers, run_denoise_loop
 from .step_cache import is_batched_state
 
 # The request fields a batch's videos share: the compiled program and the timestep schedule depend on them.
@@ -256,10 +256,7 @@ def denoise_group(
     finishes (`timing`: the batch's timing table, shared by its videos; `step_cache`: the step cache's record
     or None); `run.stop_requested` (SIGTERM) stops after a step."""
     timer = Timer()  # one per batch (the first also times the load), its table shared by the batch's videos
-    with timer.phase("load"):
-        transformers = {name: source.load(name, dtype=dtype).eval() for name in family.transformer_components(source)}
-        if options.on_loaded is not None:
-            options.on_loaded(transformers)
+    transformers = load_transformers(family, source, dtype, options, timer)
     placed = None
     for number, videos in enumerate(batches, 1):
         members = videos + [videos[-1]] * (size - len(videos))

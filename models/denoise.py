@@ -20,6 +20,7 @@ from cli import log, logging_enabled
 from models import scanned_blocks
 from models.cache_schedule import CacheSettings
 from models.guard import DenoiseGuard
+from models.quantize import Quantization, quantize
 from models.step_cache import StepCache
 from runtime.interface import Runtime, Timer
 from sharding import Layout
@@ -39,6 +40,21 @@ class DenoiseOptions:
     # Run on the loaded transformers (by component name) before anything is placed: stage 2 fuses its
     # LoRA adapters there (models/lora.py).
     on_loaded: Callable[[dict[str, torch.nn.Module]], None] | None = None
+    quantization: Quantization = Quantization()  # applied after on_loaded (models/quantize.py)
+
+
+def load_transformers(family, source, dtype: torch.dtype, options: DenoiseOptions, timer: Timer):
+    """The family's stage-2 transformers by component name, as the loop runs them: loaded, with `on_loaded`
+    run on them (LoRA fused), then quantized (timed as `load` and `quantize`)."""
+    with timer.phase("load"):
+        names = family.transformer_components(source)
+        transformers = {name: source.load(name, dtype=dtype).eval() for name in names}
+        if options.on_loaded is not None:
+            options.on_loaded(transformers)
+    if options.quantization.enabled:
+        with timer.phase("quantize"):
+            quantize(transformers, options.quantization)
+    return transformers
 
 
 @dataclass
@@ -169,10 +185,7 @@ def denoise(
 ):
     """Stage 2 for any family: load the transformer(s), run the family's loop; returns (latents, record,
     the run's StepCache or None)."""
-    with timer.phase("load"):
-        transformers = {name: source.load(name, dtype=dtype).eval() for name in family.transformer_components(source)}
-        if options.on_loaded is not None:
-            options.on_loaded(transformers)
+    transformers = load_transformers(family, source, dtype, options, timer)
     loop, finish = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, options.tp_mode)
     latents, cache = run_denoise_loop(loop, runtime, timer, options)
     latents, record = finish(latents)

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from models.common import attention_heads
+from models.quantize import quantize
 from runtime.mesh import ModelFacts
 from sharding import TP
 
@@ -33,10 +34,16 @@ def meta_module(source, component: str, dtype: torch.dtype, **overrides) -> torc
     return module
 
 
-def meta_transformers(family, source, dtype: torch.dtype, num_layers: int | None = None) -> dict[str, torch.nn.Module]:
-    """Every transformer the family's stage 2 loads, on the meta device (at `num_layers` blocks if given)."""
+def meta_transformers(
+    family, source, dtype: torch.dtype, num_layers: int | None = None, quantization=None
+) -> dict[str, torch.nn.Module]:
+    """Every transformer the family's stage 2 loads, on the meta device (at `num_layers` blocks if given),
+    quantized as `quantization` (a models.quantize.Quantization) says."""
     overrides = {} if num_layers is None else {"num_layers": num_layers}
-    return {name: meta_module(source, name, dtype, **overrides) for name in family.transformer_components(source)}
+    modules = {name: meta_module(source, name, dtype, **overrides) for name in family.transformer_components(source)}
+    if quantization is not None:
+        quantize(modules, quantization)
+    return modules
 
 
 def weight_facts(modules: Iterable[torch.nn.Module], rules, heads: int) -> ModelFacts:
@@ -56,10 +63,10 @@ def weight_facts(modules: Iterable[torch.nn.Module], rules, heads: int) -> Model
     return ModelFacts(heads, tuple(sorted(split.items())), replicated)
 
 
-def model_facts(family, source, dtype: torch.dtype, tp_mode: str, request=None) -> ModelFacts:
-    """What the default mesh needs of the family's stage-2 transformers (all experts: each stays resident)
-    and, given the request, of one sample's activations."""
-    modules = meta_transformers(family, source, dtype).values()
+def model_facts(family, source, dtype: torch.dtype, tp_mode: str, request=None, quantization=None) -> ModelFacts:
+    """What the default mesh needs of the family's stage-2 transformers (all experts: each stays resident;
+    quantized as `quantization` says) and, given the request, of one sample's activations."""
+    modules = meta_transformers(family, source, dtype, quantization=quantization).values()
     facts = weight_facts(modules, family.transformer_rules(tp_mode), attention_heads(source))
     if request is None:
         return facts

@@ -14,6 +14,7 @@ from models import batch_folders, lora
 from models.cache_schedule import CacheSettings, kind_from_flags, settings_from_flags
 from models.guard import DenoiseGuard
 from models.images import check_image_size_kept
+from models.quantize import Quantization
 from runtime.interface import Timer
 from utils import (
     CHECKPOINT_FILE,
@@ -73,10 +74,14 @@ def validated_run(
         check_output_dir(output_dir, input_dir, config)
         adapters = lora.read_adapters(args, family, source, dtype)
     cache = settings_from_flags(args, input_dir, request.model_id, lora.identity(adapters))
+    quantization = Quantization.from_args(args)
+    quantization.check_supported()
     if processes.is_main:
         ensure_writable_dir(output_dir, (STAGE2_FILE,))
     fingerprint = {**request.fingerprint(), "dtype": dtype_name, "stage1_sha256": config["stage1"]["sha256"]}
     fingerprint.update({"cache": cache.record(), **({"adapters": lora.identity(adapters)} if adapters else {})})
+    if quantization.enabled:  # a checkpoint of another scheme or layer set cannot be resumed
+        fingerprint["quantize"] = quantization.record()
     guard = DenoiseGuard(
         output_dir,
         fingerprint,

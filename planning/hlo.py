@@ -1,8 +1,9 @@
 """Collectives read from compiled XLA programs, and the per-block measurements built on them.
 
-`count_collectives` reads compiled HLO text (any backend). `measure` compiles one transformer block at
-real width (published config, meta-device weights, no download) with the processors stage 2 installs
-and the family's rule table; `measure_text_encoder` does the same for a stage-1 encoder layer.
+`count_collectives` reads compiled HLO text (any backend), as does `quantized_reads` (`--quantize`).
+`measure` compiles one transformer block at real width (published config, meta-device weights, no
+download) with the processors stage 2 installs and the family's rule table; `measure_text_encoder` does
+the same for a stage-1 encoder layer.
 benchmarks/collectives.py prints these; tests/test_collectives.py holds the counts.
 """
 
@@ -45,6 +46,37 @@ def count_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
             found[name]["tensors"] += 1
             size = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
             found[name]["bytes"] += size * DTYPE_BYTES.get(dtype, 4)
+    return found
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?[\w.\-]+ \((.*)\) -> .* \{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\(([^)]*)\)")
+_PARAMETER = re.compile(r"([\w.\-]+): (\w+\[[\d,]*\])")
+QUANTIZED_TYPES = ("s8[", "f8e4m3fn[")
+
+
+def quantized_reads(hlo_text: str) -> dict[str, int]:
+    """How compiled HLO text uses int8/e4m3 arrays (`--quantize`): `matmuls`, the dots (a TPU's convolutions)
+    that read one as an operand, and `converts`, the instructions converting one to another type, which would
+    be a dequantized copy of a weight outside the matmul."""
+    found = {"matmuls": 0, "converts": 0}
+    types: dict[str, str] = {}  # names are scoped to their computation
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            types = dict(_PARAMETER.findall(header.group(1)))
+            continue
+        instruction = _INSTRUCTION.match(line)
+        if instruction is None:
+            continue
+        name, result, op, operands = instruction.groups()
+        types[name] = result
+        read = [types.get(operand, "") for operand in re.findall(r"%([\w.\-]+)", operands)]
+        if any(kind.startswith(QUANTIZED_TYPES) for kind in read):
+            if op in ("convolution", "dot"):
+                found["matmuls"] += 1
+            elif op == "convert":
+                found["converts"] += 1
     return found
 
 

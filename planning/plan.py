@@ -191,10 +191,15 @@ def _report(stage: int, target: Target, mesh: Mesh, request, dtype, compiled: Co
     return {**report, "fits": memory["total"] <= memory["capacity"], "hbm_bytes_per_device": memory}
 
 
-def _flops(report: dict[str, Any], target: Target, xla: float, attention: float = 0.0) -> None:
+def _flops(report: dict[str, Any], target: Target, xla: float, attention: float = 0.0, int8: bool = False) -> None:
+    """FLOPs per device and the step's lower bound at peak bf16; with `int8` (--quantize int8) also the bound
+    with XLA's FLOPs (the int8 matmuls among them) at the int8 peak, still a lower bound."""
     report["flops_per_device"] = {"xla": xla, "attention": attention, "total": xla + attention}
     what = "step" if report["stage"] == 2 else "decode"
     report[f"{what}_seconds_lower_bound"] = (xla + attention) / target.bf16_flops_per_device
+    if int8:
+        bound = xla / target.int8_ops_per_device + attention / target.bf16_flops_per_device
+        report[f"{what}_seconds_lower_bound_int8"] = bound
 
 
 def cache_programs(loop, kind: str, runtime, mesh, rules, inputs, env, expert: int = 0):
@@ -234,6 +239,7 @@ def plan_stage2(
     videos: int = 1,
     scan_blocks: str = "auto",
     store=None,
+    quantization=None,
 ):
     """Compile stage 2's guided denoiser call (what every step runs) for `target`; the report as a dict.
 
@@ -245,7 +251,8 @@ def plan_stage2(
     With a step cache (`cache`: magcache or interval) that is the full step, and the cached step is
     compiled as well. With `videos` > 1 it is stage 2's batch of that many videos (models/batching.py).
     `store` (an ExecutableStore): the full-depth programs of every expert are saved there, keyed as the run
-    on `target` keys them (runtime/program_key.py), for that run to load instead of compiling."""
+    on `target` keys them (runtime/program_key.py), for that run to load instead of compiling. `quantization`
+    (models.quantize.Quantization) quantizes the blocks' linears as a run does."""
     from attention.dispatch import attention_backend
     from models import scanned_blocks
     from models.batching import batched_loop
@@ -264,7 +271,8 @@ def plan_stage2(
         if depth == layers and not repeats:
             compiled[depth], calls[depth] = compiled[FULL], calls[FULL]  # the same program
             continue
-        transformers = meta_transformers(family, source, dtype, num_layers=layers if depth == FULL else depth)
+        depth_layers = layers if depth == FULL else depth
+        transformers = meta_transformers(family, source, dtype, depth_layers, quantization)
         loops = [family.denoise_loop(source, request, embeds, dtype, transformers, runtime, tp_mode)[0]]
         loop = batched_loop(loops * videos) if videos > 1 else loops[0]
         t = loop.timesteps[0]
@@ -316,7 +324,10 @@ def plan_stage2(
     block_calls = calls[small[1]][len(calls[small[0]]) :]  # the third block's Splash calls
     all_calls = calls[FULL] + block_calls * repeats
     xla_flops = full.flops + repeats * (three.flops - two.flops)
-    _flops(report, target, xla_flops, sum(call.flops_per_device for call in all_calls))
+    if quantization is not None and quantization.enabled:  # read by the matmuls, never dequantized apart
+        report["quantize"] = {**quantization.record(), **hlo.quantized_reads(full.hlo_text)}
+    int8 = quantization is not None and quantization.scheme == "int8"
+    _flops(report, target, xla_flops, sum(call.flops_per_device for call in all_calls), int8)
     report["step_seconds_lower_bound_per_video"] = report["step_seconds_lower_bound"] / videos
     report["splash_custom_calls"] = full.hlo_text.count('custom_call_target="tpu_custom_call"')
     report["splash_padding"] = _padding(all_calls)

@@ -75,6 +75,14 @@ def print_report(report: dict[str, Any]) -> None:
         f"  FLOPs per {what} per device: {flops['total']:.3e} ({flops['xla']:.3e} XLA + {flops['attention']:.3e} "
         f"attention); at peak bf16 that is at least {report[what + '_seconds_lower_bound']:.3f} s (a lower bound)"
     )
+    if what + "_seconds_lower_bound_int8" in report:
+        print(f"  with XLA's FLOPs at peak int8: at least {report[what + '_seconds_lower_bound_int8']:.3f} s")
+    if "quantize" in report:
+        found = report["quantize"]
+        print(
+            f"  quantized {found['scheme']} ({found['layers']}): {found['matmuls']} matmuls read the quantized "
+            f"weights, {found['converts']} converts copy them to another type"
+        )
     if report.get("videos", 1) > 1:
         print(
             f"  a batch of {report['videos']} videos: at least "

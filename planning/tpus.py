@@ -1,5 +1,6 @@
 """TPU generations and slices: the names users type (`v6e-8`, `v5litepod-8`, `v5p-8`, `tpu7x-8`), the
-topology names libtpu takes (`v6e:2x4`), and per-device HBM and peak bf16 FLOP/s for --plan's verdicts.
+topology names libtpu takes (`v6e:2x4`), and per-device HBM and peak bf16 FLOP/s (and int8 ops/s) for --plan's
+verdicts.
 """
 
 from __future__ import annotations
@@ -41,14 +42,17 @@ class Generation:
     # CogVideoX1.5 and HunyuanVideo-1.5 720p shapes: 3328/2816/256 needs 25.4 MiB on v5e and 28.8 on
     # v5p, 2048/2048/1024 19.5 and 21.6, 1024/1024/512 fits; on v6e and tpu7x all of these compile.
     splash_tile_cap: tuple[int, int, int] | None = None
+    # Peak int8 ops/s per chip (`--quantize int8`'s matmuls; twice bf16 on v5e, v5p and v6e). None: the
+    # generation's page gives no int8 rate (tpu7x lists fp8), so int8 plans bound its steps at bf16's.
+    int8_ops_per_chip: float | None = None
 
 
 GENERATIONS = {
     "v5e": Generation(
-        "v5e", ("v5litepod", "v5e"), False, 1, 16 * GIB, 197e12, False, 8, "TPU v5 lite", (1024, 1024, 512)
+        "v5e", ("v5litepod", "v5e"), False, 1, 16 * GIB, 197e12, False, 8, "TPU v5 lite", (1024, 1024, 512), 394e12
     ),
-    "v5p": Generation("v5p", ("v5p",), True, 1, 95 * GIB, 459e12, True, 4, "TPU v5", (1024, 1024, 512)),
-    "v6e": Generation("v6e", ("v6e",), False, 1, 32 * GIB, 918e12, False, 8, "TPU v6 lite"),
+    "v5p": Generation("v5p", ("v5p",), True, 1, 95 * GIB, 459e12, True, 4, "TPU v5", (1024, 1024, 512), 918e12),
+    "v6e": Generation("v6e", ("v6e",), False, 1, 32 * GIB, 918e12, False, 8, "TPU v6 lite", None, 1836e12),
     "tpu7x": Generation("tpu7x", ("tpu7x",), True, 2, 192 * GIB, 2307e12, True, 4, "TPU7x"),
 }
 
@@ -87,6 +91,12 @@ class Target:
     @property
     def bf16_flops_per_device(self) -> float:
         return self.generation.bf16_flops_per_chip / self.generation.devices_per_chip
+
+    @property
+    def int8_ops_per_device(self) -> float:
+        """The int8 peak, or bf16's where the generation gives none."""
+        chip = self.generation.int8_ops_per_chip or self.generation.bf16_flops_per_chip
+        return chip / self.generation.devices_per_chip
 
     @property
     def chips_per_host_bounds(self) -> list[int]:

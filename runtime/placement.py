@@ -49,6 +49,8 @@ JAX_DTYPES = {
     torch.float16: jax.numpy.float16,
     torch.int64: jax.numpy.int32,
     torch.int32: jax.numpy.int32,
+    torch.int8: jax.numpy.int8,
+    torch.float8_e4m3fn: jax.numpy.float8_e4m3fn,
     torch.bool: jax.numpy.bool_,
 }
 
@@ -63,10 +65,12 @@ def abstract(shape: Sequence[int], dtype, layout: Layout = REPLICATED, *, mesh: 
 
 
 def _host_array(tensor: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor without copying (bf16 through its bits)."""
+    """A NumPy view of a CPU tensor without copying (bf16 and fp8, which NumPy lacks, through their bits)."""
     tensor = tensor.detach()
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.uint16).numpy().view(jax.numpy.bfloat16)
+    if tensor.dtype == torch.float8_e4m3fn:
+        return tensor.view(torch.uint8).numpy().view(jax.numpy.float8_e4m3fn)
     return tensor.numpy()
 
 

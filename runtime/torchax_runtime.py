@@ -27,7 +27,13 @@ from runtime import placement, program_checks
 from runtime.executables import store_from_flag
 from runtime.interface import cache_root
 from runtime.programs import Programs
-from workarounds.torchax import import_torchax, install_gather, install_group_norm, install_repeat_upsample
+from workarounds.torchax import (
+    import_torchax,
+    install_gather,
+    install_group_norm,
+    install_int_mm,
+    install_repeat_upsample,
+)
 
 torchax = import_torchax()
 
@@ -104,6 +110,7 @@ class TorchaxRuntime:
         install_gather(self.env)
         install_group_norm(self.env)
         install_repeat_upsample(self.env)
+        install_int_mm(self.env)
         self.mesh = mesh if mesh is not None else placement.make_mesh(sharding.MeshShape())
         self.placements: list[dict[str, object]] = []  # every compiled module's, in order
         self.profile_dir = profile_dir

@@ -203,3 +203,61 @@ def attention_plan(backend: str, mesh=None, *, heads: int = 1, sp_mode: str = "a
     splash = SplashConfig(**tiles) if backend == "splash" else None
     shape = None if mesh is None else dict(mesh.shape)
     return fixed_plan(backend, splash, mesh_shape=shape, heads=heads, sp_mode=sp_mode)
+
+
+# A tiny preset staged and its own diffusers pipeline run eagerly on the same request --------------------
+
+PROMPT, NEGATIVE = "a cat playing guitar", "blurry"
+PIPELINE_REQUEST = {"num_inference_steps": 4, "seed": 7}  # sizes: each tiny preset's defaults (the config's)
+
+
+def staged(out, preset, stage1_flags=(), stage2_flags=(), guidance_scale=5.0):
+    """Stages 1 and 2 of `preset` in fp32 in this process, for PROMPT/NEGATIVE and PIPELINE_REQUEST: the final
+    latents and the config."""
+    import stage1_text_encoder
+    import stage2_transformer
+    from utils import read_config, read_tensors
+
+    flags = [f"--{key}={value}" for key, value in PIPELINE_REQUEST.items()]
+    argv = ["--model", preset, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32", *stage1_flags]
+    run_stage(stage1_text_encoder, [*argv, "--guidance_scale", guidance_scale, "--output_dir", out, *flags])
+    run_stage(stage2_transformer, ["--input_dir", out, *stage2_flags])
+    config = read_config(out, needs="stage2")
+    return read_tensors(out, config["stage2"])["latents"], config
+
+
+def pipeline(preset: str):
+    """The preset's diffusers pipeline, loaded from its materialized folder in fp32."""
+    import json
+
+    import diffusers
+
+    import models
+
+    location = models.materialize_preset(preset)
+    cls = getattr(diffusers, json.loads((location / "model_index.json").read_text())["_class_name"])
+    return cls.from_pretrained(location, dtype=torch.float32)
+
+
+def pipeline_latents(pipe, config, guidance_scale=5.0, **extra):
+    """The pipeline's final latents for the request stage 1 recorded in `config`."""
+    kwargs = {"guidance_scale": guidance_scale} if "guider" not in pipe.components else {}
+    if "guider" in pipe.components:
+        pipe.guider.guidance_scale = guidance_scale
+    if "transformer_2" in pipe.components and pipe.transformer_2 is not None:
+        kwargs["guidance_scale_2"] = guidance_scale
+    if type(pipe).__name__.startswith("CogVideoX"):
+        kwargs["max_sequence_length"] = pipe.transformer.config.max_text_seq_length
+    latents = pipe(
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        generator=torch.Generator("cpu").manual_seed(PIPELINE_REQUEST["seed"]),
+        output_type="latent",
+        **{key: config[key] for key in ("height", "width", "num_frames", "num_inference_steps")},
+        **kwargs,
+        **extra,
+    ).frames
+    if type(pipe).__name__.startswith("CogVideoX"):  # (B, F, C, H, W), CogVideoX 1.5 with its pad frame
+        pad = config["stage2"]["dropped_pad_latent_frames"]
+        latents = latents[:, pad:].permute(0, 2, 1, 3, 4)
+    return latents

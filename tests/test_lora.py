@@ -20,12 +20,20 @@ from PIL import Image
 import models
 import stage1_text_encoder
 import stage2_transformer
-from helpers import expect_user_error, relative_error, run_stage, stop_stage2_after
-from utils import CONFIG_FILE, read_config, read_tensors
+from helpers import (
+    PIPELINE_REQUEST,
+    PROMPT,
+    expect_user_error,
+    pipeline,
+    pipeline_latents,
+    relative_error,
+    run_stage,
+    staged,
+    stop_stage2_after,
+)
+from utils import CONFIG_FILE
 
 TOLERANCE = 1e-4
-PROMPT, NEGATIVE = "a cat playing guitar", "blurry"
-REQUEST = {"num_inference_steps": 4, "seed": 7}  # sizes: each tiny preset's defaults (what the config records)
 TARGETS = {  # the blocks' attention and MLP projections (PEFT target_modules, full-match regexes)
     "wan": r"blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|blocks\.\d+\.ffn\.net\.(0\.proj|2)",
     "cogvideox": r"transformer_blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))",
@@ -84,47 +92,6 @@ def community_file(folder, name: str, preset: str, seed: int):
         out[key] = tensor.contiguous()
     save_file(out, folder / name)
     return folder / name
-
-
-def staged(out, preset, stage1_flags=(), stage2_flags=(), guidance_scale=5.0):
-    flags = [f"--{key}={value}" for key, value in REQUEST.items()]
-    argv = ["--model", preset, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32", *stage1_flags]
-    run_stage(stage1_text_encoder, [*argv, "--guidance_scale", guidance_scale, "--output_dir", out, *flags])
-    run_stage(stage2_transformer, ["--input_dir", out, *stage2_flags])
-    config = read_config(out, needs="stage2")
-    return read_tensors(out, config["stage2"])["latents"], config
-
-
-def pipeline(preset: str):
-    import diffusers
-
-    location = models.materialize_preset(preset)
-    cls = getattr(diffusers, json.loads((location / "model_index.json").read_text())["_class_name"])
-    return cls.from_pretrained(location, dtype=torch.float32)
-
-
-def pipeline_latents(pipe, config, guidance_scale=5.0, **extra):
-    """The pipeline's final latents for the request stage 1 recorded in `config`."""
-    kwargs = {"guidance_scale": guidance_scale} if "guider" not in pipe.components else {}
-    if "guider" in pipe.components:
-        pipe.guider.guidance_scale = guidance_scale
-    if "transformer_2" in pipe.components and pipe.transformer_2 is not None:
-        kwargs["guidance_scale_2"] = guidance_scale
-    if type(pipe).__name__.startswith("CogVideoX"):
-        kwargs["max_sequence_length"] = pipe.transformer.config.max_text_seq_length
-    latents = pipe(
-        prompt=PROMPT,
-        negative_prompt=NEGATIVE,
-        generator=torch.Generator("cpu").manual_seed(REQUEST["seed"]),
-        output_type="latent",
-        **{key: config[key] for key in ("height", "width", "num_frames", "num_inference_steps")},
-        **kwargs,
-        **extra,
-    ).frames
-    if type(pipe).__name__.startswith("CogVideoX"):  # (B, F, C, H, W), CogVideoX 1.5 with its pad frame
-        pad = config["stage2"]["dropped_pad_latent_frames"]
-        latents = latents[:, pad:].permute(0, 2, 1, 3, 4)
-    return latents
 
 
 def check_record(config, files_and_scales):
@@ -225,7 +192,7 @@ def test_hunyuanvideo15_adapter_vs_transformer_load_lora_adapter(tmp_path):
 def wan_run(tmp_path_factory):
     """Stage 1 of tiny Wan 2.1 and two adapters for it."""
     folder = tmp_path_factory.mktemp("wan")
-    flags = [f"--{key}={value}" for key, value in REQUEST.items()]
+    flags = [f"--{key}={value}" for key, value in PIPELINE_REQUEST.items()]
     run_stage(
         stage1_text_encoder, ["--model", "tiny-wan2.1", "--prompt", PROMPT, "--output_dir", folder / "run", *flags]
     )

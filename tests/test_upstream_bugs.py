@@ -40,6 +40,18 @@ def test_torchax_gather_lowering_adds_collectives_on_a_dp_sharded_batch():
     assert collectives_in(lambda x, i: stock(x, 1, i), gather_shapes, runtime.mesh) != []
 
 
+def test_torchax_0_0_13_has_no_int8_matmul_lowering():
+    """torchax 0.0.13 lowers neither `aten._int_mm` nor an int8 `aten.mm` with int32 sums (`--quantize int8`).
+    Workaround: workarounds.torchax.int_mm (delete it and install_int_mm once this fails)."""
+    from torchax.ops import ops_registry
+    from torchax.ops.jaten import _aten_mm
+
+    assert torch.ops.aten._int_mm.default not in ops_registry.all_aten_ops
+    assert torch.ops.aten._int_mm not in ops_registry.all_aten_ops
+    ones = jax.numpy.ones((2, 64), jax.numpy.int8)
+    assert _aten_mm(ones * 4, ones.T * 4).dtype == jax.numpy.int8  # 64 * 16 = 1024 wraps in int8
+
+
 def test_torchax_group_norm_gathers_activations_split_along_width():
     """torchax 0.0.13 lowers `aten.native_group_norm` through one flattened dimension per group; on
     activations split along width XLA's partitioner then all-gathers them. Workaround:

@@ -1,5 +1,6 @@
 """torchax 0.0.13: importing it on torch 2.13, its `Tensor.type_as`, its `aten.gather` lowering, and
-the private op table that its public override API lacks a getter and an undo for.
+the private op table that its public override API lacks a getter and an undo for, and the int8 matmul
+(`aten._int_mm`) it has no lowering for.
 
 torchax 0.0.13 looks up about twenty ``aten.<op>.<Dimname overload>`` attributes while it is imported
 and while its default environment is first built (AMP cast tables, decomposition lists). torch 2.13
@@ -222,6 +223,28 @@ def install_repeat_upsample(env) -> None:
             current = env._get_op_or_decomp(op)
             if not hasattr(current.func, "stock"):
                 env.override_op_definition(op, repeat_upsample(current.func, overload))
+
+
+def int_mm(a, b):
+    """`aten._int_mm` (int8 x int8 matrices, int32 sums: `--quantize int8`'s matmul) as one
+    `jax.lax.dot_general` with int32 accumulation, which the TPU runs on its int8 path.
+
+    torchax 0.0.13 has no lowering for it (the op fails under torchax), and its `aten.mm` lowering would sum
+    int8 products in int8. tests/test_upstream_bugs.py fails once torchax lowers `_int_mm` itself (then
+    delete this and install_int_mm)."""
+    import jax
+    import jax.numpy as jnp
+    from torchax.interop import call_jax
+
+    def matmul(a, b):
+        return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+
+    return call_jax(matmul, a, b)
+
+
+def install_int_mm(env) -> None:
+    """Put int_mm into torchax environment `env`."""
+    env.override_op_definition(torch.ops.aten._int_mm.default, int_mm)
 
 
 @contextlib.contextmanager

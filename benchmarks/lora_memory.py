@@ -30,12 +30,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 TARGETS = r"blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|blocks\.\d+\.ffn\.net\.(0\.proj|2)"
 
 
-def build(folder: Path, layers: int, rank: int) -> Path:
-    """The model folder (model_index.json + transformer) and the adapter file; returns the adapter's path."""
+def wide_wan(folder: Path, layers: int):
+    """A Wan 2.1 14B-width transformer (published config) with `layers` blocks and random bf16 weights, saved
+    as a model folder (model_index.json + transformer); returns it."""
     import torch
     from diffusers import WanTransformer3DModel
-    from diffusers.loaders import WanLoraLoaderMixin
-    from peft import LoraConfig, get_peft_model_state_dict
 
     from models.wan.published import WAN_14B_TRANSFORMER
 
@@ -51,6 +50,15 @@ def build(folder: Path, layers: int, rank: int) -> Path:
     index["transformer"] = ["diffusers", "WanTransformer3DModel"]
     index["scheduler"] = ["diffusers", "UniPCMultistepScheduler"]
     (folder / "model_index.json").write_text(json.dumps(index))
+    return transformer
+
+
+def build(folder: Path, layers: int, rank: int) -> Path:
+    """The model folder (model_index.json + transformer) and the adapter file; returns the adapter's path."""
+    from diffusers.loaders import WanLoraLoaderMixin
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    transformer = wide_wan(folder, layers)
     transformer.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False))
     weights = get_peft_model_state_dict(transformer)
     WanLoraLoaderMixin.save_lora_weights(folder, transformer_lora_layers=weights, weight_name="adapter.safetensors")

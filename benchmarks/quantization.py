@@ -104,25 +104,10 @@ print(json.dumps({"before": before, "loaded": loaded, "loaded_peak": loaded_peak
 
 
 def memory(work: Path, layers: int) -> dict:
-    import torch
-    from diffusers import WanTransformer3DModel
-
-    from models.wan.published import WAN_14B_TRANSFORMER
+    from lora_memory import wide_wan  # benchmarks/lora_memory.py, beside this file
 
     folder = work / "wan14b-width"
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        transformer = WanTransformer3DModel.from_config({**WAN_14B_TRANSFORMER, "num_layers": layers})
-    transformer = transformer.to_empty(device="cpu").to(torch.bfloat16)
-    with torch.no_grad():
-        for parameter in transformer.parameters():
-            parameter.normal_(0, 0.02)
-    transformer.save_pretrained(folder / "transformer")
-    del transformer
-    index = {"_class_name": "WanPipeline", "_diffusers_version": "0.42.1"}
-    index["transformer"] = ["diffusers", "WanTransformer3DModel"]
-    index["scheduler"] = ["diffusers", "UniPCMultistepScheduler"]
-    (folder / "model_index.json").write_text(json.dumps(index))
+    wide_wan(folder, layers)  # the returned module is dropped here: the children load the saved folder
     results = {}
     for scheme in SCHEMES[:1] + SCHEMES[2:]:  # int8 stores what int8_weight stores
         env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -13,13 +13,14 @@ outputs against torchao itself:
   y = (x @ q^T in x's dtype) * scale (torchao dequantizes the weight first: the same values in float32; a
   row of zeros, NaN in torchao, stays zero here).
 
-Only the linears inside the transformer blocks are quantized, those of the attention modules and of the
-feed-forward ones (`--quantize_layers`); embeddings, norms, the blocks' modulation linears and the output
-projection stay as they are. Quantizing runs on the host after LoRA fusion and before placement, a linear at a
-time (each one's original weight freed as it goes); the integers are stored under the linear's own `weight`
-name and the scale as `weight_scale`, which sharding.RuleTable lays out as the weight's output dimension.
-Applied to meta-device modules it gives the quantized shapes and dtypes, which the mesh choice and `--plan`
-count.
+Only the linears inside the transformer blocks are quantized (`--quantize_layers`): all of them (attention,
+feed-forward, and the adaptive norms' modulation linears, a third of HunyuanVideo-1.5's weights), or the
+feed-forward or attention ones alone; embeddings, norms' own weights, modulation tables (Wan's
+`scale_shift_table`) and the output projection stay as they are. Quantizing runs on the host after LoRA fusion
+and before placement, a linear at a time (each one's original weight freed as it goes); the integers are
+stored under the linear's own `weight` name and the scale as `weight_scale`, which sharding.RuleTable lays out
+as the weight's output dimension. Applied to meta-device modules it gives the quantized shapes and dtypes,
+which the mesh choice and `--plan` count.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ import torch
 from cli import UserError, log
 
 SCHEMES = ("none", "int8_weight", "int8", "fp8_weight")
-LAYER_SETS = {"all": ("attention", "ffn"), "ffn": ("ffn",), "attention": ("attention",)}
+LAYER_SETS = ("all", "ffn", "attention")
 INT8_EPS = torch.finfo(torch.float32).eps  # torchao's Int8Tensor.from_hp: float32's eps for every dtype
 FP8 = torch.float8_e4m3fn
 # Activations (`int8`) use max |x| / 127, not torchao's 127.5: with 127.5 each row's largest negative value
 # lands exactly on a rounding tie (-127.5), so its integer, and the result, follow the last bit of every input
-# (docs/quantization.md: 1e-3 relative on tiny Wan 2.1 from 1e-7 differences). Weights are quantized once,
-# on the host, so they keep torchao's rule.
+# (docs/quantization.md: one tiny Wan 2.1 forward moved by 2.4e-4 relative when only the rescale's rounding
+# changed; 1.1e-7 with 127). Weights are quantized once, on the host, so they keep torchao's rule.
 ACTIVATION_LEVELS = 127.0
 
 
@@ -53,10 +54,10 @@ def add_arguments(parser) -> None:
     )
     group.add_argument(
         "--quantize_layers",
-        choices=tuple(LAYER_SETS),
+        choices=LAYER_SETS,
         default="all",
-        help="which linears of the blocks --quantize applies to: all (attention and feed-forward), ffn or "
-        "attention (default: %(default)s)",
+        help="which linears of the blocks --quantize applies to: all (attention, feed-forward and the norms' "
+        "modulation linears), ffn or attention (default: %(default)s)",
     )
 
 
@@ -156,11 +157,10 @@ def selected_linears(transformer: torch.nn.Module, layers: str) -> list[tuple[to
     """(parent, attribute) of every linear in the transformer's blocks that `layers` selects."""
     from models.cached_blocks import block_list
 
-    kinds = LAYER_SETS[layers]
     found: dict[int, tuple[torch.nn.Module, str]] = {}  # by the linear's id: a nested module is met twice
     for block in block_list(transformer):
         for selected in block.modules():
-            if layer_kind(selected) not in kinds:
+            if layers != "all" and layer_kind(selected) != layers:
                 continue
             for parent in selected.modules():
                 for name, child in parent.named_children():

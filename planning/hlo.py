@@ -49,34 +49,45 @@ def count_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     return found
 
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?[\w.\-]+ \((.*)\) -> .* \{$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\(([^)]*)\)")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \((.*)\) -> .* \{$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*?) ([\w\-]+)\(([^)]*)\)(.*)$")  # tuple types hold spaces
 _PARAMETER = re.compile(r"([\w.\-]+): (\w+\[[\d,]*\])")
 QUANTIZED_TYPES = ("s8[", "f8e4m3fn[")
+_SAME_VALUES = ("bitcast", "copy", "reshape", "transpose", "dynamic-slice", "slice", "broadcast")
 
 
 def quantized_reads(hlo_text: str) -> dict[str, int]:
     """How compiled HLO text uses int8/e4m3 arrays (`--quantize`): `matmuls`, the dots (a TPU's convolutions)
-    that read one as an operand, and `converts`, the instructions converting one to another type, which would
-    be a dequantized copy of a weight outside the matmul."""
-    found = {"matmuls": 0, "converts": 0}
-    types: dict[str, str] = {}  # names are scoped to their computation
+    that read one as an operand, and `dequantized`, the arrays converted from one to another type that are
+    stored: produced outside a fusion or leaving one as its output (a dequantized copy of a weight). A convert
+    inside a fusion that reduces it on the spot (a matrix-vector product) stores nothing."""
+    computations: dict[str, tuple[dict[str, str], list]] = {}
+    fused: set[str] = set()
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
         if header:
-            types = dict(_PARAMETER.findall(header.group(1)))
+            current = computations.setdefault(header.group(1), (dict(_PARAMETER.findall(header.group(2))), []))
             continue
         instruction = _INSTRUCTION.match(line)
-        if instruction is None:
-            continue
-        name, result, op, operands = instruction.groups()
-        types[name] = result
-        read = [types.get(operand, "") for operand in re.findall(r"%([\w.\-]+)", operands)]
-        if any(kind.startswith(QUANTIZED_TYPES) for kind in read):
-            if op in ("convolution", "dot"):
+        if instruction is not None and computations:
+            root, name, result, op, operands, rest = instruction.groups()
+            current[0][name] = result
+            current[1].append((bool(root), name, op, re.findall(r"%([\w.\-]+)", operands)))
+            if op == "fusion":
+                fused.update(re.findall(r"calls=%([\w.\-]+)", rest))
+    found = {"matmuls": 0, "dequantized": 0}
+    for computation, (types, instructions) in computations.items():
+        dequantized: set[str] = set()  # values holding a quantized array's contents in another type
+        for root, name, op, operands in instructions:
+            quantized = any(types.get(operand, "").startswith(QUANTIZED_TYPES) for operand in operands)
+            if op in ("convolution", "dot") and quantized:
                 found["matmuls"] += 1
-            elif op == "convert":
-                found["converts"] += 1
+            elif (op == "convert" and quantized) or (op in _SAME_VALUES and dequantized & set(operands)):
+                dequantized.add(name)
+            if computation in fused and not root:
+                continue
+            stored = {name} if computation not in fused else set(operands) if op == "tuple" else {name}
+            found["dequantized"] += len(stored & dequantized)
     return found
 
 

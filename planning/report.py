@@ -81,7 +81,7 @@ def print_report(report: dict[str, Any]) -> None:
         found = report["quantize"]
         print(
             f"  quantized {found['scheme']} ({found['layers']}): {found['matmuls']} matmuls read the quantized "
-            f"weights, {found['converts']} converts copy them to another type"
+            f"weights; {found['dequantized']} dequantized copies of them are stored"
         )
     if report.get("videos", 1) > 1:
         print(

@@ -332,3 +332,19 @@ def test_a_stored_dequantized_copy_is_counted():
     weight, x = jnp.ones((64, 32), jnp.int8), jnp.ones((8, 64), jnp.float32)
     compiled = jax.jit(lambda w, x: x @ w.astype(jnp.float32)).lower(weight, x).compile()
     assert quantized_reads(compiled.as_text()) == {"matmuls": 0, "dequantized": 1}
+
+
+def test_an_adapter_is_fused_before_the_weights_are_quantized(tmp_path):
+    """`--lora` with `--quantize int8_weight`: the reference fuses the adapter into its weights with diffusers'
+    own fuse_lora, then quantizes the fused weights."""
+    from test_lora import diffusers_file
+
+    adapter = diffusers_file(tmp_path, "adapter.safetensors", "tiny-wan2.1", seed=8)
+    flags = ["--lora", adapter, "--quantize", "int8_weight"]
+    latents, config = staged(tmp_path / "run", "tiny-wan2.1", stage2_flags=flags)
+    pipe = pipeline("tiny-wan2.1")
+    pipe.load_lora_weights(adapter)
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+    assert quantize_reference(pipe.transformer, "wan", "int8_weight") > 0
+    assert relative_error(latents, pipeline_latents(pipe, config)) <= TOLERANCE

@@ -89,6 +89,8 @@ def test_stage2_with_changed_embeddings_file(capsys, stage1_dir):
         (["--num_frames", "8"], "--num_frames 8 must be 8n+1"),
         (["--height", "40"], "--height 40 must be a positive multiple of 16"),
         (["--model", "tiny-wan2.1"], "--model 'tiny-wan2.1' is a wan model but the stage files are from cogvideox"),
+        (["--quantize", "int4"], "argument --quantize: invalid choice: 'int4'"),
+        (["--quantize", "int8", "--quantize_layers", "mlp"], "argument --quantize_layers: invalid choice: 'mlp'"),
     ],
 )
 def test_stage2_rejects_bad_overrides(capsys, stage1_dir, flags, message):

@@ -157,10 +157,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="compile this decode (--backend torchax layout: VAE replicated, latents split over every device "
         "along width, else height, else width unevenly; each frame program, with the calls per video) for a "
         "TPU slice, report "
-        "HBM fit, then exit (0: fits, 3: does not fit); writes nothing. "
+        "HBM fit, then exit (0: fits, 3: does not fit); writes nothing but what --plan_json and --save_executables "
+        "ask for. "
         "TPU: v5litepod-8, v5e-8, v5p-8, v6e-8, tpu7x-8, ... or a topology (v6e:2x4)",
     )
     planning.add_argument("--plan_json", metavar="FILE", help="also save the plan's report as JSON")
+    planning.add_argument(
+        "--save_executables",
+        metavar="DIR",
+        help="with --plan (a single-host slice): also save the compiled programs in DIR, keyed as a --backend "
+        "torchax run on that TPU keys them, so a run there with --executables DIR loads them instead of compiling",
+    )
     for name in PLAN_REQUEST_KEYS:
         planning.add_argument(f"--{name}", type=int, help="with --plan: the video to plan for (default: the request's)")
     return parser.parse_args(argv)
@@ -173,9 +180,10 @@ def plan_main(args) -> None:
     """--plan: compile the decode for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
     from planning import plan
     from planning import report as plan_report
-    from planning.flags import request_to_plan, target_from_flag
+    from planning.flags import executables_to_save, request_to_plan, target_from_flag
 
     target = target_from_flag(args.plan)
+    store = executables_to_save(args.save_executables, target)
     flags = {key: getattr(args, key) for key in PLAN_REQUEST_KEYS}
     if len(args.input_dir) > 1:
         raise UserError("--plan compiles one decode: give one --input_dir (or none, with --model)")
@@ -183,7 +191,9 @@ def plan_main(args) -> None:
     dtype = parse_dtype(args.dtype or request.dtype)
     chunk_frames = chunk_frames_choice(args, family, "torchax")  # what a TPU run would take
     log(f"planning the {family.NAME} decode for {target.name} ({target.topology}), tiling {args.tiling}")
-    report = plan.plan_stage3(family, source, request, dtype, target, args.tiling, chunk_frames)
+    report = plan.plan_stage3(family, source, request, dtype, target, args.tiling, chunk_frames, store=store)
+    if store is not None:
+        report["executables"] = {"folder": str(store.directory), **store.counts}
     plan_report.finish(report, args.plan_json)
 
 
@@ -237,7 +247,8 @@ def main(argv=None) -> None:
     filter_harmless_warnings()
     if args.plan:
         return plan_main(args)
-    given = [f"--{name}" for name in ("plan_json", *PLAN_REQUEST_KEYS) if getattr(args, name) is not None]
+    planning_only = ("plan_json", "save_executables", *PLAN_REQUEST_KEYS)
+    given = [f"--{name}" for name in planning_only if getattr(args, name) is not None]
     if given:
         verb = "needs" if len(given) == 1 else "need"
         raise UserError(f"{', '.join(given)} {verb} --plan (stage 3 decodes the latents stage 2 wrote)")

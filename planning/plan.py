@@ -362,7 +362,15 @@ def _cached_step_report(kind: str, target: Target, cached: Compiled, calls) -> d
 
 
 def plan_stage3(
-    family, source, request, dtype, target: Target, tiling: bool, chunk_frames: int | None = None, rows: int = 1
+    family,
+    source,
+    request,
+    dtype,
+    target: Target,
+    tiling: bool,
+    chunk_frames: int | None = None,
+    rows: int = 1,
+    store=None,
 ):
     """Compile stage 3's torchax decode (VAE weights replicated, latents split over every device along
     width, else height: models.decode.latents_split) for `target`, as one program or, with `chunk_frames`,
@@ -393,9 +401,9 @@ def plan_stage3(
     fields = {"tiling": tiling, "chunk_frames": chunk_frames, "latents": list(latents.shape), "split": axis}
     if chunk_frames:
         return _plan_frame_programs(
-            family, source, decoder, latents, layout, target, mesh, runtime, request, dtype, fields
+            family, source, decoder, latents, layout, target, mesh, runtime, request, dtype, fields, store
         )
-    compiled = compile_module(decoder, REPLICATED_TABLE, [(latents, layout)], mesh, runtime.env)
+    compiled = compile_module(decoder, REPLICATED_TABLE, [(latents, layout)], mesh, runtime.env, store=store)
     report = _report(3, target, mesh, request, dtype, compiled, **fields)
     if not compiled.refused:
         report["collectives"] = {"total": {op: v for op, v in compiled.collectives.items() if v["count"]}}
@@ -403,7 +411,9 @@ def plan_stage3(
     return report
 
 
-def _plan_frame_programs(family, source, decoder, latents, layout, target, mesh, runtime, request, dtype, fields):
+def _plan_frame_programs(
+    family, source, decoder, latents, layout, target, mesh, runtime, request, dtype, fields, store=None
+):
     """Stage 3 in frame chunks (the family's frame programs, as `--backend torchax` runs them): each program
     the video calls compiled; memory is the largest program's, the lower bound adds every call."""
     from sharding import REPLICATED_TABLE
@@ -411,7 +421,8 @@ def _plan_frame_programs(family, source, decoder, latents, layout, target, mesh,
     module, inputs, calls = family.frame_plan(source, decoder, latents.shape, runtime, layout, fields["chunk_frames"])
     calls = {name: count for name, count in calls.items() if count}
     compiled = {
-        name: compile_module(module, REPLICATED_TABLE, inputs[name], mesh, runtime.env, method=name) for name in calls
+        name: compile_module(module, REPLICATED_TABLE, inputs[name], mesh, runtime.env, method=name, store=store)
+        for name in calls
     }
     refused = [program for program in compiled.values() if program.refused]
     largest = max(compiled.values(), key=lambda p: p.refused["required"] if p.refused else p.memory["total"])

@@ -261,3 +261,46 @@ def pipeline_latents(pipe, config, guidance_scale=5.0, **extra):
         pad = config["stage2"]["dropped_pad_latent_frames"]
         latents = latents[:, pad:].permute(0, 2, 1, 3, 4)
     return latents
+
+
+# LoRA adapters made here (tests/test_lora.py, tests/test_quantize.py) ---------------------------------------
+
+LORA_TARGETS = {  # the blocks' attention and MLP projections (PEFT target_modules, full-match regexes)
+    "wan": r"blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|blocks\.\d+\.ffn\.net\.(0\.proj|2)",
+    "cogvideox": r"transformer_blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))",
+    "hunyuanvideo15": r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_k_proj)|ff\.net\.(0\.proj|2))",
+}
+
+
+def peft_weights(preset: str, seed: int, rank: int = 4, alpha: int | None = None):
+    """A random adapter's PEFT state dict (bare module keys) and config for the preset's transformer."""
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    import models
+
+    source, family = models.resolve_model(preset)
+    transformer = source.load("transformer")
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha or rank, target_modules=LORA_TARGETS[family.NAME], init_lora_weights=False
+    )
+    torch.manual_seed(seed)
+    transformer.add_adapter(config)
+    with torch.no_grad():  # PEFT's random init is kaiming-sized; keep the adapter a modest change
+        for name, parameter in transformer.named_parameters():
+            if "lora_" in name:
+                parameter.mul_(0.5)
+    return get_peft_model_state_dict(transformer), transformer
+
+
+def diffusers_file(folder, name: str, preset: str, seed: int):
+    """The adapter saved by the family pipeline's save_lora_weights (keys `transformer.<module>.lora_A...`,
+    its LoraConfig in the metadata)."""
+    from diffusers.loaders import CogVideoXLoraLoaderMixin, WanLoraLoaderMixin
+
+    weights, transformer = peft_weights(preset, seed)
+    saver = WanLoraLoaderMixin if preset.startswith("tiny-wan") else CogVideoXLoraLoaderMixin
+    metadata = transformer.peft_config["default"].to_dict()  # the LoraConfig, as diffusers' own saves carry it
+    saver.save_lora_weights(
+        folder, transformer_lora_layers=weights, weight_name=name, transformer_lora_adapter_metadata=metadata
+    )
+    return folder / name

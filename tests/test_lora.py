@@ -23,7 +23,9 @@ import stage2_transformer
 from helpers import (
     PIPELINE_REQUEST,
     PROMPT,
+    diffusers_file,
     expect_user_error,
+    peft_weights,
     pipeline,
     pipeline_latents,
     relative_error,
@@ -34,44 +36,9 @@ from helpers import (
 from utils import CONFIG_FILE
 
 TOLERANCE = 1e-4
-TARGETS = {  # the blocks' attention and MLP projections (PEFT target_modules, full-match regexes)
-    "wan": r"blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|blocks\.\d+\.ffn\.net\.(0\.proj|2)",
-    "cogvideox": r"transformer_blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))",
-    "hunyuanvideo15": r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_k_proj)|ff\.net\.(0\.proj|2))",
-}
 # diffusers' Wan names -> the original Wan checkpoints' (what _convert_non_diffusers_wan_lora_to_diffusers reads)
 WAN_ORIGINAL = {"attn1.": "self_attn.", "attn2.": "cross_attn.", "to_q": "q", "to_k": "k", "to_v": "v"}
 WAN_ORIGINAL |= {"to_out.0": "o", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
-
-
-def peft_weights(preset: str, seed: int, rank: int = 4, alpha: int | None = None):
-    """A random adapter's PEFT state dict (bare module keys) and config for the preset's transformer."""
-    from peft import LoraConfig, get_peft_model_state_dict
-
-    source, family = models.resolve_model(preset)
-    transformer = source.load("transformer")
-    config = LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=TARGETS[family.NAME], init_lora_weights=False)
-    torch.manual_seed(seed)
-    transformer.add_adapter(config)
-    with torch.no_grad():  # PEFT's random init is kaiming-sized; keep the adapter a modest change
-        for name, parameter in transformer.named_parameters():
-            if "lora_" in name:
-                parameter.mul_(0.5)
-    return get_peft_model_state_dict(transformer), transformer
-
-
-def diffusers_file(folder, name: str, preset: str, seed: int):
-    """The adapter saved by the family pipeline's save_lora_weights (keys `transformer.<module>.lora_A...`,
-    its LoraConfig in the metadata)."""
-    from diffusers.loaders import CogVideoXLoraLoaderMixin, WanLoraLoaderMixin
-
-    weights, transformer = peft_weights(preset, seed)
-    saver = WanLoraLoaderMixin if preset.startswith("tiny-wan") else CogVideoXLoraLoaderMixin
-    metadata = transformer.peft_config["default"].to_dict()  # the LoraConfig, as diffusers' own saves carry it
-    saver.save_lora_weights(
-        folder, transformer_lora_layers=weights, weight_name=name, transformer_lora_adapter_metadata=metadata
-    )
-    return folder / name
 
 
 def community_file(folder, name: str, preset: str, seed: int):

@@ -19,6 +19,7 @@ from safetensors.numpy import load_file
 
 import stage1_text_encoder
 import stage2_transformer
+import stage3_vae_decoder
 from cli import parse_dtype
 from helpers import expect_user_error, run_stage
 from models.cache_schedule import kind_from_flags
@@ -80,6 +81,30 @@ def test_a_run_keys_its_programs_as_the_plan_saved_them_and_loads_them(tmp_path,
 
 
 @pytest.mark.slow
+def test_a_stage3_run_keys_its_frame_programs_as_the_plan_saved_them_and_loads_them(tmp_path, monkeypatch):
+    """Stage 3's frame programs (tiny Wan 2.1's first and steady ones): the plan pointed at this host's devices
+    saves the keys a `--backend torchax` run computes, and a run given them loads every one and writes the
+    frames the run that compiled its own wrote."""
+    out, run_store, plan_store = tmp_path / "out", tmp_path / "run", tmp_path / "plan"
+    run_stage(stage1_text_encoder, ["--model", "tiny-wan2.1", "--prompt", "a cat", "--output_dir", out])
+    run_stage(stage2_transformer, ["--input_dir", out])
+    decode = ["--input_dir", out, "--backend", "torchax", "--save_frames"]
+    run_stage(stage3_vae_decoder, [*decode, "--executables", run_store])
+    frames_file = out / json.loads((out / "generation_config.json").read_text())["stage3"]["frames_file"]["file"]
+    frames = load_file(frames_file)["frames_float"]
+    monkeypatch.setattr(plan, "topology_mesh", lambda target, shape: placement.make_mesh(shape))
+    argv = ["--input_dir", out, "--plan", "v6e-8", "--save_executables", plan_store, "--plan_json", tmp_path / "p"]
+    run_stage(stage3_vae_decoder, argv)  # the plan's own path, compiled for this host's 8 CPU devices
+    assert json.loads((tmp_path / "p").read_text())["executables"]["saved"] == len(keys(run_store)) == 2
+    assert keys(plan_store) == keys(run_store)
+
+    run_stage(stage3_vae_decoder, [*decode, "--executables", plan_store])
+    record = json.loads((out / "generation_config.json").read_text())["stage3"]
+    assert record["executables"]["hits"] == 2 and record["executables"]["misses"] == 0
+    assert np.array_equal(load_file(frames_file)["frames_float"], frames)
+
+
+@pytest.mark.slow
 def test_a_tpu_plan_saves_programs_keyed_for_the_topology(tmp_path):
     """libtpu's executables serialize; their key names the TPU topology's devices, not this host's."""
     store = tmp_path / "store"
@@ -102,6 +127,8 @@ def test_save_executables_is_refused_without_a_plan_and_for_several_hosts(capsys
     expect_user_error(capsys, stage2_transformer, ["--save_executables", tmp_path], message)
     argv = ["--plan", "v6e-16", "--model", "tiny-wan2.1", "--save_executables", tmp_path]
     expect_user_error(capsys, stage2_transformer, argv, "v6e-16 spans 4 hosts")
+    expect_user_error(capsys, stage3_vae_decoder, ["--save_executables", tmp_path], message)
+    expect_user_error(capsys, stage3_vae_decoder, argv, "v6e-16 spans 4 hosts")
     assert not any(tmp_path.iterdir())
 
 

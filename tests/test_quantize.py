@@ -337,7 +337,7 @@ def test_a_stored_dequantized_copy_is_counted():
 def test_an_adapter_is_fused_before_the_weights_are_quantized(tmp_path):
     """`--lora` with `--quantize int8_weight`: the reference fuses the adapter into its weights with diffusers'
     own fuse_lora, then quantizes the fused weights."""
-    from test_lora import diffusers_file
+    from helpers import diffusers_file
 
     adapter = diffusers_file(tmp_path, "adapter.safetensors", "tiny-wan2.1", seed=8)
     flags = ["--lora", adapter, "--quantize", "int8_weight"]

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from models.common import attention_heads
-from models.quantize import quantize
+from models.quantize import NO_QUANTIZATION, Quantization, quantize
 from runtime.mesh import ModelFacts
 from sharding import TP
 
@@ -35,14 +35,13 @@ def meta_module(source, component: str, dtype: torch.dtype, **overrides) -> torc
 
 
 def meta_transformers(
-    family, source, dtype: torch.dtype, num_layers: int | None = None, quantization=None
+    family, source, dtype: torch.dtype, num_layers: int | None = None, quantization: Quantization = NO_QUANTIZATION
 ) -> dict[str, torch.nn.Module]:
     """Every transformer the family's stage 2 loads, on the meta device (at `num_layers` blocks if given),
     quantized as `quantization` (a models.quantize.Quantization) says."""
     overrides = {} if num_layers is None else {"num_layers": num_layers}
     modules = {name: meta_module(source, name, dtype, **overrides) for name in family.transformer_components(source)}
-    if quantization is not None:
-        quantize(modules, quantization)
+    quantize(modules, quantization)
     return modules
 
 
@@ -63,7 +62,9 @@ def weight_facts(modules: Iterable[torch.nn.Module], rules, heads: int) -> Model
     return ModelFacts(heads, tuple(sorted(split.items())), replicated)
 
 
-def model_facts(family, source, dtype: torch.dtype, tp_mode: str, request=None, quantization=None) -> ModelFacts:
+def model_facts(
+    family, source, dtype: torch.dtype, tp_mode: str, request=None, quantization: Quantization = NO_QUANTIZATION
+) -> ModelFacts:
     """What the default mesh needs of the family's stage-2 transformers (all experts: each stays resident;
     quantized as `quantization` says) and, given the request, of one sample's activations."""
     modules = meta_transformers(family, source, dtype, quantization=quantization).values()

@@ -70,7 +70,7 @@ class Quantization:
 
     @classmethod
     def from_args(cls, args) -> Quantization:
-        return cls(getattr(args, "quantize", "none"), getattr(args, "quantize_layers", "all"))
+        return cls(args.quantize, args.quantize_layers)
 
     @property
     def enabled(self) -> bool:
@@ -88,6 +88,9 @@ class Quantization:
 
         if not hasattr(jnp, "float8_e4m3fn"):
             raise UserError("--quantize fp8_weight: the installed JAX cannot store float8_e4m3fn arrays")
+
+
+NO_QUANTIZATION = Quantization()
 
 
 def int8_per_row(tensor: torch.Tensor, levels: float = 127.5) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from attention.plan import AttentionPlan
 from models.common import attention_heads
 from models.meta import meta_module, meta_transformers, weight_facts
+from models.quantize import NO_QUANTIZATION, Quantization
 from planning import hlo
 from planning.tpus import Target, host_layout, topology_mesh
 from runtime import placement
@@ -239,7 +240,7 @@ def plan_stage2(
     videos: int = 1,
     scan_blocks: str = "auto",
     store=None,
-    quantization=None,
+    quantization: Quantization = NO_QUANTIZATION,
 ):
     """Compile stage 2's guided denoiser call (what every step runs) for `target`; the report as a dict.
 
@@ -324,10 +325,10 @@ def plan_stage2(
     block_calls = calls[small[1]][len(calls[small[0]]) :]  # the third block's Splash calls
     all_calls = calls[FULL] + block_calls * repeats
     xla_flops = full.flops + repeats * (three.flops - two.flops)
-    if quantization is not None and quantization.enabled:  # read by the matmuls, never dequantized apart
+    if quantization.enabled:  # read by the matmuls, never dequantized apart
         report["quantize"] = {**quantization.record(), **hlo.quantized_reads(full.hlo_text)}
-    int8 = quantization is not None and quantization.scheme == "int8"
-    _flops(report, target, xla_flops, sum(call.flops_per_device for call in all_calls), int8)
+    attention_flops = sum(call.flops_per_device for call in all_calls)
+    _flops(report, target, xla_flops, attention_flops, int8=quantization.scheme == "int8")
     report["step_seconds_lower_bound_per_video"] = report["step_seconds_lower_bound"] / videos
     report["splash_custom_calls"] = full.hlo_text.count('custom_call_target="tpu_custom_call"')
     report["splash_padding"] = _padding(all_calls)

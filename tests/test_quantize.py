@@ -317,7 +317,7 @@ def test_the_mesh_choice_counts_quantized_bytes():
         facts = model_facts(family, source, torch.bfloat16, "megatron", quantization=quantization)
         return facts.replicated_bytes + sum(size for _, size in facts.split_bytes)
 
-    assert total(Quantization("int8_weight")) <= 0.55 * total(None)
+    assert total(Quantization("int8_weight")) <= 0.55 * total(Quantization())
     assert total(Quantization("fp8_weight")) == total(Quantization("int8_weight"))
 
 

@@ -19,6 +19,7 @@ import torch
 from cli import log, logging_enabled
 from models import scanned_blocks
 from models.cache_schedule import CacheSettings
+from models.direct_load import load_direct
 from models.guard import DenoiseGuard
 from models.quantize import Quantization, quantize
 from models.step_cache import StepCache
@@ -45,10 +46,14 @@ class DenoiseOptions:
 
 def load_transformers(family, source, dtype: torch.dtype, options: DenoiseOptions, timer: Timer):
     """The family's stage-2 transformers by component name, as the loop runs them: loaded, with `on_loaded`
-    run on them (LoRA fused), then quantized (timed as `load` and `quantize`)."""
+    run on them (LoRA fused), then quantized (timed as `load` and `quantize`). Where neither changes the
+    weights, they are not read here but at placement, straight to the devices (models/direct_load.py)."""
+    direct = options.on_loaded is None and not options.quantization.enabled
     with timer.phase("load"):
-        names = family.transformer_components(source)
-        transformers = {name: source.load(name, dtype=dtype).eval() for name in names}
+        transformers = {}
+        for name in family.transformer_components(source):
+            module = load_direct(source, name, dtype) if direct else None
+            transformers[name] = module if module is not None else source.load(name, dtype=dtype).eval()
         if options.on_loaded is not None:
             options.on_loaded(transformers)
     if options.quantization.enabled:

@@ -3,9 +3,10 @@ and compiling a step do not grow with the model's depth.
 
 The blocks stay where they are (the stock forward still loops over them), but the first block of the
 scanned span runs every block of the span as one `runtime.scan` (jax.lax.scan under torchax) and the
-others hand their input on unchanged. The span's weights are stacked on the host before placement into
-the first block's parameters, one (blocks, ...) tensor per name, filled one block at a time so the host
-never holds two copies; the other blocks keep no weights. The rule tables match the stacked names as
+others hand their input on unchanged. The span's weights are stacked before placement into the first
+block's parameters, one (blocks, ...) tensor per name, filled one block at a time so the host never holds
+two copies (weights not read yet, models/direct_load.py, are stacked as sources, read at placement); the
+other blocks keep no weights. The rule tables match the stacked names as
 they are (`blocks.0.attn1.to_q.weight`): `RuleTable.with_stacked` lays them out as one block's weight
 with the stacked dimension unsplit.
 
@@ -24,6 +25,7 @@ import torch
 
 from cli import UserError, log
 from models.cached_blocks import block_list, cached_span
+from models.direct_load import stacked_source
 from workarounds.diffusers import register_hunyuanvideo15_block
 
 SCAN_CHOICES = ("auto", "on", "off")
@@ -157,13 +159,18 @@ def _stack_weights(members: list[torch.nn.Module]) -> list[str]:
                 if value is None:
                     continue
                 stacked = torch.empty((len(members), *value.shape), dtype=value.dtype, device=value.device)
+                sources = []  # where weights not read yet lie (models/direct_load.py): stacked as sources
                 for index, member in enumerate(members):
                     holder = getattr(member.get_submodule(path), store)
+                    sources.append(holder[leaf])
                     with torch.no_grad():
                         stacked[index].copy_(holder[leaf])
                     if index:
                         del holder[leaf]
                 stacked = torch.nn.Parameter(stacked, requires_grad=False) if store == "_parameters" else stacked
+                if value.is_meta:
+                    stacked.file_source = stacked_source(sources)
+                del sources
                 getattr(owner, store)[leaf] = stacked
                 names.append(f"{path}.{leaf}" if path else leaf)
     return names

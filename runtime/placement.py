@@ -79,18 +79,37 @@ def _place_array(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
+def _read_array(tensor: torch.Tensor, sharding: NamedSharding) -> jax.Array:
+    """A meta tensor's values read from its checkpoint file (its `file_source`, models/direct_load.py), each
+    distinct slice once (replicas share it), straight into the devices that hold it."""
+    source = getattr(tensor, "file_source", None)
+    if source is None:
+        raise ValueError(f"a meta tensor of shape {tuple(tensor.shape)} has no values to place")
+    read: dict[tuple, np.ndarray] = {}
+
+    def slice_of(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((part.start, part.stop, part.step) for part in index)
+        if key not in read:
+            read[key] = _host_array(source.read(index))
+        return read[key]
+
+    return jax.make_array_from_callback(tuple(tensor.shape), sharding, slice_of)
+
+
 def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> dict[str, object]:
     """Replace the module's CPU weights, one at a time, by torchax tensors sharded by `table` (weights
-    already placed that way are kept as they are).
+    already placed that way are kept as they are; meta weights are read from their files, `_read_array`).
 
     Each CPU tensor is released as soon as its device copy exists, so host memory stays near one copy
     of the weights. Tied weights (one tensor under several names, e.g. T5's `shared` and
     `encoder.embed_tokens`) stay one device array. Buffers are replicated. Returns the rule table's
-    name, counts and per-device bytes (the caller logs and records them).
+    name, counts (of them, how many were read from files) and per-device bytes (the caller logs and
+    records them).
     """
     from torchax.tensor import Tensor
 
     stats = {"rule_table": table.name, "sharded": 0, "replicated": 0, "buffers": 0, "bytes_per_device": 0}
+    stats["read_from_files"] = 0  # weights read straight from their checkpoint files to the devices
     placed: dict[int, tuple] = {}  # id of a CPU tensor -> (a weak reference to it, its device copy)
     for kind, store, leaf, value, spec in _weights(module, table, mesh):
         known, device_copy = placed.get(id(value), (None, None))
@@ -100,6 +119,9 @@ def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> 
         target = NamedSharding(mesh, spec)
         if isinstance(value, Tensor) and value.jax().sharding.is_equivalent_to(target, value.ndim):
             array = value.jax()  # placed before, as wanted (stage 3 reusing one VAE): kept, no host trip
+        elif value.is_meta:
+            array = _read_array(value, target)
+            stats["read_from_files"] += 1
         else:
             array = _place_array(_host_array(value), target)
         store[leaf] = device_copy = Tensor(array, env)

@@ -169,7 +169,8 @@ class TorchaxRuntime:
         stats = placement.place_module(module, rules or sharding.REPLICATED_TABLE, self.mesh, self.env)
         log(
             f"placed {stats['rule_table']}: {stats['sharded']} sharded, {stats['replicated']} replicated "
-            f"parameters, {stats['buffers']} buffers, {stats['bytes_per_device'] / 2**20:.1f} MiB per device"
+            f"parameters ({stats['read_from_files']} read from their files), {stats['buffers']} buffers, "
+            f"{stats['bytes_per_device'] / 2**20:.1f} MiB per device"
         )
         self.placements.append(stats)
         return Programs(module, methods, self.executables, self.mesh)

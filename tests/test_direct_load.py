@@ -1,0 +1,130 @@
+"""Stage 2's weights read straight from their files onto the devices (models/direct_load.py).
+
+The module `load_direct` builds is what `from_pretrained` loads, bit for bit once read: names, dtypes (Wan's
+fp32-kept modules in a bf16 load), buffers, config; over one file and over a sharded checkpoint stored in
+another dtype. Placed on the 2x2x2 mesh by each family's rule table, unrolled and under the block scan, the
+device arrays equal those placed from the host copy (same bits, same shardings): the same computation
+follows. A checkpoint the direct read cannot promise that for is loaded by from_pretrained, and LoRA or
+quantization (which change the weights on the host) take that path too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from models import direct_load, resolve_model, scanned_blocks
+from models.denoise import DenoiseOptions, load_transformers
+from models.quantize import Quantization
+from runtime import placement
+from runtime.interface import Timer
+from sharding import MeshShape
+from workarounds.torchax import import_torchax
+
+MODELS = ["tiny-wan2.1", "tiny-wan2.2", "tiny-cogvideox", "tiny-hunyuanvideo15"]
+
+
+def everything(tensor: torch.Tensor) -> tuple[slice, ...]:
+    return tuple(slice(None) for _ in tensor.shape)
+
+
+def assert_loaded_alike(direct: torch.nn.Module, expected: torch.nn.Module) -> None:
+    assert type(direct) is type(expected) and not direct.training
+    assert json.dumps(dict(direct.config), default=str) == json.dumps(dict(expected.config), default=str)
+    parameters = dict(expected.named_parameters())
+    assert dict(direct.named_parameters()).keys() == parameters.keys()
+    for name, tensor in direct.named_parameters():
+        assert tensor.is_meta and tensor.dtype == parameters[name].dtype, name
+        values = tensor.file_source.read(everything(tensor))
+        assert values.dtype == parameters[name].dtype and torch.equal(values, parameters[name]), name
+    buffers = dict(expected.named_buffers())
+    assert dict(direct.named_buffers()).keys() == buffers.keys()
+    for name, tensor in direct.named_buffers():
+        assert tensor.dtype == buffers[name].dtype and torch.equal(tensor, buffers[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model", MODELS)
+def test_the_module_is_what_from_pretrained_loads(model, dtype):
+    source, family = resolve_model(model)
+    for component in family.transformer_components(source):
+        assert_loaded_alike(direct_load.load_direct(source, component, dtype), source.load(component, dtype=dtype))
+
+
+def test_a_sharded_checkpoint_stored_in_bf16_loads_in_fp32(tmp_path):
+    source, _ = resolve_model("tiny-wan2.1")
+    stored = source.load("transformer", dtype=torch.bfloat16)
+    folder = tmp_path / "model"
+    stored.save_pretrained(folder / "transformer", max_shard_size="20KB")
+    (folder / "model_index.json").write_text(json.dumps(source.index))
+    shards = sorted(path.name for path in (folder / "transformer").glob("*.safetensors"))
+    assert len(shards) > 2
+    copy, _ = resolve_model(str(folder))
+    direct = direct_load.load_direct(copy, "transformer", torch.float32)
+    assert_loaded_alike(direct, copy.load("transformer", dtype=torch.float32))
+    assert {source.path for source in map(lambda t: t.file_source, direct.parameters())} == {
+        str(folder / "transformer" / name) for name in shards
+    }
+
+
+def placed_arrays(module, rules, mesh, scan: bool) -> dict[str, jax.Array]:
+    if scan:
+        blocks = scanned_blocks.block_list(module)
+        names = scanned_blocks.BlockScan(module, (0, len(blocks)), scan=None).stacked_names()
+        rules = rules.with_stacked(set(names))
+    stats = placement.place_module(module, rules, mesh, import_torchax().default_env())
+    return {name: tensor.jax() for name, tensor in module.named_parameters()}, stats
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+@pytest.mark.parametrize("model", ["tiny-wan2.1", "tiny-hunyuanvideo15", "tiny-cogvideox"])
+def test_placed_from_the_files_as_from_the_host_copy(model, scan):
+    source, family = resolve_model(model)
+    mesh = placement.make_mesh(MeshShape(2, 2, 2))
+    rules = family.transformer_rules("megatron")
+    loaded = direct_load.load_direct(source, "transformer", torch.float32)
+    direct, direct_stats = placed_arrays(loaded, rules, mesh, scan)
+    host, host_stats = placed_arrays(source.load("transformer", dtype=torch.float32), rules, mesh, scan)
+    assert direct.keys() == host.keys()
+    assert direct_stats["read_from_files"] == len(direct) and host_stats["read_from_files"] == 0
+    assert direct_stats["sharded"] == host_stats["sharded"] > 0
+    for name, array in direct.items():
+        assert array.sharding.is_equivalent_to(host[name].sharding, array.ndim), name
+        assert np.array_equal(np.asarray(array), np.asarray(host[name])), name
+
+
+def test_what_cannot_be_read_directly_is_loaded_by_from_pretrained(tmp_path, capsys):
+    source, family = resolve_model("tiny-wan2.1")
+    folder = tmp_path / "model"
+    module = source.load("transformer")
+    module.register_buffer("leftover", torch.ones(3))  # a tensor the class does not have
+    module.save_pretrained(folder / "transformer")
+    (folder / "model_index.json").write_text(json.dumps(source.index))
+    copy, _ = resolve_model(str(folder))
+    assert direct_load.load_direct(copy, "transformer", torch.float32) is None
+    said = capsys.readouterr().out
+    assert "read on the host by from_pretrained (0 tensor(s) missing from the checkpoint, 1 not" in said
+    loaded = load_transformers(family, copy, torch.float32, DenoiseOptions(), Timer())["transformer"]
+    assert not any(tensor.is_meta for tensor in loaded.parameters())
+
+    torch_only = tmp_path / "bin"
+    module.save_pretrained(torch_only / "transformer", safe_serialization=False)
+    (torch_only / "model_index.json").write_text(json.dumps(source.index))
+    assert direct_load.load_direct(resolve_model(str(torch_only))[0], "transformer", torch.float32) is None
+
+
+def test_lora_and_quantization_change_the_weights_on_the_host_first():
+    source, family = resolve_model("tiny-wan2.1")
+    plain = load_transformers(family, source, torch.float32, DenoiseOptions(), Timer())["transformer"]
+    assert all(tensor.is_meta for tensor in plain.parameters())
+    seen = []
+    fused = DenoiseOptions(on_loaded=lambda transformers: seen.extend(transformers.values()))
+    hosted = load_transformers(family, source, torch.float32, fused, Timer())["transformer"]
+    assert seen == [hosted] and not any(tensor.is_meta for tensor in hosted.parameters())
+    quantized = DenoiseOptions(quantization=Quantization("int8_weight"))
+    hosted = load_transformers(family, source, torch.float32, quantized, Timer())["transformer"]
+    assert not any(tensor.is_meta for tensor in hosted.parameters())

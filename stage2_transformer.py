@@ -211,8 +211,7 @@ def attention_plan(args, run_model, platform: str, devices: int, per_host=None, 
     log(f"mesh {plan.mesh.shape} ({plan.mesh.why})")
     if not plan.mesh.fits:
         advice = where_it_fits(facts, cfg, videos, devices, per_host, memory, generation, plan.mesh.shape)
-        share = f"{MEMORY_SHARE:.0%}"
-        log(f"warning: mesh {plan.mesh.shape} is estimated to pass {share} of the device memory; {advice}")
+        log(f"warning: mesh {plan.mesh.shape} is estimated to pass {MEMORY_SHARE:.0%} of the device memory; {advice}")
     if plan.sequence_parallel != "none":
         log(f"sequence parallel: {plan.sequence_parallel} ({plan.sequence_parallel_why})")
     return plan
@@ -374,7 +373,8 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
     with run.timer.phase("save"):
         saved = write_tensors(run.output_dir / STAGE2_FILE, {"latents": latents})
         if args.cache_calibrate:
-            step_cache.write_ratios(run.output_dir, run.request.model_id, lora.identity(run.adapters))
+            calibrated = (run.request.model_id, lora.identity(run.adapters), options.quantization.calibration_key())
+            step_cache.write_ratios(run.output_dir, *calibrated)
     run.timer.finish()
     if step_cache is not None:
         record["step_cache"] = {**step_cache.record(), **run.timer.median_steps()}

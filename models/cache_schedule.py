@@ -1,4 +1,5 @@
-"""Step caching, the host side: the cache flags, the ratios file, and which steps reuse the cache.
+"""Step caching, the host side: the cache flags and which steps reuse the cache (MagCache's ratios files:
+models/mag_ratios.py).
 
 The schedule depends only on the step index and precomputed numbers, so it is fixed before the loop
 starts and no device value is waited for to pick a step's program (models/step_cache.py runs them).
@@ -7,17 +8,14 @@ MagCache's decisions are diffusers' (hooks/mag_cache.py: MagCacheHeadHook), made
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from cli import UserError, finite_float, log
-from utils import non_finite_keys
+from models.mag_ratios import MAG_RATIOS_FILE, read_mag_ratios
 
 KINDS = ("none", "magcache", "interval")
-MAG_RATIOS_FILE = "mag_ratios.json"
 FULL, CACHED, PARTIAL = "F", "C", "P"  # schedule letters: full step, cached step, full step some branch skips
 
 
@@ -52,35 +50,6 @@ class CacheSettings:
         if self.calibrate:
             values["kind"] = "magcache"
         return {key: values[key] for key in keys}
-
-
-def read_mag_ratios(path: Path, model_id: str | None = None, adapters: list | None = None) -> Any:
-    """`--cache_mag_ratios FILE`: a JSON list of numbers (diffusers' `mag_ratios`, for every state), or
-    the file --cache_calibrate writes ({"mag_ratios": {state: list}, "model": ..., "adapters": [...]}), which
-    must be of this model with these LoRA adapters (models.lora.identity; a file without the key had none)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise UserError(f"--cache_mag_ratios {path}: cannot be read ({err})") from None
-    if bad := non_finite_keys(data):
-        raise UserError(f"--cache_mag_ratios {path}: {', '.join(bad)} is NaN or infinite")
-    ratios = data.get("mag_ratios") if isinstance(data, dict) else data
-    lists = ratios.values() if isinstance(ratios, dict) else [ratios]
-    if not lists or not all(isinstance(v, list) and v and all(_is_number(x) for x in v) for v in lists):
-        raise UserError(f"--cache_mag_ratios {path}: expected a list of numbers or a {MAG_RATIOS_FILE} file")
-    if isinstance(data, dict) and model_id and data.get("model") not in (None, model_id):
-        raise UserError(f"--cache_mag_ratios {path} was calibrated on {data['model']}, not {model_id}")
-    if isinstance(data, dict) and adapters is not None and data.get("adapters", []) != adapters:
-        had = f"LoRA adapters {data['adapters']}" if data.get("adapters") else "no LoRA adapter"
-        raise UserError(
-            f"--cache_mag_ratios {path} was calibrated with {had}; this run fuses "
-            f"{adapters or 'none'}: calibrate again with this run's --lora flags (--cache_calibrate)"
-        )
-    return ratios
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def state_names(expert_names, branches) -> list[str]:
@@ -214,9 +183,11 @@ def kind_from_flags(args) -> str:
     return "magcache" if magcache else kind
 
 
-def settings_from_flags(args, input_dir: Path, model_id: str, adapters: list | None = None) -> CacheSettings:
+def settings_from_flags(
+    args, input_dir: Path, model_id: str, adapters: list | None = None, quantize: dict | None = None
+) -> CacheSettings:
     """The step cache from the flags (checked by kind_from_flags), with MagCache's ratios read (calibrated
-    for this model and these LoRA adapters)."""
+    for this model, these LoRA adapters and this quantization)."""
     kind = kind_from_flags(args)
     values = {
         key: getattr(args, flag)
@@ -230,7 +201,7 @@ def settings_from_flags(args, input_dir: Path, model_id: str, adapters: list | N
                 f"--cache magcache needs the model's magnitude ratios: --cache_mag_ratios FILE, or a "
                 f"{MAG_RATIOS_FILE} in {input_dir} (write one with --cache_calibrate)"
             )
-        values["mag_ratios"] = read_mag_ratios(path, model_id, adapters)
+        values["mag_ratios"] = read_mag_ratios(path, model_id, adapters, quantize)
         log(f"MagCache ratios from {path}")
     return CacheSettings(kind=kind, calibrate=args.cache_calibrate, **values)
 

@@ -80,6 +80,10 @@ class Quantization:
         """What the stage-2 section records and a checkpoint's fingerprint compares."""
         return {"scheme": self.scheme, "layers": self.layers}
 
+    def calibration_key(self) -> dict[str, str]:
+        """What a MagCache calibration file records of the weights' quantization (empty: none)."""
+        return self.record() if self.enabled else {}
+
     def check_supported(self) -> None:
         """fp8 needs a JAX that stores e4m3 arrays (before any weights load)."""
         if self.scheme != "fp8_weight":

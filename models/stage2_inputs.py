@@ -73,8 +73,9 @@ def validated_run(
         embeddings = read_tensors(input_dir, config["stage1"])
         check_output_dir(output_dir, input_dir, config)
         adapters = lora.read_adapters(args, family, source, dtype)
-    cache = settings_from_flags(args, input_dir, request.model_id, lora.identity(adapters))
     quantization = Quantization.from_args(args)
+    calibrated = (request.model_id, lora.identity(adapters), quantization.calibration_key())
+    cache = settings_from_flags(args, input_dir, *calibrated)
     quantization.check_supported()
     if processes.is_main:
         ensure_writable_dir(output_dir, (STAGE2_FILE,))

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from cli import log
-from models.cache_schedule import CACHED, MAG_RATIOS_FILE, CacheSettings, schedule, schedule_text, state_names
+from models.cache_schedule import CACHED, CacheSettings, schedule, schedule_text, state_names
 from models.cached_blocks import HIDDEN_LAYOUT, TEXT_LAYOUT, cached_denoiser, probe_shapes
+from models.mag_ratios import MAG_RATIOS_FILE
 from utils import atomic_write, strict_json
 
 
@@ -145,13 +146,15 @@ class StepCache:
             "cached_steps": letters.count(CACHED),
         }
 
-    def write_ratios(self, directory: Path, model_id: str, adapters: list | None = None) -> Path:
+    def write_ratios(self, directory: Path, model_id: str, adapters: list | None = None, quantize=None) -> Path:
         """--cache_calibrate: the magnitude ratios of every state, for later --cache magcache runs (of the same
-        model and LoRA adapters, models.lora.identity)."""
+        model, LoRA adapters (models.lora.identity) and quantization (Quantization.calibration_key))."""
         path = directory / MAG_RATIOS_FILE
         data = {"model": model_id, "num_inference_steps": len(self.experts), "mag_ratios": self.ratios}
         if adapters:
             data["adapters"] = adapters
+        if quantize:
+            data["quantize"] = quantize
         atomic_write(path, lambda tmp: tmp.write_text(strict_json(data, indent=1) + "\n"))
         log(f"wrote {path}: magnitude ratios for {', '.join(self.ratios)}")
         return path

@@ -73,19 +73,28 @@ def snapshot(folder) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
 
 
-@pytest.fixture(scope="module", params=["tiny-cogvideox", "tiny-hunyuanvideo15"])
-def stage1(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def stage1_of(tmp_path_factory):
+    """Stage 1's folder for a model, made once per module."""
     import stage1_text_encoder
 
-    out = tmp_path_factory.mktemp(request.param)
-    argv = ["--model", request.param, "--prompt", 'a sign that reads "OPEN"', "--dtype", "fp32"]
-    run_stage(stage1_text_encoder, [*argv, "--num_inference_steps", 3, "--seed", 5, "--output_dir", out])
-    return out
+    made = {}
+
+    def folder(model: str):
+        if model not in made:
+            made[model] = out = tmp_path_factory.mktemp(model)
+            argv = ["--model", model, "--prompt", 'a sign that reads "OPEN"', "--dtype", "fp32"]
+            run_stage(stage1_text_encoder, [*argv, "--num_inference_steps", 3, "--seed", 5, "--output_dir", out])
+        return made[model]
+
+    return folder
 
 
-def test_two_processes_equal_one_process_and_only_process_0_writes(stage1, tmp_path):
+@pytest.mark.parametrize("model", ["tiny-cogvideox", "tiny-hunyuanvideo15"])
+def test_two_processes_equal_one_process_and_only_process_0_writes(stage1_of, model, tmp_path):
     import stage2_transformer
 
+    stage1 = stage1_of(model)
     single = tmp_path / "single"
     run_stage(stage2_transformer, ["--input_dir", stage1, "--output_dir", single, *STAGE2])  # 8 devices here
     expected = load_file(str(single / STAGE2_FILE))["latents"]
@@ -103,8 +112,9 @@ def test_two_processes_equal_one_process_and_only_process_0_writes(stage1, tmp_p
     assert "denoise" in err0 and "denoise" not in err1  # one progress bar
 
 
-def test_a_corrupted_copy_on_one_host_stops_both_before_loading(stage1, tmp_path):
-    folders = host_copies(stage1, tmp_path)
+def test_a_corrupted_copy_on_one_host_stops_both_before_loading(stage1_of, tmp_path):
+    """The files' digests are compared before any model is read: one family shows it for all."""
+    folders = host_copies(stage1_of("tiny-cogvideox"), tmp_path)
     embeddings = folders[1] / "stage1_embeddings.safetensors"
     data = bytearray(embeddings.read_bytes())
     data[-1] ^= 0xFF

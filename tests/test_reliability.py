@@ -153,12 +153,14 @@ def test_unwritable_output_folder_fails_before_work(good_run, tmp_path, capsys):
 
 # Preemption and resume -----------------------------------------------------------------------------
 
-LONG = ["--num_inference_steps", "400"]
+# The interrupt lands after the first checkpoint (step 10): the 110 steps after it (~25 ms each here) leave the
+# test seconds to send it while the run still goes.
+LONG = ["--num_inference_steps", "120"]
 
 
 @pytest.fixture(scope="module")
 def long_request(tmp_path_factory):
-    """A stage-1 folder for a 400-step run (tiny steps, so a run lasts a few seconds)."""
+    """A stage-1 folder for a 120-step run (tiny steps, so a run lasts a few seconds)."""
     out = tmp_path_factory.mktemp("long")
     run_ok("stage1_text_encoder.py", [*TINY, *LONG, "--output_dir", out])
     return out

@@ -19,7 +19,17 @@ from pathlib import Path
 import torch
 
 import models
-from cli import UserError, add_executables_argument, dtype_flag, flag_names, log, parse_dtype, run_cli, stage_parser
+from cli import (
+    UserError,
+    add_executables_argument,
+    add_plan_arguments,
+    dtype_flag,
+    flag_names,
+    log,
+    parse_dtype,
+    run_cli,
+    stage_parser,
+)
 from models import batch_folders
 from models.images import IMAGE_FLAGS, check_image_flags, read_images
 from runtime.backend import check_backend_flags, open_runtime
@@ -76,6 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--no_compile_cache", action="store_true", help="torchax: do not use the persistent JAX compilation cache"
     )
     add_executables_argument(parser)
+    add_plan_arguments(parser, "the text encoders (and image encoders) as --backend torchax runs them for this request")
     add_request_arguments(parser, for_later_stage=False)
     return parser.parse_args(argv)
 
@@ -123,9 +134,33 @@ def checked_video(args, source, family, output_dir: Path, where: str = "") -> Vi
     return Video(output_dir, request, images, image_records)
 
 
+def plan_main(args) -> None:
+    """--plan: compile stage 1's device programs for a TPU slice, print the report, exit 0 (fits) or 3 (not)."""
+    from planning import report as plan_report
+    from planning.encoders import plan_stage1
+    from planning.flags import executables_to_save, target_from_flag
+
+    target = target_from_flag(args.plan)
+    store = executables_to_save(args.save_executables, target)
+    if args.prompts or args.seeds:
+        raise UserError("--plan compiles one video's encodes: give --prompt, not --prompts or --seeds")
+    source, family = models.resolve_model(args.model)
+    video = checked_video(args, source, family, Path(args.output_dir))
+    log(f"planning {family.NAME} stage 1 for {target.name} ({target.topology}), every device on tp")
+    report = plan_stage1(family, source, video.request, video.images, parse_dtype(args.dtype), target, store)
+    if store is not None:
+        report["executables"] = {"folder": str(store.directory), **store.counts}
+    plan_report.finish(report, args.plan_json)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     filter_harmless_warnings()
+    if args.plan:
+        return plan_main(args)
+    for flag in ("plan_json", "save_executables"):
+        if getattr(args, flag):
+            raise UserError(f"--{flag} needs --plan")
     check_backend_flags(args.backend, args.device)
     dtype = parse_dtype(args.dtype)
     output_dir = Path(args.output_dir)

@@ -19,6 +19,7 @@ from attention.plan import SP_MODES
 from cli import (
     UserError,
     add_executables_argument,
+    add_plan_arguments,
     dtype_flag,
     flag_names,
     log,
@@ -160,22 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(more memory; see docs/sharding.md) (default: %(default)s)",
     )
     distributed.add_arguments(parser)
-    planning = parser.add_argument_group("planning for a TPU (from any host, no TPU, no weights)")
-    planning.add_argument(
-        "--plan",
-        metavar="TPU",
-        help="compile this run's denoiser for a TPU slice and report HBM fit, collectives, FLOPs and Splash "
-        "padding, then exit (0: fits, 3: does not fit); writes nothing but what --plan_json and "
-        "--save_executables ask for. TPU: an accelerator type (v5litepod-8, v5e-8, v5p-8, v6e-8, v6e-16, "
-        "tpu7x-8, ...) or a topology (v6e:2x4). Without stage-1 files, plans from --model and the request flags",
-    )
-    planning.add_argument("--plan_json", metavar="FILE", help="also save the plan's report as JSON")
-    planning.add_argument(
-        "--save_executables",
-        metavar="DIR",
-        help="with --plan (a single-host slice): also save the compiled programs in DIR, keyed as the run on "
-        "that TPU keys them, so a run there with --executables DIR loads them instead of compiling",
-    )
+    compiles = "this run's denoiser (its collectives, FLOPs and Splash padding reported too)"
+    add_plan_arguments(parser, compiles, ". Without stage-1 files, plans from --model and the request flags")
     add_request_arguments(parser, for_later_stage=True)
     return parser.parse_args(argv)
 

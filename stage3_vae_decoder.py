@@ -21,7 +21,17 @@ import numpy as np
 import torch
 
 import models
-from cli import UserError, add_executables_argument, dtype_flag, flag_names, log, parse_dtype, run_cli, stage_parser
+from cli import (
+    UserError,
+    add_executables_argument,
+    add_plan_arguments,
+    dtype_flag,
+    flag_names,
+    log,
+    parse_dtype,
+    run_cli,
+    stage_parser,
+)
 from models import batch_folders
 from models.decode import decode
 from runtime.backend import STAGE3_BACKENDS, check_backend_flags, choose_backend, open_runtime
@@ -150,24 +160,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--no_compile_cache", action="store_true", help="torchax: do not use the persistent JAX compilation cache"
     )
     add_executables_argument(parser)
-    planning = parser.add_argument_group("planning for a TPU (from any host, no TPU, no weights)")
-    planning.add_argument(
-        "--plan",
-        metavar="TPU",
-        help="compile this decode (--backend torchax layout: VAE replicated, latents split over every device "
-        "along width, else height, else width unevenly; each frame program, with the calls per video) for a "
-        "TPU slice, report "
-        "HBM fit, then exit (0: fits, 3: does not fit); writes nothing but what --plan_json and --save_executables "
-        "ask for. "
-        "TPU: v5litepod-8, v5e-8, v5p-8, v6e-8, tpu7x-8, ... or a topology (v6e:2x4)",
+    compiles = (
+        "this decode (--backend torchax layout: VAE replicated, latents split over every device along width, else "
+        "height, else width unevenly; each frame program, with the calls per video)"
     )
-    planning.add_argument("--plan_json", metavar="FILE", help="also save the plan's report as JSON")
-    planning.add_argument(
-        "--save_executables",
-        metavar="DIR",
-        help="with --plan (a single-host slice): also save the compiled programs in DIR, keyed as a --backend "
-        "torchax run on that TPU keys them, so a run there with --executables DIR loads them instead of compiling",
-    )
+    planning = add_plan_arguments(parser, compiles)
     for name in PLAN_REQUEST_KEYS:
         planning.add_argument(f"--{name}", type=int, help="with --plan: the video to plan for (default: the request's)")
     return parser.parse_args(argv)

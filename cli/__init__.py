@@ -93,6 +93,27 @@ def add_executables_argument(parser) -> None:
     )
 
 
+def add_plan_arguments(parser, compiles: str, more: str = ""):
+    """`--plan`, `--plan_json` and `--save_executables`, the same on every stage (planning/); `compiles` says
+    what the stage's plan compiles, `more` is added to --plan's help. Returns the group, for a stage's own."""
+    planning = parser.add_argument_group("planning for a TPU (from any host, no TPU, no weights)")
+    planning.add_argument(
+        "--plan",
+        metavar="TPU",
+        help=f"compile {compiles} for a TPU slice and report HBM fit, then exit (0: fits, 3: does not fit); writes "
+        "nothing but what --plan_json and --save_executables ask for. TPU: an accelerator type (v5litepod-8, v5e-8, "
+        f"v5p-8, v6e-8, v6e-16, tpu7x-8, ...) or a topology (v6e:2x4){more}",
+    )
+    planning.add_argument("--plan_json", metavar="FILE", help="also save the plan's report as JSON")
+    planning.add_argument(
+        "--save_executables",
+        metavar="DIR",
+        help="with --plan (a single-host slice): also save the compiled programs in DIR, keyed as a --backend "
+        "torchax run on that TPU keys them, so a run there with --executables DIR loads them instead of compiling",
+    )
+    return planning
+
+
 def run_cli(main: Callable[[], None]) -> None:
     """Run a stage's main(): user errors become one `error:` line and exit status 2; a requested stop one
     `stopped:` line and status 143 (130 after Ctrl-C); bugs keep their traceback."""

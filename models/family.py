@@ -95,6 +95,10 @@ class Family(Protocol):
         """Stage 1 for image-to-video: the pipeline's image conditioning (image embeddings, VAE latents of the
         conditioning frames), computed as the pipeline computes it; tensors named as stage 2 reads them."""
 
+    def images_on_runtime(self, source: ModelSource) -> bool:
+        """Whether encode_images runs every model it uses on the runtime (stage 1's `--plan` compiles them);
+        False where part of it runs on the host CPU, which a plan without weights cannot run."""
+
     def denoise_loop(
         self,
         source: ModelSource,

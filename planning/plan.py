@@ -24,6 +24,7 @@ from models.common import attention_heads
 from models.meta import meta_module, meta_transformers, weight_facts
 from models.quantize import NO_QUANTIZATION, Quantization
 from planning import hlo
+from planning.report import STAGE_WORK
 from planning.tpus import Target, host_layout, topology_mesh
 from runtime import placement
 from runtime.interface import PROGRAM_TIMES
@@ -42,6 +43,7 @@ class Compiled:
     collectives: dict[str, dict[str, int]] | None = None
     hlo_text: str = ""
     refused: dict[str, float] | None = None  # {"required": bytes, "available": bytes} when out of HBM
+    outputs: Any = None  # what the program returns, as jax.ShapeDtypeStructs
 
     def add_resident(self, size: int) -> None:
         """Count `size` more bytes per device that live outside this program (other experts' weights)."""
@@ -120,7 +122,8 @@ def compile_module(
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     text = compiled.as_text()
-    return Compiled(seconds, memory, float(cost.get("flops", 0.0)), hlo.count_collectives(text), text)
+    outputs = compiled.out_info[0]  # the program returns (outputs, check flags)
+    return Compiled(seconds, memory, float(cost.get("flops", 0.0)), hlo.count_collectives(text), text, None, outputs)
 
 
 # Stage 2 -------------------------------------------------------------------------------------------
@@ -196,7 +199,7 @@ def _flops(report: dict[str, Any], target: Target, xla: float, attention: float 
     """FLOPs per device and the step's lower bound at peak bf16; with `int8` (--quantize int8) also the bound
     with XLA's FLOPs (the int8 matmuls among them) at the int8 peak, still a lower bound."""
     report["flops_per_device"] = {"xla": xla, "attention": attention, "total": xla + attention}
-    what = "step" if report["stage"] == 2 else "decode"
+    what = STAGE_WORK[report["stage"]]
     report[f"{what}_seconds_lower_bound"] = (xla + attention) / target.bf16_flops_per_device
     if int8:
         bound = xla / target.int8_ops_per_device + attention / target.bf16_flops_per_device

@@ -11,6 +11,7 @@ from planning.tpus import GIB
 from utils import atomic_write, strict_json
 
 DOES_NOT_FIT_EXIT_STATUS = 3
+STAGE_WORK = {1: "encode", 2: "step", 3: "decode"}  # what each stage's plan bounds the time of
 
 
 def finish(report: dict[str, Any], json_path: str | None) -> None:
@@ -40,6 +41,11 @@ def print_report(report: dict[str, Any]) -> None:
     if saved:
         folder = saved["folder"]
         print(f"  saved {saved['saved']} program(s) in {folder}: copy it to the TPU VM, run with --executables DIR")
+    if report["stage"] == 1:
+        calls = ", ".join(f"{name} x{count}" for name, count in report.get("calls", {}).items())
+        print(f"  programs: {calls or ', '.join(report['programs'])}; the largest: {report['largest_program']}")
+        if report.get("images"):
+            print(f"  images: {report['images']}")
     if report["stage"] == 3:
         split = f"split along {report['split']}" if report["split"] else "NOT split: kept whole on every device"
         print(f"  latents {report['latents']} {split}; VAE tiling {'on' if report['tiling'] else 'off'}")
@@ -50,7 +56,7 @@ def print_report(report: dict[str, Any]) -> None:
             print(f"  {chunk}: programs {calls}" + (f"; HBM per program {sizes}" if sizes else ""))
     memory = report["hbm_bytes_per_device"]
     if "arguments" in memory:
-        keys = ("arguments", "temporaries", "outputs", "code", "other_experts_weights")
+        keys = ("arguments", "temporaries", "outputs", "code", "other_experts_weights", "other_encoders_weights")
         parts = ", ".join(f"{key.replace('_', ' ')} {gib(memory[key])}" for key in keys if key in memory)
         print(f"  HBM per device: {parts}; total {gib(memory['total'])} of {gib(memory['capacity'])}")
     else:
@@ -68,9 +74,10 @@ def print_report(report: dict[str, Any]) -> None:
         text = "; ".join(
             f"{op} {v['count']} ops, {v['tensors']} tensors, {v['bytes'] / 2**20:.2f} MiB" for op, v in found.items()
         )
-        print(f"  collectives {where.replace('_', ' ')}: {text or 'none'}")
+        label = where if report["stage"] == 1 else where.replace("_", " ")  # stage 1: program names
+        print(f"  collectives {label}: {text or 'none'}")
     flops = report["flops_per_device"]
-    what = "step" if report["stage"] == 2 else "decode"
+    what = STAGE_WORK[report["stage"]]
     print(
         f"  FLOPs per {what} per device: {flops['total']:.3e} ({flops['xla']:.3e} XLA + {flops['attention']:.3e} "
         f"attention); at peak bf16 that is at least {report[what + '_seconds_lower_bound']:.3f} s (a lower bound)"

@@ -108,6 +108,15 @@ def describe_array(array) -> list:
     return ["constant", list(array.shape), str(array.dtype), hashlib.sha256(array.tobytes()).hexdigest()]
 
 
+def argument(tensor: torch.Tensor) -> list:
+    """A tensor passed as a program argument: its shape and its dtype as placed (JAX holds int64 as int32),
+    so a run's placed weights and a plan's meta ones describe alike."""
+    from runtime.placement import JAX_DTYPES
+
+    dtype = JAX_DTYPES.get(tensor.dtype)
+    return ["argument", list(tensor.shape), np.dtype(dtype).name if dtype is not None else str(tensor.dtype)]
+
+
 class Describer:
     """Reduces objects to JSON-able descriptions; `arguments` are the ids of the tensors passed as
     program arguments (described by shape and dtype only). An object met again is a reference."""
@@ -135,7 +144,7 @@ class Describer:
     def _compound(self, obj, path: str):
         if isinstance(obj, torch.Tensor):
             if id(obj) in self.arguments:
-                return ["argument", list(obj.shape), str(obj.dtype)]
+                return argument(obj)
             value = obj.jax() if hasattr(obj, "jax") else obj
             if isinstance(value, jax.core.Tracer):  # left on the module by an earlier trace: unusable here
                 return ["tracer", list(value.shape), str(value.dtype)]
@@ -182,7 +191,7 @@ class Describer:
         attributes = {}
         for name, value in vars(module).items():
             if name in ("_parameters", "_buffers"):
-                value = {k: None if v is None else ["argument", list(v.shape), str(v.dtype)] for k, v in value.items()}
+                value = {k: None if v is None else argument(v) for k, v in value.items()}
                 attributes[name] = value
             elif name.startswith("_") and "hooks" in name and isinstance(value, dict):
                 # keyed by a process-wide handle counter: only the hooks, in their order, count

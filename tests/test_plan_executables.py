@@ -21,9 +21,9 @@ import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
 from cli import parse_dtype
-from helpers import expect_user_error, run_stage
+from helpers import expect_user_error, run_stage, write_image
 from models.cache_schedule import kind_from_flags
-from planning import flags, plan, tpus
+from planning import encoders, flags, plan, tpus
 from runtime import placement, program_key
 from runtime.executables import SUFFIX, ExecutableStore
 from sharding import MeshShape
@@ -105,6 +105,32 @@ def test_a_stage3_run_keys_its_frame_programs_as_the_plan_saved_them_and_loads_t
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-wan2.1", "tiny-hunyuanvideo15-i2v"])
+def test_a_stage1_run_keys_its_encoder_programs_as_the_plan_saved_them_and_loads_them(tmp_path, monkeypatch, model):
+    """Stage 1's device programs (UMT5; or Qwen2.5-VL, ByT5 on the quoted text, SigLIP and the VAE encode of
+    the image): the plan pointed at this host's devices saves the keys a `--backend torchax` run computes, and a
+    run given them loads every one and writes the embeddings the run that compiled its own wrote."""
+    run_store, plan_store, report_path = tmp_path / "run", tmp_path / "plan", tmp_path / "plan.json"
+    image = ["--image", write_image(tmp_path / "image.png", 32, 48)] if "i2v" in model else []
+    argv = ["--model", model, "--prompt", 'a sign that reads "OPEN"', *image]
+    torchax = [*argv, "--backend", "torchax", "--executables"]
+    run_stage(stage1_text_encoder, [*torchax, run_store, "--output_dir", tmp_path / "one"])
+    monkeypatch.setattr(encoders, "topology_mesh", lambda target, shape: placement.make_mesh(shape))
+    planned = ["--plan", "v6e-8", "--save_executables", plan_store, "--plan_json", report_path]
+    run_stage(stage1_text_encoder, [*argv, *planned, "--output_dir", tmp_path / "unused"])
+    report = json.loads(report_path.read_text())
+    assert report["stage"] == 1 and report["fits"] and not (tmp_path / "unused").exists()
+    assert report["executables"]["saved"] == len(keys(run_store)) == (4 if image else 1)
+    assert keys(plan_store) == keys(run_store)
+
+    run_stage(stage1_text_encoder, [*torchax, plan_store, "--output_dir", tmp_path / "two"])
+    record = json.loads((tmp_path / "two" / "generation_config.json").read_text())["stage1"]
+    assert record["executables"]["hits"] == report["executables"]["saved"] and record["executables"]["misses"] == 0
+    first, second = (load_file(tmp_path / run / "stage1_embeddings.safetensors") for run in ("one", "two"))
+    assert first.keys() == second.keys() and all(np.array_equal(first[key], second[key]) for key in first)
+
+
+@pytest.mark.slow
 def test_a_tpu_plan_saves_programs_keyed_for_the_topology(tmp_path):
     """libtpu's executables serialize; their key names the TPU topology's devices, not this host's."""
     store = tmp_path / "store"
@@ -120,6 +146,13 @@ def test_a_tpu_plan_saves_programs_keyed_for_the_topology(tmp_path):
     expected = program_key.environment_parts(mesh, process=0)["devices"]
     assert expected["platform"] == "tpu" and expected["count"] == 8
     assert summary["parts"]["devices"] == program_key.digest(expected)
+
+    stage1 = tmp_path / "stage1"  # stage 1's text encoder, by the TPU compiler, for all 8 devices on tp
+    argv = ["--plan", "v5e-8", "--model", "tiny-wan2.1", "--prompt", "a cat", "--output_dir", tmp_path / "unused"]
+    run_stage(stage1_text_encoder, [*argv, "--save_executables", stage1, "--plan_json", report_path])
+    report = json.loads(report_path.read_text())
+    assert report["fits"] and report["mesh"] == {"dp": 1, "sp": 1, "tp": 8} and len(keys(stage1)) == 1
+    assert report["collectives"]["UMT5EncoderModel ([1, 512], [1, 512])"]["all-reduce"]["count"] >= 1
 
 
 def test_save_executables_is_refused_without_a_plan_and_for_several_hosts(capsys, tmp_path):

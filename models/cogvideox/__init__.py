@@ -22,7 +22,7 @@ from .config import (
     request_defaults,
     validate_request,
 )
-from .i2v import encode_images, image_inputs
+from .i2v import encode_images, image_inputs, images_on_runtime
 from .pipeline import Decoder, denoise_loop, planning_embeds, prompt_encoder, video_processor
 from .presets import PRESETS
 from .published import PUBLISHED

@@ -98,3 +98,8 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
     spatial = 2 ** (len(vae["block_out_channels"]) - 1)
     shape = (1, 2 * vae["latent_channels"], 1, request.height // spatial, request.width // spatial)
     return {"image_latent_parameters": torch.zeros(shape, dtype=dtype)}
+
+
+def images_on_runtime(source) -> bool:
+    """Every model of encode_images runs on the runtime."""
+    return True

@@ -22,7 +22,7 @@ from .config import (
     request_defaults,
     validate_request,
 )
-from .i2v import encode_images, image_inputs, image_size
+from .i2v import encode_images, image_inputs, image_size, images_on_runtime
 from .pipeline import denoise_loop, planning_embeds, prompt_encoder
 from .presets import PRESETS
 from .published import PUBLISHED

@@ -100,3 +100,8 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
         "image_embeds": torch.zeros(1, tokens, vision["hidden_size"], dtype=dtype),
         "image_latents": torch.zeros(latent, dtype=dtype),
     }
+
+
+def images_on_runtime(source) -> bool:
+    """Every model of encode_images runs on the runtime."""
+    return True

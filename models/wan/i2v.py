@@ -89,3 +89,8 @@ def image_conditioning(source, embeds, dtype) -> list[tuple[torch.Tensor, tuple]
     if source.load_config("transformer").get("image_dim") is not None:
         inputs.append((embeds["image_embeds"].to(dtype), ()))
     return inputs
+
+
+def images_on_runtime(source) -> bool:
+    """Only TI2V-5B's image conditioning runs wholly on the runtime (the I2V models VAE-encode on the host)."""
+    return ti2v.expand_timesteps(source)

@@ -111,10 +111,13 @@ def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> 
     stats = {"rule_table": table.name, "sharded": 0, "replicated": 0, "buffers": 0, "bytes_per_device": 0}
     stats["read_from_files"] = 0  # weights read straight from their checkpoint files to the devices
     placed: dict[int, tuple] = {}  # id of a CPU tensor -> (a weak reference to it, its device copy)
+    bar = _progress(module)
     for kind, store, leaf, value, spec in _weights(module, table, mesh):
+        size = value.numel() * value.element_size()
         known, device_copy = placed.get(id(value), (None, None))
         if known is not None and known() is value:  # the weak reference: ids of freed tensors recur
             store[leaf] = device_copy
+            bar.update(size)
             continue
         target = NamedSharding(mesh, spec)
         if isinstance(value, Tensor) and value.jax().sharding.is_equivalent_to(target, value.ndim):
@@ -134,7 +137,22 @@ def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> 
             stats["sharded"] += 1
         else:
             stats["replicated"] += 1
+        bar.update(size)
+    bar.close()
     return stats
+
+
+def _progress(module: torch.nn.Module):
+    """A progress bar over the module's weight bytes, shown where placing takes a while (from 256 MiB on: a
+    large model read from its files as it is placed)."""
+    from tqdm import tqdm
+
+    from cli import logging_enabled
+
+    named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    total = sum(tensor.numel() * tensor.element_size() for _, tensor in named)  # as _weights yields them
+    quiet = not logging_enabled() or total < 2**28
+    return tqdm(total=total, desc="placing weights", unit="B", unit_scale=True, unit_divisor=1024, disable=quiet)
 
 
 def abstract_weights(module: torch.nn.Module, table: RuleTable, mesh: Mesh) -> dict[int, jax.ShapeDtypeStruct]:

@@ -88,7 +88,8 @@ def add_executables_argument(parser) -> None:
         default="auto",
         metavar="auto|off|DIR",
         help="torchax: save each compiled program and load it in later runs instead of tracing and compiling "
-        "it again; auto: a folder per platform in ~/.cache/tpu-video/executables (or $TPU_VIDEO_CACHE); "
+        "it again; auto: a folder per platform in ~/.cache/tpu-video/executables (or $TPU_VIDEO_CACHE), kept "
+        "under $TPU_VIDEO_EXECUTABLES_GIB (default 20) by dropping the least recently used; "
         "off: neither load nor save (default: %(default)s)",
     )
 

@@ -17,7 +17,7 @@ import os
 import pickle
 from pathlib import Path
 
-from cli import log
+from cli import UserError, log
 from runtime.interface import cache_root
 from runtime.program_key import digest
 
@@ -25,21 +25,41 @@ ENTRY_FORMAT = 1
 SUFFIX = ".executable"
 
 
+AUTO_LIMIT_VARIABLE = "TPU_VIDEO_EXECUTABLES_GIB"
+AUTO_LIMIT_GIB = 20.0  # the auto store's default size
+
+
 def store_from_flag(value: str, platform: str) -> ExecutableStore:
-    """`--executables`: auto (a folder per platform in this tool's cache), off, or a folder."""
+    """`--executables`: auto (a folder per platform in this tool's cache, kept under $TPU_VIDEO_EXECUTABLES_GIB
+    by dropping the least recently used entries), off, or a folder (never pruned: the user's)."""
     if value == "off":
         return ExecutableStore("off", None)
     if value == "auto":
-        return ExecutableStore("auto", cache_root() / "executables" / platform)
+        limit = _auto_limit()
+        return ExecutableStore("auto", cache_root() / "executables" / platform, limit_bytes=limit)
     return ExecutableStore("folder", Path(value).expanduser())
 
 
-class ExecutableStore:
-    """Loads and saves compiled programs in `directory` (None: off), counting what happened."""
+def _auto_limit() -> int:
+    text = os.environ.get(AUTO_LIMIT_VARIABLE, str(AUTO_LIMIT_GIB))
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = -1.0
+    if not gib > 0:
+        raise UserError(f"${AUTO_LIMIT_VARIABLE}={text!r}: give the auto executable store's size in GiB, above 0")
+    return int(gib * 2**30)
 
-    def __init__(self, mode: str, directory: Path | None) -> None:
+
+class ExecutableStore:
+    """Loads and saves compiled programs in `directory` (None: off), counting what happened. With
+    `limit_bytes`, each save drops the least recently used entries (a load counts as a use) until the
+    folder's entries fit, the new one always kept."""
+
+    def __init__(self, mode: str, directory: Path | None, limit_bytes: int | None = None) -> None:
         self.mode = mode
         self.directory = directory
+        self.limit_bytes = limit_bytes
         self.counts = {"hits": 0, "misses": 0, "saved": 0, "unusable": 0, "unsaveable": 0}
 
     @property
@@ -77,6 +97,7 @@ class ExecutableStore:
             log(f"executables: the saved {name} ({path.name}) is unusable ({why}); compiling it")
             return None
         self.counts["hits"] += 1
+        _touch(path)  # a use: the least recently used entries go first
         log(f"executables: loaded the saved {name}")
         return executable, tuple(entry["messages"])
 
@@ -110,6 +131,32 @@ class ExecutableStore:
             return
         self.counts["saved"] += 1
         log(f"executables: saved {name} ({len(payload) / 2**20:.1f} MiB)")
+        if self.limit_bytes is not None:
+            self._prune(keep=key)
+
+    def _prune(self, keep: str) -> None:
+        """Drop the least recently used entries (and their summaries) until the entries fit `limit_bytes`."""
+        entries = []
+        for path in self.directory.glob(f"*{SUFFIX}"):
+            try:
+                stat = path.stat()
+            except OSError:  # removed meanwhile by another process
+                continue
+            entries.append((stat.st_mtime, stat.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        dropped = 0
+        for _, size, path in sorted(entries):
+            if total <= self.limit_bytes:
+                break
+            if path.name == f"{keep}{SUFFIX}":
+                continue
+            for stale in (path, path.with_suffix(".json")):
+                stale.unlink(missing_ok=True)
+            total -= size
+            dropped += 1
+        if dropped:
+            limit = f"{self.limit_bytes / 2**30:g} GiB (${AUTO_LIMIT_VARIABLE})"
+            log(f"executables: dropped the {dropped} least recently used entries to keep the store under {limit}")
 
     def unsaveable(self, name: str, why: str) -> None:
         self.counts["unsaveable"] += 1
@@ -132,6 +179,13 @@ class ExecutableStore:
             return "none saved yet"
         closest = min(differences, key=len)
         return f"the closest of {len(differences)} saved differs in: {', '.join(closest)}"
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:  # a read-only store still serves its entries
+        pass
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -6,6 +6,7 @@ programs; `--executables off` writes nothing."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import tomllib
@@ -21,8 +22,9 @@ import stage2_transformer
 from attention.cudnn import NOT_A_PREFIX
 from attention.dispatch import attention_backend
 from attention.plan import fixed_plan
+from cli import UserError, add_executables_argument
 from helpers import ROOT, run_script, run_stage
-from runtime import program_key
+from runtime import executables, program_key
 from runtime.placement import make_mesh
 from runtime.torchax_runtime import TorchaxRuntime
 from sharding import MeshShape
@@ -111,6 +113,34 @@ def test_damaged_and_foreign_entries_fall_back_with_one_line(tmp_path, capsys):
     got, store = run(tmp_path)
     assert "not an entry of this store's format for this key" in capsys.readouterr().out
     assert store.counts["unusable"] == 1 and torch.equal(got, expected)
+
+
+def test_the_auto_store_drops_its_least_recently_used_entries(tmp_path, monkeypatch, capsys):
+    """Past $TPU_VIDEO_EXECUTABLES_GIB the auto store drops the entries used longest ago (a load is a use); a
+    folder given as --executables DIR is the user's and is never pruned."""
+    monkeypatch.setenv("TPU_VIDEO_CACHE", str(tmp_path))
+    shapes = {name: torch.ones(2, length, 16) for name, length in (("a", 8), ("b", 4), ("c", 12))}
+    run("auto", x=shapes["a"])
+    (first,) = (tmp_path / "executables" / "cpu").glob("*.executable")
+    monkeypatch.setenv(executables.AUTO_LIMIT_VARIABLE, str(2.5 * first.stat().st_size / 2**30))
+    run("auto", x=shapes["b"])
+    (second,) = set((tmp_path / "executables" / "cpu").glob("*.executable")) - {first}
+    _, store = run("auto", x=shapes["a"])  # a is used again: b is now the least recently used
+    assert store.counts["hits"] == 1
+    capsys.readouterr()
+    _, store = run("auto", x=shapes["c"])
+    assert store.counts["saved"] == 1 and "dropped the 1 least recently used entries" in capsys.readouterr().out
+    left = set((tmp_path / "executables" / "cpu").iterdir())
+    assert first in left and first.with_suffix(".json") in left and len(left) == 4
+    assert second not in left and second.with_suffix(".json") not in left
+    assert executables.store_from_flag(str(tmp_path / "mine"), "cpu").limit_bytes is None
+    parser = argparse.ArgumentParser()
+    add_executables_argument(parser)
+    help_text = " ".join(parser.format_help().split())
+    assert f"$TPU_VIDEO_EXECUTABLES_GIB (default {executables.AUTO_LIMIT_GIB:g})" in help_text
+    monkeypatch.setenv(executables.AUTO_LIMIT_VARIABLE, "0")
+    with pytest.raises(UserError, match="TPU_VIDEO_EXECUTABLES_GIB='0': give the auto executable store's size"):
+        executables.store_from_flag("auto", "cpu")
 
 
 def test_a_check_inside_a_loaded_program_still_raises(tmp_path):

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from models.meta import meta_module
-from planning.plan import Compiled, _flops, _report, compile_module
+from planning.plan import Compiled, add_flops, base_report, compile_module
 from planning.tpus import Target, topology_mesh
 from runtime import placement
 from runtime.torchax_runtime import TorchaxRuntime
@@ -159,7 +159,7 @@ def plan_stage1(family, source, request, images: dict, dtype: torch.dtype, targe
     fields = {"programs": [program["name"] for program in programs], "largest_program": largest["name"]}
     if images and not images_planned:  # a run's image encoder and VAE encode then run on the host's CPU too
         fields["images"] = "not planned: this model encodes its images partly on the host CPU"
-    report = _report(1, target, mesh, request, dtype, largest["compiled"], **fields)
+    report = base_report(1, target, mesh, request, dtype, largest["compiled"], **fields)
     report["compile_seconds"] = round(sum(program["compiled"].seconds for program in programs), 1)
     report["hbm_bytes_per_device"]["other_encoders_weights"] = resident - largest["weights"]
     if any(program["compiled"].refused for program in programs):
@@ -171,5 +171,5 @@ def plan_stage1(family, source, request, images: dict, dtype: torch.dtype, targe
         program["name"]: {op: value for op, value in program["compiled"].collectives.items() if value["count"]}
         for program in programs
     }
-    _flops(report, target, sum(program["compiled"].flops * program["calls"] for program in programs))
+    add_flops(report, target, sum(program["compiled"].flops * program["calls"] for program in programs))
     return report

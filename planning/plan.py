@@ -168,7 +168,7 @@ def _padding(calls) -> list[dict[str, Any]]:
     ]
 
 
-def _report(stage: int, target: Target, mesh: Mesh, request, dtype, compiled: Compiled, **fields) -> dict[str, Any]:
+def base_report(stage: int, target: Target, mesh: Mesh, request, dtype, compiled: Compiled, **fields) -> dict[str, Any]:
     """What every plan reports: where, what, and the compiler's memory verdict (the rest is `fields`)."""
     report: dict[str, Any] = {
         "stage": stage,
@@ -195,7 +195,7 @@ def _report(stage: int, target: Target, mesh: Mesh, request, dtype, compiled: Co
     return {**report, "fits": memory["total"] <= memory["capacity"], "hbm_bytes_per_device": memory}
 
 
-def _flops(report: dict[str, Any], target: Target, xla: float, attention: float = 0.0, int8: bool = False) -> None:
+def add_flops(report: dict[str, Any], target: Target, xla: float, attention: float = 0.0, int8: bool = False) -> None:
     """FLOPs per device and the step's lower bound at peak bf16; with `int8` (--quantize int8) also the bound
     with XLA's FLOPs (the int8 matmuls among them) at the int8 peak, still a lower bound."""
     report["flops_per_device"] = {"xla": xla, "attention": attention, "total": xla + attention}
@@ -307,7 +307,7 @@ def plan_stage2(
             break
     full = compiled[FULL]
     fields = {"tp_mode": tp_mode, "attention": attention.backend, "experts": len(transformers), "videos": videos}
-    report = _report(2, target, mesh, request, dtype, full, **fields)
+    report = base_report(2, target, mesh, request, dtype, full, **fields)
     if resident:
         report["hbm_bytes_per_device"]["other_experts_weights"] = resident
     if full.refused:
@@ -331,7 +331,7 @@ def plan_stage2(
     if quantization.enabled:  # read by the matmuls, never dequantized apart
         report["quantize"] = {**quantization.record(), **hlo.quantized_reads(full.hlo_text)}
     attention_flops = sum(call.flops_per_device for call in all_calls)
-    _flops(report, target, xla_flops, attention_flops, int8=quantization.scheme == "int8")
+    add_flops(report, target, xla_flops, attention_flops, int8=quantization.scheme == "int8")
     report["step_seconds_lower_bound_per_video"] = report["step_seconds_lower_bound"] / videos
     report["splash_custom_calls"] = full.hlo_text.count('custom_call_target="tpu_custom_call"')
     report["splash_padding"] = _padding(all_calls)
@@ -408,10 +408,10 @@ def plan_stage3(
             family, source, decoder, latents, layout, target, mesh, runtime, request, dtype, fields, store
         )
     compiled = compile_module(decoder, REPLICATED_TABLE, [(latents, layout)], mesh, runtime.env, store=store)
-    report = _report(3, target, mesh, request, dtype, compiled, **fields)
+    report = base_report(3, target, mesh, request, dtype, compiled, **fields)
     if not compiled.refused:
         report["collectives"] = {"total": {op: v for op, v in compiled.collectives.items() if v["count"]}}
-        _flops(report, target, compiled.flops)
+        add_flops(report, target, compiled.flops)
     return report
 
 
@@ -431,12 +431,12 @@ def _plan_frame_programs(
     refused = [program for program in compiled.values() if program.refused]
     largest = max(compiled.values(), key=lambda p: p.refused["required"] if p.refused else p.memory["total"])
     fields = {**fields, "programs": list(compiled), "calls": calls}
-    report = _report(3, target, mesh, request, dtype, largest, **fields)
+    report = base_report(3, target, mesh, request, dtype, largest, **fields)
     report["compile_seconds"] = round(sum(program.seconds for program in compiled.values()), 1)
     if not refused:
         report["hbm_bytes_per_program"] = {name: program.memory["total"] for name, program in compiled.items()}
         steady = compiled[list(compiled)[-1]].collectives
         report["collectives"] = {"per_steady_call": {op: v for op, v in steady.items() if v["count"]}}
         report["flops_per_call"] = {name: program.flops for name, program in compiled.items()}
-        _flops(report, target, sum(compiled[name].flops * count for name, count in calls.items()))
+        add_flops(report, target, sum(compiled[name].flops * count for name, count in calls.items()))
     return report

@@ -27,6 +27,7 @@ from cli import (
     flag_names,
     log,
     parse_dtype,
+    refuse_planning_flags,
     run_cli,
     stage_parser,
 )
@@ -148,9 +149,7 @@ def plan_main(args) -> None:
     video = checked_video(args, source, family, Path(args.output_dir))
     log(f"planning {family.NAME} stage 1 for {target.name} ({target.topology}), every device on tp")
     report = plan_stage1(family, source, video.request, video.images, parse_dtype(args.dtype), target, store)
-    if store is not None:
-        report["executables"] = {"folder": str(store.directory), **store.counts}
-    plan_report.finish(report, args.plan_json)
+    plan_report.finish(report, args.plan_json, store)
 
 
 def main(argv=None) -> None:
@@ -158,9 +157,7 @@ def main(argv=None) -> None:
     filter_harmless_warnings()
     if args.plan:
         return plan_main(args)
-    for flag in ("plan_json", "save_executables"):
-        if getattr(args, flag):
-            raise UserError(f"--{flag} needs --plan")
+    refuse_planning_flags(args)
     check_backend_flags(args.backend, args.device)
     dtype = parse_dtype(args.dtype)
     output_dir = Path(args.output_dir)

@@ -24,6 +24,7 @@ from cli import (
     flag_names,
     log,
     parse_dtype,
+    refuse_planning_flags,
     run_cli,
     set_logging,
     stage_parser,
@@ -275,9 +276,7 @@ def plan_main(args) -> None:
         report["where_it_fits"] = where_it_fits(facts, cfg, videos, *target_devices, target.generation, mesh)
     if adapters:
         report["adapters"] = {"fused": [a.record() for a in adapters], "effect": lora.PLAN_EFFECT}
-    if store is not None:
-        report["executables"] = {"folder": str(store.directory), **store.counts}
-    plan_report.finish(report, args.plan_json)
+    plan_report.finish(report, args.plan_json, store)
 
 
 def main(argv=None) -> None:
@@ -286,9 +285,7 @@ def main(argv=None) -> None:
     if args.plan:
         check_batch_flags(args, [])
         return plan_main(args)
-    for flag in ("plan_json", "save_executables"):
-        if getattr(args, flag):
-            raise UserError(f"--{flag} needs --plan")
+    refuse_planning_flags(args)
     if args.peer_timeout <= 0:
         raise UserError(f"--peer_timeout {args.peer_timeout} must be a positive number of seconds")
     folders = batch_folders.expand_folders(args.input_dir)
@@ -360,8 +357,7 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
     with run.timer.phase("save"):
         saved = write_tensors(run.output_dir / STAGE2_FILE, {"latents": latents})
         if args.cache_calibrate:
-            calibrated = (run.request.model_id, lora.identity(run.adapters), options.quantization.calibration_key())
-            step_cache.write_ratios(run.output_dir, *calibrated)
+            step_cache.write_ratios(run.output_dir, *run.calibrated)
     run.timer.finish()
     if step_cache is not None:
         record["step_cache"] = {**step_cache.record(), **run.timer.median_steps()}

@@ -29,6 +29,7 @@ from cli import (
     flag_names,
     log,
     parse_dtype,
+    refuse_planning_flags,
     run_cli,
     stage_parser,
 )
@@ -189,9 +190,7 @@ def plan_main(args) -> None:
     chunk_frames = chunk_frames_choice(args, family, "torchax")  # what a TPU run would take
     log(f"planning the {family.NAME} decode for {target.name} ({target.topology}), tiling {args.tiling}")
     report = plan.plan_stage3(family, source, request, dtype, target, args.tiling, chunk_frames, store=store)
-    if store is not None:
-        report["executables"] = {"folder": str(store.directory), **store.counts}
-    plan_report.finish(report, args.plan_json)
+    plan_report.finish(report, args.plan_json, store)
 
 
 def preview_name(video_name: str) -> str:
@@ -245,10 +244,7 @@ def main(argv=None) -> None:
     if args.plan:
         return plan_main(args)
     planning_only = ("plan_json", "save_executables", *PLAN_REQUEST_KEYS)
-    given = [f"--{name}" for name in planning_only if getattr(args, name) is not None]
-    if given:
-        verb = "needs" if len(given) == 1 else "need"
-        raise UserError(f"{', '.join(given)} {verb} --plan (stage 3 decodes the latents stage 2 wrote)")
+    refuse_planning_flags(args, planning_only, " (stage 3 decodes the latents stage 2 wrote)")
     if args.dp is not None:
         raise UserError(
             "--dp: stage 3 has no data-parallel axis; with --backend torchax it splits the latents' width over "

@@ -115,6 +115,13 @@ def add_plan_arguments(parser, compiles: str, more: str = ""):
     return planning
 
 
+def refuse_planning_flags(args, names=("plan_json", "save_executables"), why: str = "") -> None:
+    """Without --plan, the flags `names` (add_plan_arguments' and a stage's own) are an error."""
+    given = [f"--{name}" for name in names if getattr(args, name) is not None]
+    if given:
+        raise UserError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --plan{why}")
+
+
 def run_cli(main: Callable[[], None]) -> None:
     """Run a stage's main(): user errors become one `error:` line and exit status 2; a requested stop one
     `stopped:` line and status 143 (130 after Ctrl-C); bugs keep their traceback."""

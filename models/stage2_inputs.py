@@ -46,6 +46,7 @@ class ValidatedRun:
     embeddings: dict
     cache: CacheSettings
     adapters: list  # models.lora.Adapter
+    calibrated: tuple  # what MagCache ratios must be calibrated for: model id, adapters, quantization
     guard: DenoiseGuard
     trace_dir: str | None
     timer: Timer
@@ -103,6 +104,7 @@ def validated_run(
         embeddings,
         cache,
         adapters,
+        calibrated,
         guard,
         trace_dir,
         timer,

@@ -137,15 +137,15 @@ def plan_stage1(family, source, request, images: dict, dtype: torch.dtype, targe
     mesh = topology_mesh(target, MeshShape(tp=target.devices))
     runtime = PlanningRuntime(mesh, store)
     planning = MetaSource(source)
+    images_planned = bool(images) and family.images_on_runtime(source)
     try:
         with runtime.precision(dtype):
             family.prompt_encoder(planning, dtype, runtime)(request)
-        if images and family.images_on_runtime(source):
+        if images_planned:
             with torch.no_grad(), runtime.precision(torch.float32):
                 family.encode_images(planning, request, images, runtime)
     except _Refused:
         pass  # reported below, with what was compiled before it
-    images_planned = bool(images) and family.images_on_runtime(source)
     programs = runtime.programs
     resident = sum({p["module"]: p["weights"] for p in programs}.values())  # each module once, whatever its programs
     for program in programs:

@@ -14,8 +14,11 @@ DOES_NOT_FIT_EXIT_STATUS = 3
 STAGE_WORK = {1: "encode", 2: "step", 3: "decode"}  # what each stage's plan bounds the time of
 
 
-def finish(report: dict[str, Any], json_path: str | None) -> None:
-    """Print the report, save it as JSON if asked, and exit 3 when it does not fit."""
+def finish(report: dict[str, Any], json_path: str | None, store=None) -> None:
+    """Record what `store` (the plan's --save_executables, or None) saved, print the report, save it as JSON if
+    asked, and exit 3 when it does not fit."""
+    if store is not None:
+        report["executables"] = {"folder": str(store.directory), **store.counts}
     print_report(report)
     if json_path:
         atomic_write(Path(json_path), lambda tmp: tmp.write_text(strict_json(report, indent=2) + "\n"))

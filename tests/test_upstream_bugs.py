@@ -232,3 +232,24 @@ def test_jax_0_10_2_cpu_executables_from_the_compilation_cache_fail_when_loaded_
     broken, workaround = (python("load", tmp_path / f"{how}.pkl") for how in ("from the cache", "fresh"))
     assert broken.returncode != 0 and "not found (type id" in broken.stderr, broken.stderr[-2000:]
     assert workaround.returncode == 0 and float(workaround.stdout) == 512.0, workaround.stderr[-2000:]
+
+
+def test_torchax_0_0_13_drops_in_place_updates_made_through_a_view():
+    """diffusers' LTX-2 `apply_split_rotary_emb` writes both halves of its output with `addcmul_` on slices;
+    under torchax the output keeps the unrotated values. Workaround: workarounds.torchax.split_rotary_emb
+    (models/ltx2/transformer.py traces with it)."""
+    from diffusers.models.transformers.transformer_ltx2 import apply_split_rotary_emb
+
+    from workarounds.torchax import split_rotary_emb
+
+    generator = torch.Generator().manual_seed(0)
+    x, cos, sin = torch.randn(2, 5, 16, generator=generator), torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4)
+    expected = apply_split_rotary_emb(x, (cos, sin))
+    runtime = TorchaxRuntime()
+    errors = {}
+    for name, function in (("stock", apply_split_rotary_emb), ("patched", split_rotary_emb)):
+        with runtime.env:
+            got = function(*runtime.to_device((x,)), tuple(runtime.to_device((cos, sin))))
+        errors[name] = relative_error(runtime.to_host(got), expected)
+    assert errors["patched"] <= 1e-6
+    assert errors["stock"] > 1e-2, f"torchax now keeps in-place updates through views ({errors}); drop the patch"

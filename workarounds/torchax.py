@@ -265,3 +265,39 @@ def quiet_attribute_scan():
             yield
         finally:
             transformers_logging.set_verbosity(verbosity)
+
+
+def split_rotary_emb(x: torch.Tensor, freqs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """diffusers 0.42.1's LTX-2 `apply_split_rotary_emb` (the same expressions in the same order) without
+    its in-place `addcmul_` on two slices of one tensor: torchax 0.0.13 drops an in-place update made
+    through a view, so the stock function returns the unrotated `x * cos` under torchax."""
+    cos, sin = freqs
+    dtype = x.dtype
+    reshaped = x.ndim != 4 and cos.ndim == 4
+    if reshaped:  # cos is (b, h, t, r): x to (b, h, t, dim per head)
+        b, h, t, _ = cos.shape
+        x = x.reshape(b, t, h, -1).swapaxes(1, 2)
+    last = x.shape[-1]
+    if last % 2:
+        raise ValueError(f"Expected x.shape[-1] to be even for split rotary, got {last}.")
+    split = x.reshape(*x.shape[:-1], 2, last // 2).float()
+    first, second = split[..., :1, :], split[..., 1:, :]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    out = torch.cat([first * cos + -sin * second, second * cos + sin * first], dim=-2).reshape(*x.shape[:-1], last)
+    if reshaped:
+        out = out.swapaxes(1, 2).reshape(b, t, -1)
+    return out.to(dtype)
+
+
+@contextlib.contextmanager
+def functional_split_rotary() -> Iterator[None]:
+    """While tracing LTX-2's modules: diffusers' transformer_ltx2 module calls `split_rotary_emb` (its
+    attention processors look the function up there at call time); restored after."""
+    from diffusers.models.transformers import transformer_ltx2
+
+    stock = transformer_ltx2.apply_split_rotary_emb
+    transformer_ltx2.apply_split_rotary_emb = split_rotary_emb
+    try:
+        yield
+    finally:
+        transformer_ltx2.apply_split_rotary_emb = stock

@@ -355,7 +355,7 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
         processes.agree("written", None)  # wait for process 0's files, and fail if it failed
         return
     with run.timer.phase("save"):
-        saved = write_tensors(run.output_dir / STAGE2_FILE, {"latents": latents})
+        saved = write_tensors(run.output_dir / STAGE2_FILE, latents)
         if args.cache_calibrate:
             step_cache.write_ratios(run.output_dir, *run.calibrated)
     run.timer.finish()
@@ -374,6 +374,8 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
     from runtime.torchax_runtime import device_memory
 
     groups: dict[tuple, list[ValidatedRun]] = {}
+    if any(run.family.NAME == "ltx2" for run in runs):  # its guided batch holds one video (docs/ltx2.md)
+        raise UserError("LTX-2 folders are denoised one at a time so far: run stage 2 on each folder")
     for run in runs:
         task = run.config["stage1"].get("task", "t2v")
         groups.setdefault((group_key(run.request, task, run.cache.record()), run.dtype_name), []).append(run)
@@ -398,7 +400,7 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
 
         def write(run, latents, info, timer, timing, batch, step_cache, record=record, group=number, runtime=runtime):
             timer.seconds = timing  # the batch's table, finished once
-            saved = write_tensors(run.output_dir / STAGE2_FILE, {"latents": latents})
+            saved = write_tensors(run.output_dir / STAGE2_FILE, latents)
             record = {**record, "batch": {"group": group, **batch}}
             if step_cache is not None:
                 record["step_cache"] = step_cache
@@ -426,7 +428,8 @@ def write_section(args, run: ValidatedRun, saved: dict, latents, info, timer, re
         **run_record(runtime, run.dtype_name, timer.seconds, ("diffusers",)),
     }
     write_stage_config(run.output_dir, run.request, stage_sections(run.config), "stage2", section)
-    log(f"wrote {run.output_dir / STAGE2_FILE}: latents {tuple(latents.shape)} ({info['latents_layout']})")
+    shapes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in latents.items())
+    log(f"wrote {run.output_dir / STAGE2_FILE}: {shapes} ({info['latents_layout']})")
 
 
 if __name__ == "__main__":

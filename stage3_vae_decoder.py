@@ -58,29 +58,50 @@ from utils import (
 from workarounds.warning_filters import filter_harmless_warnings
 
 
-def write_mp4(path: Path, frames, fps: int) -> None:
-    """Encode uint8 frames (F, H, W, 3) as H.264 mp4 with imageio-ffmpeg, atomically."""
+def write_mp4(path: Path, frames, fps: int, audio: tuple[torch.Tensor, int] | None = None) -> None:
+    """Encode uint8 frames (F, H, W, 3) as H.264 mp4 with imageio-ffmpeg, atomically; with `audio` (a waveform
+    (channels, samples) in [-1, 1] and its sample rate), an AAC track muxed in by the same ffmpeg call, which
+    reads it from a 16-bit WAV written beside the temporary mp4."""
     import imageio_ffmpeg
 
     _, height, width, _ = frames.shape
 
     def write(tmp: Path) -> None:
-        writer = imageio_ffmpeg.write_frames(
-            str(tmp),
-            (width, height),
-            fps=fps,
-            codec="libx264",
-            pix_fmt_out="yuv420p",
-            macro_block_size=1,
-            quality=8,
-            ffmpeg_log_level="error",
-        )
-        writer.send(None)
-        for frame in frames:
-            writer.send(frame.tobytes())
-        writer.close()
+        wav = tmp.with_suffix(".wav")
+        if audio is not None:
+            write_wav(wav, *audio)
+        try:
+            writer = imageio_ffmpeg.write_frames(
+                str(tmp),
+                (width, height),
+                fps=fps,
+                codec="libx264",
+                pix_fmt_out="yuv420p",
+                macro_block_size=1,
+                quality=8,
+                ffmpeg_log_level="error",
+                **({"audio_path": str(wav), "audio_codec": "aac"} if audio is not None else {}),
+            )
+            writer.send(None)
+            for frame in frames:
+                writer.send(frame.tobytes())
+            writer.close()
+        finally:
+            wav.unlink(missing_ok=True)
 
     atomic_write(path, write)
+
+
+def write_wav(path: Path, waveform: torch.Tensor, sample_rate: int) -> None:
+    """A waveform (channels, samples) in [-1, 1] as 16-bit PCM WAV (the standard library's writer)."""
+    import wave
+
+    pcm = (waveform.clamp(-1, 1).numpy().T * 32767).round().astype("<i2")
+    with wave.open(str(path), "wb") as file:
+        file.setnchannels(pcm.shape[1])
+        file.setsampwidth(2)
+        file.setframerate(sample_rate)
+        file.writeframes(pcm.tobytes())
 
 
 def write_preview_png(path: Path, frames, count: int = 8, columns: int = 4) -> tuple[int, int]:
@@ -288,6 +309,7 @@ class Video:
     dtype_name: str
     latents: torch.Tensor
     normalization: dict  # what stage 2 recorded, undone before decoding
+    tensors: dict  # every tensor stage 2 wrote (LTX-2: `audio_latents` too)
 
 
 def checked_video(args, input_dir: Path) -> Video:
@@ -300,12 +322,18 @@ def checked_video(args, input_dir: Path) -> Video:
     check_stage2_fresh(input_dir, config, request)
     dtype_name = args.dtype or request.dtype
     parse_dtype(dtype_name)
-    latents = read_tensors(input_dir, config["stage2"])["latents"]
+    if family.decode_audio is not None and args.fps is not None and args.fps != config["fps"]:
+        raise UserError(
+            f"--fps {args.fps}: this {family.NAME} video's soundtrack was generated for {config['fps']} fps (stage 1's "
+            "--fps); another frame rate would play the pictures out of step with it"
+        )
+    tensors = read_tensors(input_dir, config["stage2"])
+    latents = tensors["latents"]
     normalization = stage2_normalization(config["stage2"], lambda: family.latents_normalization(source))
     source.load_config("vae")  # a model folder without a VAE is refused here, before any folder decodes
     check_output_dir(output_dir, input_dir, config)
     ensure_writable_dir(output_dir, (output_name, preview_name(output_name), frames_name(output_name)))
-    fields = (config, request, overrides, source, family, dtype_name, latents, normalization)
+    fields = (config, request, overrides, source, family, dtype_name, latents, normalization, tensors)
     return Video(input_dir, output_dir, output_name, *fields)
 
 
@@ -344,14 +372,20 @@ def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vae
             "nothing was written"
         )
     pixels = (frames.numpy() * 255).round().astype(np.uint8)
+    audio = None
+    if family.decode_audio is not None:
+        with timer.phase("audio"):
+            audio = family.decode_audio(source, video.tensors, dtype)
     with timer.phase("save"):
-        write_mp4(output_dir / output_name, pixels, request.fps)
+        write_mp4(output_dir / output_name, pixels, request.fps, audio)
         preview = None
         if args.preview_frames:
             preview = preview_name(output_name)
             rows, columns = write_preview_png(output_dir / preview, pixels, count=args.preview_frames)
         if args.save_frames:  # exactly what went into the encoder, and the decode before quantisation
             saved = {"frames": torch.from_numpy(pixels), "frames_float": frames.float()}
+            if audio is not None:
+                saved["waveform"] = audio[0]  # float32, lossless (the mp4's AAC track is not)
             frames_record = write_tensors(output_dir / frames_name(output_name), saved)
 
     count, height, width, _ = pixels.shape
@@ -368,12 +402,19 @@ def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vae
         "backend_choice": reason,
         **run_record(runtime, dtype_name, timer.finish(), ("diffusers", "imageio-ffmpeg")),
     }
+    if audio is not None:
+        waveform, rate = audio
+        channels, samples = waveform.shape
+        section["audio"] = {"codec": "aac", "sample_rate": rate, "channels": channels, "samples": samples}
     if preview:
         section.update(preview=preview, preview_grid=[rows, columns])
     if args.save_frames:
         section["frames_file"] = frames_record
     write_stage_config(output_dir, request, stage_sections(config), "stage3", section)
-    log(f"wrote {output_dir / output_name}: {count} frames x {height} x {width} at {request.fps} fps")
+    sound = ""
+    if audio is not None:
+        sound = f", with a {samples / rate:.2f} s {channels}-channel AAC soundtrack at {rate} Hz"
+    log(f"wrote {output_dir / output_name}: {count} frames x {height} x {width} at {request.fps} fps{sound}")
 
 
 if __name__ == "__main__":

@@ -233,6 +233,10 @@ def stage2_normalization(stage2: dict[str, Any], vae_scaling_factor: Callable[[]
 # The generation request's keys that later stages may override from their command line.
 REQUEST_KEYS = ("height", "width", "num_frames", "fps", "num_inference_steps")
 REQUEST_KEYS += ("guidance_scale", "guidance_scale_2", "seed", "flow_shift", "scheduler")
+# LTX-2's guidance terms and motion speed (diffusers' LTX2Pipeline arguments); unset, the pipeline's defaults.
+LTX2_GUIDANCE_KEYS = ("stg_scale", "stg_blocks", "modality_scale", "guidance_rescale", "audio_guidance_scale")
+LTX2_GUIDANCE_KEYS += ("audio_stg_scale", "audio_modality_scale", "audio_guidance_rescale", "motion_speed")
+REQUEST_KEYS += LTX2_GUIDANCE_KEYS
 # --scheduler's names for the flow-matching samplers a Wan folder's scheduler config can build.
 SCHEDULERS = ("unipc", "euler")
 # Those that shape stage 2's latents (fps only matters to the mp4): a stage-2 section records them, and
@@ -282,6 +286,28 @@ def add_request_arguments(parser, *, for_later_stage: bool) -> None:
         type=int,
         help="seed of the CPU generator that draws the initial noise" + ("" if for_later_stage else " (default: 42)"),
     )
+    add_ltx2_guidance_arguments(parser)
+
+
+def add_ltx2_guidance_arguments(parser) -> None:
+    """LTX-2's guidance flags (docs/ltx2.md), named as LTX2Pipeline's arguments. Unset, a term takes the
+    pipeline's default and is skipped where it cannot act; a value given that cannot act is an error."""
+    group = parser.add_argument_group("LTX-2 guidance", "(unset: LTX2Pipeline's defaults; other families refuse them)")
+    for name, words in (
+        ("stg_scale", "spatio-temporal guidance scale (default 1.0; acts on models with perturbed attention)"),
+        ("modality_scale", "modality guidance scale (default 3.0; > 1 runs the pass without audio<->video attention)"),
+        ("guidance_rescale", "rescale of the guided prediction toward the conditional one's std (default 0.7)"),
+        ("audio_guidance_scale", "the audio stream's --guidance_scale (default 7.0; 0 means 0)"),
+        ("audio_stg_scale", "the audio stream's --stg_scale (default 1.0)"),
+        ("audio_modality_scale", "the audio stream's --modality_scale (default 3.0)"),
+        ("audio_guidance_rescale", "the audio stream's --guidance_rescale (default 0.7)"),
+        ("motion_speed", "motion relative to real time: RoPE sees fps / motion_speed (default 1.0)"),
+    ):
+        group.add_argument(f"--{name}", type=finite_float, help=words)
+    group.add_argument(
+        "--stg_blocks",
+        help="comma-separated transformer blocks whose self-attention the STG pass perturbs (default: 28)",
+    )
 
 
 # What each annotation of Request accepts (bool is not a number here, though Python's int says so).
@@ -310,6 +336,16 @@ class Request:
     guidance_scale_2: float | None = None  # Wan 2.2's low-noise expert (None: guidance_scale)
     variant: str | None = None  # e.g. CogVideoX "1.0" or "1.5"
     scheduler: str | None = None  # Wan: one of SCHEDULERS (None: the model folder's)
+    # LTX-2 (None: LTX2Pipeline's default, models/ltx2/guidance.py)
+    stg_scale: float | None = None
+    stg_blocks: str | None = None  # comma-separated block indices
+    modality_scale: float | None = None
+    guidance_rescale: float | None = None
+    audio_guidance_scale: float | None = None
+    audio_stg_scale: float | None = None
+    audio_modality_scale: float | None = None
+    audio_guidance_rescale: float | None = None
+    motion_speed: float | None = None
 
     def __post_init__(self) -> None:
         """The checks every family shares; geometry and family extras are each family's validate_request.

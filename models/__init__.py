@@ -22,11 +22,12 @@ from typing import Any
 
 from cli import UserError
 from runtime.interface import cache_root
+from utils import LTX2_GUIDANCE_KEYS
 
-from . import cogvideox, hunyuanvideo15, wan
+from . import cogvideox, hunyuanvideo15, ltx2, wan
 from .family import Family, Preset
 
-FAMILIES: dict[str, Family] = {family.NAME: family for family in (cogvideox, hunyuanvideo15, wan)}
+FAMILIES: dict[str, Family] = {family.NAME: family for family in (cogvideox, hunyuanvideo15, wan, ltx2)}
 
 PRESETS: dict[str, Preset] = {name: preset for family in FAMILIES.values() for name, preset in family.PRESETS.items()}
 # Published hub ids by their components' configs (each family's `PUBLISHED`), to plan offline.
@@ -82,6 +83,8 @@ def component_class(source: ModelSource, component: str):
     if not isinstance(entry, list) or len(entry) != 2 or entry[1] is None:
         raise UserError(f"model_index.json of {source.ref!r} has no {component!r} component")
     library, class_name = entry
+    if library not in ("diffusers", "transformers"):  # a pipeline's own module (LTX-2's "ltx2" connectors)
+        library = f"diffusers.pipelines.{library}"
     return getattr(importlib.import_module(library), class_name)
 
 
@@ -123,6 +126,7 @@ def resolve_model_for_request(
 FAMILY_FLAGS = {
     "guidance_scale_2": "applies to two-expert Wan 2.2 models, not {family}",
     "scheduler": "applies to Wan models; {family} runs its folder's scheduler",
+    **{key: "is an LTX-2 guidance flag; {family} has no such term" for key in LTX2_GUIDANCE_KEYS},
 }
 
 

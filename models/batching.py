@@ -22,6 +22,7 @@ import torch
 from cli import log
 from runtime.interface import Timer
 from sharding import DP
+from utils import LTX2_GUIDANCE_KEYS
 
 from . import scanned_blocks
 from .denoise import DenoiseLoop, DenoiseOptions, load_transformers, place_denoisers, run_denoise_loop
@@ -39,6 +40,7 @@ GROUP_FIELDS = (
     "guidance_scale_2",
     "flow_shift",
     "scheduler",
+    *LTX2_GUIDANCE_KEYS,
 )
 
 

@@ -188,13 +188,13 @@ def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options:
 def denoise(
     family, source, request, embeds, dtype: torch.dtype, runtime: Runtime, timer: Timer, options: DenoiseOptions
 ):
-    """Stage 2 for any family: load the transformer(s), run the family's loop; returns (latents, record,
-    the run's StepCache or None)."""
+    """Stage 2 for any family: load the transformer(s), run the family's loop; returns (stage 2's tensors by
+    name, `latents` first; the record; the run's StepCache or None)."""
     transformers = load_transformers(family, source, dtype, options, timer)
     loop, finish = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, options.tp_mode)
     latents, cache = run_denoise_loop(loop, runtime, timer, options)
-    latents, record = finish(latents)
-    return latents, {**record, **scanned_blocks.record(loop, options.scan_blocks)}, cache
+    tensors, record = finish(latents)
+    return tensors, {**record, **scanned_blocks.record(loop, options.scan_blocks)}, cache
 
 
 def latents_record(scheduler, do_cfg: bool, normalization: dict[str, Any], **extra) -> dict[str, Any]:

@@ -56,6 +56,9 @@ class Family(Protocol):
     # Decoder(vae, normalization): undoes the latents' recorded normalisation and decodes stage-2 latents
     # to pixels in [-1, 1], as one graph.
     Decoder: type[torch.nn.Module]
+    # Families whose videos carry sound (LTX-2): decode_audio(source, stage-2 tensors, dtype) gives the
+    # waveform (channels, samples) in [-1, 1] and its sample rate; None for silent families.
+    decode_audio: Callable[..., tuple[torch.Tensor, int]] | None
 
     def request_defaults(self, source: ModelSource) -> dict[str, Any]:
         """Request values for keys the user did not give (documented per-checkpoint defaults)."""
@@ -110,8 +113,8 @@ class Family(Protocol):
         tp_mode: str,
     ) -> tuple[DenoiseLoop, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]]:
         """Stage 2: the loop for `transformers` (by component name; loaded, or on the meta device for --plan),
-        and the function turning its final latents into stage 2's latents (B, C, F, H, W) and the facts
-        stage 3 needs."""
+        and the function turning its final latents into stage 2's tensors by name (`latents`, (B, C, F, H,
+        W); LTX-2 adds `audio_latents`) and the facts stage 3 needs."""
 
     def planning_embeds(self, source: ModelSource, request: Request, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Zero stage-1 tensors of the shapes stage 1 would write (to plan before encoding)."""

@@ -193,6 +193,7 @@ def install(loop, setting: str, cache, scan):
             continue  # a cache this model cannot hold: the step cache says so, after its other checks
         count = span[1] - span[0]
         why = f"only {count} block(s) to scan" if count < 2 else difference(blocks[span[0] : span[1]])
+        why = getattr(guided, "scan_unsupported", None) or why
         if why is not None:
             if setting == "on":
                 raise UserError(f"--scan_blocks on: {type(transformer).__name__}: {why}")

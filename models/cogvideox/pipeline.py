@@ -135,7 +135,7 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
 
     def finish(latents):
         latents = latents[:, pad_frames:].permute(0, 2, 1, 3, 4).contiguous()
-        return latents, latents_record(
+        return {"latents": latents}, latents_record(
             scheduler, do_cfg, vae_scaling_factor(source), dropped_pad_latent_frames=pad_frames
         )
 

@@ -125,6 +125,6 @@ def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtyp
         cache_branches=("pred_cond", "pred_uncond") if do_cfg else ("pred_cond",),  # the guider's cache contexts
     )
     return loop, lambda latents: (
-        latents,
+        {"latents": latents},
         latents_record(scheduler, do_cfg, common.vae_scaling_factor(source), flow_shift=request.flow_shift),
     )

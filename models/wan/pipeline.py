@@ -146,7 +146,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
 
     def finish(latents):
         latents = ti2v_parts["finish"](latents) if ti2v_parts else latents
-        return latents, latents_record(scheduler, do_cfg, latents_normalization(source), **extra)
+        return {"latents": latents}, latents_record(scheduler, do_cfg, latents_normalization(source), **extra)
 
     return loop, finish
 

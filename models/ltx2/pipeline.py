@@ -1,0 +1,237 @@
+"""LTX-2 (diffusers `LTX2Pipeline`): a video and an audio stream denoised together by one transformer.
+
+Stage 1 runs the pipeline's own Gemma 3 prompt encoding (left padding to 1024 tokens, every hidden state
+stacked) and its text connectors, and writes each prompt's connector outputs: the video and audio streams'
+text tokens and their mask. Stage 2 draws the noise as the pipeline does (video first, then audio), runs
+every guidance pass of a step as one compiled batch (transformer.py) and steps both streams with one
+FlowMatch Euler scheduler; it writes both latents as the pipeline returns them with `output_type="latent"`:
+unpacked and de-normalised to their VAEs' spaces, so nothing is left for stage 3 to undo.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cli import UserError, log
+from utils import Request
+
+from ..common import NOISE_DTYPE
+from ..denoise import DenoiseLoop, latents_record
+from ..encoders import DeviceTextEncoder
+from ..guidance import BATCH
+from .config import (
+    MAX_SEQUENCE_LENGTH,
+    TOKENIZER_PADDING_SIDE,
+    audio_frames,
+    audio_temporal_ratio,
+    latent_grid,
+    stock_pipeline,
+    vae_ratios,
+)
+from .guidance import resolve_guidance
+from .transformer import ROPES, GuidedTransformer, rope_tables, transformer_rules
+
+STAGE1_TENSORS = ("connector_prompt_embeds", "connector_audio_prompt_embeds", "connector_attention_mask")
+
+# Stage 1 -------------------------------------------------------------------------------------------
+
+
+def prompt_encoder(source, dtype: torch.dtype, runtime):
+    """Gemma 3 (its language model on the runtime) and the connectors loaded once; per request the
+    pipeline's `encode_prompt` of the prompt and the negative prompt, then its connectors on both."""
+    gemma = source.load("text_encoder", dtype=dtype).eval()
+    text_encoder = DeviceTextEncoder(gemma.model.language_model, runtime, hidden_states=True)
+    connectors = source.load("connectors", dtype=dtype).eval()
+    pipe = stock_pipeline(source, tokenizer=source.load("tokenizer"), text_encoder=text_encoder, connectors=connectors)
+
+    def encode(request: Request) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            positive, positive_mask, negative, negative_mask = pipe.encode_prompt(
+                prompt=request.prompt,
+                negative_prompt=request.negative_prompt,
+                do_classifier_free_guidance=True,
+                max_sequence_length=MAX_SEQUENCE_LENGTH,
+                device="cpu",
+                dtype=dtype,
+            )
+            # The pipeline runs the connectors on the [negative, positive] batch; so does stage 1.
+            outputs = connectors(
+                torch.cat([negative, positive]),
+                torch.cat([negative_mask, positive_mask]),
+                padding_side=TOKENIZER_PADDING_SIDE,
+            )
+        tensors = {}
+        for name, output in zip(STAGE1_TENSORS, outputs, strict=True):
+            uncond, cond = output.chunk(2)
+            tensors[name], tensors[f"negative_{name}"] = cond.contiguous(), uncond.contiguous()
+        return tensors
+
+    return encode
+
+
+# Stage 2 -------------------------------------------------------------------------------------------
+
+
+def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Zero stage-1 tensors of the shapes stage 1 writes for this model (to plan before encoding)."""
+    transformer = source.load_config("transformer")
+    connectors = source.load_config("connectors")
+    widths = {"connector_prompt_embeds": connectors.get("video_hidden_dim", transformer["caption_channels"])}
+    widths["connector_audio_prompt_embeds"] = connectors.get("audio_hidden_dim", transformer["caption_channels"])
+    if not connectors.get("per_modality_projections", False):
+        widths = dict.fromkeys(widths, transformer["caption_channels"])
+    embeds = {}
+    for prefix in ("", "negative_"):
+        for name, width in widths.items():
+            embeds[prefix + name] = torch.zeros(1, MAX_SEQUENCE_LENGTH, width, dtype=dtype)
+        embeds[prefix + "connector_attention_mask"] = torch.ones(1, MAX_SEQUENCE_LENGTH, dtype=torch.int64)
+    return embeds
+
+
+def latent_statistics(source, component: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A VAE's `latents_mean` and `latents_std` buffers (the pipeline's de-normalisation), read from its
+    checkpoint without loading the VAE."""
+    from safetensors import safe_open
+
+    from ..direct_load import checkpoint_paths
+
+    try:
+        paths = checkpoint_paths(source.location, component)
+    except OSError:
+        paths = []
+    for path in paths:
+        with safe_open(path, framework="pt") as file:
+            if "latents_mean" in file.keys():
+                return file.get_tensor("latents_mean").float(), file.get_tensor("latents_std").float()
+    vae = source.load(component)
+    return vae.latents_mean.float(), vae.latents_std.float()
+
+
+def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime, tp_mode):
+    """LTX2Pipeline's loop as a DenoiseLoop over one tensor holding both streams' packed latents."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, retrieve_timesteps
+    from diffusers.pipelines.ltx2.utils import conditioning_frame_rate
+    from diffusers.utils.torch_utils import randn_tensor
+
+    transformer = transformers["transformer"]
+    config = dict(transformer.config)
+    guidance = resolve_guidance(request, config)
+    for term, why in guidance.skipped.items():
+        log(f"guidance: {term} skipped: {why}")
+    frames, height, width = latent_grid(source, request)
+    audio_length = audio_frames(source, request)
+    audio_vae = source.load_config("audio_vae")
+    mel_bins = audio_vae["mel_bins"] // audio_temporal_ratio(source)  # the VAE uses one factor for both
+    patch, patch_t = config["patch_size"], config["patch_size_t"]
+
+    generator = torch.Generator("cpu").manual_seed(request.seed)
+    video = randn_tensor((1, config["in_channels"], frames, height, width), generator=generator, dtype=NOISE_DTYPE)
+    video = LTX2Pipeline._pack_latents(video, patch, patch_t)
+    audio = randn_tensor((1, audio_vae["latent_channels"], audio_length, mel_bins), generator=generator)
+    audio = LTX2Pipeline._pack_audio_latents(audio)
+    shapes = (tuple(video.shape[1:]), tuple(audio.shape[1:]))
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(source.load_config("scheduler"))
+    steps = request.num_inference_steps
+    mu = calculate_shift(
+        video.shape[1],
+        scheduler.config.get("base_image_seq_len", 1024),
+        scheduler.config.get("max_image_seq_len", 4096),
+        scheduler.config.get("base_shift", 0.95),
+        scheduler.config.get("max_shift", 2.05),
+    )
+    import numpy as np
+
+    timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", None, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+
+    fps = conditioning_frame_rate(float(request.fps), guidance.motion_speed)
+    video_coords = transformer.rope.prepare_video_coords(1, frames, height, width, "cpu", fps=fps)
+    audio_coords = transformer.audio_rope.prepare_audio_coords(1, audio_length, "cpu")
+    tables = rope_tables(transformer, video_coords, audio_coords)
+    guided = GuidedTransformer(
+        transformer, guidance, dtype, shapes, (frames, height, width, fps, audio_length), runtime.constrain
+    )
+
+    def rows(name: str) -> torch.Tensor:
+        return torch.cat([embeds[("negative_" if b == "uncond" else "") + name] for b in guidance.branches])
+
+    static = [(rows(name).to(dtype), BATCH) for name in STAGE1_TENSORS[:2]]
+    static.append((rows("connector_attention_mask"), BATCH))
+    static += [(table.contiguous(), ()) for name in ROPES for table in tables[name]]
+
+    def step(i, t, noise_pred, latents, carry):
+        return scheduler.step(noise_pred, t, latents, return_dict=False)[0], carry
+
+    def on_start(start, carry):
+        scheduler.set_begin_index(start)  # the pipeline sets 0; --resume continues at `start`
+
+    loop = DenoiseLoop(
+        guided=(guided,),
+        rules=transformer_rules(tp_mode),
+        static_inputs=tuple(static),
+        timesteps=timesteps,
+        latents=torch.cat([video.flatten(1), audio.flatten(1)], dim=1),
+        generator=generator,
+        step=step,
+        on_start=on_start,
+        timestep_input=lambda i, t: torch.stack([t, scheduler.sigmas[i]]).float(),
+        cache_branches=guidance.branches,
+    )
+    video_size = video[0].numel()
+
+    def finish(latents):
+        video_latents, audio_latents = latents[:, :video_size], latents[:, video_size:]
+        video_latents = LTX2Pipeline._unpack_latents(
+            video_latents.reshape(1, *shapes[0]), frames, height, width, patch, patch_t
+        )
+        mean, std = latent_statistics(source, "vae")
+        scaling = source.load_config("vae").get("scaling_factor", 1.0)
+        video_latents = LTX2Pipeline._denormalize_latents(video_latents, mean, std, scaling)
+        mean, std = latent_statistics(source, "audio_vae")
+        audio_latents = LTX2Pipeline._denormalize_audio_latents(audio_latents.reshape(1, *shapes[1]), mean, std)
+        audio_latents = LTX2Pipeline._unpack_audio_latents(audio_latents, audio_length, num_mel_bins=mel_bins)
+        extra = {"guidance": guidance.record(), "audio_latents_layout": "BCLM"}
+        record = latents_record(scheduler, guidance.cfg, latents_normalization(source), **extra)
+        return {"latents": video_latents, "audio_latents": audio_latents}, record
+
+    return loop, finish
+
+
+# Stage 3 -------------------------------------------------------------------------------------------
+
+
+def latents_normalization(source) -> dict[str, Any]:
+    """Stage 2's latents are already in the VAEs' spaces (the pipeline's output_type="latent")."""
+    return {"method": "none"}
+
+
+class Decoder(torch.nn.Module):
+    """The video VAE's decode of stage 2's (already de-normalised) latents, as LTX2Pipeline decodes them.
+
+    A VAE with timestep conditioning is decoded at the pipeline's default `decode_timestep` 0, whose noise
+    scale (`decode_noise_scale`, defaulting to the timestep) is 0: the pipeline's noise draw then adds
+    exactly nothing to the latents, so stage 3 need not draw it."""
+
+    DECODE_TIMESTEP = 0.0
+
+    def __init__(self, vae: torch.nn.Module, normalization: dict[str, Any]) -> None:
+        super().__init__()
+        if normalization.get("method") != "none":
+            raise UserError(f"LTX-2 latents are stored de-normalised; stage 2 recorded {normalization}")
+        self.vae = vae
+
+    def forward(self, latents):
+        latents = latents.to(next(self.vae.parameters()).dtype)
+        timestep = None
+        if self.vae.config.timestep_conditioning:
+            timestep = torch.full((latents.shape[0],), self.DECODE_TIMESTEP, dtype=latents.dtype, device=latents.device)
+        return self.vae.decode(latents, timestep, return_dict=False)[0]
+
+
+def video_processor(source):
+    from diffusers.video_processor import VideoProcessor
+
+    return VideoProcessor(vae_scale_factor=vae_ratios(source)[0])

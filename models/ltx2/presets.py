@@ -1,0 +1,209 @@
+"""LTX-2's tiny presets: random components built in code (Gemma 3 with a tokenizer that needs no files, the
+text connectors, the audio-video transformer, the video and audio VAEs, the vocoder), deterministic per seed.
+
+Two layouts: LTX-2.0's (one shared text projection, learnable registers, split RoPE in float64) and
+LTX-2.3's (a text projection per stream, gated attention, prompt modulation, perturbed attention for
+spatio-temporal guidance), at sizes where every head count divides 8 devices. The scheduler is the
+published folders' dynamic-shift FlowMatchEuler (its `mu` follows the video's token count), and the
+vocoder upsamples by the audio VAE's hop length, so the waveform lasts as long as the video.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..family import Preset
+from .config import NAME
+
+# The published LTX-2 scheduler config's shift settings (scheduler/scheduler_config.json).
+SCHEDULER = {
+    "base_image_seq_len": 1024,
+    "max_image_seq_len": 4096,
+    "base_shift": 0.95,
+    "max_shift": 2.05,
+    "shift_terminal": 0.1,
+    "use_dynamic_shifting": True,
+    "time_shift_type": "exponential",
+}
+
+
+def gemma_tokenizer():
+    """A Gemma tokenizer built in code: Gemma's special tokens and single characters (no merges)."""
+    from transformers import GemmaTokenizer
+
+    vocab: dict[str, int] = {}
+    for token in ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "\u2581"):
+        vocab[token] = len(vocab)
+    for char in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()":
+        vocab[char] = len(vocab)
+    return GemmaTokenizer(vocab=vocab, merges=[])
+
+
+def tiny_text_encoder(tokenizer, seed: int) -> torch.nn.Module:
+    """A random tiny Gemma3ForConditionalGeneration: text 2 layers of 2 heads x 8 (one key/value head),
+    sliding window 8; a one-layer vision tower the stages never run (LTX-2 encodes text only)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = {"vocab_size": len(tokenizer), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
+    text |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "sliding_window": 8}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    vision |= {"image_size": 28, "patch_size": 14}
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    return Gemma3ForConditionalGeneration(config).eval()
+
+
+def tiny_transformer(seed: int, version: str = "2.0") -> torch.nn.Module:
+    """A random tiny LTX2VideoTransformer3DModel: video 8 heads x 8, audio 8 heads x 4, 2 blocks. "2.3" adds
+    gated attention, prompt modulation and perturbed attention, and takes the connectors' projections."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    later = version == "2.3"
+    switches = {"gated_attn": later, "cross_attn_mod": later, "audio_gated_attn": later}
+    switches |= {"audio_cross_attn_mod": later, "perturbed_attn": later, "use_prompt_embeddings": not later}
+    torch.manual_seed(seed)
+    return LTX2VideoTransformer3DModel(
+        in_channels=8,
+        out_channels=8,
+        num_attention_heads=8,
+        attention_head_dim=8,
+        cross_attention_dim=64,
+        vae_scale_factors=(4, 16, 16),
+        audio_in_channels=4,
+        audio_out_channels=4,
+        audio_num_attention_heads=8,
+        audio_attention_head_dim=4,
+        audio_cross_attention_dim=32,
+        num_layers=2,
+        caption_channels=16,
+        rope_type="split",
+        **switches,
+    ).eval()
+
+
+def tiny_connectors(seed: int, version: str = "2.0") -> torch.nn.Module:
+    """Random tiny LTX2TextConnectors. "2.0": one projection of every Gemma layer to Gemma's width for both
+    streams; "2.3": a projection per stream to its transformer width, and gated attention. 8 registers."""
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    later = version == "2.3"
+    torch.manual_seed(seed)
+    common = {"num_layers": 1, "num_learnable_registers": 8, "gated_attn": later}
+    video = {"num_attention_heads": 8 if later else 2, "attention_head_dim": 8, **common}
+    audio = {"num_attention_heads": 8 if later else 2, "attention_head_dim": 4 if later else 8, **common}
+    widths = {"per_modality_projections": later, "video_hidden_dim": 64, "audio_hidden_dim": 32} if later else {}
+    return LTX2TextConnectors(
+        caption_channels=16,
+        text_proj_in_factor=3,  # Gemma's two layers and its embeddings
+        **{
+            f"video_connector_{key}" if key != "gated_attn" else "video_gated_attn": value
+            for key, value in video.items()
+        },
+        **{
+            f"audio_connector_{key}" if key != "gated_attn" else "audio_gated_attn": value
+            for key, value in audio.items()
+        },
+        connector_rope_base_seq_len=32,
+        rope_type="split",
+        **widths,
+    ).eval()
+
+
+def tiny_vae(seed: int) -> torch.nn.Module:
+    """A random tiny AutoencoderKLLTX2Video: 8 latent channels, 16x spatial (4x4 patches, one 2x2 down)
+    and 4x temporal compression."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=8,
+        block_out_channels=(8, 8),
+        decoder_block_out_channels=(8, 8),
+        layers_per_block=(1, 1),
+        decoder_layers_per_block=(1, 1, 1),
+        spatio_temporal_scaling=(True, True),
+        decoder_spatio_temporal_scaling=(True, True),
+        decoder_inject_noise=(False, False, False),
+        downsample_type=("spatial", "temporal"),
+        upsample_residual=(False, False),
+        upsample_factor=(1, 1),
+        timestep_conditioning=False,
+        patch_size=4,
+        patch_size_t=1,
+        encoder_causal=True,
+        decoder_causal=False,
+    )
+    return vae.eval()
+
+
+def tiny_audio_vae(seed: int) -> torch.nn.Module:
+    """A random tiny AutoencoderKLLTX2Audio: 8 mel bins, 2 latent channels, 4x time and mel compression."""
+    from diffusers import AutoencoderKLLTX2Audio
+
+    torch.manual_seed(seed)
+    return AutoencoderKLLTX2Audio(
+        base_channels=4,
+        output_channels=2,
+        ch_mult=(1,),
+        num_res_blocks=1,
+        attn_resolutions=None,
+        in_channels=2,
+        resolution=32,
+        latent_channels=2,
+        norm_type="pixel",
+        causality_axis="height",
+        dropout=0.0,
+        mid_block_add_attention=False,
+        sample_rate=16000,
+        mel_hop_length=160,
+        is_causal=True,
+        mel_bins=8,
+    ).eval()
+
+
+def tiny_vocoder(seed: int) -> torch.nn.Module:
+    """A random tiny LTX2Vocoder: stereo mel (2 x 8 bins) to a stereo waveform, upsampling 8 x 5 x 4 = 160
+    (the audio VAE's hop length), so one mel frame is one hop of samples."""
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    torch.manual_seed(seed)
+    return LTX2Vocoder(
+        in_channels=16,
+        hidden_channels=32,
+        out_channels=2,
+        upsample_kernel_sizes=[16, 10, 8],
+        upsample_factors=[8, 5, 4],
+        resnet_kernel_sizes=[3],
+        resnet_dilations=[[1, 3, 5]],
+        leaky_relu_negative_slope=0.1,
+        output_sampling_rate=16000,
+    ).eval()
+
+
+def tiny_pipeline(version: str = "2.0", seed: int = 0):
+    """LTX2Pipeline with random tiny components of LTX-2.0's or LTX-2.3's layout, deterministic per seed."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
+
+    tokenizer = gemma_tokenizer()
+    return LTX2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
+        vae=tiny_vae(seed + 1),
+        audio_vae=tiny_audio_vae(seed + 2),
+        text_encoder=tiny_text_encoder(tokenizer, seed),
+        tokenizer=tokenizer,
+        connectors=tiny_connectors(seed + 3, version),
+        transformer=tiny_transformer(seed + 4, version),
+        vocoder=tiny_vocoder(seed + 5),
+    )
+
+
+# Sizes are multiples of 32 (the pipeline's rule): 64 x 64 is 4 x 4 latent tokens per frame.
+TINY_DEFAULTS = {"height": 64, "width": 64, "num_frames": 9, "fps": 24, "num_inference_steps": 4}
+PRESETS = {
+    "tiny-ltx2": Preset(NAME, functools.partial(tiny_pipeline, "2.0"), TINY_DEFAULTS),
+    "tiny-ltx2.3": Preset(NAME, functools.partial(tiny_pipeline, "2.3"), TINY_DEFAULTS),
+}

@@ -1,0 +1,264 @@
+"""LTX-2 (models/ltx2): the three stages on the tiny presets against diffusers' LTX2Pipeline run eagerly on the
+same components, loaded from the same folder.
+
+Tolerances, fp32, relative (Frobenius): stage 2's video and audio latents against the pipeline's
+`output_type="latent"` 1e-5 (measured 4e-7 to 8e-7: the same operations, XLA's rounding), the decoded
+frames and the waveform against the pipeline's decode 1e-5. The patched transformer against the stock one in
+eager PyTorch: 1e-6 (measured: bit-identical), except a prompt row with no valid token, 3e-5 (measured up to
+1.9e-5: the stock forward scores such a row's keys `score - 10000` in fp32). Cases: LTX-2.0's
+defaults (CFG, modality guidance and rescale; its STG pass skipped, and recorded), LTX-2.3 with all four
+passes (an STG block that acts) with Splash on a sequence- and tensor-split mesh, and each term turned off.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import models
+import stage1_text_encoder
+import stage2_transformer
+import stage3_vae_decoder
+from cli import UserError
+from helpers import expect_user_error, pipeline, relative_error, run_script, run_stage
+from models.ltx2 import guidance as ltx2_guidance
+from models.ltx2 import transformer as ltx2_transformer
+from models.ltx2.presets import tiny_transformer
+from utils import Request, read_config, read_tensors
+
+TOLERANCE = 1e-5
+PROMPT, NEGATIVE, SEED, STEPS = "a robot dancing", "blurry", 7, 4
+OFF = {"stg_scale": 0.0, "audio_stg_scale": 0.0}
+NO_CFG = {"guidance_scale": 1.0, "audio_guidance_scale": 1.0}
+NO_MODALITY = {"modality_scale": 1.0, "audio_modality_scale": 1.0}
+NO_RESCALE = {"guidance_rescale": 0.0, "audio_guidance_rescale": 0.0}
+# case: (preset, stage-2 flags, the pipeline's arguments for the same request, the branches stage 2 records)
+CASES = {
+    "ltx2.0-defaults": ("tiny-ltx2", [], {}, ["uncond", "cond", "isolated"]),
+    "ltx2.3-every-term-splash": (
+        "tiny-ltx2.3",
+        ["--stg_blocks", "1", "--attention", "splash", "--sp", "2", "--tp", "4"],
+        {"spatio_temporal_guidance_blocks": [1]},
+        ["uncond", "cond", "stg", "isolated"],
+    ),
+    "ltx2.3-no-cfg": ("tiny-ltx2.3", ["--stg_blocks", "1"], {**NO_CFG, "spatio_temporal_guidance_blocks": [1]}, None),
+    "ltx2.3-no-stg": ("tiny-ltx2.3", [], OFF, ["uncond", "cond", "isolated"]),
+    "ltx2.3-no-modality": (
+        "tiny-ltx2.3",
+        ["--stg_blocks", "1"],
+        {**NO_MODALITY, "spatio_temporal_guidance_blocks": [1]},
+        None,
+    ),
+    "ltx2.3-no-guidance": ("tiny-ltx2.3", [], {**NO_CFG, **OFF, **NO_MODALITY, **NO_RESCALE}, ["cond"]),
+}
+
+
+def flags(arguments: dict) -> list[str]:
+    """The stage-2 flags for the pipeline arguments that are request flags (the STG blocks are given apart)."""
+    return [
+        item
+        for key, value in arguments.items()
+        if key in models.ltx2.REQUEST_FLAGS or key == "guidance_scale"
+        for item in (f"--{key}", str(value))
+    ]
+
+
+@pytest.fixture(scope="module")
+def stage1_folders(tmp_path_factory):
+    """Stage 1 of each preset in fp32 (both stage-1 outputs are reused by every case)."""
+    base = tmp_path_factory.mktemp("ltx2")
+    folders = {}
+    for preset in ("tiny-ltx2", "tiny-ltx2.3"):
+        out = base / preset
+        argv = ["--model", preset, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
+        run_stage(stage1_text_encoder, [*argv, "--seed", SEED, "--num_inference_steps", STEPS, "--output_dir", out])
+        folders[preset] = out
+    return folders
+
+
+def reference(preset: str, config: dict, output_type: str, **arguments):
+    """The pipeline's (video, audio) for the folder's request."""
+    pipe = pipeline(preset)
+    output = pipe(
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        generator=torch.Generator("cpu").manual_seed(SEED),
+        frame_rate=float(config["fps"]),
+        output_type=output_type,
+        **{key: config[key] for key in ("height", "width", "num_frames", "num_inference_steps")},
+        **arguments,
+    )
+    return output.frames, output.audio
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_stage2_matches_the_pipeline(tmp_path, stage1_folders, case):
+    preset, stage2_flags, arguments, branches = CASES[case]
+    out = tmp_path / "run"
+    shutil.copytree(stage1_folders[preset], out)
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", *stage2_flags, *flags(arguments)])
+    config = read_config(out, needs="stage2")
+    tensors = read_tensors(out, config["stage2"])
+    video, audio = reference(preset, config, "latent", **arguments)
+    assert tensors["latents"].shape == video.shape and tensors["audio_latents"].shape == audio.shape
+    assert relative_error(tensors["latents"], video) <= TOLERANCE
+    assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
+    record = config["stage2"]["guidance"]
+    if branches is not None:
+        assert record["branches"] == branches
+    if preset == "tiny-ltx2" and not stage2_flags:  # LTX-2.0 has no perturbed attention: skipped, and said so
+        assert "perturbed attention" in record["skipped"]["stg"]
+
+
+def test_one_device_and_the_decode_match_the_pipeline(tmp_path, stage1_folders):
+    """Stage 2 in a process of one CPU device, then stage 3 (torch) against the pipeline's decode; the mp4
+    holds one H.264 stream and one AAC stereo stream of the video's length, whose samples follow the
+    vocoder's waveform."""
+    import imageio_ffmpeg
+
+    out = tmp_path / "run"
+    shutil.copytree(stage1_folders["tiny-ltx2"], out)
+    one = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    done = run_script("stage2_transformer.py", ["--input_dir", out, "--executables", "off"], env_overrides=one)
+    assert done.returncode == 0, done.stderr[-2000:]
+    run_stage(stage3_vae_decoder, ["--input_dir", out, "--backend", "torch", "--save_frames"])
+    config = read_config(out, needs="stage3")
+    assert config["stage2"]["device_count"] == 1
+    stage2 = read_tensors(out, config["stage2"])
+    saved = read_tensors(out, config["stage3"]["frames_file"])
+    video, audio = reference("tiny-ltx2", config, "latent")
+    assert relative_error(stage2["latents"], video) <= TOLERANCE
+    assert relative_error(stage2["audio_latents"], audio) <= TOLERANCE
+    frames, waveform = reference("tiny-ltx2", config, "np")
+    assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
+    assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
+
+    ffmpeg = imageio_ffmpeg.get_ffmpeg_exe()
+    probe = subprocess.run([ffmpeg, "-i", out / "output_video.mp4"], capture_output=True, text=True).stderr
+    streams = re.findall(r"Stream #0:\d.*?: (Video|Audio): (\w+)", probe)
+    assert streams == [("Video", "h264"), ("Audio", "aac")], probe
+    rate = config["stage3"]["audio"]["sample_rate"]
+    assert f"{rate} Hz, stereo" in probe
+    pcm = subprocess.run(
+        [ffmpeg, "-v", "error", "-i", out / "output_video.mp4", "-map", "0:a", "-f", "f32le", "-ac", "2", "-"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    decoded = np.frombuffer(pcm, dtype="<f4").reshape(-1, 2).T
+    expected = saved["waveform"].numpy()
+    seconds = config["num_frames"] / config["fps"]
+    assert abs(decoded.shape[1] / rate - seconds) <= 0.1, (decoded.shape, rate, seconds)
+    length = min(decoded.shape[1], expected.shape[1])
+    correlation = np.corrcoef(decoded[:, :length].ravel(), expected[:, :length].ravel())[0, 1]
+    assert correlation >= 0.9, correlation
+
+
+def test_torchax_decode_matches_the_pipeline(tmp_path, stage1_folders):
+    """Stage 3 with --backend torchax on the 8 devices (the video VAE as one program, the soundtrack on the host)."""
+    out = tmp_path / "run"
+    shutil.copytree(stage1_folders["tiny-ltx2.3"], out)
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off"])
+    run_stage(stage3_vae_decoder, ["--input_dir", out, "--backend", "torchax", "--save_frames"])
+    config = read_config(out, needs="stage3")
+    saved = read_tensors(out, config["stage3"]["frames_file"])
+    frames, waveform = reference("tiny-ltx2.3", config, "np")
+    assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
+    assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("version", ["2.0", "2.3"])
+def test_the_jit_safe_transformer_is_the_stock_one_in_eager(version):
+    """make_jit_safe's patches (RoPE tables fed in, boolean text masks, per-branch modality factors, no
+    value test on the perturbation mask) on a batch of [uncond, cond, stg, isolated]-like rows."""
+    stock, patched = tiny_transformer(4, version), tiny_transformer(4, version)
+    inputs = ltx2_transformer.TraceInputs()
+    ltx2_transformer.make_jit_safe(patched, inputs)
+    generator = torch.Generator().manual_seed(0)
+    video = torch.randn(3, 48, 8, generator=generator)
+    audio = torch.randn(3, 9, 4, generator=generator)
+    width = 16 if version == "2.0" else 64
+    text = torch.randn(3, 16, width, generator=generator)
+    audio_text = torch.randn(3, 16, 16 if version == "2.0" else 32, generator=generator)
+    mask = torch.ones(3, 16, dtype=torch.int64)
+    mask[0, :11] = 0  # a left-padded prompt
+    mask[1] = 0  # no valid token: the stock bias is uniform over the keys, so every key counts
+    video_coords = stock.rope.prepare_video_coords(1, 3, 4, 4, "cpu", fps=24.0)
+    audio_coords = stock.audio_rope.prepare_audio_coords(1, 9, "cpu")
+    common = {
+        "hidden_states": video,
+        "audio_hidden_states": audio,
+        "encoder_hidden_states": text,
+        "audio_encoder_hidden_states": audio_text[..., : 16 if version == "2.0" else 32],
+        "timestep": torch.full((3,), 700.0),
+        "sigma": torch.full((3,), 700.0),
+        "encoder_attention_mask": mask,
+        "audio_encoder_attention_mask": mask,
+        "use_cross_timestep": True,
+        "return_dict": False,
+    }
+    stg = {"spatio_temporal_guidance_blocks": [1], "perturbation_mask": torch.tensor([1.0, 0.0, 1.0])}
+    if version == "2.0":
+        stg = {}
+    coords = {"video_coords": video_coords.repeat(3, 1, 1, 1), "audio_coords": audio_coords.repeat(3, 1, 1, 1)}
+    with torch.no_grad():
+        expected = stock(**common, **coords, **stg)
+        inputs.tables = ltx2_transformer.rope_tables(stock, video_coords, audio_coords)
+        got = patched(**common, **coords, **stg)
+        isolated_expected = stock(**common, **coords, isolate_modalities=True)
+        inputs.keep = torch.zeros(3)
+        isolated = patched(**common, **coords)
+    for actual, wanted in zip((*got, *isolated), (*expected, *isolated_expected), strict=True):
+        assert relative_error(actual[0::2], wanted[0::2]) <= 1e-6
+        # The row without a valid token: the stock forward scores every key `score - 10000` in fp32, which
+        # keeps about three decimals of each score; the patched one scores them as they are.
+        assert relative_error(actual[1], wanted[1]) <= 3e-5
+
+
+def test_guidance_follows_the_pipeline_and_states_its_departures():
+    config = dict(tiny_transformer(0, "2.3").config)
+    base = {"model_family": "ltx2", "model_id": "tiny-ltx2.3", "prompt": "p", "negative_prompt": "", "dtype": "fp32"}
+    base |= {"height": 64, "width": 64, "num_frames": 9, "fps": 24, "num_inference_steps": 4, "guidance_scale": 3.0}
+    base |= {"seed": 0}
+    defaults = ltx2_guidance.resolve_guidance(Request(**base), config)
+    assert defaults.audio.cfg == 7.0 and defaults.video.cfg == 3.0
+    assert defaults.branches == ("uncond", "cond", "isolated")  # the default STG block 28 is past 2 blocks
+    assert "beyond" in defaults.skipped["stg"]
+    zero = ltx2_guidance.resolve_guidance(Request(**base, audio_guidance_scale=0.0), config)
+    assert zero.audio.cfg == 0.0  # 0 means 0 (the pipeline's `or` would take the video's 3.0)
+    with pytest.raises(UserError, match="blocks"):
+        ltx2_guidance.resolve_guidance(Request(**base, stg_blocks="2"), config)
+    with pytest.raises(UserError, match="off"):
+        ltx2_guidance.resolve_guidance(Request(**base, stg_blocks="1", stg_scale=0.0, audio_stg_scale=0.0), config)
+
+
+def test_bad_input_is_refused(capsys, tmp_path, stage1_folders):
+    out = tmp_path / "out"
+    argv = ["--model", "tiny-ltx2", "--prompt", "p", "--output_dir", out]
+    expect_user_error(capsys, stage1_text_encoder, [*argv, "--height", "48"], "multiple of 32")
+    image = stage1_folders["tiny-ltx2"] / "generation_config.json"  # any path: refused before it is read
+    expect_user_error(capsys, stage1_text_encoder, [*argv, "--image", image], "takes no image")
+    wan = ["--model", "tiny-wan2.1", "--prompt", "p", "--output_dir", out]
+    expect_user_error(capsys, stage1_text_encoder, [*wan, "--audio_guidance_scale", "2"], "LTX-2 guidance flag")
+    expect_user_error(capsys, stage1_text_encoder, [*argv, "--stg_scale", "2"], "cannot act")
+    folder = tmp_path / "ltx2"
+    shutil.copytree(stage1_folders["tiny-ltx2"], folder)
+    run_stage(stage2_transformer, ["--input_dir", folder, "--executables", "off"])
+    expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", folder, "--fps", "30"], "soundtrack")
+    expect_user_error(capsys, stage2_transformer, ["--input_dir", folder, "--cache", "interval"], "step caches")
+
+
+def test_later_ltx_releases_are_refused(capsys, tmp_path):
+    """A folder with LTX-2.5's parts (here: a duration head in model_index.json) is named and refused."""
+    folder = tmp_path / "ltx2.5"
+    shutil.copytree(models.materialize_preset("tiny-ltx2"), folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["duration_head"] = ["ltx2", "LTX2DurationHead"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    argv = ["--model", folder, "--prompt", "p", "--output_dir", tmp_path / "out"]
+    expect_user_error(capsys, stage1_text_encoder, argv, "later LTX release (duration_head)")

@@ -21,10 +21,11 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch first and pinned, so pip takes the local CPU build instead of a CUDA one from the index.
-# `plan` adds libtpu (~700 MB): the TPU compiler that --plan and its tests use on this CPU host.
+# `plan` adds libtpu (~700 MB): the TPU compiler that --plan and its tests use on this CPU host; `crf`
+# adds PyAV for LTX-2 image-to-video (GPL x264 inside its wheels: an opt-in extra elsewhere).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[cpu,plan,dev]"
+	$(BIN)/pip install -q -e ".[cpu,plan,crf,dev]"
 	$(BIN)/pip install -q --no-deps --target $(VENV)/torchao-reference torchao==$(TORCHAO_VERSION)
 	touch $@
 

@@ -77,6 +77,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--last_image", metavar="PATH", help="image-to-video: the last frame, where the model takes one (Wan 2.2 A14B)"
     )
+    parser.add_argument(
+        "--image_crf",
+        type=int,
+        metavar="CRF",
+        help="LTX-2 image-to-video: the H.264 quality the image is re-encoded at before the VAE, as the model was "
+        "trained (0: not re-encoded; default 33, LTX2ImageToVideoPipeline's; needs the `crf` extra, PyAV)",
+    )
     parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR, help="stage folder (default: %(default)s)")
     parser.add_argument(
         "--dtype", type=dtype_flag, default="bf16", help="bf16, fp16 or fp32 (or float32, ...) (default: %(default)s)"

@@ -5,7 +5,7 @@ Reads stage1_embeddings.safetensors + generation_config.json, shards the transfo
 mesh, runs the family's scheduler loop with classifier-free guidance (latents checked for NaN/Inf after
 every step; checkpoints with --checkpoint_every and on SIGTERM, continued with --resume), and writes
 stage2_latents.safetensors (tensor `latents`, layout B,C,F,H,W, normalised as the transformer sees them:
-the section's `latents_normalization` says how) plus a `stage2` section in the config.
+the section's `latents_normalization` says how; LTX-2 adds `audio_latents`) plus a `stage2` section in the config.
 """
 
 from __future__ import annotations
@@ -348,20 +348,20 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
     runtime, backend, options, record = runtime_for(args, run, processes)
     log(f"request overrides: {run.overrides or 'none'}")
     with backend, runtime.precision(run.dtype), run.guard.stop_handler():
-        latents, info, step_cache = denoise(
+        tensors, info, step_cache = denoise(
             run.family, run.source, run.request, run.embeddings, run.dtype, runtime, run.timer, options
         )
     if not processes.is_main:
         processes.agree("written", None)  # wait for process 0's files, and fail if it failed
         return
     with run.timer.phase("save"):
-        saved = write_tensors(run.output_dir / STAGE2_FILE, latents)
+        saved = write_tensors(run.output_dir / STAGE2_FILE, tensors)
         if args.cache_calibrate:
             step_cache.write_ratios(run.output_dir, *run.calibrated)
     run.timer.finish()
     if step_cache is not None:
         record["step_cache"] = {**step_cache.record(), **run.timer.median_steps()}
-    write_section(args, run, saved, latents, info, run.timer, record, runtime)
+    write_section(args, run, saved, tensors, info, run.timer, record, runtime)
     run.guard.finished()
     processes.agree("written", None)
 
@@ -398,20 +398,20 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
             by_start.setdefault(run.guard.start_step, []).append(run)
         batches = [same[i : i + size] for same in by_start.values() for i in range(0, len(same), size)]
 
-        def write(run, latents, info, timer, timing, batch, step_cache, record=record, group=number, runtime=runtime):
+        def write(run, tensors, info, timer, timing, batch, step_cache, record=record, group=number, runtime=runtime):
             timer.seconds = timing  # the batch's table, finished once
-            saved = write_tensors(run.output_dir / STAGE2_FILE, latents)
+            saved = write_tensors(run.output_dir / STAGE2_FILE, tensors)
             record = {**record, "batch": {"group": group, **batch}}
             if step_cache is not None:
                 record["step_cache"] = step_cache
-            write_section(args, run, saved, latents, info, timer, record, runtime)
+            write_section(args, run, saved, tensors, info, timer, record, runtime)
 
         with backend, runtime.precision(first.dtype), sigterm_sets_stop(stop):
             denoise_group(first.family, first.source, batches, size, first.dtype, runtime, options, stop, write)
 
 
-def write_section(args, run: ValidatedRun, saved: dict, latents, info, timer, record: dict, runtime) -> None:
-    """Write one folder's stage2 section (process 0), once its latents are `saved`."""
+def write_section(args, run: ValidatedRun, saved: dict, tensors, info, timer, record: dict, runtime) -> None:
+    """Write one folder's stage2 section (process 0), once its tensors (`latents`, ...) are `saved`."""
     step_cache = {"step_cache": record.pop("step_cache")} if "step_cache" in record else {}
     section = {
         **saved,
@@ -428,7 +428,7 @@ def write_section(args, run: ValidatedRun, saved: dict, latents, info, timer, re
         **run_record(runtime, run.dtype_name, timer.seconds, ("diffusers",)),
     }
     write_stage_config(run.output_dir, run.request, stage_sections(run.config), "stage2", section)
-    shapes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in latents.items())
+    shapes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in tensors.items())
     log(f"wrote {run.output_dir / STAGE2_FILE}: {shapes} ({info['latents_layout']})")
 
 

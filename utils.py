@@ -346,6 +346,7 @@ class Request:
     audio_modality_scale: float | None = None
     audio_guidance_rescale: float | None = None
     motion_speed: float | None = None
+    image_crf: int | None = None  # LTX-2 image-to-video: stage 1's H.264 re-encode of the image (0: none)
 
     def __post_init__(self) -> None:
         """The checks every family shares; geometry and family extras are each family's validate_request.
@@ -372,8 +373,8 @@ class Request:
         """Stage 1: the family's defaults, then every request flag given on the command line."""
         values = {**defaults, "model_family": model_family, "model_id": model_id}
         values.update(prompt=args.prompt, negative_prompt=args.negative_prompt, dtype=args.dtype)
-        values.update({key: getattr(args, key) for key in REQUEST_KEYS if getattr(args, key) is not None})
-        return cls(**values)
+        given = {key: getattr(args, key, None) for key in (*REQUEST_KEYS, "image_crf")}  # image_crf: stage 1 only
+        return cls(**{**values, **{key: value for key, value in given.items() if value is not None}})
 
     @classmethod
     def from_config(cls, config: dict[str, Any], path: Path | str = CONFIG_FILE) -> Request:

@@ -127,6 +127,7 @@ FAMILY_FLAGS = {
     "guidance_scale_2": "applies to two-expert Wan 2.2 models, not {family}",
     "scheduler": "applies to Wan models; {family} runs its folder's scheduler",
     **{key: "is an LTX-2 guidance flag; {family} has no such term" for key in LTX2_GUIDANCE_KEYS},
+    "image_crf": "re-encodes LTX-2's conditioning image; {family} takes the image as it is",
 }
 
 

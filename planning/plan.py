@@ -390,7 +390,8 @@ def plan_stage3(
     transformers = meta_transformers(family, source, dtype, num_layers=1)
     embeds = family.planning_embeds(source, request, dtype)
     loop, finish = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, "megatron")
-    latents, record = finish(loop.latents.to(dtype))
+    tensors, record = finish(loop.latents.to(dtype))
+    latents = tensors["latents"]
     vae = meta_module(source, "vae", dtype)
     if tiling:
         vae.enable_tiling()

@@ -26,8 +26,9 @@ import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
 from cli import UserError
-from helpers import expect_user_error, pipeline, relative_error, run_script, run_stage
+from helpers import expect_user_error, pipeline, relative_error, run_script, run_stage, write_image
 from models.ltx2 import guidance as ltx2_guidance
+from models.ltx2 import i2v as ltx2_i2v
 from models.ltx2 import transformer as ltx2_transformer
 from models.ltx2.presets import tiny_transformer
 from utils import Request, read_config, read_tensors
@@ -251,6 +252,62 @@ def test_bad_input_is_refused(capsys, tmp_path, stage1_folders):
     run_stage(stage2_transformer, ["--input_dir", folder, "--executables", "off"])
     expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", folder, "--fps", "30"], "soundtrack")
     expect_user_error(capsys, stage2_transformer, ["--input_dir", folder, "--cache", "interval"], "step caches")
+
+
+@pytest.fixture(scope="module")
+def image_file(tmp_path_factory):
+    """An odd-sized random image: the H.264 round trip crops it to even sides, the pipeline resizes it."""
+    return write_image(tmp_path_factory.mktemp("ltx2-image") / "first.png", 45, 61)
+
+
+@pytest.mark.parametrize(
+    "crf, stage2_flags",
+    [(None, []), (0, ["--attention", "splash", "--sp", "2", "--tp", "4"])],
+    ids=["crf33-8-devices-and-decode", "no-recompress-splash"],
+)
+def test_image_to_video_matches_the_pipeline(tmp_path, image_file, crf, stage2_flags):
+    """LTX2ImageToVideoPipeline: stage 1's H.264 round trip (the default CRF 33, through PyAV) or none, and
+    the VAE latents of the image; stage 2's first frame held at timestep zero and never stepped; stage 3's
+    decode of the whole video."""
+    from PIL import Image
+
+    out = tmp_path / "run"
+    argv = ["--model", "tiny-ltx2-i2v", "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
+    argv += ["--seed", SEED, "--num_inference_steps", STEPS, "--image", image_file, "--output_dir", out]
+    run_stage(stage1_text_encoder, [*argv, *([] if crf is None else ["--image_crf", crf])])
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", *stage2_flags])
+    config = read_config(out, needs="stage2")
+    assert config["image_crf"] == (33 if crf is None else crf) and config["stage1"]["task"] == "i2v"
+    tensors = read_tensors(out, config["stage2"])
+    image = Image.open(image_file).convert("RGB")
+    arguments = {"image": image, "image_crf": crf}
+    video, audio = reference("tiny-ltx2-i2v", config, "latent", **arguments)
+    assert relative_error(tensors["latents"], video) <= TOLERANCE
+    assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
+    if crf is None:
+        run_stage(stage3_vae_decoder, ["--input_dir", out, "--backend", "torch", "--save_frames"])
+        config = read_config(out, needs="stage3")
+        saved = read_tensors(out, config["stage3"]["frames_file"])
+        frames, waveform = reference("tiny-ltx2-i2v", config, "np", **arguments)
+        assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
+        assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
+
+
+def test_image_crf_is_refused_where_it_cannot_act(capsys, tmp_path, image_file, monkeypatch):
+    out = tmp_path / "out"
+    t2v = ["--model", "tiny-ltx2", "--prompt", "p", "--output_dir", out, "--image_crf", "20"]
+    expect_user_error(capsys, stage1_text_encoder, t2v, "text-to-video")
+    wan = ["--model", "tiny-wan2.1", "--prompt", "p", "--output_dir", out, "--image_crf", "20"]
+    expect_user_error(capsys, stage1_text_encoder, wan, "takes the image as it is")
+    i2v = ["--model", "tiny-ltx2-i2v", "--prompt", "p", "--output_dir", out, "--image", image_file]
+    expect_user_error(capsys, stage1_text_encoder, [*i2v, "--image_crf", "52"], "H.264's range")
+    expect_user_error(capsys, stage1_text_encoder, i2v[:-2], "--image PATH")
+    find_spec = ltx2_i2v.importlib.util.find_spec
+    monkeypatch.setattr(
+        ltx2_i2v.importlib.util, "find_spec", lambda name, *rest: None if name == "av" else find_spec(name, *rest)
+    )
+    with pytest.raises(UserError, match=r"needs PyAV \(pip install"):
+        ltx2_i2v.recompress(None, 33)
 
 
 def test_later_ltx_releases_are_refused(capsys, tmp_path):

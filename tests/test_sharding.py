@@ -194,8 +194,8 @@ def denoise_on(stage1_dir, mesh_shape: MeshShape, attention: str = "xla"):
     runtime = TorchaxRuntime(placement.make_mesh(mesh_shape))
     plan = attention_plan(attention, runtime.mesh, heads=attention_heads(source))
     with attention_backend(runtime.env, plan, runtime.mesh):
-        latents, _, _ = denoise(family, source, request, embeds, torch.float32, runtime, Timer(), DenoiseOptions())
-    return latents
+        tensors, _, _ = denoise(family, source, request, embeds, torch.float32, runtime, Timer(), DenoiseOptions())
+    return tensors["latents"]
 
 
 @pytest.fixture(scope="module")

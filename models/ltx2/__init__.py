@@ -1,9 +1,10 @@
-"""LTX-2, text-to-video with its soundtrack (diffusers `LTX2Pipeline`): the family's `models.family.Family`
-members, gathered from its parts.
+"""LTX-2, text- and image-to-video with its soundtrack (diffusers `LTX2Pipeline`, `LTX2ImageToVideoPipeline`):
+the family's `models.family.Family` members, gathered from its parts.
 
 - `config`: which pipelines are this family, the pipeline's defaults, request checks (sizes, releases);
 - `guidance`: the guidance passes a step runs (CFG, spatio-temporal, modality) and their scales;
 - `transformer`: the jit-safe audio-video transformer, its rule table, Splash tiles and guided call;
+- `i2v`: stage 1's image conditioning (the H.264 round trip, the VAE encode) and the first-frame mask;
 - `pipeline`: stage 1's Gemma 3 encoding and connectors, stage 2's loop over both streams, the decode;
 - `audio`: stage 3's soundtrack (audio VAE and vocoder);
 - `presets`: the tiny random presets.
@@ -22,6 +23,7 @@ from .config import (
     transformer_components,
     validate_request,
 )
+from .i2v import encode_images, image_inputs, images_on_runtime
 from .pipeline import Decoder, denoise_loop, latents_normalization, planning_embeds, prompt_encoder, video_processor
 from .presets import PRESETS
 from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
@@ -29,15 +31,3 @@ from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
 PUBLISHED: dict = {}  # the published checkpoints' configs for --plan: not yet kept offline (docs/ltx2.md)
 CHUNK_FRAMES: tuple[int, ...] = ()  # stage 3 on torchax decodes the video as one program
 frame_programs = frame_plan = None
-
-
-def image_inputs(source) -> tuple[tuple[str, ...], bool]:
-    return (), False  # text-to-video only, so far
-
-
-def encode_images(source, request, images, runtime) -> dict:
-    return {}  # no image inputs (image_inputs)
-
-
-def images_on_runtime(source) -> bool:
-    return True  # nothing runs on the host

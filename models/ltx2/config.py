@@ -17,7 +17,7 @@ from utils import Request
 from .. import common
 
 NAME = "ltx2"
-PIPELINE_CLASSES = ("LTX2Pipeline",)
+PIPELINE_CLASSES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
 LORA_LOADER = None  # adapters: not built for LTX-2 yet (docs/ltx2.md)
 REQUEST_FLAGS = (
     "stg_scale",
@@ -29,10 +29,12 @@ REQUEST_FLAGS = (
     "audio_modality_scale",
     "audio_guidance_rescale",
     "motion_speed",
+    "image_crf",
 )
 
 # LTX2Pipeline.__call__'s defaults (num_frames: its fixed default for checkpoints without a duration head).
 DEFAULTS = {"height": 512, "width": 768, "num_frames": 121, "fps": 24, "num_inference_steps": 30, "guidance_scale": 3.0}
+IMAGE_CRF = 33  # LTX2ImageToVideoPipeline's default for Gemma 3 checkpoints (resolve_default_image_crf)
 MAX_SEQUENCE_LENGTH = 1024  # the pipeline's Gemma prompt layout: left padding to 1024 tokens
 TOKENIZER_PADDING_SIDE = "left"
 # One sample's activations at a block's peak, in copies of its [video tokens, width] hidden states (whole,
@@ -42,7 +44,11 @@ SUPPORTED = "LTX-2.0 and LTX-2.3 (Gemma 3 text encoder)"
 
 
 def request_defaults(source) -> dict[str, Any]:
-    return {**DEFAULTS, **source.preset_defaults}
+    return {**DEFAULTS, **({"image_crf": IMAGE_CRF} if image_to_video(source) else {}), **source.preset_defaults}
+
+
+def image_to_video(source) -> bool:
+    return source.index.get("_class_name") == "LTX2ImageToVideoPipeline"
 
 
 def transformer_components(source) -> tuple[str, ...]:
@@ -73,6 +79,10 @@ def validate_request(source, request: Request) -> None:
     temporal = vae_ratios(source)[1]
     if request.num_frames < 1 or (request.num_frames - 1) % temporal:
         raise UserError(f"--num_frames {request.num_frames} must be {temporal}n+1 (e.g. 121)")
+    if request.image_crf is not None and not image_to_video(source):
+        raise UserError(f"--image_crf: --model {source.ref!r} is text-to-video; there is no image to re-encode")
+    if request.image_crf is not None and not 0 <= request.image_crf <= 51:
+        raise UserError(f"--image_crf {request.image_crf} must be from 0 (no re-encode) to 51 (H.264's range)")
     if request.flow_shift is not None:
         raise UserError("--flow_shift: LTX-2's scheduler shifts by the video's token count (dynamic shifting)")
     resolve_guidance(request, source.load_config("transformer"))
@@ -124,8 +134,10 @@ def cfg_enabled(guidance_scale: float) -> bool:
 
 
 def stock_pipeline(source, **components):
-    """An LTX2Pipeline holding only the given components (its static helpers and prompt encoding)."""
-    from diffusers import LTX2Pipeline
+    """The source's pipeline (LTX2Pipeline or LTX2ImageToVideoPipeline) holding only the given components
+    (its static helpers, prompt encoding and video processor)."""
+    from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
 
     names = ("scheduler", "vae", "audio_vae", "text_encoder", "tokenizer", "connectors", "transformer", "vocoder")
-    return LTX2Pipeline(**{**dict.fromkeys(names), **components})
+    pipeline = LTX2ImageToVideoPipeline if image_to_video(source) else LTX2Pipeline
+    return pipeline(**{**dict.fromkeys(names), **components})

@@ -26,11 +26,13 @@ from .config import (
     TOKENIZER_PADDING_SIDE,
     audio_frames,
     audio_temporal_ratio,
+    image_to_video,
     latent_grid,
     stock_pipeline,
     vae_ratios,
 )
 from .guidance import resolve_guidance
+from .i2v import IMAGE_LATENTS, conditioning_mask
 from .transformer import ROPES, GuidedTransformer, rope_tables, transformer_rules
 
 STAGE1_TENSORS = ("connector_prompt_embeds", "connector_audio_prompt_embeds", "connector_attention_mask")
@@ -87,6 +89,9 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
         for name, width in widths.items():
             embeds[prefix + name] = torch.zeros(1, MAX_SEQUENCE_LENGTH, width, dtype=dtype)
         embeds[prefix + "connector_attention_mask"] = torch.ones(1, MAX_SEQUENCE_LENGTH, dtype=torch.int64)
+    if image_to_video(source):
+        _, height, width = latent_grid(source, request)
+        embeds[IMAGE_LATENTS] = torch.zeros(1, transformer["in_channels"], 1, height, width)
     return embeds
 
 
@@ -129,6 +134,11 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
 
     generator = torch.Generator("cpu").manual_seed(request.seed)
     video = randn_tensor((1, config["in_channels"], frames, height, width), generator=generator, dtype=NOISE_DTYPE)
+    image = embeds.get(IMAGE_LATENTS)
+    if image is not None:  # image-to-video: the first latent frame starts from the image (prepare_latents)
+        mask = torch.zeros(1, 1, frames, height, width)
+        mask[:, :, 0] = 1.0
+        video = image.float().repeat(1, 1, frames, 1, 1) * mask + video * (1 - mask)
     video = LTX2Pipeline._pack_latents(video, patch, patch_t)
     audio = randn_tensor((1, audio_vae["latent_channels"], audio_length, mel_bins), generator=generator)
     audio = LTX2Pipeline._pack_audio_latents(audio)
@@ -151,19 +161,26 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     video_coords = transformer.rope.prepare_video_coords(1, frames, height, width, "cpu", fps=fps)
     audio_coords = transformer.audio_rope.prepare_audio_coords(1, audio_length, "cpu")
     tables = rope_tables(transformer, video_coords, audio_coords)
-    guided = GuidedTransformer(
-        transformer, guidance, dtype, shapes, (frames, height, width, fps, audio_length), runtime.constrain
-    )
+    geometry = (frames, height, width, fps, audio_length)
+    guided = GuidedTransformer(transformer, guidance, dtype, shapes, geometry, runtime.constrain, i2v=image is not None)
 
     def rows(name: str) -> torch.Tensor:
         return torch.cat([embeds[("negative_" if b == "uncond" else "") + name] for b in guidance.branches])
 
     static = [(rows(name).to(dtype), BATCH) for name in STAGE1_TENSORS[:2]]
     static.append((rows("connector_attention_mask"), BATCH))
+    kept = None
+    if image is not None:
+        first_frame = conditioning_mask(frames, height, width, patch, patch_t)  # (1, video tokens)
+        static.append((first_frame, ()))
+        kept = torch.zeros(video.numel() + audio.numel(), dtype=torch.bool)  # the first frame in the flat latents
+        kept[: video.numel()] = first_frame[0].bool().repeat_interleave(video.shape[2])
     static += [(table.contiguous(), ()) for name in ROPES for table in tables[name]]
 
     def step(i, t, noise_pred, latents, carry):
-        return scheduler.step(noise_pred, t, latents, return_dict=False)[0], carry
+        stepped = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        # Image-to-video: the pipeline steps every latent frame but the first (elementwise, so the same values).
+        return (stepped if kept is None else torch.where(kept, latents, stepped)), carry
 
     def on_start(start, carry):
         scheduler.set_begin_index(start)  # the pipeline sets 0; --resume continues at `start`

@@ -112,7 +112,7 @@ def tiny_connectors(seed: int, version: str = "2.0") -> torch.nn.Module:
 
 
 def tiny_vae(seed: int) -> torch.nn.Module:
-    """A random tiny AutoencoderKLLTX2Video: 8 latent channels, 16x spatial (4x4 patches, one 2x2 down)
+    """A random tiny AutoencoderKLLTX2Video: 8 latent channels, 16x spatial (4x4 patches, two 2x2x2 downs)
     and 4x temporal compression."""
     from diffusers import AutoencoderKLLTX2Video
 
@@ -128,7 +128,7 @@ def tiny_vae(seed: int) -> torch.nn.Module:
         spatio_temporal_scaling=(True, True),
         decoder_spatio_temporal_scaling=(True, True),
         decoder_inject_noise=(False, False, False),
-        downsample_type=("spatial", "temporal"),
+        downsample_type=("spatiotemporal", "spatiotemporal"),  # as the decoder upsamples: 16x, 4x
         upsample_residual=(False, False),
         upsample_factor=(1, 1),
         timestep_conditioning=False,
@@ -184,12 +184,13 @@ def tiny_vocoder(seed: int) -> torch.nn.Module:
     ).eval()
 
 
-def tiny_pipeline(version: str = "2.0", seed: int = 0):
-    """LTX2Pipeline with random tiny components of LTX-2.0's or LTX-2.3's layout, deterministic per seed."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
+def tiny_pipeline(version: str = "2.0", seed: int = 0, image_to_video: bool = False):
+    """LTX2Pipeline (or LTX2ImageToVideoPipeline: the same components) with random tiny components of
+    LTX-2.0's or LTX-2.3's layout, deterministic per seed."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2ImageToVideoPipeline, LTX2Pipeline
 
     tokenizer = gemma_tokenizer()
-    return LTX2Pipeline(
+    return (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
         vae=tiny_vae(seed + 1),
         audio_vae=tiny_audio_vae(seed + 2),
@@ -206,4 +207,5 @@ TINY_DEFAULTS = {"height": 64, "width": 64, "num_frames": 9, "fps": 24, "num_inf
 PRESETS = {
     "tiny-ltx2": Preset(NAME, functools.partial(tiny_pipeline, "2.0"), TINY_DEFAULTS),
     "tiny-ltx2.3": Preset(NAME, functools.partial(tiny_pipeline, "2.3"), TINY_DEFAULTS),
+    "tiny-ltx2-i2v": Preset(NAME, functools.partial(tiny_pipeline, "2.0", image_to_video=True), TINY_DEFAULTS),
 }

@@ -157,8 +157,9 @@ class GuidedTransformer(torch.nn.Module):
     # only the listed blocks (the stock forward passes each block its own perturbation mask).
     scan_unsupported = "LTX-2's blocks take per-block arguments (the STG blocks' perturbation mask)"
 
-    def __init__(self, transformer, guidance: Guidance, dtype, shapes, geometry, constrain=None) -> None:
+    def __init__(self, transformer, guidance: Guidance, dtype, shapes, geometry, constrain=None, i2v=False) -> None:
         super().__init__()
+        self.i2v = i2v  # image-to-video: a static input marks the first frame's tokens, whose timestep is 0
         self.inputs = TraceInputs()
         self.transformer = make_jit_safe(transformer, self.inputs)
         self.guidance = guidance
@@ -172,9 +173,12 @@ class GuidedTransformer(torch.nn.Module):
         video = latents[:, :size].reshape(latents.shape[0], *self.video_shape)
         return video, latents[:, size:].reshape(latents.shape[0], *self.audio_shape)
 
-    def forward(self, latents, timestep, prompt_embeds, audio_prompt_embeds, attention_mask, *tables):
-        """`timestep`: (t, sigma); the prompts: one row per branch; `tables`: ROPES' (cos, sin) pairs."""
+    def forward(self, latents, timestep, prompt_embeds, audio_prompt_embeds, attention_mask, *rest):
+        """`timestep`: (t, sigma); the prompts: one row per branch; `rest`: for image-to-video the (1, video
+        tokens) first-frame mask, then ROPES' (cos, sin) pairs."""
         from diffusers.pipelines.ltx2.pipeline_ltx2 import rescale_noise_cfg
+
+        first_frame, tables = (rest[0], rest[1:]) if self.i2v else (None, rest)
 
         branches = self.guidance.branches
         count = len(branches)
@@ -186,6 +190,8 @@ class GuidedTransformer(torch.nn.Module):
         )
         video, audio = self.split(latents)
         t, sigma = timestep[0], timestep[1]
+        # The pipeline's per-token video timestep for image-to-video: zero on the conditioning frame.
+        video_t = t.expand(count) if first_frame is None else (t.reshape(1, 1) * (1 - first_frame)).expand(count, -1)
         stg = "stg" in branches
         frames, height, width, fps, audio_frames = self.geometry
         with functional_split_rotary():  # workarounds/torchax.py
@@ -194,7 +200,8 @@ class GuidedTransformer(torch.nn.Module):
                 audio_hidden_states=self.constrain(audio.to(self.dtype).expand(count, -1, -1), BATCH),
                 encoder_hidden_states=prompt_embeds,
                 audio_encoder_hidden_states=audio_prompt_embeds,
-                timestep=t.expand(count),
+                timestep=video_t,
+                audio_timestep=t.expand(count),
                 sigma=t.expand(count),  # the pipeline passes the timestep as sigma too (LTX-2.3's prompt modulation)
                 encoder_attention_mask=attention_mask,
                 audio_encoder_attention_mask=attention_mask,

@@ -238,20 +238,15 @@ def test_guidance_follows_the_pipeline_and_states_its_departures():
         ltx2_guidance.resolve_guidance(Request(**base, stg_blocks="1", stg_scale=0.0, audio_stg_scale=0.0), config)
 
 
-def test_bad_input_is_refused(capsys, tmp_path, stage1_folders):
-    out = tmp_path / "out"
-    argv = ["--model", "tiny-ltx2", "--prompt", "p", "--output_dir", out]
-    expect_user_error(capsys, stage1_text_encoder, [*argv, "--height", "48"], "multiple of 32")
-    image = stage1_folders["tiny-ltx2"] / "generation_config.json"  # any path: refused before it is read
-    expect_user_error(capsys, stage1_text_encoder, [*argv, "--image", image], "takes no image")
-    wan = ["--model", "tiny-wan2.1", "--prompt", "p", "--output_dir", out]
-    expect_user_error(capsys, stage1_text_encoder, [*wan, "--audio_guidance_scale", "2"], "LTX-2 guidance flag")
-    expect_user_error(capsys, stage1_text_encoder, [*argv, "--stg_scale", "2"], "cannot act")
+def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_folders):
+    """(Stage-1 bad input: tests/test_bad_inputs.py, cause "ltx2".)"""
     folder = tmp_path / "ltx2"
     shutil.copytree(stage1_folders["tiny-ltx2"], folder)
     run_stage(stage2_transformer, ["--input_dir", folder, "--executables", "off"])
     expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", folder, "--fps", "30"], "soundtrack")
     expect_user_error(capsys, stage2_transformer, ["--input_dir", folder, "--cache", "interval"], "step caches")
+    shutil.copytree(folder, tmp_path / "second")
+    expect_user_error(capsys, stage2_transformer, ["--input_dir", folder, tmp_path / "second"], "one at a time")
 
 
 @pytest.fixture(scope="module")
@@ -293,15 +288,7 @@ def test_image_to_video_matches_the_pipeline(tmp_path, image_file, crf, stage2_f
         assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
 
 
-def test_image_crf_is_refused_where_it_cannot_act(capsys, tmp_path, image_file, monkeypatch):
-    out = tmp_path / "out"
-    t2v = ["--model", "tiny-ltx2", "--prompt", "p", "--output_dir", out, "--image_crf", "20"]
-    expect_user_error(capsys, stage1_text_encoder, t2v, "text-to-video")
-    wan = ["--model", "tiny-wan2.1", "--prompt", "p", "--output_dir", out, "--image_crf", "20"]
-    expect_user_error(capsys, stage1_text_encoder, wan, "takes the image as it is")
-    i2v = ["--model", "tiny-ltx2-i2v", "--prompt", "p", "--output_dir", out, "--image", image_file]
-    expect_user_error(capsys, stage1_text_encoder, [*i2v, "--image_crf", "52"], "H.264's range")
-    expect_user_error(capsys, stage1_text_encoder, i2v[:-2], "--image PATH")
+def test_without_pyav_the_image_crf_error_names_the_extra(monkeypatch):
     find_spec = ltx2_i2v.importlib.util.find_spec
     monkeypatch.setattr(
         ltx2_i2v.importlib.util, "find_spec", lambda name, *rest: None if name == "av" else find_spec(name, *rest)

@@ -177,11 +177,11 @@ def attention_plan(args, run_model, platform: str, devices: int, per_host=None, 
 
     family, source, request, dtype = run_model
     facts = model_facts(family, source, dtype, args.tp_mode, request, quantize.Quantization.from_args(args))
-    cfg = family.cfg_enabled(request.guidance_scale)
+    branches = family.guidance_branches(source, request)
 
     def choose_mesh(dp, sp, tp, sequence_split):
         mesh = {"devices_per_host": per_host, "device_memory": memory, "videos": videos}
-        return default_mesh(devices, dp, sp, tp, cfg=cfg, model=facts, sequence_split=sequence_split, **mesh)
+        return default_mesh(devices, dp, sp, tp, branches=branches, model=facts, sequence_split=sequence_split, **mesh)
 
     try:
         plan = build_plan(
@@ -198,14 +198,14 @@ def attention_plan(args, run_model, platform: str, devices: int, per_host=None, 
         raise UserError(str(err)) from None
     log(f"mesh {plan.mesh.shape} ({plan.mesh.why})")
     if not plan.mesh.fits:
-        advice = where_it_fits(facts, cfg, videos, devices, per_host, memory, generation, plan.mesh.shape)
+        advice = where_it_fits(facts, branches, videos, devices, per_host, memory, generation, plan.mesh.shape)
         log(f"warning: mesh {plan.mesh.shape} is estimated to pass {MEMORY_SHARE:.0%} of the device memory; {advice}")
     if plan.sequence_parallel != "none":
         log(f"sequence parallel: {plan.sequence_parallel} ({plan.sequence_parallel_why})")
     return plan
 
 
-def where_it_fits(facts, cfg: bool, videos: int, devices: int, per_host, memory: int, generation, shape) -> str:
+def where_it_fits(facts, branches: int, videos: int, devices: int, per_host, memory: int, generation, shape) -> str:
     """For a run or plan that does not fit on `shape`: the default mesh of these devices where the estimate
     fits it (mesh flags gave another), else on a TPU (`generation` not None) the smallest slice of each
     generation whose default mesh does (of `generation`, larger than `devices`); a phrase for a log line or
@@ -213,7 +213,9 @@ def where_it_fits(facts, cfg: bool, videos: int, devices: int, per_host, memory:
     from planning import tpus
     from runtime.mesh import default_mesh
 
-    here = default_mesh(devices, cfg=cfg, model=facts, videos=videos, devices_per_host=per_host, device_memory=memory)
+    here = default_mesh(
+        devices, branches=branches, model=facts, videos=videos, devices_per_host=per_host, device_memory=memory
+    )
     if here.fits and here.shape != shape:
         return f"the default mesh {here.shape} is estimated to fit (no --dp/--sp/--tp)"
     if generation is None:
@@ -221,7 +223,7 @@ def where_it_fits(facts, cfg: bool, videos: int, devices: int, per_host, memory:
 
     def fits(target) -> bool:
         at = {"devices_per_host": target.devices_per_host, "device_memory": target.hbm_per_device}
-        return default_mesh(target.devices, cfg=cfg, model=facts, videos=videos, **at).fits
+        return default_mesh(target.devices, branches=branches, model=facts, videos=videos, **at).fits
 
     found = tpus.smallest_fitting(fits, generation, devices)
     if not found:
@@ -271,9 +273,9 @@ def plan_main(args) -> None:
     report["mesh_choice"] = attention.mesh.record()
     if not report["fits"]:
         facts = model_facts(family, source, dtype, args.tp_mode, request, quantize.Quantization.from_args(args))
-        cfg = family.cfg_enabled(request.guidance_scale)
+        branches = family.guidance_branches(source, request)
         videos, mesh = args.batch_size or 1, attention.mesh.shape
-        report["where_it_fits"] = where_it_fits(facts, cfg, videos, *target_devices, target.generation, mesh)
+        report["where_it_fits"] = where_it_fits(facts, branches, videos, *target_devices, target.generation, mesh)
     if adapters:
         report["adapters"] = {"fused": [a.record() for a in adapters], "effect": lora.PLAN_EFFECT}
     plan_report.finish(report, args.plan_json, store)

@@ -64,7 +64,7 @@ def default_batch_size(args, run, videos: int, devices: int, per_host: int | Non
         size, why = default_batch(
             videos,
             devices,
-            cfg=run.family.cfg_enabled(run.request.guidance_scale),
+            branches=run.family.guidance_branches(run.source, run.request),
             model=model_facts(run.family, run.source, run.dtype, args.tp_mode, run.request),
             dp=args.dp,
             sp=args.sp,

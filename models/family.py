@@ -66,8 +66,9 @@ class Family(Protocol):
     def validate_request(self, source: ModelSource, request: Request) -> None:
         """Raise UserError for what the model cannot take (geometry, family extras), before any weights load."""
 
-    def cfg_enabled(self, guidance_scale: float) -> bool:
-        """Whether the pipeline runs the unconditional branch at this scale."""
+    def guidance_branches(self, source: ModelSource, request: Request) -> int:
+        """The samples one step of one video runs as one batch: 2 where the pipeline runs classifier-free
+        guidance at this request's scale, else 1; LTX-2 up to 4 (the default mesh's `dp` takes them)."""
 
     def activations(self, source: ModelSource, request: Request, dtype: torch.dtype) -> Any:
         """One sample's activation estimate (runtime.mesh.Activations: its video tokens and the family's

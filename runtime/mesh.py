@@ -3,9 +3,9 @@ checks on axis sizes given as flags. Plain arithmetic over `ModelFacts` (heads, 
 rule table splits on tp, weight bytes), so it needs no JAX and no compile.
 
 The default, for the axes the user left unset:
-- `dp` takes the classifier-free-guidance batch (2 with CFG; times the videos of a batch, stage 2's
-  `--batch_size`), its largest divisor that divides the devices, since the samples need no traffic until
-  the branches are combined;
+- `dp` takes the guidance batch (its branches: 2 with classifier-free guidance, LTX-2 up to 4; times the
+  videos of a batch, stage 2's `--batch_size`), its largest divisor that divides the devices, since the
+  samples need no traffic until the branches are combined;
 - `tp` is the largest divisor of the attention heads and of every weight dimension the rule table splits
   on tp that fits within one host (its all-reduces run twice per block and want the fastest links);
 - `sp` takes the remaining devices, attention over it by Ulysses where the heads per tp shard divide by
@@ -145,7 +145,7 @@ def default_mesh(
     sp: int | None = None,
     tp: int | None = None,
     *,
-    cfg: bool,
+    branches: int,
     model: ModelFacts,
     devices_per_host: int | None = None,
     device_memory: int | None = None,
@@ -156,14 +156,14 @@ def default_mesh(
 
     Raises ValueError, naming a mesh that works where there is one, when the given sizes cannot work:
     their product is not the device count, tp does not divide the heads or spans hosts, or dp is larger
-    than the batch (`videos`, twice that with CFG). `sequence_split` False: a default sp is 1 (attention
-    that does not run on a split sequence).
+    than the batch (`videos` times the guidance `branches` of one step). `sequence_split` False: a default sp
+    is 1 (attention that does not run on a split sequence).
     """
     for name, value in ((DP, dp), (SP, sp), (TP, tp)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     per_host = min(devices_per_host or devices, devices)
-    batch = videos * (2 if cfg else 1)
+    batch = videos * branches
     defaults = list(_candidates(devices, None, None, None, batch, model, per_host))
     hint = f"; a mesh that works: {defaults[0]}" if defaults else ""
     _check_given(devices, (dp, sp, tp), batch, model.heads, per_host, hint)
@@ -174,22 +174,21 @@ def default_mesh(
     budget = device_memory * MEMORY_SHARE if device_memory else None
     fitting = [shape for shape in options if budget is None or model.bytes_per_device(shape, batch) <= budget]
     shape = fitting[0] if fitting else min(options, key=lambda option: model.bytes_per_device(option, batch))
-    why = _why(shape, (dp, sp, tp), cfg, model, device_memory, bool(fitting), videos, sequence_split)
+    why = _why(shape, (dp, sp, tp), branches, model, device_memory, bool(fitting), videos, sequence_split)
     if fitting and shape != options[0]:
         first = model.bytes_per_device(options[0], batch) / GIB
         why += f"; {options[0]} would need {first:.2f} GiB per device (estimated), more than {MEMORY_SHARE:.0%} of it"
     return MeshChoice(shape, why, bool(fitting), model.bytes_per_device(shape, batch))
 
 
-def default_batch(videos: int, devices: int, *, cfg: bool, model: ModelFacts, **mesh) -> tuple[int, str]:
+def default_batch(videos: int, devices: int, *, branches: int, model: ModelFacts, **mesh) -> tuple[int, str]:
     """Stage 2's default videos per batch for a group of `videos`, and why: the largest number whose default
     mesh (`mesh`: default_mesh's axis and memory arguments) gives every device at most one sample (a video's
     CFG branch) and its estimate within MEMORY_SHARE of its memory. More samples per device is left to
     `--batch_size`, which `--plan --batch_size` measures exactly."""
-    branches = 2 if cfg else 1
     for size in range(min(videos, devices // branches), 1, -1):
         try:
-            choice = default_mesh(devices, cfg=cfg, model=model, videos=size, **mesh)
+            choice = default_mesh(devices, branches=branches, model=model, videos=size, **mesh)
         except ValueError:  # axes given as flags that cannot hold this batch
             continue
         if choice.fits and size * branches <= choice.shape.dp:
@@ -223,7 +222,7 @@ def _check_given(devices: int, given, batch: int, heads: int, per_host: int, hin
             f"the hosts on dp or sp{hint}"
         )
     if dp and dp > batch:
-        what = {1: "one sample (CFG is off)", 2: "the two CFG branches"}.get(batch, "videos times CFG branches")
+        what = {1: "one sample (CFG is off)", 2: "the two CFG branches"}.get(batch, "videos times guidance branches")
         raise ValueError(
             f"dp {dp} is more than the batch of {batch}, {what}: devices would hold identical copies doing "
             f"identical work{hint}"
@@ -233,7 +232,7 @@ def _check_given(devices: int, given, batch: int, heads: int, per_host: int, hin
 def _why(
     shape: MeshShape,
     given,
-    cfg: bool,
+    branches: int,
     model: ModelFacts,
     device_memory: int | None,
     fits: bool,
@@ -244,11 +243,12 @@ def _why(
     dp, sp, tp = given
     parts = []
     if not dp:
-        samples = videos * (2 if cfg else 1)
-        if videos == 1:  # one video with CFG: its two branches
-            what = "the 2 CFG branches of one video"
+        samples = videos * branches
+        passes = "2 CFG branches" if branches == 2 else f"{branches} guidance passes"
+        if videos == 1:  # one video: its guidance branches
+            what = f"the {passes} of one video"
         else:
-            what = f"the {samples} samples of {videos} videos" + (" x 2 CFG branches" if cfg else " (CFG is off)")
+            what = f"the {samples} samples of {videos} videos" + (f" x {passes}" if branches > 1 else " (CFG is off)")
         if samples == 1:
             parts.append("dp 1: one sample (CFG is off)")
         elif shape.dp == samples:
@@ -265,7 +265,7 @@ def _why(
     elif not sp:
         scheme = sp_mode_choice("auto", shape.as_dict(), model.heads)[0]
         parts.append(f"sp {shape.sp}: the rest" + (f" ({scheme} attention)" if shape.sp > 1 else ""))
-    batch = videos * (2 if cfg else 1)
+    batch = videos * branches
     estimate = f"weights {model.weight_bytes(shape.tp) / GIB:.2f} GiB"
     if model.activations:
         activations = model.bytes_per_device(shape, batch) - model.weight_bytes(shape.tp)

@@ -67,7 +67,7 @@ FACTS = ModelFacts(heads=8)
 
 def gpu_plan(devices: int, attention="auto", dtype=torch.bfloat16, **axes):
     def choose_mesh(dp, sp, tp, sequence_split):
-        return default_mesh(devices, dp, sp, tp, cfg=True, model=FACTS, sequence_split=sequence_split)
+        return default_mesh(devices, dp, sp, tp, branches=2, model=FACTS, sequence_split=sequence_split)
 
     flags = AttentionFlags(attention=attention, **axes)
     tiles = {"block_q": 512, "block_kv": 512, "block_kv_compute": 512}

@@ -7,12 +7,14 @@ frames and the waveform against the pipeline's decode 1e-5. The patched transfor
 eager PyTorch: 1e-6 (measured: bit-identical), except a prompt row with no valid token, 3e-5 (measured up to
 1.9e-5: the stock forward scores such a row's keys `score - 10000` in fp32). Cases: LTX-2.0's
 defaults (CFG, modality guidance and rescale; its STG pass skipped, and recorded), LTX-2.3 with all four
-passes (an STG block that acts) with Splash on a sequence- and tensor-split mesh, and each term turned off.
+passes (an STG block that acts) with Splash on a sequence- and tensor-split mesh and on the default mesh
+(the passes on dp 4), CFG alone (dp 2), and each term turned off.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -49,7 +51,13 @@ CASES = {
         ["uncond", "cond", "stg", "isolated"],
     ),
     "ltx2.3-no-cfg": ("tiny-ltx2.3", ["--stg_blocks", "1"], {**NO_CFG, "spatio_temporal_guidance_blocks": [1]}, None),
-    "ltx2.3-no-stg": ("tiny-ltx2.3", [], OFF, ["uncond", "cond", "isolated"]),
+    "ltx2.3-every-term-default-mesh": (
+        "tiny-ltx2.3",
+        ["--stg_blocks", "1"],
+        {"spatio_temporal_guidance_blocks": [1]},
+        None,
+    ),
+    "ltx2.3-cfg-only": ("tiny-ltx2.3", [], {**OFF, **NO_MODALITY}, ["uncond", "cond"]),
     "ltx2.3-no-modality": (
         "tiny-ltx2.3",
         ["--stg_blocks", "1"],
@@ -113,6 +121,8 @@ def test_stage2_matches_the_pipeline(tmp_path, stage1_folders, case):
     record = config["stage2"]["guidance"]
     if branches is not None:
         assert record["branches"] == branches
+    if "--sp" not in stage2_flags:  # the default mesh: dp takes the passes where their count divides the 8 devices
+        assert config["stage2"]["mesh"]["dp"] == math.gcd(len(record["branches"]), 8)
     if preset == "tiny-ltx2" and not stage2_flags:  # LTX-2.0 has no perturbed attention: skipped, and said so
         assert "perturbed attention" in record["skipped"]["stg"]
 

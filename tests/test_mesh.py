@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -36,12 +37,12 @@ def facts_of(model: str, dtype=torch.bfloat16, **request_flags) -> ModelFacts:
     return model_facts(family, source, dtype, "megatron", request)
 
 
-def assert_valid(choice, devices: int, facts: ModelFacts, cfg: bool, per_host: int) -> None:
+def assert_valid(choice, devices: int, facts: ModelFacts, branches: int, per_host: int) -> None:
     shape = choice.shape
     assert shape.size == devices
     assert facts.heads % shape.tp == 0 and all(dim % shape.tp == 0 for dim in facts.tp_dims)
     assert per_host % shape.tp == 0  # tp never spans hosts
-    assert shape.dp <= (2 if cfg else 1)
+    assert shape.dp <= branches
     sp_mode_choice("auto", shape.as_dict(), facts.heads)  # raises where no scheme can run
     assert choice.why
 
@@ -51,37 +52,36 @@ def published_facts():
     return {hub_id: facts_of(hub_id) for hub_id in models.PUBLISHED}
 
 
-@pytest.mark.parametrize("cfg", [True, False], ids=["cfg", "no-cfg"])
+@pytest.mark.parametrize("branches", [2, 1], ids=["cfg", "no-cfg"])
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-def test_every_published_model_gets_a_valid_default_mesh(published_facts, topology, cfg):
+def test_every_published_model_gets_a_valid_default_mesh(published_facts, topology, branches):
     target = tpus.parse_target(topology)
     for hub_id, facts in published_facts.items():
         choice = default_mesh(
             target.devices,
-            cfg=cfg,
+            branches=branches,
             model=facts,
             devices_per_host=target.devices_per_host,
             device_memory=target.hbm_per_device,
         )
-        assert_valid(choice, target.devices, facts, cfg, target.devices_per_host)
+        assert_valid(choice, target.devices, facts, branches, target.devices_per_host)
         assert choice.fits, (hub_id, choice.why)
-        batch = 2 if cfg else 1
-        assert choice.estimate == facts.bytes_per_device(choice.shape, batch) <= MEMORY_SHARE * target.hbm_per_device
+        assert choice.estimate == facts.bytes_per_device(choice.shape, branches) <= MEMORY_SHARE * target.hbm_per_device
 
 
 def test_default_meshes_the_issue_named(published_facts):
     """CogVideoX-2b's 30 heads on a v6e-8 were an error (tp 4); Wan 2.2's two experts on a v5e-8 would pass
     85% of each 16 GiB chip at tp 4 with a 480p video's activations, so dp gives way and tp takes all 8."""
     v6e, v5e = tpus.parse_target("v6e-8"), tpus.parse_target("v5e-8")
-    cog = default_mesh(8, cfg=True, model=published_facts["THUDM/CogVideoX-2b"], device_memory=v6e.hbm_per_device)
+    cog = default_mesh(8, branches=2, model=published_facts["THUDM/CogVideoX-2b"], device_memory=v6e.hbm_per_device)
     assert cog.shape == MeshShape(2, 2, 2) and "ring attention" in cog.why
     wan22 = published_facts["Wan-AI/Wan2.2-T2V-A14B-Diffusers"]
     assert wan22.bytes_per_device(MeshShape(2, 1, 4), 2) > MEMORY_SHARE * v5e.hbm_per_device
-    choice = default_mesh(8, cfg=True, model=wan22, device_memory=v5e.hbm_per_device)
+    choice = default_mesh(8, branches=2, model=wan22, device_memory=v5e.hbm_per_device)
     assert choice.shape == MeshShape(1, 1, 8) and choice.fits
     assert "dp 1: the largest divisor of the 2 CFG branches of one video" in choice.why
     assert "dp 2 x sp 1 x tp 4 would need" in choice.why and "GiB per device (estimated), more than 85%" in choice.why
-    assert default_mesh(8, cfg=True, model=wan22, device_memory=None).shape == MeshShape(2, 1, 4)
+    assert default_mesh(8, branches=2, model=wan22, device_memory=None).shape == MeshShape(2, 1, 4)
 
 
 WAN13, WAN14 = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers"
@@ -144,7 +144,7 @@ def test_the_default_fits_the_estimate_wherever_some_mesh_does(topology, model, 
     target = tpus.parse_target(topology)
     facts = facts_of(model, **flags)
     memory = {"devices_per_host": target.devices_per_host, "device_memory": target.hbm_per_device}
-    choice = default_mesh(target.devices, cfg=True, model=facts, **memory)
+    choice = default_mesh(target.devices, branches=2, model=facts, **memory)
     needs = {
         shape: facts.bytes_per_device(shape, 2)
         for shape in valid_meshes(target.devices, 2, facts, target.devices_per_host)
@@ -161,10 +161,10 @@ def test_the_default_fits_the_estimate_wherever_some_mesh_does(topology, model, 
 def test_every_preset_gets_a_valid_default_mesh_on_1_to_8_devices(preset):
     facts = facts_of(preset, torch.float32)
     for devices in range(1, 9):
-        for cfg in (True, False):
-            choice = default_mesh(devices, cfg=cfg, model=facts)
-            assert_valid(choice, devices, facts, cfg, devices)
-            assert choice.shape.dp == (2 if cfg and devices % 2 == 0 else 1)
+        for branches in (1, 2, 3, 4):  # 3 and 4: LTX-2's guidance passes
+            choice = default_mesh(devices, branches=branches, model=facts)
+            assert_valid(choice, devices, facts, branches, devices)
+            assert choice.shape.dp == math.gcd(branches, devices)
 
 
 def test_where_a_run_that_does_not_fit_would_fit():
@@ -174,15 +174,15 @@ def test_where_a_run_that_does_not_fit_would_fit():
     wan22 = facts_of("Wan-AI/Wan2.2-T2V-A14B-Diffusers", height=720, width=1280)
     v5e = tpus.parse_target("v5e-8")
     at = (v5e.devices, v5e.devices_per_host, v5e.hbm_per_device, v5e.generation)
-    advice = stage2_transformer.where_it_fits(wan22, True, 1, *at, MeshShape(1, 1, 8))
+    advice = stage2_transformer.where_it_fits(wan22, 2, 1, *at, MeshShape(1, 1, 8))
     assert advice == "the smallest slices estimated to fit: v5p-8, v6e-4, tpu7x-8"
     v6e = tpus.parse_target("v6e-4")
-    assert default_mesh(4, cfg=True, model=wan22, device_memory=v6e.hbm_per_device).fits
-    assert not default_mesh(4, cfg=True, model=wan22, device_memory=v5e.hbm_per_device).fits
-    off_tpu = stage2_transformer.where_it_fits(wan22, True, 1, 8, None, v5e.hbm_per_device, None, MeshShape(1, 1, 8))
+    assert default_mesh(4, branches=2, model=wan22, device_memory=v6e.hbm_per_device).fits
+    assert not default_mesh(4, branches=2, model=wan22, device_memory=v5e.hbm_per_device).fits
+    off_tpu = stage2_transformer.where_it_fits(wan22, 2, 1, 8, None, v5e.hbm_per_device, None, MeshShape(1, 1, 8))
     assert off_tpu == "no mesh of these 8 devices is estimated to fit it"
     hunyuan = facts_of("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v")
-    given = stage2_transformer.where_it_fits(hunyuan, True, 1, *at, MeshShape(2, 4, 1))
+    given = stage2_transformer.where_it_fits(hunyuan, 2, 1, *at, MeshShape(2, 4, 1))
     assert given == "the default mesh dp 2 x sp 1 x tp 4 is estimated to fit (no --dp/--sp/--tp)"
 
 
@@ -196,41 +196,50 @@ def test_slices_are_listed_smallest_first_and_the_search_skips_the_slice_that_do
 
 def test_a_model_no_host_can_hold_is_still_given_its_most_split_mesh():
     facts = ModelFacts(heads=8, split_bytes=((64, 120 * 2**30),))
-    choice = default_mesh(8, cfg=True, model=facts, device_memory=16 * 2**30)
+    choice = default_mesh(8, branches=2, model=facts, device_memory=16 * 2**30)
     assert choice.shape == MeshShape(1, 1, 8) and not choice.fits
     assert "more than 85% of it on every mesh" in choice.why and choice.record()["fits_estimate"] is False
 
 
 @pytest.mark.parametrize(
-    "flags, cfg, expected",
+    "flags, branches, expected",
     [
-        ({}, True, (2, 1, 4)),
-        ({}, False, (1, 1, 8)),
-        ({"sp": 2}, True, (2, 2, 2)),
-        ({"tp": 8}, True, (1, 1, 8)),
-        ({"dp": 1, "sp": 8}, True, (1, 8, 1)),
-        ({"dp": 1}, True, (1, 1, 8)),
+        ({}, 2, (2, 1, 4)),
+        ({}, 1, (1, 1, 8)),
+        ({"sp": 2}, 2, (2, 2, 2)),
+        ({"tp": 8}, 2, (1, 1, 8)),
+        ({"dp": 1, "sp": 8}, 2, (1, 8, 1)),
+        ({"dp": 1}, 2, (1, 1, 8)),
     ],
 )
-def test_given_axes_are_kept_and_the_rest_filled(flags, cfg, expected):
-    assert default_mesh(8, **flags, cfg=cfg, model=ModelFacts(heads=8)).shape == MeshShape(*expected)
+def test_given_axes_are_kept_and_the_rest_filled(flags, branches, expected):
+    assert default_mesh(8, **flags, branches=branches, model=ModelFacts(heads=8)).shape == MeshShape(*expected)
+
+
+def test_ltx2s_three_or_four_guidance_passes_take_dp_where_they_divide_it():
+    four = default_mesh(8, branches=4, model=ModelFacts(heads=8))
+    assert four.shape == MeshShape(4, 1, 2) and "dp 4: the 4 guidance passes of one video" in four.why
+    three = default_mesh(8, branches=3, model=ModelFacts(heads=8))
+    assert three.shape == MeshShape(1, 1, 8) and "largest divisor of the 3 guidance passes" in three.why
+    with pytest.raises(ValueError, match="dp 4 is more than the batch of 3"):
+        default_mesh(8, dp=4, branches=3, model=ModelFacts(heads=8))
 
 
 def test_heads_and_split_dimensions_bound_tp_and_sp_takes_the_rest():
-    assert default_mesh(6, cfg=True, model=ModelFacts(heads=8)).shape == MeshShape(2, 3, 1)
-    assert default_mesh(7, cfg=True, model=ModelFacts(heads=8)).shape == MeshShape(1, 7, 1)
+    assert default_mesh(6, branches=2, model=ModelFacts(heads=8)).shape == MeshShape(2, 3, 1)
+    assert default_mesh(7, branches=2, model=ModelFacts(heads=8)).shape == MeshShape(1, 7, 1)
     # 12 heads but an MLP width of 8960 = 2**8 x 35: tp 4, not 6 or 12
     facts = ModelFacts(heads=12, split_bytes=((1536, 10), (8960, 10)))
-    assert default_mesh(12, cfg=False, model=facts).shape == MeshShape(1, 3, 4)
+    assert default_mesh(12, branches=1, model=facts).shape == MeshShape(1, 3, 4)
 
 
 def test_tp_stays_within_a_host():
     """16 devices on 4 hosts: tp takes one host's 4 and the rest goes on sp; tp 8 is refused."""
     facts = ModelFacts(heads=8)
-    assert default_mesh(16, cfg=True, model=facts, devices_per_host=4).shape == MeshShape(2, 2, 4)
-    assert default_mesh(8, cfg=True, model=facts, devices_per_host=4).shape == MeshShape(2, 1, 4)
+    assert default_mesh(16, branches=2, model=facts, devices_per_host=4).shape == MeshShape(2, 2, 4)
+    assert default_mesh(8, branches=2, model=facts, devices_per_host=4).shape == MeshShape(2, 1, 4)
     with pytest.raises(ValueError, match="tp 8 would span hosts .*a mesh that works: dp 2 x sp 2 x tp 4"):
-        default_mesh(16, dp=2, tp=8, cfg=True, model=facts, devices_per_host=4)
+        default_mesh(16, dp=2, tp=8, branches=2, model=facts, devices_per_host=4)
 
 
 @pytest.mark.parametrize(
@@ -247,7 +256,7 @@ def test_tp_stays_within_a_host():
 )
 def test_flags_that_cannot_work_name_a_mesh_that_does(flags, heads, message):
     with pytest.raises(ValueError, match=message):
-        default_mesh(8, **flags, cfg=True, model=ModelFacts(heads=heads))
+        default_mesh(8, **flags, branches=2, model=ModelFacts(heads=heads))
 
 
 @pytest.mark.parametrize("preset", ["tiny-cogvideox", "tiny-wan2.2"])
@@ -286,23 +295,23 @@ def test_published_models_plan_on_their_default_mesh(tmp_path, capsys, model, me
 
 
 @pytest.mark.parametrize(
-    "videos, cfg, memory_gib, flags, expected",
+    "videos, branches, memory_gib, flags, expected",
     [
-        (3, True, None, {}, 2),  # 3 videos x 2 branches cannot be one per device on 8: 2 videos on dp 4
-        (4, True, None, {}, 4),  # dp 8
-        (9, True, None, {}, 4),
-        (8, False, None, {}, 8),
-        (4, True, 32, {}, 2),  # 40 GiB of weights fit 85% of 32 GiB from tp 2 on: dp 4
-        (4, True, 16, {}, 1),  # from tp 4 on: dp 2 holds one video's two branches only
-        (4, True, None, {"tp": 4}, 1),
-        (1, True, None, {}, 1),
+        (3, 2, None, {}, 2),  # 3 videos x 2 branches cannot be one per device on 8: 2 videos on dp 4
+        (4, 2, None, {}, 4),  # dp 8
+        (9, 2, None, {}, 4),
+        (8, 1, None, {}, 8),
+        (4, 2, 32, {}, 2),  # 40 GiB of weights fit 85% of 32 GiB from tp 2 on: dp 4
+        (4, 2, 16, {}, 1),  # from tp 4 on: dp 2 holds one video's two branches only
+        (4, 2, None, {"tp": 4}, 1),
+        (1, 2, None, {}, 1),
     ],
 )
-def test_default_batch_is_one_sample_per_device_within_the_memory_share(videos, cfg, memory_gib, flags, expected):
+def test_default_batch_is_one_sample_per_device_within_the_memory_share(videos, branches, memory_gib, flags, expected):
     facts = ModelFacts(heads=8, split_bytes=((64, 40 * 2**30),))
     memory = memory_gib * 2**30 if memory_gib else None
-    size, why = default_batch(videos, 8, cfg=cfg, model=facts, device_memory=memory, **flags)
+    size, why = default_batch(videos, 8, branches=branches, model=facts, device_memory=memory, **flags)
     assert size == expected, why
     if size > 1:
-        shape = default_mesh(8, cfg=cfg, model=facts, device_memory=memory, videos=size, **flags).shape
-        assert shape.dp == size * (2 if cfg else 1) and f"on {shape}" in why
+        shape = default_mesh(8, branches=branches, model=facts, device_memory=memory, videos=size, **flags).shape
+        assert shape.dp == size * branches and f"on {shape}" in why

@@ -59,7 +59,7 @@ def test_the_default_multi_host_mesh_keeps_tp_within_a_host():
     """v6e-16 is 4 hosts of 4 chips: the default mesh is 2x2x4 with only dp and sp crossing hosts."""
     target = tpus.parse_target("v6e-16")
     facts = ModelFacts(heads=8)
-    shape = default_mesh(target.devices, cfg=True, model=facts, devices_per_host=target.devices_per_host).shape
+    shape = default_mesh(target.devices, branches=2, model=facts, devices_per_host=target.devices_per_host).shape
     assert shape == MeshShape(2, 2, 4)
     layout = tpus.host_layout(tpus.topology_mesh(target, shape))
     assert layout == {"hosts": 4, "axes_across_hosts": ["dp", "sp"]}

@@ -212,7 +212,7 @@ def test_sharded_stage2_equals_single_device(stage1_outputs, unsharded, mesh):
 def test_the_default_mesh_of_six_devices_runs_and_equals_single_device(stage1_outputs, unsharded):
     """6 devices and 8 heads was an error (tp 3); the default is now dp 2 x sp 3 x tp 1 with ring attention."""
     source, family = models.resolve_model("tiny-cogvideox")
-    choice = default_mesh(6, cfg=True, model=model_facts(family, source, torch.float32, "megatron"))
+    choice = default_mesh(6, branches=2, model=model_facts(family, source, torch.float32, "megatron"))
     assert choice.shape == MeshShape(2, 3, 1) and "ring attention" in choice.why
     latents = denoise_on(stage1_outputs, choice.shape)
     assert relative_error(latents, unsharded["xla"]) <= TOLERANCE

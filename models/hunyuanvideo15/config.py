@@ -85,3 +85,8 @@ def validate_request(source, request: Request) -> None:
 def cfg_enabled(guidance_scale: float) -> bool:
     """The pipeline's guider runs the unconditional branch unless the scale is 1 (its default formulation)."""
     return not math.isclose(guidance_scale, 1.0)
+
+
+def guidance_branches(source, request) -> int:
+    """The samples one step of one video runs: both CFG branches, or the conditional one."""
+    return 2 if cfg_enabled(request.guidance_scale) else 1

@@ -126,11 +126,12 @@ def activations(source, request: Request, dtype: torch.dtype):
     return common.activations(source, frames * height * width, dtype, ACTIVATION_COPIES)
 
 
-def cfg_enabled(guidance_scale: float) -> bool:
-    """Whether the default mesh may put two guidance branches on `dp`: not for LTX-2 yet. Its step runs up
-    to four passes as one batch (guidance.py), which the mesh's two-branch rule cannot divide; so the
-    batch stays on every device of a dp-1 mesh (sp and tp split it)."""
-    return False
+def guidance_branches(source, request: Request) -> int:
+    """The passes one step runs as one batch (guidance.py: CFG's two, STG, modality isolation): the default
+    mesh puts them on `dp` where its size divides them."""
+    from .guidance import resolve_guidance
+
+    return len(resolve_guidance(request, source.load_config("transformer")).branches)
 
 
 def stock_pipeline(source, **components):

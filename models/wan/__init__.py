@@ -18,7 +18,7 @@ from .config import (
     PIPELINE_CLASSES,
     REQUEST_FLAGS,
     activations,
-    cfg_enabled,
+    guidance_branches,
     request_defaults,
     transformer_components,
     validate_request,

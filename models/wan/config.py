@@ -89,6 +89,11 @@ def cfg_enabled(guidance_scale: float) -> bool:
     return guidance_scale > 1.0
 
 
+def guidance_branches(source, request) -> int:
+    """The samples one step of one video runs: both CFG branches, or the conditional one."""
+    return 2 if cfg_enabled(request.guidance_scale) else 1
+
+
 def image_to_video(source) -> bool:
     return source.index.get("_class_name") == "WanImageToVideoPipeline"
 

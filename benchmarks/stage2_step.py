@@ -89,10 +89,10 @@ def step_times(steps: int) -> dict[str, float]:
     transformer = make_jit_safe(build_transformer(**STEP_MODEL))
     latents, timestep, embeds, rotary, guidance = inputs(transformer)
     eager_model = build_transformer(**STEP_MODEL)  # same seed, same weights; stays in PyTorch
-    eager = GuidedTransformer(eager_model, do_branches=2)
+    eager = GuidedTransformer(eager_model, do_cfg=True)
 
     runtime = TorchaxRuntime()
-    ours = runtime.compile(GuidedTransformer(transformer, do_branches=2, constrain=runtime.constrain))
+    ours = runtime.compile(GuidedTransformer(transformer, do_cfg=True, constrain=runtime.constrain))
     static = runtime.to_device((embeds, rotary, guidance))
 
     def eager_step():
@@ -119,7 +119,7 @@ def first_call_seconds() -> float:
     transformer = make_jit_safe(build_transformer(**STEP_MODEL))
     latents, timestep, embeds, rotary, guidance = inputs(transformer)
     runtime = TorchaxRuntime()
-    compiled = runtime.compile(GuidedTransformer(transformer, do_branches=2, constrain=runtime.constrain))
+    compiled = runtime.compile(GuidedTransformer(transformer, do_cfg=True, constrain=runtime.constrain))
     arguments = runtime.to_device((latents, timestep, embeds, rotary, guidance))
     start = time.perf_counter()
     runtime.to_host(compiled(*arguments))

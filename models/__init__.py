@@ -82,8 +82,13 @@ def component_class(source: ModelSource, component: str):
     entry = source.index.get(component)
     if not isinstance(entry, list) or len(entry) != 2 or entry[1] is None:
         raise UserError(f"model_index.json of {source.ref!r} has no {component!r} component")
-    library, class_name = entry
-    if library not in ("diffusers", "transformers"):  # a pipeline's own module (LTX-2's "ltx2" connectors)
+    return library_class(*entry)
+
+
+def library_class(library: str, class_name: str):
+    """The class a model_index.json entry names: diffusers', transformers', or a pipeline's own module's
+    (LTX-2's connectors and vocoder say "ltx2": diffusers.pipelines.ltx2)."""
+    if library not in ("diffusers", "transformers"):
         library = f"diffusers.pipelines.{library}"
     return getattr(importlib.import_module(library), class_name)
 
@@ -220,7 +225,7 @@ def materialize_published(hub_id: str) -> Path:
                 continue
             library, class_name, config = entry
             index[component] = [library, class_name]
-            cls = getattr(importlib.import_module(library), class_name)
+            cls = library_class(library, class_name)
             (folder / component).mkdir()
             if not hasattr(cls, "config_name"):  # a transformers model: its config class writes config.json
                 cls.config_class(**config).save_pretrained(folder / component)

@@ -100,7 +100,7 @@ def test_xla_cpu_miscompiles_cogvideox_in_place_rotary_update_at_batch_1():
         transformer = prepare(cogvideox.presets.tiny_pipeline("1.5").transformer.eval())
         with torch.no_grad():
             expected = transformer(*inputs, timestep=torch.tensor([999]), image_rotary_emb=rotary, return_dict=False)[0]
-        jitted = runtime.compile(cogvideox.transformer.GuidedTransformer(transformer, do_branches=1))
+        jitted = runtime.compile(cogvideox.transformer.GuidedTransformer(transformer, do_cfg=False))
         device_inputs = runtime.to_device((inputs[0], torch.tensor([999]), inputs[1], rotary, torch.tensor(1.0)))
         errors[name] = relative_error(runtime.to_host(jitted(*device_inputs)), expected)
     assert errors["patched"] <= 1e-5

@@ -7,7 +7,8 @@ the family's `models.family.Family` members, gathered from its parts.
 - `i2v`: stage 1's image conditioning (the H.264 round trip, the VAE encode) and the first-frame mask;
 - `pipeline`: stage 1's Gemma 3 encoding and connectors, stage 2's loop over both streams, the decode;
 - `audio`: stage 3's soundtrack (audio VAE and vocoder);
-- `presets`: the tiny random presets.
+- `presets`: the tiny random presets;
+- `published`: Lightricks/LTX-2's configs, for --plan.
 """
 
 from ..common import size_from_request as image_size
@@ -26,8 +27,8 @@ from .config import (
 from .i2v import encode_images, image_inputs, images_on_runtime
 from .pipeline import Decoder, denoise_loop, latents_normalization, planning_embeds, prompt_encoder, video_processor
 from .presets import PRESETS
+from .published import PUBLISHED
 from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
 
-PUBLISHED: dict = {}  # the published checkpoints' configs for --plan: not yet kept offline (docs/ltx2.md)
 CHUNK_FRAMES: tuple[int, ...] = ()  # stage 3 on torchax decodes the video as one program
 frame_programs = frame_plan = None

@@ -1,0 +1,97 @@
+"""LTX-2's published checkpoint (`Lightricks/LTX-2`, the 19B LTX-2.0 dev model in diffusers' layout), its
+configs kept in code for `--plan` (offline, architecture only): the values diffusers' conversion script
+(scripts/convert_ltx2_to_diffusers.py, version "2.0") writes. Each entry maps a component to (library,
+class, config.json values); the classes' own defaults fill the rest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .presets import SCHEDULER
+
+# 48 blocks; video 32 heads x 128 (width 4096), audio 32 heads x 64 (width 2048); Gemma's width 3840 in.
+LTX2_TRANSFORMER = {
+    "in_channels": 128,
+    "num_attention_heads": 32,
+    "attention_head_dim": 128,
+    "cross_attention_dim": 4096,
+    "audio_in_channels": 128,
+    "audio_num_attention_heads": 32,
+    "audio_attention_head_dim": 64,
+    "audio_cross_attention_dim": 2048,
+    "num_layers": 48,
+    "caption_channels": 3840,
+    "rope_type": "split",
+    "rope_double_precision": True,
+}
+# Every Gemma 3 12B hidden state (48 layers and the embeddings: 49) projected to 3840, two 2-layer connectors.
+LTX2_CONNECTORS = {"caption_channels": 3840, "text_proj_in_factor": 49, "rope_type": "split"}
+# 32x spatial, 8x temporal, 128 latent channels.
+LTX2_VAE = {
+    "latent_channels": 128,
+    "block_out_channels": [256, 512, 1024, 2048],
+    "decoder_block_out_channels": [256, 512, 1024],
+    "layers_per_block": [4, 6, 6, 2, 2],
+    "decoder_layers_per_block": [5, 5, 5, 5],
+    "spatio_temporal_scaling": [True, True, True, True],
+    "decoder_spatio_temporal_scaling": [True, True, True],
+    "decoder_inject_noise": [False, False, False, False],
+    "downsample_type": ["spatial", "temporal", "spatiotemporal", "spatiotemporal"],
+    "upsample_residual": [True, True, True],
+    "upsample_factor": [2, 2, 2],
+    "timestep_conditioning": False,
+    "decoder_spatial_padding_mode": "reflect",
+    "spatial_compression_ratio": 32,
+    "temporal_compression_ratio": 8,
+}
+# 16 kHz mel (64 bins, hop 160) to 8 latent channels, 4x in time and mel.
+LTX2_AUDIO_VAE = {
+    "base_channels": 128,
+    "ch_mult": [1, 2, 4],
+    "num_res_blocks": 2,
+    "resolution": 256,
+    "latent_channels": 8,
+    "norm_type": "pixel",
+    "causality_axis": "height",
+    "mid_block_add_attention": False,
+    "sample_rate": 16000,
+    "mel_hop_length": 160,
+    "is_causal": True,
+    "mel_bins": 64,
+}
+LTX2_VOCODER = {"in_channels": 128, "hidden_channels": 1024, "output_sampling_rate": 24000}
+# Gemma 3 12B (Gemma3Config kwargs): the text model stage 1 runs, and the vision tower it never runs.
+GEMMA3_12B = {
+    "text_config": {
+        "hidden_size": 3840,
+        "intermediate_size": 15360,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "sliding_window": 1024,
+        "vocab_size": 262208,
+    },
+    "vision_config": {
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_hidden_layers": 27,
+        "num_attention_heads": 16,
+        "image_size": 896,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+
+PUBLISHED: dict[str, dict[str, Any]] = {
+    "Lightricks/LTX-2": {
+        "_class_name": ("diffusers", "LTX2Pipeline"),
+        "transformer": ("diffusers", "LTX2VideoTransformer3DModel", LTX2_TRANSFORMER),
+        "connectors": ("ltx2", "LTX2TextConnectors", LTX2_CONNECTORS),
+        "vae": ("diffusers", "AutoencoderKLLTX2Video", LTX2_VAE),
+        "audio_vae": ("diffusers", "AutoencoderKLLTX2Audio", LTX2_AUDIO_VAE),
+        "vocoder": ("ltx2", "LTX2Vocoder", LTX2_VOCODER),
+        "text_encoder": ("transformers", "Gemma3ForConditionalGeneration", GEMMA3_12B),
+        "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", SCHEDULER),
+    },
+}

@@ -116,6 +116,7 @@ def latent_statistics(source, component: str) -> tuple[torch.Tensor, torch.Tenso
 
 def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime, tp_mode):
     """LTX2Pipeline's loop as a DenoiseLoop over one tensor holding both streams' packed latents."""
+    import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
     from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, retrieve_timesteps
     from diffusers.pipelines.ltx2.utils import conditioning_frame_rate
@@ -153,8 +154,6 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         scheduler.config.get("base_shift", 0.95),
         scheduler.config.get("max_shift", 2.05),
     )
-    import numpy as np
-
     timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", None, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
 
     fps = conditioning_frame_rate(float(request.fps), guidance.motion_speed)

@@ -307,6 +307,19 @@ def test_without_pyav_the_image_crf_error_names_the_extra(monkeypatch):
         ltx2_i2v.recompress(None, 33)
 
 
+def test_the_plan_compiles_all_four_passes_on_dp_for_v6e_with_the_real_splash_kernel(tmp_path):
+    """The TPU compiler (libtpu) builds stage 2 of tiny LTX-2.3 with every guidance pass on dp 4. Per block
+    (tensors): 24 all-reduces, and all-gathers and collective-permutes not yet traced to their source."""
+    out = tmp_path / "plan.json"
+    argv = ["--input_dir", tmp_path, "--model", "tiny-ltx2.3", "--stg_blocks", "1", "--plan", "v6e:2x4"]
+    run_stage(stage2_transformer, [*argv, "--plan_json", out])
+    report = json.loads(out.read_text())
+    assert report["fits"] and report["mesh"] == {"dp": 4, "sp": 1, "tp": 2}
+    assert report["splash_custom_calls"] >= 1 and report["flops_per_device"]["attention"] > 0
+    per_block = {op: value["tensors"] for op, value in report["collectives"]["per_block"].items()}
+    assert per_block == {"all-reduce": 24, "all-gather": 9, "collective-permute": 20}
+
+
 def test_later_ltx_releases_are_refused(capsys, tmp_path):
     """A folder with LTX-2.5's parts (here: a duration head in model_index.json) is named and refused."""
     folder = tmp_path / "ltx2.5"

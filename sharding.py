@@ -188,6 +188,27 @@ def qwen25vl_text_rules(split_attention: bool = True) -> RuleTable:
     )
 
 
+def gemma3_text_rules(split_attention: bool = True) -> RuleTable:
+    """Gemma3TextModel (LTX-2's prompt encoder, Gemma 3 12B: 16 query and 8 key/value heads of 256): Megatron
+    q/k/v (no biases), o_proj and the gated MLP. Replicated: the per-head q/k RMS norms (one head's width),
+    the four norms around attention and MLP, the token embedding and the final norm."""
+    column, _, row = _text_encoder_specs(split_attention)
+    layer = r"layers\.\d+\."
+    return RuleTable(
+        f"gemma3-text/{'megatron' if split_attention else 'megatron-mlp'}",
+        (
+            (layer + r"self_attn\.[qkv]_proj\.weight", column),
+            (layer + r"self_attn\.o_proj\.weight", row),
+            (layer + r"self_attn\.[qk]_norm\.weight", REPLICATED),
+            (layer + r"mlp\.(gate|up)_proj\.weight", COLUMN),
+            (layer + r"mlp\.down_proj\.weight", ROW),
+            (layer + r"(input|post_attention|pre_feedforward|post_feedforward)_layernorm\.weight", REPLICATED),
+            (r"embed_tokens\.weight", REPLICATED),
+            (r"norm\.weight", REPLICATED),
+        ),
+    )
+
+
 def text_encoder_rules(config, tp: int) -> RuleTable:
     """The rule table for a transformers text encoder config on a mesh with `tp` devices on its `tp`
     axis: attention is split only where `tp` divides every head count."""
@@ -196,6 +217,9 @@ def text_encoder_rules(config, tp: int) -> RuleTable:
     if config.model_type == "qwen2_5_vl_text":
         heads = (config.num_attention_heads, config.num_key_value_heads)
         return qwen25vl_text_rules(split_attention=all(count % tp == 0 for count in heads))
+    if config.model_type == "gemma3_text":
+        heads = (config.num_attention_heads, config.num_key_value_heads)
+        return gemma3_text_rules(split_attention=all(count % tp == 0 for count in heads))
     raise ValueError(f"no sharding rules for a {config.model_type!r} text encoder")
 
 

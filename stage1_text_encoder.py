@@ -7,7 +7,7 @@ Writes stage1_embeddings.safetensors and starts a new generation_config.json hol
 a batch.json listing them, loading the encoders once.
 `--backend torch` (default) runs plain PyTorch on CPU or CUDA and never imports JAX; `--backend torchax`
 runs the same text encoders jitted on all JAX devices, their weights split over a `tp` mesh axis by the
-encoder's rule table (sharding.py: T5, Qwen2.5-VL). The image conditioning runs on the host in fp32.
+encoder's rule table (sharding.py: T5, Qwen2.5-VL, Gemma 3). The image conditioning runs on the host in fp32.
 """
 
 from __future__ import annotations

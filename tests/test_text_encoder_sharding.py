@@ -1,4 +1,4 @@
-"""Stage 1's `--backend torchax`: the T5 and Qwen2.5-VL rule tables, sharded encoders against eager
+"""Stage 1's `--backend torchax`: the T5, Qwen2.5-VL and Gemma 3 rule tables, sharded encoders against eager
 PyTorch, and the CLI against `--backend torch` (image encoders and single-image VAE encodes included).
 
 Tolerance: 1e-5 relative in fp32. Sharding only changes the reduction order of the row-parallel sums.
@@ -118,6 +118,27 @@ def test_qwen_rule_table_matches_every_parameter_as_intended(model, tp):
     assert sum(spec != REPLICATED for spec in specs.values()) == per_layer * encoder.config.num_hidden_layers
 
 
+@pytest.mark.parametrize("tp, split", [(8, True), (16, False)])
+def test_gemma3_12b_rule_table_matches_every_parameter_as_intended(tp, split):
+    """LTX-2's prompt encoder at its published size (16 query, 8 key/value heads): tp 16 replicates attention."""
+    from transformers import Gemma3TextConfig, Gemma3TextModel
+
+    from models.ltx2.published import GEMMA3_12B
+
+    with torch.device("meta"):
+        encoder = Gemma3TextModel(Gemma3TextConfig(**GEMMA3_12B["text_config"]))
+    names = [name for name, _ in encoder.named_parameters()]
+    specs = sharding.text_encoder_rules(encoder.config, tp).assign(names)
+    attention = {"q_proj": COLUMN, "k_proj": COLUMN, "v_proj": COLUMN, "o_proj": ROW}
+    mlp = {"gate_proj": COLUMN, "up_proj": COLUMN, "down_proj": ROW}
+    for name, spec in specs.items():
+        kind = name.split(".")[-2]
+        wanted = (attention[kind] if split else REPLICATED) if kind in attention else mlp.get(kind, REPLICATED)
+        assert spec == wanted, name
+    per_layer = 7 if split else 3
+    assert sum(spec != REPLICATED for spec in specs.values()) == per_layer * 48
+
+
 def test_unknown_text_encoder_is_a_value_error_in_the_library_and_a_user_error_in_stage_1():
     from transformers import CLIPTextConfig
 
@@ -181,6 +202,7 @@ def test_sharded_qwen_hidden_states_equal_eager(tp):
         ("tiny-cogvideox", "a red cat"),
         ("tiny-hunyuanvideo15", 'a shop sign that says "OPEN"'),
         ("tiny-wan2.1", "a red cat"),  # Wan's pipeline asked the encoder's weights for their device ('jax')
+        ("tiny-ltx2", "a red cat"),  # Gemma 3's every hidden state; the connectors run on the host after it
     ],
 )
 def test_stage1_torchax_backend_equals_torch_backend(tmp_path, model, prompt):
@@ -206,6 +228,7 @@ def test_stage1_torchax_backend_equals_torch_backend(tmp_path, model, prompt):
         "tiny-cogvideox": ["t5-encoder"],
         "tiny-hunyuanvideo15": ["qwen2.5-vl-text", "t5-encoder"],
         "tiny-wan2.1": ["t5-encoder"],
+        "tiny-ltx2": ["gemma3-text"],
     }
     assert [p["rule_table"].split("/")[0] for p in stage1["placement"]] == expected_tables[model]
     assert torch_config["stage1"]["backend"] == "torch" and torch_config["stage1"]["device"] == "cpu"

@@ -253,3 +253,24 @@ def test_torchax_0_0_13_drops_in_place_updates_made_through_a_view():
         errors[name] = relative_error(runtime.to_host(got), expected)
     assert errors["patched"] <= 1e-6
     assert errors["stock"] > 1e-2, f"torchax now keeps in-place updates through views ({errors}); drop the patch"
+
+
+def test_torchax_0_0_13_sdpa_gives_nan_where_a_boolean_mask_admits_no_key():
+    """torch's SDPA gives zeros on such a row (transformers counts on it for left-padded prompts: Gemma 3 in
+    LTX-2's stage 1); torchax's reference gives NaN. Workaround: workarounds.torchax.zero_unattended_rows_sdpa,
+    installed in every TorchaxRuntime's environment."""
+    from workarounds.torchax import op_definition
+
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, 2, 3, 4, generator=generator) for _ in range(3))
+    mask = torch.tensor([[False, False, False], [True, False, False], [True, True, True]])[None, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+    assert torch.equal(expected[:, :, 0], torch.zeros(1, 2, 4))
+    runtime = TorchaxRuntime()
+    ours = op_definition(runtime.env, torch.nn.functional.scaled_dot_product_attention).func
+    with runtime.env:
+        inputs = runtime.to_device((query, key, value, mask))
+        stock = runtime.to_host(ours.stock_sdpa(*inputs))
+        fixed = runtime.to_host(torch.nn.functional.scaled_dot_product_attention(*inputs))
+    assert relative_error(fixed, expected) <= 1e-6 and torch.equal(fixed[:, :, 0], expected[:, :, 0])
+    assert torch.isnan(stock[:, :, 0]).all(), "torchax now gives torch's zeros: drop zero_unattended_rows_sdpa"

@@ -136,6 +136,31 @@ def install_gather(env) -> None:
         env.override_op_definition(torch.ops.aten.gather, take_along_axis_gather(current.func))
 
 
+def zero_unattended_rows_sdpa(stock_sdpa):
+    """SDPA whose query rows with no key admitted by a boolean mask come out as zeros, as torch >= 2.5's
+    SDPA gives them: torchax 0.0.13's reference softmax over all -inf gives NaN there. transformers counts
+    on the zeros for left-padded prompts (the padding's queries see no key under the causal mask): Gemma 3
+    in LTX-2's stage 1. Other masks and rows keep the stock values. Canary in tests/test_upstream_bugs.py."""
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        out = stock_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if attn_mask is None or attn_mask.dtype != torch.bool:
+            return out
+        return torch.where(attn_mask.any(dim=-1, keepdim=True), out, torch.zeros_like(out))
+
+    sdpa.stock_sdpa = stock_sdpa
+    return sdpa
+
+
+def install_zero_unattended_rows_sdpa(env) -> None:
+    """Put zero_unattended_rows_sdpa into torchax environment `env`, once (stage 2's attention plans
+    override SDPA in their own blocks and put this back after)."""
+    op = torch.nn.functional.scaled_dot_product_attention
+    current = op_definition(env, op)
+    if not hasattr(current.func, "stock_sdpa"):
+        env.override_op_definition(op, zero_unattended_rows_sdpa(current.func))
+
+
 def layout_keeping_group_norm(input, weight, bias, N, C, HxW, group, eps=1e-5):
     """`aten.native_group_norm` with the statistics taken over the group's channels and every other
     dimension in place, not over one flattened dimension.

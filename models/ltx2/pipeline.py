@@ -95,12 +95,18 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
     return embeds
 
 
-def latent_statistics(source, component: str) -> tuple[torch.Tensor, torch.Tensor]:
+def latent_statistics(source, component: str, planning: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A VAE's `latents_mean` and `latents_std` buffers (the pipeline's de-normalisation), read from its
-    checkpoint without loading the VAE."""
+    checkpoint without loading the VAE. `planning` (a meta-device transformer: --plan, where no value is
+    read): zeros and ones of the buffers' shape, since a configs-only folder has no values."""
     from safetensors import safe_open
 
     from ..direct_load import checkpoint_paths
+    from ..meta import meta_module
+
+    if planning:
+        shape = meta_module(source, component, torch.float32).latents_mean.shape
+        return torch.zeros(shape), torch.ones(shape)
 
     try:
         paths = checkpoint_paths(source.location, component)
@@ -203,10 +209,11 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         video_latents = LTX2Pipeline._unpack_latents(
             video_latents.reshape(1, *shapes[0]), frames, height, width, patch, patch_t
         )
-        mean, std = latent_statistics(source, "vae")
+        planning = next(transformer.parameters()).is_meta
+        mean, std = latent_statistics(source, "vae", planning)
         scaling = source.load_config("vae").get("scaling_factor", 1.0)
         video_latents = LTX2Pipeline._denormalize_latents(video_latents, mean, std, scaling)
-        mean, std = latent_statistics(source, "audio_vae")
+        mean, std = latent_statistics(source, "audio_vae", planning)
         audio_latents = LTX2Pipeline._denormalize_audio_latents(audio_latents.reshape(1, *shapes[1]), mean, std)
         audio_latents = LTX2Pipeline._unpack_audio_latents(audio_latents, audio_length, num_mel_bins=mel_bins)
         extra = {"guidance": guidance.record(), "audio_latents_layout": "BCLM"}

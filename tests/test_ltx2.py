@@ -320,6 +320,14 @@ def test_the_plan_compiles_all_four_passes_on_dp_for_v6e_with_the_real_splash_ke
     assert per_block == {"all-reduce": 24, "all-gather": 9, "collective-permute": 20}
 
 
+def test_stage3_plans_from_configs_alone(tmp_path):
+    """Stage 3's --plan reaches stage 2's de-normalisation without VAE weights (a meta-device transformer)."""
+    out = tmp_path / "plan.json"
+    run_stage(stage3_vae_decoder, ["--model", "tiny-ltx2", "--plan", "v6e-8", "--plan_json", out])
+    report = json.loads(out.read_text())
+    assert report["fits"] and report["latents"] == [1, 8, 3, 4, 4]
+
+
 def test_later_ltx_releases_are_refused(capsys, tmp_path):
     """A folder with LTX-2.5's parts (here: a duration head in model_index.json) is named and refused."""
     folder = tmp_path / "ltx2.5"

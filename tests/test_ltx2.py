@@ -309,7 +309,8 @@ def test_without_pyav_the_image_crf_error_names_the_extra(monkeypatch):
 
 def test_the_plan_compiles_all_four_passes_on_dp_for_v6e_with_the_real_splash_kernel(tmp_path):
     """The TPU compiler (libtpu) builds stage 2 of tiny LTX-2.3 with every guidance pass on dp 4. Per block
-    (tensors): 24 all-reduces, and all-gathers and collective-permutes not yet traced to their source."""
+    (tensors): only the 20 all-reduces of tp (6 attention outputs, 2 MLP outputs, 12 q/k norm statistics);
+    with the modulation linears split on their input there were also 9 all-gathers and 20 permutes."""
     out = tmp_path / "plan.json"
     argv = ["--input_dir", tmp_path, "--model", "tiny-ltx2.3", "--stg_blocks", "1", "--plan", "v6e:2x4"]
     run_stage(stage2_transformer, [*argv, "--plan_json", out])
@@ -317,7 +318,7 @@ def test_the_plan_compiles_all_four_passes_on_dp_for_v6e_with_the_real_splash_ke
     assert report["fits"] and report["mesh"] == {"dp": 4, "sp": 1, "tp": 2}
     assert report["splash_custom_calls"] >= 1 and report["flops_per_device"]["attention"] > 0
     per_block = {op: value["tensors"] for op, value in report["collectives"]["per_block"].items()}
-    assert per_block == {"all-reduce": 24, "all-gather": 9, "collective-permute": 20}
+    assert per_block == {"all-reduce": 20}
 
 
 def test_stage3_plans_from_configs_alone(tmp_path):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from sharding import COLUMN, COLUMN_BIAS, MODULATION, REPLICATED, RuleTable, megatron_rules
+from sharding import COLUMN, COLUMN_BIAS, REPLICATED, RuleTable, megatron_rules
 from workarounds.torchax import functional_split_rotary
 
 from ..guidance import BATCH
@@ -39,15 +39,17 @@ def transformer_rules(tp_mode: str = "megatron") -> RuleTable:
     """LTX2VideoTransformer3DModel: all six attentions of a block (video and audio self-attention, their text
     cross-attentions, audio-to-video and video-to-audio) and both MLPs get the Megatron layout; q/k RMS norms
     span all heads, so their weights are split like q/k's columns; LTX-2.3's per-head gates like heads.
-    The adaptive norms' modulation linears are split on their input (one all-reduce each per step, not
-    per block). Replicated: the per-block tables, the embedders and the output layers."""
+    Replicated: the per-block tables, the embedders, the output layers and the adaptive norms' modulation
+    linears (440 MiB in bf16 at 19B): split on their input, as the other families split theirs, XLA left the
+    modulated activations split along the width and gathered them again before every attention and MLP
+    (libtpu, 19B at 512x768x121 on v6e-8, per block: 9 all-gathers of 583 MiB and 40 collective-permutes of
+    360 MiB; replicated: none, docs/planning.md#ltx-2)."""
     block = r"transformer_blocks\.\d+\."
     later = (  # LTX-2.3: gated attention, prompt modulation
         (block + ATTENTIONS + r"\.to_gate_logits\.weight", COLUMN),
         (block + ATTENTIONS + r"\.to_gate_logits\.bias", COLUMN_BIAS),
         (block + r"(audio_)?prompt_scale_shift_table", REPLICATED),
-        (r"(audio_)?prompt_adaln\.linear\.weight", MODULATION),
-        (r"(audio_)?prompt_adaln\.(linear\.bias|emb\..*)", REPLICATED),
+        (r"(audio_)?prompt_adaln\..*", REPLICATED),
         (r"(audio_)?caption_projection\..*", REPLICATED),  # LTX-2.0 only: 2.3 projects in the connectors
     )
     rules = (
@@ -56,8 +58,7 @@ def transformer_rules(tp_mode: str = "megatron") -> RuleTable:
             (block + ATTENTIONS + r"\.norm_[qk]\.weight", COLUMN_BIAS),
             (block + r"(audio_)?(a2v_cross_attn_)?scale_shift_table", REPLICATED),
             (block + r"video_a2v_cross_attn_scale_shift_table", REPLICATED),
-            (r"(audio_time_embed|time_embed|av_cross_attn_\w+)\.linear\.weight", MODULATION),
-            (r"(audio_time_embed|time_embed|av_cross_attn_\w+)\.(linear\.bias|emb\..*)", REPLICATED),
+            (r"(audio_time_embed|time_embed|av_cross_attn_\w+)\..*", REPLICATED),
             (r"(audio_)?proj_(in|out)\.(weight|bias)", REPLICATED),
             (r"(audio_)?scale_shift_table", REPLICATED),
         )

@@ -307,9 +307,12 @@ class Video:
     source: object
     family: object
     dtype_name: str
-    latents: torch.Tensor
     normalization: dict  # what stage 2 recorded, undone before decoding
     tensors: dict  # every tensor stage 2 wrote (LTX-2: `audio_latents` too)
+
+    @property
+    def latents(self) -> torch.Tensor:
+        return self.tensors["latents"]
 
 
 def checked_video(args, input_dir: Path) -> Video:
@@ -328,12 +331,11 @@ def checked_video(args, input_dir: Path) -> Video:
             "--fps); another frame rate would play the pictures out of step with it"
         )
     tensors = read_tensors(input_dir, config["stage2"])
-    latents = tensors["latents"]
     normalization = stage2_normalization(config["stage2"], lambda: family.latents_normalization(source))
     source.load_config("vae")  # a model folder without a VAE is refused here, before any folder decodes
     check_output_dir(output_dir, input_dir, config)
     ensure_writable_dir(output_dir, (output_name, preview_name(output_name), frames_name(output_name)))
-    fields = (config, request, overrides, source, family, dtype_name, latents, normalization, tensors)
+    fields = (config, request, overrides, source, family, dtype_name, normalization, tensors)
     return Video(input_dir, output_dir, output_name, *fields)
 
 

@@ -152,6 +152,7 @@ def read_adapters(args, family, source, dtype: torch.dtype) -> list[Adapter]:
             raise UserError(f"{flag} {path}: {file.name} is not a .safetensors file")
         state_dict, metadata = read_file(loader, file, flag)
         weights, prefix, others = transformer_weights(state_dict)
+        check_stage2_only(loader, others, components, flag, file)
         component = FLAGS[flag]
         modules = dict(transformers[component].named_modules())
         missing = check_fits(weights, modules, flag, file) if weights else ["(none)"]
@@ -173,6 +174,19 @@ def read_adapters(args, family, source, dtype: torch.dtype) -> list[Adapter]:
         adapters.append(Adapter(flag, component, file, scale, sha, state_dict, metadata, prefix))
         log(f"{flag} {file.name}: {len(ranks)} modules of {component}, rank {max(ranks.values())}, scale {scale:g}")
     return adapters
+
+
+def check_stage2_only(loader, others: list[str], components: tuple[str, ...], flag: str, file: Path) -> None:
+    """Refuse an adapter that also changes a component the pipeline's loader adapts but stage 1 runs (LTX-2's
+    text connectors): fusing only the transformer's share would silently differ from the pipeline."""
+    loadable = set(getattr(loader, "_lora_loadable_modules", ())) - set(components)
+    elsewhere = sorted({key.split(".")[0] for key in others} & loadable)
+    if elsewhere:
+        count = sum(key.split(".")[0] in elsewhere for key in others)
+        raise UserError(
+            f"{flag} {file.name}: {count} of its weights adapt the {' and '.join(elsewhere)}, which "
+            f"{loader.__name__} loads and stage 1 runs; adapters on stage-1 components are not supported yet"
+        )
 
 
 def fuse(transformers: dict[str, torch.nn.Module], adapters: list[Adapter], family) -> None:

@@ -269,6 +269,9 @@ LORA_TARGETS = {  # the blocks' attention and MLP projections (PEFT target_modul
     "wan": r"blocks\.\d+\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|blocks\.\d+\.ffn\.net\.(0\.proj|2)",
     "cogvideox": r"transformer_blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))",
     "hunyuanvideo15": r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_k_proj)|ff\.net\.(0\.proj|2))",
+    # both streams' self- and text attention, the audio<->video attentions, both feed-forwards
+    "ltx2": r"transformer_blocks\.\d+\.((audio_)?attn[12]|audio_to_video_attn|video_to_audio_attn)\.(to_q|to_k|to_v|to_out\.0)"
+    r"|transformer_blocks\.\d+\.(audio_)?ff\.net\.(0\.proj|2)",
 }
 
 
@@ -295,10 +298,11 @@ def peft_weights(preset: str, seed: int, rank: int = 4, alpha: int | None = None
 def diffusers_file(folder, name: str, preset: str, seed: int):
     """The adapter saved by the family pipeline's save_lora_weights (keys `transformer.<module>.lora_A...`,
     its LoraConfig in the metadata)."""
-    from diffusers.loaders import CogVideoXLoraLoaderMixin, WanLoraLoaderMixin
+    from diffusers.loaders import CogVideoXLoraLoaderMixin, LTX2LoraLoaderMixin, WanLoraLoaderMixin
 
     weights, transformer = peft_weights(preset, seed)
-    saver = WanLoraLoaderMixin if preset.startswith("tiny-wan") else CogVideoXLoraLoaderMixin
+    savers = {"tiny-wan": WanLoraLoaderMixin, "tiny-ltx2": LTX2LoraLoaderMixin}
+    saver = next((cls for start, cls in savers.items() if preset.startswith(start)), CogVideoXLoraLoaderMixin)
     metadata = transformer.peft_config["default"].to_dict()  # the LoraConfig, as diffusers' own saves carry it
     saver.save_lora_weights(
         folder, transformer_lora_layers=weights, weight_name=name, transformer_lora_adapter_metadata=metadata

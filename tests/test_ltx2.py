@@ -28,7 +28,16 @@ import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
 from cli import UserError
-from helpers import expect_user_error, pipeline, relative_error, run_script, run_stage, write_image
+from helpers import (
+    diffusers_file,
+    expect_user_error,
+    peft_weights,
+    pipeline,
+    relative_error,
+    run_script,
+    run_stage,
+    write_image,
+)
 from models.ltx2 import guidance as ltx2_guidance
 from models.ltx2 import i2v as ltx2_i2v
 from models.ltx2 import transformer as ltx2_transformer
@@ -91,9 +100,14 @@ def stage1_folders(tmp_path_factory):
     return folders
 
 
-def reference(preset: str, config: dict, output_type: str, **arguments):
-    """The pipeline's (video, audio) for the folder's request."""
+def reference(preset: str, config: dict, output_type: str, adapters=(), **arguments):
+    """The pipeline's (video, audio) for the folder's request, with LoRA `adapters` ((file, scale), ...)
+    loaded its own way (load_lora_weights, set_adapters)."""
     pipe = pipeline(preset)
+    for index, (file, _) in enumerate(adapters):
+        pipe.load_lora_weights(file, adapter_name=f"adapter_{index}")
+    if adapters:
+        pipe.set_adapters([f"adapter_{index}" for index in range(len(adapters))], [s for _, s in adapters])
     output = pipe(
         prompt=PROMPT,
         negative_prompt=NEGATIVE,
@@ -168,6 +182,36 @@ def test_one_device_and_the_decode_match_the_pipeline(tmp_path, stage1_folders):
     length = min(decoded.shape[1], expected.shape[1])
     correlation = np.corrcoef(decoded[:, :length].ravel(), expected[:, :length].ravel())[0, 1]
     assert correlation >= 0.9, correlation
+
+
+def test_adapters_fuse_as_the_pipeline_loads_them(tmp_path, stage1_folders):
+    """`--lora` on LTX-2.3 with every guidance pass: a diffusers-format adapter at 0.8 and one in the original
+    LTX-2 format (`diffusion_model.` keys, which LTX2LoraLoaderMixin converts) at -0.5, on both streams'
+    self- and text attention, the audio<->video attentions and both feed-forwards. Stage 2 fuses them into
+    the weights; the pipeline keeps them as PEFT layers."""
+    from safetensors.torch import save_file
+
+    first = diffusers_file(tmp_path, "style.safetensors", "tiny-ltx2.3", seed=1)
+    weights, _ = peft_weights("tiny-ltx2.3", seed=2)
+    second = tmp_path / "original.safetensors"
+    save_file({f"diffusion_model.{key}": tensor.contiguous() for key, tensor in weights.items()}, second)
+    out = tmp_path / "run"
+    shutil.copytree(stage1_folders["tiny-ltx2.3"], out)
+    adapters = ["--lora", f"{first}:0.8", "--lora", f"{second}:-0.5"]
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", "--stg_blocks", "1", *adapters])
+    config = read_config(out, needs="stage2")
+    assert [(a["file"], a["scale"]) for a in config["stage2"]["adapters"]] == [
+        ("style.safetensors", 0.8),
+        ("original.safetensors", -0.5),
+    ]
+    tensors = read_tensors(out, config["stage2"])
+    arguments = {"spatio_temporal_guidance_blocks": [1]}
+    video, audio = reference("tiny-ltx2.3", config, "latent", adapters=[(first, 0.8), (second, -0.5)], **arguments)
+    assert relative_error(tensors["latents"], video) <= TOLERANCE
+    assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
+    base_video, base_audio = reference("tiny-ltx2.3", config, "latent", **arguments)
+    assert relative_error(video, base_video) > 100 * TOLERANCE  # the adapters change both streams
+    assert relative_error(audio, base_audio) > 100 * TOLERANCE
 
 
 def test_torchax_decode_matches_the_pipeline(tmp_path, stage1_folders):
@@ -255,6 +299,15 @@ def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_
     run_stage(stage2_transformer, ["--input_dir", folder, "--executables", "off"])
     expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", folder, "--fps", "30"], "soundtrack")
     expect_user_error(capsys, stage2_transformer, ["--input_dir", folder, "--cache", "interval"], "step caches")
+    from safetensors.torch import save_file  # an adapter that also changes the text connectors (stage 1's)
+
+    weights, _ = peft_weights("tiny-ltx2", seed=3)
+    weights = {f"transformer.{key}": tensor.contiguous() for key, tensor in weights.items()}
+    weights["connectors.text_proj_in.lora_A.weight"] = torch.zeros(4, 16)
+    weights["connectors.text_proj_in.lora_B.weight"] = torch.zeros(16, 4)
+    save_file(weights, tmp_path / "with_connectors.safetensors")
+    argv = ["--input_dir", folder, "--lora", tmp_path / "with_connectors.safetensors"]
+    expect_user_error(capsys, stage2_transformer, argv, "2 of its weights adapt the connectors, which LTX2Lora")
     shutil.copytree(folder, tmp_path / "second")
     expect_user_error(capsys, stage2_transformer, ["--input_dir", folder, tmp_path / "second"], "one at a time")
 

@@ -18,7 +18,7 @@ from .. import common
 
 NAME = "ltx2"
 PIPELINE_CLASSES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
-LORA_LOADER = None  # adapters: not built for LTX-2 yet (docs/ltx2.md)
+LORA_LOADER = "LTX2LoraLoaderMixin"  # its lora_state_dict converts the original LTX-2 keys (diffusion_model.*)
 REQUEST_FLAGS = (
     "stg_scale",
     "stg_blocks",

@@ -376,8 +376,6 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
     from runtime.torchax_runtime import device_memory
 
     groups: dict[tuple, list[ValidatedRun]] = {}
-    if any(run.family.NAME == "ltx2" for run in runs):  # its guided batch holds one video (docs/ltx2.md)
-        raise UserError("LTX-2 folders are denoised one at a time so far: run stage 2 on each folder")
     for run in runs:
         task = run.config["stage1"].get("task", "t2v")
         groups.setdefault((group_key(run.request, task, run.cache.record()), run.dtype_name), []).append(run)

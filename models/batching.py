@@ -35,6 +35,7 @@ GROUP_FIELDS = (
     "height",
     "width",
     "num_frames",
+    "fps",  # LTX-2: the soundtrack's length and the RoPE positions
     "num_inference_steps",
     "guidance_scale",
     "guidance_scale_2",

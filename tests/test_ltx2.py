@@ -101,7 +101,7 @@ def stage1_folders(tmp_path_factory):
 
 
 def reference(preset: str, config: dict, output_type: str, adapters=(), **arguments):
-    """The pipeline's (video, audio) for the folder's request, with LoRA `adapters` ((file, scale), ...)
+    """The pipeline's (video, audio) for the folder's request (prompts, seed, size), with LoRA `adapters` ((file, scale), ...)
     loaded its own way (load_lora_weights, set_adapters)."""
     pipe = pipeline(preset)
     for index, (file, _) in enumerate(adapters):
@@ -109,9 +109,9 @@ def reference(preset: str, config: dict, output_type: str, adapters=(), **argume
     if adapters:
         pipe.set_adapters([f"adapter_{index}" for index in range(len(adapters))], [s for _, s in adapters])
     output = pipe(
-        prompt=PROMPT,
-        negative_prompt=NEGATIVE,
-        generator=torch.Generator("cpu").manual_seed(SEED),
+        prompt=config["prompt"],
+        negative_prompt=config["negative_prompt"],
+        generator=torch.Generator("cpu").manual_seed(config["seed"]),
         frame_rate=float(config["fps"]),
         output_type=output_type,
         **{key: config[key] for key in ("height", "width", "num_frames", "num_inference_steps")},
@@ -232,8 +232,8 @@ def test_the_jit_safe_transformer_is_the_stock_one_in_eager(version):
     """make_jit_safe's patches (RoPE tables fed in, boolean text masks, per-branch modality factors, no
     value test on the perturbation mask) on a batch of [uncond, cond, stg, isolated]-like rows."""
     stock, patched = tiny_transformer(4, version), tiny_transformer(4, version)
-    inputs = ltx2_transformer.TraceInputs()
-    ltx2_transformer.make_jit_safe(patched, inputs)
+    inputs = ltx2_transformer.make_jit_safe(patched)
+    assert ltx2_transformer.make_jit_safe(patched) is inputs  # patched once
     generator = torch.Generator().manual_seed(0)
     video = torch.randn(3, 48, 8, generator=generator)
     audio = torch.randn(3, 9, 4, generator=generator)
@@ -308,8 +308,35 @@ def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_
     save_file(weights, tmp_path / "with_connectors.safetensors")
     argv = ["--input_dir", folder, "--lora", tmp_path / "with_connectors.safetensors"]
     expect_user_error(capsys, stage2_transformer, argv, "2 of its weights adapt the connectors, which LTX2Lora")
-    shutil.copytree(folder, tmp_path / "second")
-    expect_user_error(capsys, stage2_transformer, ["--input_dir", folder, tmp_path / "second"], "one at a time")
+
+
+def test_a_prompt_list_batches_each_video_as_the_pipeline_runs_it(tmp_path):
+    """Stage 1 `--prompts` (three entries with their own prompts, negative prompts and seeds), stage 2 in
+    batches of 2 of LTX-2.3 with all four passes (8 rows per step; the second batch padded with a copy):
+    each folder's video and audio latents within 1e-5 of the pipeline run for that entry alone."""
+    from models import batch_folders
+
+    entries = [
+        {"prompt": "a cat on a sofa", "seed": 3},
+        {"prompt": "a dog in the rain", "negative_prompt": "blurry", "seed": 4},
+        {"prompt": "a red kite", "negative_prompt": "dark", "seed": 11},
+    ]
+    listing = tmp_path / "list.jsonl"
+    listing.write_text("\n".join(json.dumps(entry) for entry in entries) + "\n")
+    out = tmp_path / "batch"
+    argv = ["--model", "tiny-ltx2.3", "--prompts", listing, "--dtype", "fp32", "--num_inference_steps", STEPS]
+    run_stage(stage1_text_encoder, [*argv, "--output_dir", out])
+    argv = ["--input_dir", out, "--executables", "off", "--stg_blocks", "1", "--batch_size", "2"]
+    run_stage(stage2_transformer, argv)
+    folders = batch_folders.expand_folders([str(out)])
+    for folder in folders:
+        config = read_config(folder, needs="stage2")
+        assert config["stage2"]["batch"]["size"] == 2 and len(config["stage2"]["guidance"]["branches"]) == 4
+        tensors = read_tensors(folder, config["stage2"])
+        video, audio = reference("tiny-ltx2.3", config, "latent", spatio_temporal_guidance_blocks=[1])
+        assert relative_error(tensors["latents"], video) <= TOLERANCE, folder.name
+        assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE, folder.name
+    assert read_config(folders[2])["stage2"]["batch"]["padding"] == 1
 
 
 @pytest.fixture(scope="module")

@@ -107,10 +107,15 @@ def some_unperturbed_processor():
     return SomeUnperturbedLTX2AttnProcessor()
 
 
-def make_jit_safe(transformer: torch.nn.Module, inputs: TraceInputs) -> torch.nn.Module:
-    """The one place LTX-2's transformer is adapted for jit (see the module docstring)."""
+def make_jit_safe(transformer: torch.nn.Module) -> TraceInputs:
+    """The one place LTX-2's transformer is adapted for jit (see the module docstring); returns what its
+    patched modules read. Patches once: a batch builds one loop per video on the same module, and those
+    share its inputs."""
     from diffusers.models.transformers.transformer_ltx2 import LTX2PerturbedAttnProcessor
 
+    if hasattr(transformer, "trace_inputs"):
+        return transformer.trace_inputs
+    inputs = transformer.trace_inputs = TraceInputs()
     for name in ROPES:
 
         def fixed_tables(coords, device=None, name=name):
@@ -131,23 +136,27 @@ def make_jit_safe(transformer: torch.nn.Module, inputs: TraceInputs) -> torch.nn
                 attention.set_processor(some_unperturbed_processor())
         block.audio_to_video_attn.register_forward_hook(keep_branches)
         block.video_to_audio_attn.register_forward_hook(keep_branches)
-    return transformer
+    return inputs
 
 
 def rope_tables(transformer: torch.nn.Module, video_coords: torch.Tensor, audio_coords: torch.Tensor) -> dict:
-    """The stock rotary modules' tables for one sample's coordinates, computed on the host (float64 inside)."""
+    """The stock rotary modules' tables for one sample's coordinates, computed on the host (float64 inside) by
+    the class's own `forward` (make_jit_safe replaces the instances')."""
+    coords = {"rope": video_coords, "audio_rope": audio_coords}
+    coords |= {"cross_attn_rope": video_coords[:, 0:1, :], "cross_attn_audio_rope": audio_coords[:, 0:1, :]}
     with torch.no_grad():
         return {
-            "rope": transformer.rope(video_coords),
-            "audio_rope": transformer.audio_rope(audio_coords),
-            "cross_attn_rope": transformer.cross_attn_rope(video_coords[:, 0:1, :]),
-            "cross_attn_audio_rope": transformer.cross_attn_audio_rope(audio_coords[:, 0:1, :]),
+            name: type(module).forward(module, coords[name])
+            for name in ROPES
+            for module in [getattr(transformer, name)]
         }
 
 
 class GuidedTransformer(torch.nn.Module):
-    """One denoising step's prediction for both streams: every guidance pass (`Guidance.branches`) as one
-    batch, combined in x0 space as LTX2Pipeline combines them, and returned as velocities.
+    """One denoising step's prediction for both streams: every guidance pass (`Guidance.branches`) of every
+    video in the batch as one transformer batch, combined in x0 space as LTX2Pipeline combines them, and
+    returned as velocities. The rows are branch-major (every video's first pass, then every video's second),
+    the order models/batching.py joins the prompts in.
 
     The latents are both streams' packed latents flattened and concatenated (video first), so the shared
     loop and the scheduler step them as one tensor: FlowMatch Euler's step is elementwise, and the
@@ -161,8 +170,8 @@ class GuidedTransformer(torch.nn.Module):
     def __init__(self, transformer, guidance: Guidance, dtype, shapes, geometry, constrain=None, i2v=False) -> None:
         super().__init__()
         self.i2v = i2v  # image-to-video: a static input marks the first frame's tokens, whose timestep is 0
-        self.inputs = TraceInputs()
-        self.transformer = make_jit_safe(transformer, self.inputs)
+        self.inputs = make_jit_safe(transformer)
+        self.transformer = transformer
         self.guidance = guidance
         self.dtype = dtype
         self.video_shape, self.audio_shape = shapes  # packed (tokens, channels) of each stream
@@ -175,20 +184,24 @@ class GuidedTransformer(torch.nn.Module):
         return video, latents[:, size:].reshape(latents.shape[0], *self.audio_shape)
 
     def forward(self, latents, timestep, prompt_embeds, audio_prompt_embeds, attention_mask, *rest):
-        """`timestep`: (t, sigma); the prompts: one row per branch; `rest`: for image-to-video the (1, video
-        tokens) first-frame mask, then ROPES' (cos, sin) pairs."""
+        """`latents`: (videos, both streams' tokens); `timestep`: (t, sigma); the prompts: one row per branch
+        and video; `rest`: for image-to-video the (1, video tokens) first-frame mask, then ROPES' (cos, sin)
+        pairs (the videos of a batch share their geometry, so their tables)."""
         from diffusers.pipelines.ltx2.pipeline_ltx2 import rescale_noise_cfg
 
         first_frame, tables = (rest[0], rest[1:]) if self.i2v else (None, rest)
 
         branches = self.guidance.branches
-        count = len(branches)
+        videos = latents.shape[0]
+        count = len(branches) * videos
+
+        def per_row(value_of_branch) -> torch.Tensor:
+            return torch.tensor(
+                [float(value_of_branch(b)) for b in branches for _ in range(videos)], device=latents.device
+            )
+
         self.inputs.tables = {name: (tables[2 * i], tables[2 * i + 1]) for i, name in enumerate(ROPES)}
-        self.inputs.keep = (
-            torch.tensor([float(branch != "isolated") for branch in branches], device=latents.device)
-            if "isolated" in branches
-            else None
-        )
+        self.inputs.keep = per_row(lambda branch: branch != "isolated") if "isolated" in branches else None
         video, audio = self.split(latents)
         t, sigma = timestep[0], timestep[1]
         # The pipeline's per-token video timestep for image-to-video: zero on the conditioning frame.
@@ -197,8 +210,8 @@ class GuidedTransformer(torch.nn.Module):
         frames, height, width, fps, audio_frames = self.geometry
         with functional_split_rotary():  # workarounds/torchax.py
             video_out, audio_out = self.transformer(
-                hidden_states=self.constrain(video.to(self.dtype).expand(count, -1, -1), BATCH),
-                audio_hidden_states=self.constrain(audio.to(self.dtype).expand(count, -1, -1), BATCH),
+                hidden_states=self.constrain(video.to(self.dtype).repeat(len(branches), 1, 1), BATCH),
+                audio_hidden_states=self.constrain(audio.to(self.dtype).repeat(len(branches), 1, 1), BATCH),
                 encoder_hidden_states=prompt_embeds,
                 audio_encoder_hidden_states=audio_prompt_embeds,
                 timestep=video_t,
@@ -216,11 +229,7 @@ class GuidedTransformer(torch.nn.Module):
                 ),  # only its batch size is read (the tables are fed in)
                 audio_coords=torch.zeros(count, 1, 1, 2, device=latents.device),
                 spatio_temporal_guidance_blocks=list(self.guidance.stg_blocks) if stg else None,
-                perturbation_mask=torch.tensor([float(b != "stg") for b in branches], device=latents.device).to(
-                    self.dtype
-                )
-                if stg
-                else None,
+                perturbation_mask=per_row(lambda branch: branch != "stg").to(self.dtype) if stg else None,
                 use_cross_timestep=True,
                 return_dict=False,
             )
@@ -230,7 +239,7 @@ class GuidedTransformer(torch.nn.Module):
             (video, video_out, self.guidance.video),
             (audio, audio_out, self.guidance.audio),
         ):
-            x0 = dict(zip(branches, (sample - v * sigma for v in prediction.float().split(1)), strict=True))
+            x0 = dict(zip(branches, (sample - v * sigma for v in prediction.float().split(videos)), strict=True))
             guided = x0["cond"]
             if self.guidance.cfg:
                 guided = guided + (scales.cfg - 1) * (x0["cond"] - x0["uncond"])

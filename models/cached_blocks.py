@@ -51,14 +51,16 @@ class BlockCache:
     (first, end) either run and report their residual (`full`) or are replaced by the cached one
     (`cached`). Outside those methods the blocks run as they are. `branches` equal chunks of the batch
     keep separate states (diffusers' cache contexts); `cache_text` also caches the text tokens' residual
-    where the blocks return them (the interval cache; MagCache passes them through as diffusers does)."""
+    where the blocks return them (the interval cache; MagCache passes them through as diffusers does).
+    `metadata`: the blocks' streams where diffusers' registry has no entry (LTX-2: video and audio, the audio
+    in the text tokens' place), else the registry's."""
 
-    def __init__(self, transformer, span: tuple[int, int], branches: int, cache_text: bool, constrain) -> None:
+    def __init__(self, transformer, span, branches: int, cache_text: bool, constrain, metadata=None) -> None:
         from diffusers.hooks._helpers import TransformerBlockRegistry
 
         register_hunyuanvideo15_block()
         blocks = block_list(transformer)
-        self.metadata = TransformerBlockRegistry.get(type(blocks[0]))
+        self.metadata = metadata or TransformerBlockRegistry.get(type(blocks[0]))
         self.span = span
         self.branches = branches
         self.cache_text = cache_text and self.metadata.return_encoder_hidden_states_index is not None
@@ -205,10 +207,13 @@ def cached_span(settings: CacheSettings, blocks: int) -> tuple[int, int]:
 
 
 def cached_denoiser(guided, settings: CacheSettings, branches: int, constrain) -> CachedDenoiser:
-    """Wrap a family's guided denoiser (its transformer is `guided.transformer`)."""
+    """Wrap a family's guided denoiser (its transformer is `guided.transformer`; its `block_streams`, where it
+    has one, names the blocks' streams for the cache)."""
     kind = settings_kind(settings)
     span = cached_span(settings, len(block_list(guided.transformer)))
-    return CachedDenoiser(guided, BlockCache(guided.transformer, span, branches, kind == "interval", constrain))
+    streams = getattr(guided, "block_streams", None)
+    cache = BlockCache(guided.transformer, span, branches, kind == "interval", constrain, streams)
+    return CachedDenoiser(guided, cache)
 
 
 def probe_shapes(call) -> list:

@@ -45,6 +45,7 @@ class Family(Protocol):
     SPLASH_BLOCK_SIZES: dict[str, int]  # default Splash tiles (block_q, block_kv, block_kv_compute)
     REQUEST_FLAGS: tuple[str, ...]  # the family-specific request flags it acts on (models.FAMILY_FLAGS)
     LORA_LOADER: str | None  # the diffusers.loaders class whose lora_state_dict reads adapters (models/lora.py)
+    STEP_CACHES: tuple[str, ...]  # the --cache kinds it runs ("magcache", "interval"; models/step_cache.py)
     # Stage 3 on torchax: the latent frames per call its frame programs decode exactly (the first is the
     # default; empty: one program). frame_programs(source, decoder, latents_shape, runtime, layout,
     # chunk_frames): the programs placed, as a function of the latents giving the video on the host;

@@ -270,8 +270,8 @@ LORA_TARGETS = {  # the blocks' attention and MLP projections (PEFT target_modul
     "cogvideox": r"transformer_blocks\.\d+\.(attn1\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))",
     "hunyuanvideo15": r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_k_proj)|ff\.net\.(0\.proj|2))",
     # both streams' self- and text attention, the audio<->video attentions, both feed-forwards
-    "ltx2": r"transformer_blocks\.\d+\.((audio_)?attn[12]|audio_to_video_attn|video_to_audio_attn)\.(to_q|to_k|to_v|to_out\.0)"
-    r"|transformer_blocks\.\d+\.(audio_)?ff\.net\.(0\.proj|2)",
+    "ltx2": r"transformer_blocks\.\d+\.((audio_)?attn[12]|audio_to_video_attn|video_to_audio_attn)"
+    r"\.(to_q|to_k|to_v|to_out\.0)|transformer_blocks\.\d+\.(audio_)?ff\.net\.(0\.proj|2)",
 }
 
 

@@ -13,6 +13,7 @@ passes (an STG block that acts) with Splash on a sequence- and tensor-split mesh
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -100,10 +101,11 @@ def stage1_folders(tmp_path_factory):
     return folders
 
 
-def reference(preset: str, config: dict, output_type: str, adapters=(), **arguments):
-    """The pipeline's (video, audio) for the folder's request (prompts, seed, size), with LoRA `adapters` ((file, scale), ...)
-    loaded its own way (load_lora_weights, set_adapters)."""
-    pipe = pipeline(preset)
+def reference(model, config: dict, output_type: str, adapters=(), **arguments):
+    """The pipeline's (video, audio) for the folder's request (prompts, seed, size), with LoRA `adapters`
+    ((file, scale), ...) loaded its own way (load_lora_weights, set_adapters). `model`: a preset's name, or
+    the pipeline itself."""
+    pipe = pipeline(model) if isinstance(model, str) else model
     for index, (file, _) in enumerate(adapters):
         pipe.load_lora_weights(file, adapter_name=f"adapter_{index}")
     if adapters:
@@ -214,6 +216,74 @@ def test_adapters_fuse_as_the_pipeline_loads_them(tmp_path, stage1_folders):
     assert relative_error(audio, base_audio) > 100 * TOLERANCE
 
 
+class IntervalReference:
+    """The interval cache from its definition (docs/caching.md), as hooks on the eager pipeline's transformer
+    blocks: on a cached step the deep blocks (all but the first and the last) are replaced by their input
+    plus the residual each stream kept from the last full step. Each of the pipeline's transformer calls per
+    step (the CFG pair, the STG pass, the modality pass) keeps its own, as each of our batch's rows does."""
+
+    def __init__(self, transformer, full_steps: set[int], calls_per_step: int) -> None:
+        blocks = transformer.transformer_blocks
+        self.first, self.last = 1, len(blocks) - 2
+        self.full_steps, self.calls_per_step = full_steps, calls_per_step
+        self.calls, self.entry, self.residuals = -1, None, {}
+        transformer.register_forward_pre_hook(self.count)
+        for index in range(self.first, self.last + 1):
+            blocks[index].forward = functools.partial(self.block, index, blocks[index].forward)
+
+    def count(self, module, args) -> None:
+        self.calls += 1
+
+    def block(self, index, forward, **kwargs):
+        step, call = divmod(self.calls, self.calls_per_step)
+        video, audio = kwargs["hidden_states"], kwargs["audio_hidden_states"]
+        if step not in self.full_steps:
+            if index == self.first:
+                kept = self.residuals[call]
+                return video + kept[0], audio + kept[1]
+            return video, audio
+        if index == self.first:
+            self.entry = (video, audio)
+        output = forward(**kwargs)
+        if index == self.last:
+            self.residuals[call] = (output[0] - self.entry[0], output[1] - self.entry[1])
+        return output
+
+
+def test_interval_cache_equals_its_definition_on_both_streams(tmp_path):
+    """`--cache interval` on a 4-block LTX-2.3 with all four passes on the default mesh (dp 4): steps 2 and 3
+    of 6 run only the outer blocks and reuse the deep blocks' video and audio residuals; within 1e-5 of
+    IntervalReference on the eager pipeline."""
+    from diffusers import LTX2Pipeline
+
+    from models.ltx2.presets import tiny_transformer
+
+    folder = tmp_path / "ltx2.3-4-blocks"
+    shutil.copytree(models.materialize_preset("tiny-ltx2.3"), folder)
+    shutil.rmtree(folder / "transformer")
+    tiny_transformer(5, "2.3", num_layers=4).save_pretrained(folder / "transformer")
+    out = tmp_path / "run"
+    argv = ["--model", folder, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
+    argv += ["--height", 64, "--width", 64, "--num_frames", 9, "--seed", SEED, "--num_inference_steps", 6]
+    run_stage(stage1_text_encoder, [*argv, "--output_dir", out])
+    window = ["--cache_start_step", 1, "--cache_end_step", 5, "--cache_step_interval", 3]
+    argv = ["--input_dir", out, "--executables", "off", "--stg_blocks", "1", "--cache", "interval", *window]
+    run_stage(stage2_transformer, argv)
+    config = read_config(out, needs="stage2")
+    assert config["stage2"]["step_cache"]["schedule"] == "FFCCFF"
+    assert config["stage2"]["mesh"]["dp"] == 4
+    tensors = read_tensors(out, config["stage2"])
+    arguments = {"spatio_temporal_guidance_blocks": [1]}
+    pipe = LTX2Pipeline.from_pretrained(folder, dtype=torch.float32)
+    IntervalReference(pipe.transformer, full_steps={0, 1, 4, 5}, calls_per_step=3)
+    video, audio = reference(pipe, config, "latent", **arguments)
+    assert relative_error(tensors["latents"], video) <= TOLERANCE
+    assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
+    uncached = reference(LTX2Pipeline.from_pretrained(folder, dtype=torch.float32), config, "latent", **arguments)
+    assert relative_error(video, uncached[0]) > 10 * TOLERANCE  # the cached steps change both streams
+    assert relative_error(audio, uncached[1]) > 10 * TOLERANCE
+
+
 def test_torchax_decode_matches_the_pipeline(tmp_path, stage1_folders):
     """Stage 3 with --backend torchax on the 8 devices (the video VAE as one program, the soundtrack on the host)."""
     out = tmp_path / "run"
@@ -298,7 +368,10 @@ def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_
     shutil.copytree(stage1_folders["tiny-ltx2"], folder)
     run_stage(stage2_transformer, ["--input_dir", folder, "--executables", "off"])
     expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", folder, "--fps", "30"], "soundtrack")
-    expect_user_error(capsys, stage2_transformer, ["--input_dir", folder, "--cache", "interval"], "step caches")
+    argv = ["--input_dir", folder, "--cache", "magcache"]
+    expect_user_error(capsys, stage2_transformer, argv, "--cache magcache: ltx2 runs --cache interval only")
+    argv = ["--input_dir", folder, "--cache", "interval"]  # the tiny preset's 2 blocks
+    expect_user_error(capsys, stage2_transformer, argv, "needs at least 3 transformer blocks")
     from safetensors.torch import save_file  # an adapter that also changes the text connectors (stage 1's)
 
     weights, _ = peft_weights("tiny-ltx2", seed=3)

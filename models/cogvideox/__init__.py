@@ -17,6 +17,7 @@ from .config import (
     NAME,
     PIPELINE_CLASSES,
     REQUEST_FLAGS,
+    STEP_CACHES,
     activations,
     guidance_branches,
     request_defaults,

@@ -19,6 +19,7 @@ from . import i2v
 NAME = "cogvideox"
 PIPELINE_CLASSES = ("CogVideoXPipeline", i2v.PIPELINE_CLASS)
 LORA_LOADER = "CogVideoXLoraLoaderMixin"  # reads adapters; load_lora_adapter converts older diffusers keys
+STEP_CACHES = ("magcache", "interval")  # the --cache kinds it runs (docs/caching.md)
 REQUEST_FLAGS = ()  # takes none of the family-specific flags (models.FAMILY_FLAGS)
 
 # Documented per-variant defaults (model cards). The pipeline's own fallback (transformer

@@ -17,7 +17,6 @@ from ..guidance import Guided, cfg_combination
 # on v6e-8 and tpu7x-8 and pads 45,106 tokens by 3.2% (queries) and 5.8% (keys); it overflows the 16 MiB
 # of scoped VMEM on v5e and v5p, where stage 2 uses tpus.Generation.splash_tile_cap instead.
 SPLASH_BLOCK_SIZES = {"block_q": 3328, "block_kv": 2816, "block_kv_compute": 256}
-LORA_LOADER = "CogVideoXLoraLoaderMixin"  # reads adapters; load_lora_adapter converts older diffusers keys
 
 
 def rotary_attention_processor():

@@ -18,6 +18,7 @@ from .config import (
     NAME,
     PIPELINE_CLASSES,
     REQUEST_FLAGS,
+    STEP_CACHES,
     activations,
     guidance_branches,
     request_defaults,

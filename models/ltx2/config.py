@@ -19,6 +19,10 @@ from .. import common
 NAME = "ltx2"
 PIPELINE_CLASSES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
 LORA_LOADER = "LTX2LoraLoaderMixin"  # its lora_state_dict converts the original LTX-2 keys (diffusion_model.*)
+# --cache kinds: the interval cache only. diffusers 0.42.1 has no MagCache for LTX-2 (its blocks are not in
+# the cache hooks' registry), so there is no reference to be exact to, and a MagCache skip would pass the
+# audio stream through its skipped blocks unchanged, as it passes text tokens.
+STEP_CACHES = ("interval",)
 REQUEST_FLAGS = (
     "stg_scale",
     "stg_blocks",

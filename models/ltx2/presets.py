@@ -55,9 +55,10 @@ def tiny_text_encoder(tokenizer, seed: int) -> torch.nn.Module:
     return Gemma3ForConditionalGeneration(config).eval()
 
 
-def tiny_transformer(seed: int, version: str = "2.0") -> torch.nn.Module:
-    """A random tiny LTX2VideoTransformer3DModel: video 8 heads x 8, audio 8 heads x 4, 2 blocks. "2.3" adds
-    gated attention, prompt modulation and perturbed attention, and takes the connectors' projections."""
+def tiny_transformer(seed: int, version: str = "2.0", num_layers: int = 2) -> torch.nn.Module:
+    """A random tiny LTX2VideoTransformer3DModel: video 8 heads x 8, audio 8 heads x 4, 2 blocks (the interval
+    cache's test: 4). "2.3" adds gated attention, prompt modulation and perturbed attention, and takes the
+    connectors' projections."""
     from diffusers import LTX2VideoTransformer3DModel
 
     later = version == "2.3"
@@ -76,7 +77,7 @@ def tiny_transformer(seed: int, version: str = "2.0") -> torch.nn.Module:
         audio_num_attention_heads=8,
         audio_attention_head_dim=4,
         audio_cross_attention_dim=32,
-        num_layers=2,
+        num_layers=num_layers,
         caption_channels=16,
         rope_type="split",
         **switches,

@@ -178,6 +178,17 @@ class GuidedTransformer(torch.nn.Module):
         self.geometry = geometry  # the transformer's num_frames, height, width, fps, audio_num_frames
         self.constrain = constrain or (lambda tensor, spec: tensor)
 
+    @property
+    def block_streams(self):
+        """The blocks' two streams for the interval cache (models/cached_blocks.py): the video's hidden states
+        and, where other families' blocks return their text tokens, the audio's, so both residuals are kept."""
+        from diffusers.hooks._helpers import TransformerBlockMetadata
+        from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformerBlock
+
+        streams = TransformerBlockMetadata(0, 1, "hidden_states", "audio_hidden_states")
+        streams._cls = LTX2VideoTransformerBlock  # as TransformerBlockRegistry.register sets it
+        return streams
+
     def split(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         size = self.video_shape[0] * self.video_shape[1]
         video = latents[:, :size].reshape(latents.shape[0], *self.video_shape)

@@ -18,6 +18,7 @@ from . import ti2v
 NAME = "wan"
 PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
 LORA_LOADER = "WanLoraLoaderMixin"  # reads adapter files and converts the original Wan and musubi formats
+STEP_CACHES = ("magcache", "interval")  # the --cache kinds it runs (docs/caching.md)
 REQUEST_FLAGS = ("guidance_scale_2", "scheduler")  # Wan 2.2's second expert's scale; the sampler
 
 # WanPipeline.__call__'s defaults (480p; the 14B models also run 720p: --height 720 --width 1280).

@@ -66,9 +66,10 @@ def difference(blocks) -> str | None:
 class BlockScan:
     """Installed on one transformer: the blocks `span` (first, end) run as one `scan(body, carry, weights)`
     (Runtime.scan). The carry is what the blocks return (the video tokens, and the text tokens where a
-    block returns them too, as diffusers' block registry says); every other input is the same for each."""
+    block returns them too, as diffusers' block registry says, or the guided module's `block_streams`:
+    LTX-2's video and audio); every other input is the same for each."""
 
-    def __init__(self, transformer: torch.nn.Module, span: tuple[int, int], scan) -> None:
+    def __init__(self, transformer: torch.nn.Module, span: tuple[int, int], scan, metadata=None) -> None:
         from diffusers.hooks._helpers import TransformerBlockRegistry
 
         register_hunyuanvideo15_block()
@@ -78,7 +79,7 @@ class BlockScan:
         self.template, self.members = blocks[first], list(blocks[first:end])
         self.span = span
         self.scan = scan
-        meta = TransformerBlockRegistry.get(type(self.template))
+        meta = metadata or TransformerBlockRegistry.get(type(self.template))
         self.carried = [meta.hidden_states_argument_name]
         self.returned = [meta.return_hidden_states_index]
         if meta.return_encoder_hidden_states_index is not None:
@@ -198,7 +199,8 @@ def install(loop, setting: str, cache, scan):
             if setting == "on":
                 raise UserError(f"--scan_blocks on: {type(transformer).__name__}: {why}")
             continue
-        names.update(BlockScan(transformer, span, scan).stacked_names())
+        streams = getattr(guided, "block_streams", None)
+        names.update(BlockScan(transformer, span, scan, streams).stacked_names())
         log(f"{type(transformer).__name__}: blocks {span[0]} to {span[1] - 1} run as one scan")
     return loop.rules.with_stacked(names)
 

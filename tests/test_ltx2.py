@@ -139,6 +139,8 @@ def test_stage2_matches_the_pipeline(tmp_path, stage1_folders, case):
         assert record["branches"] == branches
     if "--sp" not in stage2_flags:  # the default mesh: dp takes the passes where their count divides the 8 devices
         assert config["stage2"]["mesh"]["dp"] == math.gcd(len(record["branches"]), 8)
+    scanned = config["stage2"]["scan_blocks"]["scanned"]["transformer"]  # --scan_blocks auto
+    assert scanned == (None if "stg" in record["branches"] else [0, 2])  # STG perturbs single blocks: unscanned
     if preset == "tiny-ltx2" and not stage2_flags:  # LTX-2.0 has no perturbed attention: skipped, and said so
         assert "perturbed attention" in record["skipped"]["stg"]
 
@@ -250,10 +252,12 @@ class IntervalReference:
         return output
 
 
-def test_interval_cache_equals_its_definition_on_both_streams(tmp_path):
-    """`--cache interval` on a 4-block LTX-2.3 with all four passes on the default mesh (dp 4): steps 2 and 3
-    of 6 run only the outer blocks and reuse the deep blocks' video and audio residuals; within 1e-5 of
-    IntervalReference on the eager pipeline."""
+@pytest.mark.parametrize("stg", [True, False], ids=["four-passes-unscanned", "three-passes-scanned"])
+def test_interval_cache_equals_its_definition_on_both_streams(tmp_path, stg):
+    """`--cache interval` on a 4-block LTX-2.3 on the default mesh: steps 2 and 3 of 6 run only the outer
+    blocks and reuse the deep blocks' video and audio residuals; within 1e-5 of IntervalReference on the
+    eager pipeline. With all four passes (dp 4) the blocks run unscanned (the STG pass perturbs one block);
+    without STG (three passes) the two deep blocks run as one scan."""
     from diffusers import LTX2Pipeline
 
     from models.ltx2.presets import tiny_transformer
@@ -267,15 +271,17 @@ def test_interval_cache_equals_its_definition_on_both_streams(tmp_path):
     argv += ["--height", 64, "--width", 64, "--num_frames", 9, "--seed", SEED, "--num_inference_steps", 6]
     run_stage(stage1_text_encoder, [*argv, "--output_dir", out])
     window = ["--cache_start_step", 1, "--cache_end_step", 5, "--cache_step_interval", 3]
-    argv = ["--input_dir", out, "--executables", "off", "--stg_blocks", "1", "--cache", "interval", *window]
+    terms = ["--stg_blocks", "1"] if stg else ["--stg_scale", 0, "--audio_stg_scale", 0]
+    argv = ["--input_dir", out, "--executables", "off", *terms, "--cache", "interval", *window]
     run_stage(stage2_transformer, argv)
     config = read_config(out, needs="stage2")
     assert config["stage2"]["step_cache"]["schedule"] == "FFCCFF"
-    assert config["stage2"]["mesh"]["dp"] == 4
+    assert config["stage2"]["mesh"]["dp"] == (4 if stg else 1)
+    assert config["stage2"]["scan_blocks"]["scanned"]["transformer"] == (None if stg else [1, 3])
     tensors = read_tensors(out, config["stage2"])
-    arguments = {"spatio_temporal_guidance_blocks": [1]}
+    arguments = {"spatio_temporal_guidance_blocks": [1]} if stg else OFF
     pipe = LTX2Pipeline.from_pretrained(folder, dtype=torch.float32)
-    IntervalReference(pipe.transformer, full_steps={0, 1, 4, 5}, calls_per_step=3)
+    IntervalReference(pipe.transformer, full_steps={0, 1, 4, 5}, calls_per_step=3 if stg else 2)
     video, audio = reference(pipe, config, "latent", **arguments)
     assert relative_error(tensors["latents"], video) <= TOLERANCE
     assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE

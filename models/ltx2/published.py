@@ -1,7 +1,7 @@
-"""LTX-2's published checkpoint (`Lightricks/LTX-2`, the 19B LTX-2.0 dev model in diffusers' layout), its
-configs kept in code for `--plan` (offline, architecture only): the values diffusers' conversion script
-(scripts/convert_ltx2_to_diffusers.py, version "2.0") writes. Each entry maps a component to (library,
-class, config.json values); the classes' own defaults fill the rest."""
+"""LTX-2's published checkpoints (`Lightricks/LTX-2`, the 19B LTX-2.0 dev model in diffusers' layout, and
+`Lightricks/LTX-2.3`), their configs kept in code for `--plan` (offline, architecture only): the values
+diffusers' conversion script (scripts/convert_ltx2_to_diffusers.py, versions "2.0" and "2.3") writes. Each
+entry maps a component to (library, class, config.json values); the classes' own defaults fill the rest."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ LTX2_VAE = {
     "upsample_residual": [True, True, True],
     "upsample_factor": [2, 2, 2],
     "timestep_conditioning": False,
+    "decoder_causal": False,  # the class default is True
     "decoder_spatial_padding_mode": "reflect",
     "spatial_compression_ratio": 32,
     "temporal_compression_ratio": 8,
@@ -60,6 +61,78 @@ LTX2_AUDIO_VAE = {
     "mel_bins": 64,
 }
 LTX2_VOCODER = {"in_channels": 128, "hidden_channels": 1024, "output_sampling_rate": 24000}
+
+# LTX-2.3 (version "2.3" of the same script): gated attention, cross-attention modulation and perturbed
+# attention on, the prompt projected per stream in the connectors (8 layers each), a wider decoder, and a
+# vocoder with bandwidth extension to 48 kHz. The audio VAE and the text encoder are LTX-2.0's.
+LTX23_TRANSFORMER = {
+    **LTX2_TRANSFORMER,
+    "gated_attn": True,
+    "cross_attn_mod": True,
+    "audio_gated_attn": True,
+    "audio_cross_attn_mod": True,
+    "use_prompt_embeddings": False,
+    "perturbed_attn": True,
+}
+LTX23_CONNECTORS = {
+    **LTX2_CONNECTORS,
+    "video_connector_num_attention_heads": 32,
+    "video_connector_num_layers": 8,
+    "video_gated_attn": True,
+    "audio_connector_num_attention_heads": 32,
+    "audio_connector_attention_head_dim": 64,
+    "audio_connector_num_layers": 8,
+    "audio_gated_attn": True,
+    "per_modality_projections": True,
+    "video_hidden_dim": 4096,
+    "audio_hidden_dim": 2048,
+    "proj_bias": True,
+}
+LTX23_VAE = {
+    **LTX2_VAE,
+    "block_out_channels": [256, 512, 1024, 1024],
+    "decoder_block_out_channels": [256, 512, 512, 1024],
+    "layers_per_block": [4, 6, 4, 2, 2],
+    "decoder_layers_per_block": [4, 6, 4, 2, 2],
+    "decoder_spatio_temporal_scaling": [True, True, True, True],
+    "decoder_inject_noise": [False, False, False, False, False],
+    "upsample_type": ["spatiotemporal", "spatiotemporal", "temporal", "spatial"],
+    "upsample_residual": [False, False, False, False],
+    "upsample_factor": [2, 2, 1, 2],
+    "decoder_spatial_padding_mode": "zeros",
+}
+LTX23_VOCODER = {
+    "in_channels": 128,
+    "hidden_channels": 1536,
+    "upsample_kernel_sizes": [11, 4, 4, 4, 4, 4],
+    "upsample_factors": [5, 2, 2, 2, 2, 2],
+    "act_fn": "snakebeta",
+    "antialias": True,
+    "antialias_ratio": 2,
+    "antialias_kernel_size": 12,
+    "final_act_fn": None,
+    "final_bias": False,
+    "bwe_in_channels": 128,
+    "bwe_hidden_channels": 512,
+    "bwe_out_channels": 2,
+    "bwe_upsample_kernel_sizes": [12, 11, 4, 4, 4],
+    "bwe_upsample_factors": [6, 5, 2, 2, 2],
+    "bwe_resnet_kernel_sizes": [3, 7, 11],
+    "bwe_resnet_dilations": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
+    "bwe_act_fn": "snakebeta",
+    "bwe_leaky_relu_negative_slope": 0.1,
+    "bwe_antialias": True,
+    "bwe_antialias_ratio": 2,
+    "bwe_antialias_kernel_size": 12,
+    "bwe_final_act_fn": None,
+    "bwe_final_bias": False,
+    "filter_length": 512,
+    "hop_length": 80,
+    "window_length": 512,
+    "num_mel_channels": 64,
+    "input_sampling_rate": 16000,
+    "output_sampling_rate": 48000,
+}
 # Gemma 3 12B (Gemma3Config kwargs): the text model stage 1 runs, and the vision tower it never runs.
 GEMMA3_12B = {
     "text_config": {
@@ -91,6 +164,16 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         "vae": ("diffusers", "AutoencoderKLLTX2Video", LTX2_VAE),
         "audio_vae": ("diffusers", "AutoencoderKLLTX2Audio", LTX2_AUDIO_VAE),
         "vocoder": ("ltx2", "LTX2Vocoder", LTX2_VOCODER),
+        "text_encoder": ("transformers", "Gemma3ForConditionalGeneration", GEMMA3_12B),
+        "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", SCHEDULER),
+    },
+    "Lightricks/LTX-2.3": {
+        "_class_name": ("diffusers", "LTX2Pipeline"),
+        "transformer": ("diffusers", "LTX2VideoTransformer3DModel", LTX23_TRANSFORMER),
+        "connectors": ("ltx2", "LTX2TextConnectors", LTX23_CONNECTORS),
+        "vae": ("diffusers", "AutoencoderKLLTX2Video", LTX23_VAE),
+        "audio_vae": ("diffusers", "AutoencoderKLLTX2Audio", LTX2_AUDIO_VAE),
+        "vocoder": ("ltx2", "LTX2VocoderWithBWE", LTX23_VOCODER),
         "text_encoder": ("transformers", "Gemma3ForConditionalGeneration", GEMMA3_12B),
         "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", SCHEDULER),
     },

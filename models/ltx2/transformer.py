@@ -163,9 +163,14 @@ class GuidedTransformer(torch.nn.Module):
     pipeline's two schedulers are copies with the same sigmas.
     """
 
-    # models/scanned_blocks.py: a scan runs one block's call for every block, but the STG pass perturbs
-    # only the listed blocks (the stock forward passes each block its own perturbation mask).
-    scan_unsupported = "LTX-2's blocks take per-block arguments (the STG blocks' perturbation mask)"
+    @property
+    def scan_unsupported(self) -> str | None:
+        """Why the blocks cannot run as one scan (models/scanned_blocks.py), or None: a scan runs one block's
+        call for every block, but the STG pass perturbs only the listed blocks (the stock forward passes
+        each block its own perturbation mask)."""
+        if "stg" in self.guidance.branches:
+            return "the spatio-temporal guidance pass perturbs single blocks (--stg_blocks)"
+        return None
 
     def __init__(self, transformer, guidance: Guidance, dtype, shapes, geometry, constrain=None, i2v=False) -> None:
         super().__init__()

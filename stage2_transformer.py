@@ -31,7 +31,7 @@ from cli import (
 )
 from models import batch_folders, lora, quantize
 from models.batching import default_batch_size, denoise_group, group_key
-from models.cache_schedule import add_cache_arguments, kind_from_flags
+from models.cache_schedule import add_cache_arguments, check_family_runs, kind_from_flags
 from models.common import attention_heads
 from models.denoise import DenoiseOptions, denoise
 from models.guard import sigterm_sets_stop
@@ -242,6 +242,7 @@ def plan_main(args) -> None:
         Path(args.input_dir[0]), args.model, request_flags(args), args.dtype
     )
     dtype = parse_dtype(args.dtype or request.dtype)
+    check_family_runs(family, args)
     adapters = lora.read_adapters(args, family, source, dtype)
     target_devices = (target.devices, target.devices_per_host, target.hbm_per_device)
     attention = attention_plan(

@@ -3,7 +3,8 @@
 line per part.
 
 quality: every family's tiny preset, stage 1 once, then stage 2 (fp32, one CPU device) unquantized and with
-each scheme and layer set; the relative error of each run's final latents against the unquantized run's.
+each scheme and layer set; the relative error of each run's final latents against the unquantized run's
+(LTX-2: the video's, and the audio's in rows of their own).
 
 memory: a Wan 2.1 14B-width transformer (the published config) with `--layers` blocks and random bf16 weights,
 saved as a model folder, loaded in a fresh process as stage 2 loads it, then quantized as stage 2 quantizes
@@ -31,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-PRESETS = ("tiny-wan2.1", "tiny-cogvideox", "tiny-hunyuanvideo15")
+PRESETS = ("tiny-wan2.1", "tiny-cogvideox", "tiny-hunyuanvideo15", "tiny-ltx2", "tiny-ltx2.3")
+STREAMS = {"tiny-ltx2": ("latents", "audio_latents"), "tiny-ltx2.3": ("latents", "audio_latents")}
 SCHEMES = ("int8_weight", "int8", "fp8_weight")
 LAYER_SETS = ("all", "ffn", "attention")
 
@@ -42,10 +44,15 @@ def stage(module, argv) -> None:
     run_cli(lambda: module.main([str(arg) for arg in argv]))
 
 
-def latents(folder: Path):
+def latents(folder: Path, name: str = "latents"):
     from utils import read_config, read_tensors
 
-    return read_tensors(folder, read_config(folder, needs="stage2")["stage2"])["latents"].double()
+    return read_tensors(folder, read_config(folder, needs="stage2")["stage2"])[name].double()
+
+
+def row_names(preset: str) -> list[tuple[str, str]]:
+    """(row label, stage-2 tensor) for each stream the preset denoises."""
+    return [(preset if name == "latents" else f"{preset} audio", name) for name in STREAMS.get(preset, ("latents",))]
 
 
 def quality(work: Path) -> dict:
@@ -60,13 +67,14 @@ def quality(work: Path) -> dict:
         stage(stage1_text_encoder, ["--model", preset, "--prompt", "a cat playing guitar", "--dtype", "fp32",
                                     "--output_dir", first])  # fmt: skip
         stage(stage2_transformer, ["--input_dir", first, "--output_dir", work / preset / "none"])
-        base = latents(work / preset / "none")
         for scheme in SCHEMES:
             for layers in LAYER_SETS:
                 out = work / preset / f"{scheme}-{layers}"
                 stage(stage2_transformer, ["--input_dir", first, "--output_dir", out, "--quantize", scheme,
                                            "--quantize_layers", layers])  # fmt: skip
-                results[f"{preset} {scheme} {layers}"] = ((latents(out) - base).norm() / base.norm()).item()
+                for label, name in row_names(preset):
+                    base = latents(work / preset / "none", name)
+                    results[f"{label} {scheme} {layers}"] = ((latents(out, name) - base).norm() / base.norm()).item()
     return results
 
 
@@ -158,10 +166,10 @@ def main() -> None:
         if "quality" in args.parts:
             found = quality(work)
             print(f"{'preset':22} {'scheme':12} " + " ".join(f"{layers:>10}" for layers in LAYER_SETS))
-            for preset in PRESETS:
+            for label, _ in (row for preset in PRESETS for row in row_names(preset)):
                 for scheme in SCHEMES:
-                    row = " ".join(f"{found[f'{preset} {scheme} {layers}']:10.2e}" for layers in LAYER_SETS)
-                    print(f"{preset:22} {scheme:12} {row}")
+                    row = " ".join(f"{found[f'{label} {scheme} {layers}']:10.2e}" for layers in LAYER_SETS)
+                    print(f"{label:22} {scheme:12} {row}")
             print(json.dumps({"quality": found}))
         if "memory" in args.parts:
             found = memory(work, args.layers)

@@ -183,6 +183,16 @@ def kind_from_flags(args) -> str:
     return "magcache" if magcache else kind
 
 
+def check_family_runs(family, args) -> None:
+    """The cache the flags ask for must be one the family runs (Family.STEP_CACHES); checked before any
+    magnitude ratios are looked for, and by --plan too."""
+    kind = kind_from_flags(args)
+    if kind != "none" and kind not in family.STEP_CACHES:
+        flag = "--cache_calibrate" if args.cache_calibrate else f"--cache {kind}"
+        runs = " or ".join(f"--cache {name}" for name in family.STEP_CACHES)
+        raise UserError(f"{flag}: {family.NAME} runs {runs} only (docs/caching.md)")
+
+
 def settings_from_flags(
     args, input_dir: Path, model_id: str, adapters: list | None = None, quantize: dict | None = None
 ) -> CacheSettings:

@@ -11,8 +11,7 @@ from pathlib import Path
 import models
 from cli import UserError, log, parse_dtype
 from models import batch_folders, lora
-from models.cache_schedule import CacheSettings, kind_from_flags, settings_from_flags
-from models.cached_blocks import settings_kind
+from models.cache_schedule import CacheSettings, check_family_runs, kind_from_flags, settings_from_flags
 from models.guard import DenoiseGuard
 from models.images import check_image_size_kept
 from models.quantize import Quantization
@@ -77,11 +76,8 @@ def validated_run(
         adapters = lora.read_adapters(args, family, source, dtype)
     quantization = Quantization.from_args(args)
     calibrated = (request.model_id, lora.identity(adapters), quantization.calibration_key())
+    check_family_runs(family, args)
     cache = settings_from_flags(args, input_dir, *calibrated)
-    if cache.enabled and settings_kind(cache) not in family.STEP_CACHES:
-        runs = " or ".join(f"--cache {kind}" for kind in family.STEP_CACHES)
-        flag = "--cache_calibrate" if cache.calibrate else f"--cache {cache.kind}"
-        raise UserError(f"{flag}: {family.NAME} runs {runs} only (docs/caching.md)")
     quantization.check_supported()
     if processes.is_main:
         ensure_writable_dir(output_dir, (STAGE2_FILE,))

@@ -290,6 +290,34 @@ def test_interval_cache_equals_its_definition_on_both_streams(tmp_path, stg):
     assert relative_error(audio, uncached[1]) > 10 * TOLERANCE
 
 
+def test_int8_weights_match_the_pipeline_with_the_same_dequantized_weights(tmp_path, stage1_folders):
+    """`--quantize int8_weight` on LTX-2.3 with every pass: every linear of the blocks (six attentions with
+    their gates, both feed-forwards) reads int8 weights with a float32 scale per output channel; the pipeline
+    gets the same linears' weights replaced by those integers x scale."""
+    from models.quantize import int8_per_row
+
+    out = tmp_path / "run"
+    shutil.copytree(stage1_folders["tiny-ltx2.3"], out)
+    argv = ["--input_dir", out, "--executables", "off", "--stg_blocks", "1", "--quantize", "int8_weight"]
+    run_stage(stage2_transformer, argv)
+    config = read_config(out, needs="stage2")
+    tensors = read_tensors(out, config["stage2"])
+    pipe = pipeline("tiny-ltx2.3")
+    linears = [m for n, m in pipe.transformer.named_modules() if n.startswith("transformer_blocks.")]
+    linears = [module for module in linears if isinstance(module, torch.nn.Linear)]
+    with torch.no_grad():
+        for linear in linears:
+            values, scale = int8_per_row(linear.weight)
+            linear.weight.copy_(values.float() * scale)
+    assert len(linears) == 2 * 34  # 6 attentions x (q, k, v, out, gate) + 2 feed-forwards x 2, per block
+    arguments = {"spatio_temporal_guidance_blocks": [1]}
+    video, audio = reference(pipe, config, "latent", **arguments)
+    assert relative_error(tensors["latents"], video) <= TOLERANCE
+    assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
+    unquantized = reference("tiny-ltx2.3", config, "latent", **arguments)
+    assert relative_error(tensors["latents"], unquantized[0]) > 10 * relative_error(tensors["latents"], video)
+
+
 def test_torchax_decode_matches_the_pipeline(tmp_path, stage1_folders):
     """Stage 3 with --backend torchax on the 8 devices (the video VAE as one program, the soundtrack on the host)."""
     out = tmp_path / "run"
@@ -376,7 +404,8 @@ def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_
     expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", folder, "--fps", "30"], "soundtrack")
     argv = ["--input_dir", folder, "--cache", "magcache"]
     expect_user_error(capsys, stage2_transformer, argv, "--cache magcache: ltx2 runs --cache interval only")
-    argv = ["--input_dir", folder, "--cache", "interval"]  # the tiny preset's 2 blocks
+    window = ["--cache_start_step", 1, "--cache_end_step", 4, "--cache_step_interval", 2]
+    argv = ["--input_dir", folder, "--cache", "interval", *window]  # the tiny preset's 2 blocks
     expect_user_error(capsys, stage2_transformer, argv, "needs at least 3 transformer blocks")
     from safetensors.torch import save_file  # an adapter that also changes the text connectors (stage 1's)
 

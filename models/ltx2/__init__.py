@@ -31,5 +31,8 @@ from .presets import PRESETS
 from .published import PUBLISHED
 from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
 
-CHUNK_FRAMES: tuple[int, ...] = ()  # stage 3 on torchax decodes the video as one program
+# Stage 3 on torchax decodes the video as one program: LTX-2's decoder is not causal in time (both published
+# VAEs set decoder_causal False: every temporal conv pads with the first and the last frame on both sides), so
+# each frame depends on the latent frames after it and no state can be carried from one chunk to the next.
+CHUNK_FRAMES: tuple[int, ...] = ()
 frame_programs = frame_plan = None

@@ -67,9 +67,10 @@ class BlockScan:
     """Installed on one transformer: the blocks `span` (first, end) run as one `scan(body, carry, weights)`
     (Runtime.scan). The carry is what the blocks return (the video tokens, and the text tokens where a
     block returns them too, as diffusers' block registry says, or the guided module's `block_streams`:
-    LTX-2's video and audio); every other input is the same for each."""
+    LTX-2's video and audio); every other input is the same for each, except those the guided module's
+    `scan_block_arguments(first, end)` gives per block, stacked (LTX-2's STG perturbation mask)."""
 
-    def __init__(self, transformer: torch.nn.Module, span: tuple[int, int], scan, metadata=None) -> None:
+    def __init__(self, transformer, span: tuple[int, int], scan, metadata=None, block_arguments=None) -> None:
         from diffusers.hooks._helpers import TransformerBlockRegistry
 
         register_hunyuanvideo15_block()
@@ -85,6 +86,7 @@ class BlockScan:
         if meta.return_encoder_hidden_states_index is not None:
             self.carried.append(meta.encoder_hidden_states_argument_name)
             self.returned.append(meta.return_encoder_hidden_states_index)
+        self.block_arguments = block_arguments
         self.block_forward = self.template.forward
         self.names = _stack_weights(self.members)
         self.template.forward = _ScannedSpan(self)
@@ -113,9 +115,12 @@ class BlockScan:
         carry = tuple(bound.arguments[name] for name in self.carried)
         weights = dict(self.template.named_parameters())
         weights.update(self.template.named_buffers())
+        varying = self.block_arguments(*self.span) if self.block_arguments is not None else {}
 
-        def body(carry, weights):
+        def body(carry, sliced):
+            weights, own = sliced
             bound.arguments.update(zip(self.carried, carry, strict=True))
+            bound.arguments.update(own)
             saved = self.template.__dict__.pop("forward")  # this object, or a step cache's wrapper of it
             self.template.forward = self.block_forward  # one block, with its hooks
             try:
@@ -124,7 +129,7 @@ class BlockScan:
                 self.template.forward = saved
             return tuple(out[index] for index in self.returned) if len(carry) > 1 else (out,)
 
-        return self.pack(self.scan(body, carry, weights))
+        return self.pack(self.scan(body, carry, (weights, varying)))
 
 
 class _ScannedSpan:
@@ -199,8 +204,8 @@ def install(loop, setting: str, cache, scan):
             if setting == "on":
                 raise UserError(f"--scan_blocks on: {type(transformer).__name__}: {why}")
             continue
-        streams = getattr(guided, "block_streams", None)
-        names.update(BlockScan(transformer, span, scan, streams).stacked_names())
+        streams, varying = getattr(guided, "block_streams", None), getattr(guided, "scan_block_arguments", None)
+        names.update(BlockScan(transformer, span, scan, streams, varying).stacked_names())
         log(f"{type(transformer).__name__}: blocks {span[0]} to {span[1] - 1} run as one scan")
     return loop.rules.with_stacked(names)
 

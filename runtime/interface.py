@@ -54,10 +54,11 @@ class Runtime(Protocol):
         """Inside a compiled forward: the tensors unchanged, but nothing that reads one of the results can be
         computed before all of them are (jax.lax.optimization_barrier); eagerly, the tensors themselves."""
 
-    def scan(self, body: Callable, carry: tuple, weights: dict[str, torch.Tensor]) -> tuple:
-        """Inside a compiled forward: `carry = body(carry, slice)` for each slice of `weights` along their
-        first dimension, as one loop in the program (jax.lax.scan; eagerly, a Python loop). `body` is
-        traced once: checks inside it (runtime.program_checks) hold for every slice."""
+    def scan(self, body: Callable, carry: tuple, weights: Any) -> tuple:
+        """Inside a compiled forward: `carry = body(carry, slice)` for each slice of `weights` (a pytree of
+        tensors: the stacked weights, and any per-block inputs) along their first dimension, as one loop in the
+        program (jax.lax.scan; eagerly, a Python loop). `body` is traced once: checks inside it
+        (runtime.program_checks) hold for every slice."""
 
     def profile_trace(self) -> contextlib.AbstractContextManager:
         """A profiler trace around the block, or a context that does nothing."""
@@ -95,9 +96,10 @@ class TorchRuntime:
     def barrier(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tensors
 
-    def scan(self, body: Callable, carry: tuple, weights: dict[str, torch.Tensor]) -> tuple:
-        for index in range(len(next(iter(weights.values())))):
-            carry = body(carry, {name: tensor[index] for name, tensor in weights.items()})
+    def scan(self, body: Callable, carry: tuple, weights: Any) -> tuple:
+        leaves, spec = torch.utils._pytree.tree_flatten(weights)
+        for index in range(len(leaves[0])):
+            carry = body(carry, torch.utils._pytree.tree_unflatten([leaf[index] for leaf in leaves], spec))
         return carry
 
     def profile_trace(self) -> contextlib.AbstractContextManager:

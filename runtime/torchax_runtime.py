@@ -200,7 +200,7 @@ class TorchaxRuntime:
 
         return tuple(call_jax(jax.lax.optimization_barrier, tensors))
 
-    def scan(self, body, carry: tuple, weights: dict[str, torch.Tensor]) -> tuple:
+    def scan(self, body, carry: tuple, weights) -> tuple:
         """Inside a compiled forward: `body` (a torch function of (carry, one slice of `weights`)) under
         jax.lax.scan. The checks the body hands over (runtime.program_checks) come out of the loop as one
         flag per message and slice and are handed on, reduced, to the program around it."""

@@ -139,8 +139,8 @@ def test_stage2_matches_the_pipeline(tmp_path, stage1_folders, case):
         assert record["branches"] == branches
     if "--sp" not in stage2_flags:  # the default mesh: dp takes the passes where their count divides the 8 devices
         assert config["stage2"]["mesh"]["dp"] == math.gcd(len(record["branches"]), 8)
-    scanned = config["stage2"]["scan_blocks"]["scanned"]["transformer"]  # --scan_blocks auto
-    assert scanned == (None if "stg" in record["branches"] else [0, 2])  # STG perturbs single blocks: unscanned
+    # --scan_blocks auto: the blocks run as one scan, the STG blocks' perturbation mask a per-block input
+    assert config["stage2"]["scan_blocks"]["scanned"]["transformer"] == [0, 2]
     if preset == "tiny-ltx2" and not stage2_flags:  # LTX-2.0 has no perturbed attention: skipped, and said so
         assert "perturbed attention" in record["skipped"]["stg"]
 
@@ -252,12 +252,12 @@ class IntervalReference:
         return output
 
 
-@pytest.mark.parametrize("stg", [True, False], ids=["four-passes-unscanned", "three-passes-scanned"])
+@pytest.mark.parametrize("stg", [True, False], ids=["four-passes-scanned", "three-passes-unscanned"])
 def test_interval_cache_equals_its_definition_on_both_streams(tmp_path, stg):
     """`--cache interval` on a 4-block LTX-2.3 on the default mesh: steps 2 and 3 of 6 run only the outer
     blocks and reuse the deep blocks' video and audio residuals; within 1e-5 of IntervalReference on the
-    eager pipeline. With all four passes (dp 4) the blocks run unscanned (the STG pass perturbs one block);
-    without STG (three passes) the two deep blocks run as one scan."""
+    eager pipeline. With all four passes (dp 4) the two deep blocks run as one scan, the STG pass perturbing
+    the first of them; without STG (three passes) they run unscanned (`--scan_blocks off`)."""
     from diffusers import LTX2Pipeline
 
     from models.ltx2.presets import tiny_transformer
@@ -271,13 +271,13 @@ def test_interval_cache_equals_its_definition_on_both_streams(tmp_path, stg):
     argv += ["--height", 64, "--width", 64, "--num_frames", 9, "--seed", SEED, "--num_inference_steps", 6]
     run_stage(stage1_text_encoder, [*argv, "--output_dir", out])
     window = ["--cache_start_step", 1, "--cache_end_step", 5, "--cache_step_interval", 3]
-    terms = ["--stg_blocks", "1"] if stg else ["--stg_scale", 0, "--audio_stg_scale", 0]
+    terms = ["--stg_blocks", "1"] if stg else ["--stg_scale", 0, "--audio_stg_scale", 0, "--scan_blocks", "off"]
     argv = ["--input_dir", out, "--executables", "off", *terms, "--cache", "interval", *window]
     run_stage(stage2_transformer, argv)
     config = read_config(out, needs="stage2")
     assert config["stage2"]["step_cache"]["schedule"] == "FFCCFF"
     assert config["stage2"]["mesh"]["dp"] == (4 if stg else 1)
-    assert config["stage2"]["scan_blocks"]["scanned"]["transformer"] == (None if stg else [1, 3])
+    assert config["stage2"]["scan_blocks"]["scanned"]["transformer"] == ([1, 3] if stg else None)
     tensors = read_tensors(out, config["stage2"])
     arguments = {"spatio_temporal_guidance_blocks": [1]} if stg else OFF
     pipe = LTX2Pipeline.from_pretrained(folder, dtype=torch.float32)

@@ -75,6 +75,7 @@ class TraceInputs:
     def __init__(self) -> None:
         self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.keep: torch.Tensor | None = None
+        self.perturbation: torch.Tensor | None = None  # the STG pass's (rows, 1, 1) mask, 0 on its rows
 
 
 def key_mask(bias: torch.Tensor) -> torch.Tensor:
@@ -163,14 +164,17 @@ class GuidedTransformer(torch.nn.Module):
     pipeline's two schedulers are copies with the same sigmas.
     """
 
-    @property
-    def scan_unsupported(self) -> str | None:
-        """Why the blocks cannot run as one scan (models/scanned_blocks.py), or None: a scan runs one block's
-        call for every block, but the STG pass perturbs only the listed blocks (the stock forward passes
-        each block its own perturbation mask)."""
-        if "stg" in self.guidance.branches:
-            return "the spatio-temporal guidance pass perturbs single blocks (--stg_blocks)"
-        return None
+    def scan_block_arguments(self, first: int, end: int) -> dict[str, torch.Tensor]:
+        """For blocks first..end-1 run as one scan (models/scanned_blocks.py): the perturbation mask each
+        block gets, stacked. The stock forward passes the STG pass's mask to the --stg_blocks and none to the
+        others; here the others get ones, for which the perturbed processor's `torch.lerp(value, attention,
+        1)` returns the attention exactly (torch's lerp takes `end` itself at weight >= 0.5)."""
+        mask = self.inputs.perturbation
+        if mask is None:
+            return {}
+        ones = torch.ones_like(mask)
+        stg = set(self.guidance.stg_blocks)
+        return {"perturbation_mask": torch.stack([mask if block in stg else ones for block in range(first, end)])}
 
     def __init__(self, transformer, guidance: Guidance, dtype, shapes, geometry, constrain=None, i2v=False) -> None:
         super().__init__()
@@ -218,11 +222,13 @@ class GuidedTransformer(torch.nn.Module):
 
         self.inputs.tables = {name: (tables[2 * i], tables[2 * i + 1]) for i, name in enumerate(ROPES)}
         self.inputs.keep = per_row(lambda branch: branch != "isolated") if "isolated" in branches else None
+        stg = "stg" in branches
+        perturbation = per_row(lambda branch: branch != "stg").to(self.dtype) if stg else None
+        self.inputs.perturbation = None if perturbation is None else perturbation[:, None, None]
         video, audio = self.split(latents)
         t, sigma = timestep[0], timestep[1]
         # The pipeline's per-token video timestep for image-to-video: zero on the conditioning frame.
         video_t = t.expand(count) if first_frame is None else (t.reshape(1, 1) * (1 - first_frame)).expand(count, -1)
-        stg = "stg" in branches
         frames, height, width, fps, audio_frames = self.geometry
         with functional_split_rotary():  # workarounds/torchax.py
             video_out, audio_out = self.transformer(
@@ -245,11 +251,11 @@ class GuidedTransformer(torch.nn.Module):
                 ),  # only its batch size is read (the tables are fed in)
                 audio_coords=torch.zeros(count, 1, 1, 2, device=latents.device),
                 spatio_temporal_guidance_blocks=list(self.guidance.stg_blocks) if stg else None,
-                perturbation_mask=per_row(lambda branch: branch != "stg").to(self.dtype) if stg else None,
+                perturbation_mask=perturbation,
                 use_cross_timestep=True,
                 return_dict=False,
             )
-        self.inputs.tables, self.inputs.keep = {}, None
+        self.inputs.tables, self.inputs.keep, self.inputs.perturbation = {}, None, None
         velocities = []
         for sample, prediction, scales in (
             (video, video_out, self.guidance.video),

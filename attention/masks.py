@@ -15,16 +15,21 @@ INEXACT_MASK = (
     "splash attention got a dense attention mask that is not (valid query) x (valid key); "
     "only key-padding masks and their outer-product form can be computed exactly"
 )
+HEADS_DIFFER = (
+    "splash attention got key masks that differ between heads; one key mask per sample (every head alike) "
+    "can be computed exactly"
+)
 
 
 def masks_from_attn_mask(attn_mask, batch: int, q_len: int, kv_len: int):
     """(key_valid (B, Skv), query_valid (B, Sq) or None) from a boolean SDPA mask.
 
-    Accepts (B, Skv), (B, 1, 1, Skv) and the dense (B, H or 1, Sq, Skv) form `valid_q & valid_k` that
-    HunyuanVideo-1.5 builds (per head in its token refiner). The dense form is reduced with `any` over
-    each axis (XLA fuses the reductions, so no second S x S array appears); a dense mask that is not
-    such an outer product cannot be expressed and raises (when traced, through runtime.program_checks:
-    one scalar the program returns).
+    Accepts (B, Skv), (B, 1, 1, Skv), the per-head key mask (B, H, 1, Skv) whose heads agree (diffusers'
+    `prepare_attention_mask` repeats a key mask per head: LTX-2's text attention), and the dense
+    (B, H or 1, Sq, Skv) form `valid_q & valid_k` that HunyuanVideo-1.5 builds (per head in its token
+    refiner). The dense form is reduced with `any` over each axis (XLA fuses the reductions, so no second
+    S x S array appears); a dense mask that is not such an outer product, or heads that disagree, cannot be
+    expressed and raise (when traced, through runtime.program_checks: one scalar the program returns).
     """
     if attn_mask is None:
         return None, None
@@ -39,6 +44,10 @@ def masks_from_attn_mask(attn_mask, batch: int, q_len: int, kv_len: int):
         )
     if attn_mask.shape[1] == 1 and attn_mask.shape[2] == 1:
         return jnp.broadcast_to(attn_mask[:, 0, 0, :], (batch, kv_len)), None
+    if attn_mask.shape[2] == 1:  # a key mask per head: one query row, so never the S x S dense path
+        key_valid = attn_mask[:, 0, 0, :]
+        check((attn_mask != key_valid[:, None, None, :]).any(), HEADS_DIFFER)
+        return jnp.broadcast_to(key_valid, (batch, kv_len)), None
     if q_len * kv_len > DENSE_MASK_LIMIT:
         raise ValueError(
             f"splash attention refuses a dense {q_len} x {kv_len} attention mask (limit {DENSE_MASK_LIMIT} "

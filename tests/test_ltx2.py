@@ -218,6 +218,16 @@ def test_adapters_fuse_as_the_pipeline_loads_them(tmp_path, stage1_folders):
     assert relative_error(audio, base_audio) > 100 * TOLERANCE
 
 
+@pytest.fixture(scope="module")
+def four_blocks(tmp_path_factory):
+    """tiny-ltx2.3's folder with a 4-block transformer (the interval cache needs 3 or more blocks)."""
+    folder = tmp_path_factory.mktemp("ltx2.3-4-blocks") / "model"
+    shutil.copytree(models.materialize_preset("tiny-ltx2.3"), folder)
+    shutil.rmtree(folder / "transformer")
+    tiny_transformer(5, "2.3", num_layers=4).save_pretrained(folder / "transformer")
+    return folder
+
+
 class IntervalReference:
     """The interval cache from its definition (docs/caching.md), as hooks on the eager pipeline's transformer
     blocks: on a cached step the deep blocks (all but the first and the last) are replaced by their input
@@ -253,19 +263,14 @@ class IntervalReference:
 
 
 @pytest.mark.parametrize("stg", [True, False], ids=["four-passes-scanned", "three-passes-unscanned"])
-def test_interval_cache_equals_its_definition_on_both_streams(tmp_path, stg):
+def test_interval_cache_equals_its_definition_on_both_streams(tmp_path, four_blocks, stg):
     """`--cache interval` on a 4-block LTX-2.3 on the default mesh: steps 2 and 3 of 6 run only the outer
     blocks and reuse the deep blocks' video and audio residuals; within 1e-5 of IntervalReference on the
     eager pipeline. With all four passes (dp 4) the two deep blocks run as one scan, the STG pass perturbing
     the first of them; without STG (three passes) they run unscanned (`--scan_blocks off`)."""
     from diffusers import LTX2Pipeline
 
-    from models.ltx2.presets import tiny_transformer
-
-    folder = tmp_path / "ltx2.3-4-blocks"
-    shutil.copytree(models.materialize_preset("tiny-ltx2.3"), folder)
-    shutil.rmtree(folder / "transformer")
-    tiny_transformer(5, "2.3", num_layers=4).save_pretrained(folder / "transformer")
+    folder = four_blocks
     out = tmp_path / "run"
     argv = ["--model", folder, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
     argv += ["--height", 64, "--width", 64, "--num_frames", 9, "--seed", SEED, "--num_inference_steps", 6]
@@ -495,18 +500,24 @@ def test_without_pyav_the_image_crf_error_names_the_extra(monkeypatch):
         ltx2_i2v.recompress(None, 33)
 
 
-def test_the_plan_compiles_all_four_passes_on_dp_for_v6e_with_the_real_splash_kernel(tmp_path):
-    """The TPU compiler (libtpu) builds stage 2 of tiny LTX-2.3 with every guidance pass on dp 4. Per block
-    (tensors): only the 20 all-reduces of tp (6 attention outputs, 2 MLP outputs, 12 q/k norm statistics);
-    with the modulation linears split on their input there were also 9 all-gathers and 20 permutes."""
+def test_the_plan_compiles_all_four_passes_on_dp_for_v6e_with_the_real_splash_kernel(tmp_path, four_blocks):
+    """The TPU compiler (libtpu) builds stage 2 of a 4-block tiny LTX-2.3 with every guidance pass on dp 4, its
+    blocks under one scan, STG on block 3. Per block (tensors): only the 20 all-reduces of tp (6 attention
+    outputs, 2 MLP outputs, 12 q/k norm statistics); with the modulation linears split on their input there
+    were also 9 all-gathers and 20 permutes. The 2- and 3-block copies that count them run the same four
+    passes (block 3 is beyond their depth: before, the plan refused the flag there, and a default STG block
+    beyond their depth dropped their STG pass, so the counts outside the blocks came out negative)."""
     out = tmp_path / "plan.json"
-    argv = ["--input_dir", tmp_path, "--model", "tiny-ltx2.3", "--stg_blocks", "1", "--plan", "v6e:2x4"]
+    argv = ["--input_dir", tmp_path, "--model", four_blocks, "--stg_blocks", "3", "--plan", "v6e:2x4"]
+    argv += ["--height", 64, "--width", 64, "--num_frames", 9]
     run_stage(stage2_transformer, [*argv, "--plan_json", out])
     report = json.loads(out.read_text())
     assert report["fits"] and report["mesh"] == {"dp": 4, "sp": 1, "tp": 2}
     assert report["splash_custom_calls"] >= 1 and report["flops_per_device"]["attention"] > 0
     per_block = {op: value["tensors"] for op, value in report["collectives"]["per_block"].items()}
     assert per_block == {"all-reduce": 20}
+    assert report["collectives"]["scanned_blocks"] == 4
+    assert all(value["bytes"] >= 0 for value in report["collectives"]["outside_blocks"].values())
 
 
 def test_stage3_plans_from_configs_alone(tmp_path):

@@ -13,7 +13,7 @@ import torch
 
 import sharding
 from attention.dispatch import attention_backend
-from attention.masks import masks_from_attn_mask
+from attention.masks import DENSE_MASK_LIMIT, masks_from_attn_mask
 from attention.plan import SplashConfig, fixed_plan
 from attention.sequence_parallel import call_scheme, merge_partials
 from attention.xla import attention_with_lse, xla_attention, xla_sequence_parallel_attention
@@ -237,12 +237,32 @@ def test_dense_mask_that_is_not_key_padding_raises():
 
 
 def test_large_dense_masks_are_refused_not_approximated():
-    from attention.masks import DENSE_MASK_LIMIT
-
     side = int(DENSE_MASK_LIMIT**0.5) + 1
     mask = jax.ShapeDtypeStruct((1, 1, side, side), jnp.bool_)
     with pytest.raises(ValueError, match="refuses a dense .* pass the per-key mask"):
         jax.eval_shape(lambda m: masks_from_attn_mask(m, 1, side, side), mask)
+
+
+def test_a_key_mask_repeated_per_head_is_a_key_mask_at_any_length():
+    """diffusers' prepare_attention_mask repeats a key mask per head, (B, H, 1, Skv) (LTX-2's text
+    attention): taken as the key mask without the dense S x S path, however long the video; heads that
+    disagree cannot be one key mask and raise."""
+    valid = key_mask(2, 300, [300, 120])
+    per_head = np.repeat(valid[:, None, None, :], 4, axis=1)
+    long = 2 * DENSE_MASK_LIMIT // 300  # queries: far past the dense path's limit
+    key_valid, query_valid = masks_from_attn_mask(jnp.asarray(per_head), 2, long, 300)
+    assert query_valid is None and np.array_equal(np.asarray(key_valid), valid)
+    q, k, v = random_qkv(2, 4, 200, 300, 64, seed=8)
+
+    def attend(q, k, v, mask):
+        key_valid, query_valid = masks_from_attn_mask(mask, 2, 200, 300)
+        return splash_attention(q, k, v, key_valid, query_valid=query_valid, config=SMALL_TILES)
+
+    out = np.asarray(jax.jit(attend)(q, k, v, jnp.asarray(per_head)))
+    assert relative_error(out, masked_reference(q, k, v, valid)) <= 1e-5
+    per_head[1, 2, 0, 5] = not per_head[1, 2, 0, 5]
+    with pytest.raises(ValueError, match="differ between heads"):
+        masks_from_attn_mask(jnp.asarray(per_head), 2, 200, 300)
 
 
 @pytest.mark.parametrize("k_smoothing", [False, True], ids=["plain", "k-smoothing"])

@@ -130,7 +130,9 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
 
     transformer = transformers["transformer"]
     config = dict(transformer.config)
-    guidance = resolve_guidance(request, config)
+    # The model's guidance, resolved on its folder's config: --plan also builds this loop for 2- and 3-block
+    # copies (per-block collectives), which must run the same passes as the whole model.
+    guidance = resolve_guidance(request, source.load_config("transformer"))
     for term, why in guidance.skipped.items():
         log(f"guidance: {term} skipped: {why}")
     frames, height, width = latent_grid(source, request)

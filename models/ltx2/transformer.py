@@ -164,6 +164,17 @@ class GuidedTransformer(torch.nn.Module):
     pipeline's two schedulers are copies with the same sigmas.
     """
 
+    def __init__(self, transformer, guidance: Guidance, dtype, shapes, geometry, constrain=None, i2v=False) -> None:
+        super().__init__()
+        self.i2v = i2v  # image-to-video: a static input marks the first frame's tokens, whose timestep is 0
+        self.inputs = make_jit_safe(transformer)
+        self.transformer = transformer
+        self.guidance = guidance
+        self.dtype = dtype
+        self.video_shape, self.audio_shape = shapes  # packed (tokens, channels) of each stream
+        self.geometry = geometry  # the transformer's num_frames, height, width, fps, audio_num_frames
+        self.constrain = constrain or (lambda tensor, spec: tensor)
+
     def scan_block_arguments(self, first: int, end: int) -> dict[str, torch.Tensor]:
         """For blocks first..end-1 run as one scan (models/scanned_blocks.py): the perturbation mask each
         block gets, stacked. The stock forward passes the STG pass's mask to the --stg_blocks and none to the
@@ -176,21 +187,11 @@ class GuidedTransformer(torch.nn.Module):
         stg = set(self.guidance.stg_blocks)
         return {"perturbation_mask": torch.stack([mask if block in stg else ones for block in range(first, end)])}
 
-    def __init__(self, transformer, guidance: Guidance, dtype, shapes, geometry, constrain=None, i2v=False) -> None:
-        super().__init__()
-        self.i2v = i2v  # image-to-video: a static input marks the first frame's tokens, whose timestep is 0
-        self.inputs = make_jit_safe(transformer)
-        self.transformer = transformer
-        self.guidance = guidance
-        self.dtype = dtype
-        self.video_shape, self.audio_shape = shapes  # packed (tokens, channels) of each stream
-        self.geometry = geometry  # the transformer's num_frames, height, width, fps, audio_num_frames
-        self.constrain = constrain or (lambda tensor, spec: tensor)
-
     @property
     def block_streams(self):
-        """The blocks' two streams for the interval cache (models/cached_blocks.py): the video's hidden states
-        and, where other families' blocks return their text tokens, the audio's, so both residuals are kept."""
+        """The blocks' two streams for the interval cache (models/cached_blocks.py) and the block scan (its
+        carry): the video's hidden states and, where other families' blocks return their text tokens, the
+        audio's. diffusers' block registry has no entry for LTX-2's blocks."""
         from diffusers.hooks._helpers import TransformerBlockMetadata
         from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformerBlock
 

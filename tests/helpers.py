@@ -308,3 +308,13 @@ def diffusers_file(folder, name: str, preset: str, seed: int):
         folder, transformer_lora_layers=weights, weight_name=name, transformer_lora_adapter_metadata=metadata
     )
     return folder / name
+
+
+def dequantized(linear: torch.nn.Linear, scheme: str) -> torch.nn.Linear:
+    """The linear with its weight replaced by the scheme's dequantized values (weight-only schemes)."""
+    from models.quantize import fp8_per_row, int8_per_row
+
+    values, scale = (fp8_per_row if scheme == "fp8_weight" else int8_per_row)(linear.weight.detach())
+    with torch.no_grad():
+        linear.weight.copy_(values.to(torch.float32) * scale)
+    return linear

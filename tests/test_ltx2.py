@@ -30,6 +30,7 @@ import stage2_transformer
 import stage3_vae_decoder
 from cli import UserError
 from helpers import (
+    dequantized,
     diffusers_file,
     expect_user_error,
     peft_weights,
@@ -299,8 +300,6 @@ def test_int8_weights_match_the_pipeline_with_the_same_dequantized_weights(tmp_p
     """`--quantize int8_weight` on LTX-2.3 with every pass: every linear of the blocks (six attentions with
     their gates, both feed-forwards) reads int8 weights with a float32 scale per output channel; the pipeline
     gets the same linears' weights replaced by those integers x scale."""
-    from models.quantize import int8_per_row
-
     out = tmp_path / "run"
     shutil.copytree(stage1_folders["tiny-ltx2.3"], out)
     argv = ["--input_dir", out, "--executables", "off", "--stg_blocks", "1", "--quantize", "int8_weight"]
@@ -310,10 +309,8 @@ def test_int8_weights_match_the_pipeline_with_the_same_dequantized_weights(tmp_p
     pipe = pipeline("tiny-ltx2.3")
     linears = [m for n, m in pipe.transformer.named_modules() if n.startswith("transformer_blocks.")]
     linears = [module for module in linears if isinstance(module, torch.nn.Linear)]
-    with torch.no_grad():
-        for linear in linears:
-            values, scale = int8_per_row(linear.weight)
-            linear.weight.copy_(values.float() * scale)
+    for linear in linears:
+        dequantized(linear, "int8_weight")
     assert len(linears) == 2 * 34  # 6 attentions x (q, k, v, out, gate) + 2 feed-forwards x 2, per block
     arguments = {"spatio_temporal_guidance_blocks": [1]}
     video, audio = reference(pipe, config, "latent", **arguments)

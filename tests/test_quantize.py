@@ -26,7 +26,16 @@ import pytest
 import torch
 
 import stage2_transformer
-from helpers import ROOT, expect_user_error, pipeline, pipeline_latents, relative_error, staged, stop_stage2_after
+from helpers import (
+    ROOT,
+    dequantized,
+    expect_user_error,
+    pipeline,
+    pipeline_latents,
+    relative_error,
+    staged,
+    stop_stage2_after,
+)
 from models.quantize import ACTIVATION_LEVELS, int8_per_row
 
 TOLERANCE = 1e-4
@@ -119,16 +128,6 @@ class ReferenceInt8Linear(torch.nn.Module):
         y = (values.double() @ self.values.double().t()) * scale.double() * self.scale.double().t()
         y = y.reshape(*x.shape[:-1], -1) + self.bias.double()
         return y.to(x.dtype)
-
-
-def dequantized(linear: torch.nn.Linear, scheme: str) -> torch.nn.Linear:
-    """The linear with its weight replaced by the scheme's dequantized values (weight-only schemes)."""
-    from models.quantize import fp8_per_row
-
-    values, scale = (fp8_per_row if scheme == "fp8_weight" else int8_per_row)(linear.weight.detach())
-    with torch.no_grad():
-        linear.weight.copy_(values.to(torch.float32) * scale)
-    return linear
 
 
 def quantize_reference(transformer: torch.nn.Module, family: str, scheme: str, pattern: str | None = None) -> int:

@@ -167,14 +167,11 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         "text_encoder": ("transformers", "Gemma3ForConditionalGeneration", GEMMA3_12B),
         "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", SCHEDULER),
     },
-    "Lightricks/LTX-2.3": {
-        "_class_name": ("diffusers", "LTX2Pipeline"),
-        "transformer": ("diffusers", "LTX2VideoTransformer3DModel", LTX23_TRANSFORMER),
-        "connectors": ("ltx2", "LTX2TextConnectors", LTX23_CONNECTORS),
-        "vae": ("diffusers", "AutoencoderKLLTX2Video", LTX23_VAE),
-        "audio_vae": ("diffusers", "AutoencoderKLLTX2Audio", LTX2_AUDIO_VAE),
-        "vocoder": ("ltx2", "LTX2VocoderWithBWE", LTX23_VOCODER),
-        "text_encoder": ("transformers", "Gemma3ForConditionalGeneration", GEMMA3_12B),
-        "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", SCHEDULER),
-    },
+}
+PUBLISHED["Lightricks/LTX-2.3"] = {  # LTX-2.0's audio VAE, text encoder and scheduler
+    **PUBLISHED["Lightricks/LTX-2"],
+    "transformer": ("diffusers", "LTX2VideoTransformer3DModel", LTX23_TRANSFORMER),
+    "connectors": ("ltx2", "LTX2TextConnectors", LTX23_CONNECTORS),
+    "vae": ("diffusers", "AutoencoderKLLTX2Video", LTX23_VAE),
+    "vocoder": ("ltx2", "LTX2VocoderWithBWE", LTX23_VOCODER),
 }

@@ -145,12 +145,12 @@ def rope_tables(transformer: torch.nn.Module, video_coords: torch.Tensor, audio_
     the class's own `forward` (make_jit_safe replaces the instances')."""
     coords = {"rope": video_coords, "audio_rope": audio_coords}
     coords |= {"cross_attn_rope": video_coords[:, 0:1, :], "cross_attn_audio_rope": audio_coords[:, 0:1, :]}
+    tables = {}
     with torch.no_grad():
-        return {
-            name: type(module).forward(module, coords[name])
-            for name in ROPES
-            for module in [getattr(transformer, name)]
-        }
+        for name in ROPES:
+            module = getattr(transformer, name)
+            tables[name] = type(module).forward(module, coords[name])
+    return tables
 
 
 class GuidedTransformer(torch.nn.Module):

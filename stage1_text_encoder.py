@@ -137,6 +137,8 @@ def checked_video(args, source, family, output_dir: Path, where: str = "") -> Vi
             defaults.update(height=size[0], width=size[1])
         request = Request.from_flags(args, model_family=family.NAME, model_id=args.model, defaults=defaults)
         models.validate_request(family, source, request)
+        if images:
+            family.check_images(source, request)
     except UserError as err:
         raise UserError(f"{where}: {err}" if where else str(err)) from None
     return Video(output_dir, request, images, image_records)

@@ -77,6 +77,10 @@ def size_from_request(source, images) -> None:
     return None
 
 
+def no_image_checks(source, request) -> None:
+    """`check_images` of a family whose image conditioning needs nothing beyond its weights."""
+
+
 def attention_heads(source) -> int:
     """The transformer's attention head count (what `tp` must divide), from its config alone."""
     return source.load_config("transformer")["num_attention_heads"]

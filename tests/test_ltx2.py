@@ -19,6 +19,7 @@ import math
 import re
 import shutil
 import subprocess
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -488,13 +489,21 @@ def test_image_to_video_matches_the_pipeline(tmp_path, image_file, crf, stage2_f
         assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
 
 
-def test_without_pyav_the_image_crf_error_names_the_extra(monkeypatch):
+def test_without_pyav_stage1_stops_before_loading_and_names_the_extra(monkeypatch, capsys, tmp_path, image_file):
+    """The re-encode's PyAV is checked before Gemma 3 loads (it used to be found missing after the text
+    encode); --image_crf 0 needs none."""
     find_spec = ltx2_i2v.importlib.util.find_spec
     monkeypatch.setattr(
         ltx2_i2v.importlib.util, "find_spec", lambda name, *rest: None if name == "av" else find_spec(name, *rest)
     )
     with pytest.raises(UserError, match=r"needs PyAV \(pip install"):
         ltx2_i2v.recompress(None, 33)
+    argv = ["--model", "tiny-ltx2-i2v", "--prompt", PROMPT, "--image", image_file, "--output_dir", tmp_path]
+    with monkeypatch.context() as patched:
+        patched.setattr(models.ModelSource, "load", lambda *args, **kwargs: pytest.fail("weights loaded"))
+        expect_user_error(capsys, stage1_text_encoder, argv, "--image_crf 33: re-encoding the image needs PyAV")
+    source, family = models.resolve_model("tiny-ltx2-i2v")
+    family.check_images(source, SimpleNamespace(image_crf=0))  # no re-encode: nothing to check
 
 
 def test_the_plan_compiles_all_four_passes_on_dp_for_v6e_with_the_real_splash_kernel(tmp_path, four_blocks):

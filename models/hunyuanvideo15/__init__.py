@@ -10,6 +10,7 @@
 - `presets`: the tiny random presets; `published`: the published checkpoints' configs for `--plan`.
 """
 
+from ..common import no_image_checks as check_images
 from ..common import one_transformer as transformer_components
 from ..common import vae_scaling_factor as latents_normalization
 from .config import (

@@ -25,7 +25,7 @@ from .config import (
     transformer_components,
     validate_request,
 )
-from .i2v import encode_images, image_inputs, images_on_runtime
+from .i2v import check_images, encode_images, image_inputs, images_on_runtime
 from .pipeline import Decoder, denoise_loop, latents_normalization, planning_embeds, prompt_encoder, video_processor
 from .presets import PRESETS
 from .published import PUBLISHED

@@ -27,19 +27,31 @@ def images_on_runtime(source) -> bool:
     return True  # the re-encode is a host step before the model; the VAE encode runs on the runtime
 
 
-def recompress(image, crf: int):
-    """The image after the pipeline's H.264 round trip at `crf` (0: unchanged). PyAV's libx264, which
-    diffusers' helper uses, is an extra (`pip install -e ".[crf]"`): its wheels carry GPL x264."""
-    import numpy as np
-    from PIL import Image
+def check_images(source, request: Request) -> None:
+    """Stage 1, before Gemma 3 loads: the re-encode's PyAV is installed (without this check a missing
+    extra stopped the run only after the text encode)."""
+    if image_to_video(source) and request.image_crf:
+        require_pyav(request.image_crf)
 
-    if crf == 0:
-        return image
+
+def require_pyav(crf: int) -> None:
+    """PyAV's libx264, which diffusers' helper uses, is an extra (`pip install -e ".[crf]"`): its wheels
+    carry GPL x264."""
     if importlib.util.find_spec("av") is None:
         raise UserError(
             f'--image_crf {crf}: re-encoding the image needs PyAV (pip install -e ".[crf]"), or pass --image_crf 0 '
             "to condition on the image as it is (not how LTX-2 was trained)"
         )
+
+
+def recompress(image, crf: int):
+    """The image after the pipeline's H.264 round trip at `crf` (0: unchanged)."""
+    import numpy as np
+    from PIL import Image
+
+    if crf == 0:
+        return image
+    require_pyav(crf)
     from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf
 
     return Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), crf))

@@ -11,6 +11,7 @@ the family's `models.family.Family` members, gathered from its parts.
 - `presets`: the tiny random presets; `published`: the published checkpoints' configs for `--plan`.
 """
 
+from ..common import no_image_checks as check_images
 from ..common import size_from_request as image_size  # the pipeline resizes the image to the request's size
 from .config import (
     LORA_LOADER,

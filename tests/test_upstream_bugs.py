@@ -143,6 +143,41 @@ def test_torchax_type_as_casts_in_place_and_leaves_a_stale_dtype():
         stock(runtime.to_device(x))
 
 
+def test_torchax_setitem_makes_a_strided_slice_assignment_a_scatter():
+    """torchax 0.0.13's Tensor.__setitem__ is JAX's `.at[key].set`, which lowers `out[..., 0::2] = x` (Wan's
+    rotary embedding) to stablehlo.scatter. Workaround: workarounds.torchax.strided_slice_set."""
+    import torchax
+
+    stock = torchax.tensor.Tensor.__setitem__.stock_setitem
+    env = torchax.default_env()
+
+    def assign(base, value):
+        out = env.j2t_iso(base).clone()
+        stock(out, (Ellipsis, slice(0, None, 2)), env.j2t_iso(value))
+        return env.t2j_iso(out)
+
+    with env:
+        program = jax.jit(assign).lower(jax.numpy.zeros((2, 8)), jax.numpy.ones((2, 4))).as_text()
+    assert "stablehlo.scatter" in program, "torchax writes strided slices without a scatter now: drop the workaround"
+
+
+def test_torch_compile_builds_a_guider_output_without_its_attributes():
+    """torch 2.13's dynamo (2.11's too, on the GPU host) returns diffusers' GuiderOutput without its `.pred`
+    attribute; the key works. Workaround: HunyuanVideo-1.5's GuidedTransformer reads `["pred"]`. A fresh
+    process: torch.compile fails once torchax is imported."""
+    code = (
+        "import torch\n"
+        "from diffusers import ClassifierFreeGuidance\n"
+        "guider = ClassifierFreeGuidance(guidance_scale=6.0)\n"
+        "a, b = torch.ones(2), torch.zeros(2)\n"
+        "assert torch.equal(torch.compile(lambda a, b: guider.forward(a, b)['pred'], backend='eager')(a, b), 6 * a)\n"
+        "torch.compile(lambda a, b: guider.forward(a, b).pred, backend='eager')(a, b)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode != 0, "dynamo keeps GuiderOutput.pred now: read it as an attribute again, drop this test"
+    assert "AttributeError: 'GuiderOutput' object has no attribute 'pred'" in result.stderr, result.stderr[-2000:]
+
+
 def test_diffusers_0_42_1_block_registry_lacks_hunyuanvideo15():
     """diffusers 0.42.1's transformer-block registry (read by its cache hooks and by our step cache) has no
     HunyuanVideo15TransformerBlock. Workaround: workarounds.diffusers.register_hunyuanvideo15_block. A fresh

@@ -6,12 +6,26 @@ Under torchax (fp32, XLA) and sharded: 1e-5 relative to the stock eager forward.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import sharding
 from attention.dispatch import attention_backend
-from helpers import BYT5, IMAGE, TEXT, Sample, attention_plan, hunyuan_inputs, relative_error, tiny_hunyuan_transformer
+from helpers import (
+    BYT5,
+    IMAGE,
+    ROOT,
+    TEXT,
+    Sample,
+    attention_plan,
+    hunyuan_inputs,
+    relative_error,
+    tiny_hunyuan_transformer,
+)
 from models import hunyuanvideo15
 from runtime import placement
 from runtime.torchax_runtime import TorchaxRuntime
@@ -130,3 +144,31 @@ class Decode(torch.nn.Module):
 
     def forward(self, latents):
         return self.vae.decode(latents, return_dict=False)[0]
+
+
+def test_guided_call_runs_under_torch_compile():
+    """benchmarks/gpu_step.py's torch.compile baselines compile our guided call: dynamo builds the guider's
+    GuiderOutput without its `.pred` attribute (tests/test_upstream_bugs.py), so the combination is read by key.
+    Dynamo alone (backend "eager": no inductor build), in a process without torchax (once imported, torch.compile
+    fails: "PyTorch is not linked with support for jax devices")."""
+    code = """
+import torch
+from diffusers import ClassifierFreeGuidance
+from helpers import hunyuan_inputs, relative_error, tiny_hunyuan_transformer
+from models import hunyuanvideo15
+
+guided = hunyuanvideo15.transformer.GuidedTransformer(tiny_hunyuan_transformer(), ClassifierFreeGuidance(6.0), True)
+inputs = hunyuan_inputs()
+latents = inputs["hidden_states"][:1, :4]
+arguments = (latents, torch.tensor([700.0]), inputs["encoder_hidden_states"], inputs["encoder_attention_mask"])
+arguments += (inputs["encoder_hidden_states_2"], inputs["encoder_attention_mask_2"], inputs["image_embeds"])
+with torch.no_grad():
+    expected = guided(*arguments)
+    got = torch.compile(guided, backend="eager")(*arguments)
+assert got.shape == latents.shape and relative_error(got, expected) <= 1e-6, relative_error(got, expected)
+"""
+    pythonpath = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    result = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": pythonpath}, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]

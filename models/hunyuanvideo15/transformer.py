@@ -253,4 +253,6 @@ class GuidedTransformer(Guided):
             )[0]
 
         # the guider's own combination
-        return self.guided(model_input, predict, lambda cond, uncond: self.guider.forward(cond, uncond).pred)
+        # read by key: torch.compile (dynamo, torch 2.11 and 2.13) builds the GuiderOutput without its `.pred`
+        # attribute (AttributeError), which refused the torch.compile baselines of benchmarks/gpu_step.py
+        return self.guided(model_input, predict, lambda cond, uncond: self.guider.forward(cond, uncond)["pred"])

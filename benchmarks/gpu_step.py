@@ -23,7 +23,8 @@ JAX and PyTorch share the GPU (XLA_PYTHON_CLIENT_PREALLOCATE=false, set here bef
     python benchmarks/gpu_step.py                                   # the three models, all layers, on the GPU
     python benchmarks/gpu_step.py --models hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v --layers 20
     python benchmarks/gpu_step.py --baselines eager compile --backends cudnn flash   # fewer compiles
-    python benchmarks/gpu_step.py --models zai-org/CogVideoX1.5-5B --profile traces   # both sides traced
+    python benchmarks/gpu_step.py --models zai-org/CogVideoX1.5-5B --profile traces   # the PyTorch side traced
+    python benchmarks/gpu_step.py --models zai-org/CogVideoX1.5-5B --profile traces --profile_side ours   # ours
     python benchmarks/gpu_step.py --models tiny-cogvideox --device cpu --attention xla   # a CPU smoke run
 """
 
@@ -196,6 +197,31 @@ def profile_torch(step, folder: Path, backend: str, label: str) -> Path:
     return table
 
 
+def device_time_table(trace_folder: Path, table: Path, rows: int = 30) -> Path:
+    """The JAX trace's time per op on each device timeline (GPU streams, XLA ops), summed over the traced
+    steps, as text: what the PyTorch side's operator table gives, readable without TensorBoard."""
+    import collections
+    import gzip
+
+    trace = json.loads(gzip.decompress(next(trace_folder.rglob("*.trace.json.gz")).read_bytes()))
+    events = trace["traceEvents"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    processes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    devices = {pid for pid, name in processes.items() if name.startswith("/device:") and "CUSTOM" not in name}
+    devices = devices or set(processes)  # a CPU run has only the host timeline
+    totals = collections.defaultdict(collections.Counter)
+    for e in events:
+        if e.get("ph") == "X" and e["pid"] in devices:
+            timeline = f"{processes[e['pid']]} / {names.get((e['pid'], e.get('tid')), e.get('tid'))}"
+            totals[timeline][e["name"]] += e.get("dur", 0.0)
+    lines = []
+    for timeline, counter in sorted(totals.items()):
+        lines.append(f"{timeline}: {sum(counter.values()) / 1e3:.1f} ms in all")
+        lines += [f"  {us / 1e3:10.2f} ms  {name[:150]}" for name, us in counter.most_common(rows)]
+    table.write_text("\n".join(lines) + "\n")
+    return table
+
+
 def best_of(rows: dict) -> dict:
     """Per baseline: its fastest correct kernel and that row."""
     best = {}
@@ -235,7 +261,7 @@ def measure(model: str, args) -> dict:
     rows, expected = pytorch_rows(step_for, args, flops, peak)
     best = best_of(rows)
     profiles = {}
-    if args.profile:  # the fastest PyTorch baseline, as it ran
+    if args.profile and args.profile_side == "pytorch":  # the fastest PyTorch baseline, as it ran
         name = min(best, key=lambda b: best[b]["median_step_seconds"])
         mode = BASELINES[name]
         torch._dynamo.reset()
@@ -261,12 +287,13 @@ def measure(model: str, args) -> dict:
     ours_step = make_step(family, source, request, embeds, dtype, runtime, transformer)
     with attention_backend(runtime.env, fixed_plan(args.attention), runtime.mesh):  # cudnn or xla
         first, median, got = median_step(ours_step, args.steps, args.warmup)
-        if args.profile:  # three steps under JAX's profiler (TensorBoard / XProf)
+        if args.profile and args.profile_side == "ours":  # three steps under JAX's profiler (TensorBoard / XProf)
             folder = Path(args.profile) / model.replace("/", "--") / "ours"
             with jax.profiler.trace(str(folder)):
                 for _ in range(3):
                     ours_step()
             profiles["ours"] = str(folder)
+            profiles["ours_table"] = str(device_time_table(folder, folder.parent / "ours.txt"))
     device = jax.devices()[0]
     memory = (device.memory_stats() or {}).get("peak_bytes_in_use")
     ours = {"attention": args.attention, **timing(first, median, flops, peak, memory)}
@@ -306,7 +333,15 @@ def main() -> None:
     parser.add_argument("--attention", choices=("cudnn", "xla"), default="cudnn", help="ours (default: cudnn)")
     parser.add_argument("--baselines", nargs="+", choices=list(BASELINES), default=list(BASELINES))
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), help="SDPA kernels")
-    parser.add_argument("--profile", help="folder: traces of 3 steps of ours (JAX) and of the fastest PyTorch baseline")
+    parser.add_argument("--profile", help="folder: a trace of 3 steps of one side (--profile_side) and its time table")
+    parser.add_argument(
+        "--profile_side",
+        choices=("pytorch", "ours"),
+        default="pytorch",
+        help="the fastest PyTorch baseline (PyTorch profiler) or ours (JAX profiler); one per process: both "
+        "profilers subscribe to CUPTI, which takes one subscriber (the second gets "
+        "CUPTI_ERROR_MULTIPLE_SUBSCRIBERS_NOT_SUPPORTED and traces no GPU work)",
+    )
     parser.add_argument("--device", default="cuda", help="torch device of the eager baseline (default: cuda)")
     args = parser.parse_args()
     for model in args.models:

@@ -8,6 +8,7 @@ which runs only where JAX sees a GPU: `JAX_PLATFORMS=cuda,cpu pytest tests/test_
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -165,15 +166,21 @@ def test_the_gpu_benchmark_runs_its_cpu_smoke_configuration(tmp_path):
 
     argv = ["--models", "tiny-cogvideox", "--device", "cpu", "--attention", "xla", "--steps", "1", "--warmup", "1"]
     argv += ["--baselines", "eager", "--backends", "auto", "flash", "cudnn"]  # torch.compile: minutes of C++ here
-    argv += ["--profile", tmp_path]
-    result = run_script(str(ROOT / "benchmarks" / "gpu_step.py"), argv)
-    assert result.returncode == 0, result.stderr[-2000:]
-    row = json.loads(result.stdout.strip().splitlines()[-1])
+    rows = {}
+    for side in ("pytorch", "ours"):  # one profiler per process (CUPTI takes one subscriber on a GPU)
+        result = run_script(
+            str(ROOT / "benchmarks" / "gpu_step.py"), [*argv, "--profile", tmp_path / side, "--profile_side", side]
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        rows[side] = json.loads(result.stdout.strip().splitlines()[-1])
+    row = rows["pytorch"]
     assert row["layers"] == 2 and row["flops_per_step"] > 0 and row["ours"]["median_step_seconds"] > 0
     kernels = row["pytorch"]["eager"]
     assert kernels["auto"]["relative_error_vs_eager"] == 0 and kernels["flash"]["correct"]
     assert "refused" in kernels["cudnn"]  # no cuDNN on a CPU
     assert row["best"]["eager"]["backend"] in ("auto", "flash") and row["ours_over_best"]["eager"] > 0
     assert row["ours"]["mfu"] is None  # no peak FLOP/s for a CPU
-    assert "aten::" in Path(row["profiles"]["pytorch"]).read_text()
-    assert list(Path(row["profiles"]["ours"]).rglob("*.xplane.pb"))
+    assert "aten::" in Path(row["profiles"]["pytorch"]).read_text() and "ours" not in row["profiles"]
+    profiles = rows["ours"]["profiles"]
+    assert list(Path(profiles["ours"]).rglob("*.xplane.pb")) and "pytorch" not in profiles
+    assert re.search(r"/host:CPU / .*: [0-9.]+ ms in all", Path(profiles["ours_table"]).read_text())

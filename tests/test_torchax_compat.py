@@ -10,7 +10,7 @@ from models.hunyuanvideo15.transformer import reorder_text_tokens
 from runtime.placement import make_mesh
 from runtime.torchax_runtime import TorchaxRuntime
 from sharding import MeshShape
-from workarounds.torchax import MISSING_OVERLOADS, import_torchax, tolerate_missing_overloads
+from workarounds.torchax import MISSING_OVERLOADS, import_torchax, strided_slice_set, tolerate_missing_overloads
 
 
 def test_shimmed_import_works_and_names_what_was_missing():
@@ -133,14 +133,16 @@ def test_upsampling_keeps_the_width_split():
 # Strided slice assignment (workarounds.torchax.strided_slice_set) -----------------------------------------
 
 E = Ellipsis
-SETITEM_CASES = [
-    ((2, 6, 8), (E, slice(0, None, 2)), (2, 6, 4)),  # Wan's rotary embedding: even channels
-    ((2, 6, 8), (E, slice(1, None, 2)), (2, 6, 4)),  # and odd ones
-    ((9, 4, 7), (slice(1, 8, 3), slice(None), slice(None, None, 2)), (3, 4, 4)),  # steps on two dims
-    ((9, 4, 7), slice(None, None, 4), (1, 7)),  # a value broadcast to (3, 4, 7)
-    ((8, 3), (slice(3, 3, 2), E), (0, 3)),  # nothing selected
-    ((6, 5), (slice(2, 4), slice(None)), (2, 5)),  # unit steps: torchax's own path
-    ((6, 5), (1, slice(None, None, 2)), (3,)),  # an integer index: torchax's own path
+SETITEM_CASES = [  # (shape, key, value shape, written by strided_slice_set rather than torchax's own path)
+    ((2, 6, 8), (E, slice(0, None, 2)), (2, 6, 4), True),  # Wan's rotary embedding: even channels
+    ((2, 6, 8), (E, slice(1, None, 2)), (2, 6, 4), True),  # and odd ones
+    ((5, 9, 4), (slice(None), slice(2, None, 3)), (5, 3, 4), True),  # a middle dimension, step 3
+    ((9, 4, 7), (slice(None, None, 3), E), (1, 7), True),  # a value broadcast to (3, 4, 7)
+    ((9, 4, 7), (slice(1, 8, 3), slice(None), slice(None, None, 2)), (3, 4, 4), False),  # steps on two dimensions
+    ((9, 4, 7), slice(None, None, 4), (3, 4, 7), False),  # 4 does not divide 9
+    ((8, 3), (slice(3, 3, 2), E), (0, 3), False),  # nothing selected
+    ((6, 5), (slice(2, 4), slice(None)), (2, 5), False),  # unit steps
+    ((6, 5), (1, slice(None, None, 2)), (3,), False),  # an integer index
 ]
 
 
@@ -155,12 +157,13 @@ class SetItem(torch.nn.Module):
         return out
 
 
-@pytest.mark.parametrize("shape, key, value_shape", SETITEM_CASES)
-def test_strided_slice_assignment_equals_torch(shape, key, value_shape):
-    """Pure data movement: bit-identical to torch's own assignment."""
+@pytest.mark.parametrize("shape, key, value_shape, ours", SETITEM_CASES)
+def test_strided_slice_assignment_equals_torch(shape, key, value_shape, ours):
+    """Pure data movement: bit-identical to torch's own assignment, on either path."""
     generator = torch.Generator().manual_seed(0)
     base, value = torch.randn(shape, generator=generator), torch.randn(value_shape, generator=generator)
     assert torch.equal(jitted(SetItem(key), base, value), SetItem(key)(base, value))
+    assert (strided_slice_set(jax.numpy.zeros(shape), key, jax.numpy.ones(value_shape)) is not None) == ours
 
 
 def jitted(module: torch.nn.Module, *args: torch.Tensor, program: list | None = None) -> torch.Tensor:

@@ -328,8 +328,10 @@ def plan_stage2(
     block_calls = calls[small[1]][len(calls[small[0]]) :]  # the third block's Splash calls
     all_calls = calls[FULL] + block_calls * repeats
     xla_flops = full.flops + repeats * (three.flops - two.flops)
-    if quantization.enabled:  # read by the matmuls, never dequantized apart
-        report["quantize"] = {**quantization.record(), **hlo.quantized_reads(full.hlo_text)}
+    if quantization.enabled:  # read by the matmuls, never dequantized apart; a scan's body counted once
+        reads = [hlo.quantized_reads(program.hlo_text) for program in (full, two, three)]
+        counts = {key: reads[0][key] + repeats * (reads[2][key] - reads[1][key]) for key in reads[0]}
+        report["quantize"] = {**quantization.record(), **counts}
     attention_flops = sum(call.flops_per_device for call in all_calls)
     add_flops(report, target, xla_flops, attention_flops, int8=quantization.scheme == "int8")
     report["step_seconds_lower_bound_per_video"] = report["step_seconds_lower_bound"] / videos

@@ -32,6 +32,7 @@ from workarounds.torchax import (
     install_gather,
     install_group_norm,
     install_int_mm,
+    install_repeat_interleave,
     install_repeat_upsample,
     install_zero_unattended_rows_sdpa,
 )
@@ -111,6 +112,7 @@ class TorchaxRuntime:
         install_gather(self.env)
         install_group_norm(self.env)
         install_repeat_upsample(self.env)
+        install_repeat_interleave(self.env)
         install_int_mm(self.env)
         install_zero_unattended_rows_sdpa(self.env)
         self.mesh = mesh if mesh is not None else placement.make_mesh(sharding.MeshShape())

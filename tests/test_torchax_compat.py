@@ -201,3 +201,31 @@ def test_wan_attention_writes_its_rotary_embedding_without_a_scatter():
     got = jitted(module, x, cos, sin, program=program)
     assert "stablehlo.scatter" not in program[0]
     assert relative_error(got, expected) <= 1e-6
+
+
+# repeat_interleave by a number (workarounds.torchax.repeat_interleave_by_int) --------------------------------
+
+
+class RepeatInterleave(torch.nn.Module):
+    def __init__(self, repeats, dim, output_size):
+        super().__init__()
+        self.repeats, self.dim, self.output_size = repeats, dim, output_size
+
+    def forward(self, x):
+        if self.output_size is None:  # the aten op, as torch.repeat_interleave reaches it
+            return torch.ops.aten.repeat_interleave.self_int(x, self.repeats, self.dim)
+        return x.repeat_interleave(self.repeats, dim=self.dim, output_size=self.output_size)
+
+
+@pytest.mark.parametrize(
+    "repeats, dim, output_size", [(2, 1, 8), (3, -1, 12), (1, 0, 2), (2, 1, None), (3, None, None)]
+)
+def test_repeat_interleave_by_a_number_equals_torch_without_a_scatter(repeats, dim, output_size):
+    """diffusers' rotary tables (`repeat_interleave(2, dim=1, output_size=...)`): torchax's own lowering
+    built these with a scatter (tests/test_upstream_bugs.py); the values are torch's bit for bit."""
+    TorchaxRuntime()  # installs the workarounds into the default environment
+    x = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(0))
+    program = []
+    got = jitted(RepeatInterleave(repeats, dim, output_size), x, program=program)
+    assert torch.equal(got, x.repeat_interleave(repeats, dim=dim))
+    assert "stablehlo.scatter" not in program[0]

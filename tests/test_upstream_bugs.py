@@ -161,6 +161,19 @@ def test_torchax_setitem_makes_a_strided_slice_assignment_a_scatter():
     assert "stablehlo.scatter" in program, "torchax writes strided slices without a scatter now: drop the workaround"
 
 
+def test_torchax_repeat_interleave_by_a_number_is_a_scatter():
+    """torchax 0.0.13 lowers `x.repeat_interleave(2, dim=1, output_size=8)` (diffusers' rotary tables) and the
+    `repeat_interleave.self_int` op so that `jnp.repeat` builds them with a scatter. Workaround:
+    workarounds.torchax.repeat_interleave_by_int."""
+    runtime = TorchaxRuntime()
+    x = jax.numpy.ones((3, 4))
+    method = runtime.env._ops[torch.Tensor.repeat_interleave].func.stock
+    op = runtime.env._ops[torch.ops.aten.repeat_interleave.self_int].func.stock
+    for stock in (lambda x: method(x, 2, 1, output_size=8), lambda x: op(x, 2, 1)):
+        program = jax.jit(stock).lower(x).as_text()
+        assert "stablehlo.scatter" in program, "torchax repeats by a number without a scatter: drop the workaround"
+
+
 def test_torch_compile_builds_a_guider_output_without_its_attributes():
     """torch 2.13's dynamo (2.11's too, on the GPU host) returns diffusers' GuiderOutput without its `.pred`
     attribute; the key works. Workaround: HunyuanVideo-1.5's GuidedTransformer reads `["pred"]`. A fresh

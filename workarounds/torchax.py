@@ -311,6 +311,36 @@ def install_repeat_upsample(env) -> None:
                 env.override_op_definition(op, repeat_upsample(current.func, overload))
 
 
+def repeat_interleave_by_int(stock):
+    """`repeat_interleave` by a whole number as `jnp.repeat` with that number alone.
+
+    torchax 0.0.13 hands `jnp.repeat` the output's length too (`Tensor.repeat_interleave`'s `output_size`,
+    which diffusers passes) or turns the number into an array of repeats (the `aten.repeat_interleave.self_int`
+    op); either way JAX leaves its broadcast-and-reshape path for one that builds the result with a scatter.
+    HunyuanVideo-1.5 repeats its rotary table's channels so in every stage-2 step (diffusers'
+    `get_1d_rotary_pos_embed`). The same values; tensors of repeats keep torchax's path (`stock`, a JAX
+    function). tests/test_upstream_bugs.py fails once torchax repeats by a number without the scatter (then
+    delete this and install_repeat_interleave)."""
+    import jax.numpy as jnp
+    from torchax.interop import call_jax
+
+    def repeat_interleave(input, repeats, dim=None, *, output_size=None):
+        if isinstance(repeats, int):
+            return call_jax(lambda x: jnp.repeat(x, repeats, axis=dim), input)
+        return call_jax(stock, input, repeats, dim, output_size=output_size)
+
+    repeat_interleave.stock = stock
+    return repeat_interleave
+
+
+def install_repeat_interleave(env) -> None:
+    """Put repeat_interleave_by_int into torchax environment `env` for the tensor method and the aten op, once."""
+    for op in (torch.Tensor.repeat_interleave, torch.ops.aten.repeat_interleave.self_int):
+        current = env._ops[op]
+        if not hasattr(current.func, "stock"):
+            env.override_op_definition(op, repeat_interleave_by_int(current.func))
+
+
 def int_mm(a, b):
     """`aten._int_mm` (int8 x int8 matrices, int32 sums: `--quantize int8`'s matmul) as one
     `jax.lax.dot_general` with int32 accumulation, which the TPU runs on its int8 path.

@@ -328,9 +328,11 @@ def plan_stage2(
     block_calls = calls[small[1]][len(calls[small[0]]) :]  # the third block's Splash calls
     all_calls = calls[FULL] + block_calls * repeats
     xla_flops = full.flops + repeats * (three.flops - two.flops)
-    if quantization.enabled:  # read by the matmuls, never dequantized apart; a scan's body counted once
-        reads = [hlo.quantized_reads(program.hlo_text) for program in (full, two, three)]
-        counts = {key: reads[0][key] + repeats * (reads[2][key] - reads[1][key]) for key in reads[0]}
+    if quantization.enabled:  # read by the matmuls, never dequantized apart
+        counts = hlo.quantized_reads(full.hlo_text)
+        if repeats:  # the compiler shows the scan's body once: add the other iterations, one block's worth each
+            two_reads, three_reads = (hlo.quantized_reads(program.hlo_text) for program in (two, three))
+            counts = {key: value + repeats * (three_reads[key] - two_reads[key]) for key, value in counts.items()}
         report["quantize"] = {**quantization.record(), **counts}
     attention_flops = sum(call.flops_per_device for call in all_calls)
     add_flops(report, target, xla_flops, attention_flops, int8=quantization.scheme == "int8")

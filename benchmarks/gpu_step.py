@@ -283,7 +283,8 @@ def measure(model: str, args) -> dict:
     from attention.plan import fixed_plan
     from runtime.torchax_runtime import TorchaxRuntime
 
-    runtime = TorchaxRuntime.on_all_devices("tp")
+    # no saved executables: the first call is the trace and the compile on every run, and nothing is stored
+    runtime = TorchaxRuntime.on_all_devices("tp", executables="off")
     ours_step = make_step(family, source, request, embeds, dtype, runtime, transformer)
     with attention_backend(runtime.env, fixed_plan(args.attention), runtime.mesh):  # cudnn or xla
         first, median, got = median_step(ours_step, args.steps, args.warmup)

@@ -66,12 +66,13 @@ def quality(work: Path) -> dict:
         first = work / preset / "stage1"
         stage(stage1_text_encoder, ["--model", preset, "--prompt", "a cat playing guitar", "--dtype", "fp32",
                                     "--output_dir", first])  # fmt: skip
-        stage(stage2_transformer, ["--input_dir", first, "--output_dir", work / preset / "none"])
+        none = work / preset / "none"  # --executables off: tiny-preset programs kept out of the user's store
+        stage(stage2_transformer, ["--input_dir", first, "--output_dir", none, "--executables", "off"])
         for scheme in SCHEMES:
             for layers in LAYER_SETS:
                 out = work / preset / f"{scheme}-{layers}"
                 stage(stage2_transformer, ["--input_dir", first, "--output_dir", out, "--quantize", scheme,
-                                           "--quantize_layers", layers])  # fmt: skip
+                                           "--quantize_layers", layers, "--executables", "off"])  # fmt: skip
                 for label, name in row_names(preset):
                     base = latents(work / preset / "none", name)
                     results[f"{label} {scheme} {layers}"] = ((latents(out, name) - base).norm() / base.norm()).item()

@@ -48,6 +48,7 @@ class ModelSource:
     location: str
     index: dict[str, Any]
     preset_defaults: dict[str, Any] = field(default_factory=dict)
+    pipeline_attributes: dict[str, Any] = field(default_factory=dict)  # a preset's (models.family.Preset)
 
     def load_config(self, component: str) -> dict[str, Any]:
         """A component's config.json as a dict, without loading any weights (read once per process)."""
@@ -98,9 +99,10 @@ def resolve_model(model: str, configs_only: bool = False) -> tuple[ModelSource, 
 
     With `configs_only` (planning: the architecture is all that is needed) a published hub id resolves
     to its configs kept in code (its family's `PUBLISHED`), without the network."""
+    attributes = {}
     if model in PRESETS:
         location = str(materialize_preset(model))
-        defaults = PRESETS[model].defaults
+        defaults, attributes = PRESETS[model].defaults, PRESETS[model].pipeline_attributes
     elif configs_only and model in PUBLISHED and not os.path.isdir(model):
         location, defaults = str(materialize_published(model)), {}
     elif os.path.isdir(model):
@@ -111,7 +113,8 @@ def resolve_model(model: str, configs_only: bool = False) -> tuple[ModelSource, 
         location, defaults = model, {}
     index = _read_model_index(model, location)
     family = detect_family(index, model)
-    return ModelSource(ref=model, location=location, index=index, preset_defaults=defaults), family
+    source = ModelSource(model, location, index, preset_defaults=defaults, pipeline_attributes=attributes)
+    return source, family
 
 
 def resolve_model_for_request(

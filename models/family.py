@@ -24,11 +24,14 @@ if TYPE_CHECKING:  # annotations only
 @dataclass(frozen=True)
 class Preset:
     """A built-in tiny model: random components built in code (`build` returns the diffusers pipeline)
-    and the request defaults that keep it fast on a CPU."""
+    and the request defaults that keep it fast on a CPU. `pipeline_attributes`: values for attributes the
+    pipeline's constructor fixes rather than reads from a config (HunyuanVideo-1.5's padded text lengths),
+    set on every pipeline the family builds for the preset; the test suite's reference pipelines get them too."""
 
     family: str
     build: Callable[[], Any]
     defaults: dict[str, Any] = field(default_factory=dict)
+    pipeline_attributes: dict[str, Any] = field(default_factory=dict)
 
 
 # Where a family's components come from: a models.ModelSource (not imported: models imports this module).

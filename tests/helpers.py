@@ -227,7 +227,8 @@ def staged(out, preset, stage1_flags=(), stage2_flags=(), guidance_scale=5.0):
 
 
 def pipeline(preset: str):
-    """The preset's diffusers pipeline, loaded from its materialized folder in fp32."""
+    """The preset's diffusers pipeline, loaded from its materialized folder in fp32, with the preset's
+    pipeline attributes (the padded lengths of models.family.Preset) as the stages use them."""
     import json
 
     import diffusers
@@ -236,7 +237,10 @@ def pipeline(preset: str):
 
     location = models.materialize_preset(preset)
     cls = getattr(diffusers, json.loads((location / "model_index.json").read_text())["_class_name"])
-    return cls.from_pretrained(location, dtype=torch.float32)
+    pipe = cls.from_pretrained(location, dtype=torch.float32)
+    for name, value in models.PRESETS[preset].pipeline_attributes.items():
+        setattr(pipe, name, value)
+    return pipe
 
 
 def pipeline_latents(pipe, config, guidance_scale=5.0, **extra):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-import models
+import helpers
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
@@ -40,9 +40,7 @@ def images(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipeline():
-    from diffusers import HunyuanVideo15ImageToVideoPipeline
-
-    return HunyuanVideo15ImageToVideoPipeline.from_pretrained(models.materialize_preset(PRESET), dtype=torch.float32)
+    return helpers.pipeline(PRESET)
 
 
 def run_pipeline(pipe, image, output_type):
@@ -109,7 +107,6 @@ def test_step_distilled_checkpoint_vs_pipeline_and_resumed_bit_identically(monke
     """The 480p_i2v_step_distilled layout (meanflow: each step also embeds the next step's timestep; guidance 1,
     shift 7 from its folder) against its pipeline; and the same run stopped by SIGTERM after step 2 and resumed
     with --resume, bit-identical to the uninterrupted one."""
-    from diffusers import HunyuanVideo15ImageToVideoPipeline
 
     preset = "tiny-hunyuanvideo15-i2v-step-distilled"
     argv = ["--model", preset, "--prompt", PROMPT, "--dtype", "fp32", "--image", images[0], "--seed", 7]
@@ -120,7 +117,7 @@ def test_step_distilled_checkpoint_vs_pipeline_and_resumed_bit_identically(monke
     assert config["guidance_scale"] == 1.0 and config["flow_shift"] == 7.0 and config["num_inference_steps"] == 4
     assert not config["stage2"]["classifier_free_guidance"]
     latents = read_tensors(tmp_path / "a", config["stage2"])["latents"]
-    pipe = HunyuanVideo15ImageToVideoPipeline.from_pretrained(models.materialize_preset(preset), dtype=torch.float32)
+    pipe = helpers.pipeline(preset)
     assert pipe.transformer.config.use_meanflow
     expected = pipe(
         image=Image.open(images[0]).convert("RGB"),

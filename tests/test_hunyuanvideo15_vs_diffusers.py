@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import HunyuanVideo15Pipeline
 
+import helpers
 import models
 import stage1_text_encoder
 import stage2_transformer
@@ -27,7 +27,7 @@ REQUEST = {"height": 32, "width": 48, "num_frames": 5, "num_inference_steps": 3,
 
 @pytest.fixture(scope="module")
 def reference():
-    return HunyuanVideo15Pipeline.from_pretrained(models.materialize_preset(PRESET), dtype=torch.float32)
+    return helpers.pipeline(PRESET)
 
 
 def run_pipeline(pipe, prompt: str, guidance_scale: float, output_type: str):
@@ -51,6 +51,23 @@ def staged_latents(out, prompt: str, guidance_scale: float, *stage2_flags):
     run_stage(stage2_transformer, ["--input_dir", out, *stage2_flags])
     config = read_config(out, needs="stage2")
     return read_tensors(out, config["stage2"])["latents"], config
+
+
+def test_the_presets_shorter_padding_changes_only_the_time(reference):
+    """The tiny preset pads the text and image tokens to less than the pipeline does (presets.TINY_LENGTHS);
+    the padding is masked, so the pipeline itself gives the same latents either way."""
+    from diffusers import HunyuanVideo15Pipeline
+
+    stock = HunyuanVideo15Pipeline(**reference.components)
+    assert (stock.tokenizer_max_length, stock.tokenizer_2_max_length, stock.vision_num_semantic_tokens) == (
+        1000,
+        256,
+        729,
+    )
+    assert reference.tokenizer_max_length == 512
+    prompt = ('A shop sign that reads "OPEN" at night, ' * 3)[:114]  # the longest that 512 tokens hold
+    padded, short = (run_pipeline(pipe, prompt, 6.0, "latent") for pipe in (stock, reference))
+    assert relative_error(short, padded) <= 1e-5
 
 
 @pytest.mark.parametrize("guidance_scale", [6.0, 1.0], ids=["cfg", "no-cfg"])

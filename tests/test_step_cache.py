@@ -19,6 +19,7 @@ import re
 import pytest
 import torch
 
+import helpers
 import models
 import stage1_text_encoder
 import stage2_transformer
@@ -237,8 +238,6 @@ def test_wan22_calibration_and_per_branch_magcache_equal_diffusers(tmp_path, cap
 
 
 def test_hunyuanvideo15_magcache_equals_diffusers_with_the_block_registered(tmp_path):
-    from diffusers import HunyuanVideo15Pipeline
-
     from workarounds.diffusers import register_hunyuanvideo15_block
 
     ratios = [1.0, 1.0, 1.0, 1.0]
@@ -249,7 +248,7 @@ def test_hunyuanvideo15_magcache_equals_diffusers_with_the_block_registered(tmp_
     assert section["step_cache"]["schedule"] == "FCFC"  # retention: int(0.2 * 4 + 0.5) = 1 step
 
     register_hunyuanvideo15_block()
-    pipe = HunyuanVideo15Pipeline.from_pretrained(models.materialize_preset("tiny-hunyuanvideo15"), dtype=torch.float32)
+    pipe = helpers.pipeline("tiny-hunyuanvideo15")
     pipe.guider.guidance_scale = 6.0
     calls = computed_calls(pipe.transformer)
     pipe.transformer.enable_cache(mag_config(ratios, 4, max_skip_steps=1))

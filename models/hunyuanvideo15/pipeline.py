@@ -17,8 +17,9 @@ from .config import Geometry, cfg_enabled
 from .transformer import GuidedTransformer, transformer_rules
 
 
-def _pipeline(source=None, **components):
-    """A HunyuanVideo15Pipeline holding only the given components, so its helper methods can be reused.
+def _pipeline(source, **components):
+    """A HunyuanVideo15Pipeline holding only the given components, so its helper methods can be reused,
+    with the padded lengths of `source`'s preset, if it has any (presets.TINY_LENGTHS).
 
     Its constructor reads the VAE's config, so without a real VAE it gets one built from `source`'s VAE
     config on the meta device (no weights, no memory)."""
@@ -29,7 +30,10 @@ def _pipeline(source=None, **components):
         cls = source.component_class("vae")
         with torch.device("meta"):
             components["vae"] = cls.from_config(source.load_config("vae"))
-    return HunyuanVideo15Pipeline(**{**dict.fromkeys(names), **components})
+    pipe = HunyuanVideo15Pipeline(**{**dict.fromkeys(names), **components})
+    for name, value in source.pipeline_attributes.items():
+        setattr(pipe, name, value)
+    return pipe
 
 
 # Stage 1 -------------------------------------------------------------------------------------------

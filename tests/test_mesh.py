@@ -107,15 +107,30 @@ MEASURED_TEMPORARIES = [
     ("zai-org/CogVideoX1.5-5B", {}, (2, 4, 1), 1, 2.079),
     ("zai-org/CogVideoX1.5-5B", {}, (4, 1, 2), 2, 4.28),
 ]
+# LTX-2 (2026-11-26, one video: 3 passes per step on LTX-2.0, 4 on LTX-2.3; docs/planning.md#ltx-2): the
+# blocks under one scan (the default) unless marked unrolled, which needs more.
+LTX2, LTX23, LTX2_CARD = "Lightricks/LTX-2", "Lightricks/LTX-2.3", {"height": 704, "width": 1280}
+MEASURED_LTX2_TEMPORARIES = [
+    (LTX2, {}, (1, 1, 8), 3, 0.5219),
+    (LTX2, {}, (1, 1, 8), 3, 0.7546),  # unrolled
+    (LTX2, LTX2_CARD, (1, 1, 8), 3, 1.3843),
+    (LTX23, {}, (4, 1, 2), 4, 0.3434),
+    (LTX23, {}, (2, 1, 4), 4, 0.3467),  # v5e-8
+]
 
 
-@pytest.mark.parametrize("model, flags, mesh, videos, measured_gib", MEASURED_TEMPORARIES)
-def test_the_activation_estimate_covers_what_the_tpu_compiler_measured(model, flags, mesh, videos, measured_gib):
+@pytest.mark.parametrize(
+    "model, flags, mesh, passes, measured_gib, slack",
+    [(model, flags, mesh, 2 * videos, gib, 1.4) for model, flags, mesh, videos, gib in MEASURED_TEMPORARIES]
+    # one linear model for both LTX-2 versions, scanned and unrolled: up to 1.63x
+    + [(*row, 1.65) for row in MEASURED_LTX2_TEMPORARIES],
+)
+def test_the_activation_estimate_covers_what_the_tpu_compiler_measured(model, flags, mesh, passes, measured_gib, slack):
     """At or above the compiler on every measured row (the families' copies are fitted to them), and not
     far above it: the default mesh should not pass over meshes that fit."""
     dp, sp, tp = mesh
-    estimate = facts_of(model, **flags).activations.bytes_per_device(2 * videos // dp, sp, tp) / 2**30
-    assert measured_gib <= estimate <= measured_gib * 1.4, (estimate, measured_gib)
+    estimate = facts_of(model, **flags).activations.bytes_per_device(passes // dp, sp, tp) / 2**30
+    assert measured_gib <= estimate <= measured_gib * slack, (estimate, measured_gib)
 
 
 def valid_meshes(devices: int, batch: int, facts: ModelFacts, per_host: int):

@@ -534,6 +534,20 @@ def test_stage3_plans_from_configs_alone(tmp_path):
     assert report["fits"] and report["latents"] == [1, 8, 3, 4, 4]
 
 
+def test_stage1_plans_gemma_and_leaves_the_connectors_on_the_host(tmp_path):
+    """Stage 1's --plan compiles Gemma 3's language model (the prompt's and the negative prompt's encodes)
+    and runs the connectors, which a run keeps on the host, on meta-device weights: shapes only (they met
+    CPU inputs there and stopped the plan with a traceback until 2026-11-26)."""
+    out = tmp_path / "plan.json"
+    argv = ["--model", "tiny-ltx2", "--prompt", "a dog barking", "--plan", "v6e-8", "--plan_json", out]
+    run_stage(stage1_text_encoder, [*argv, "--output_dir", tmp_path / "unused"])
+    report = json.loads(out.read_text())
+    assert report["fits"] and report["stage"] == 1 and report["mesh"] == {"dp": 1, "sp": 1, "tp": 8}
+    assert report["programs"] == ["Gemma3TextModel ([1, 1024], [1, 1024])"]
+    assert report["calls"] == {"Gemma3TextModel ([1, 1024], [1, 1024])": 2}
+    assert not (tmp_path / "unused").exists()
+
+
 def test_later_ltx_releases_are_refused(capsys, tmp_path):
     """A folder with LTX-2.5's parts (here: a duration head in model_index.json) is named and refused."""
     folder = tmp_path / "ltx2.5"

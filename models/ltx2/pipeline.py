@@ -58,10 +58,12 @@ def prompt_encoder(source, dtype: torch.dtype, runtime):
                 device="cpu",
                 dtype=dtype,
             )
-            # The pipeline runs the connectors on the [negative, positive] batch; so does stage 1.
+            # The pipeline runs the connectors on the [negative, positive] batch; so does stage 1, on the
+            # host, where their weights are (the meta device under --plan: shapes only, no program).
+            where = next(connectors.parameters()).device
             outputs = connectors(
-                torch.cat([negative, positive]),
-                torch.cat([negative_mask, positive_mask]),
+                torch.cat([negative, positive]).to(where),
+                torch.cat([negative_mask, positive_mask]).to(where),
                 padding_side=TOKENIZER_PADDING_SIDE,
             )
         tensors = {}

@@ -141,7 +141,7 @@ def tiny_pipeline(seed: int = 0, image_to_video: bool = False, step_distilled: b
 TINY_DEFAULTS = {"height": 32, "width": 48, "num_frames": 5, "fps": 24, "num_inference_steps": 4, "flow_shift": 5.0}
 # The pipeline pads the Qwen2.5-VL prompt to 1000 tokens, the ByT5 glyph text to 256 and text-to-video's
 # zero image tokens to 729, all masked out of attention. The tiny presets pad to less: a sequence of about
-# 570 tokens instead of 2,000 (the suite's HunyuanVideo-1.5 tests take a quarter less time), the same
+# 570 tokens instead of 2,000 (the suite's HunyuanVideo-1.5 tests take about a fifth less time), the same
 # result for a prompt that fits. The in-code tokenizer is byte-level and the chat template's crop leaves
 # 398 of its bytes, so 512 tokens hold a prompt of up to 114 bytes; a longer one is cut there, as the
 # pipeline with these lengths cuts it.

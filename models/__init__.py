@@ -50,6 +50,12 @@ class ModelSource:
     preset_defaults: dict[str, Any] = field(default_factory=dict)
     pipeline_attributes: dict[str, Any] = field(default_factory=dict)  # a preset's (models.family.Preset)
 
+    def configure(self, pipe):
+        """`pipe` (a diffusers pipeline of this source) with the preset's pipeline attributes set; returned."""
+        for name, value in self.pipeline_attributes.items():
+            setattr(pipe, name, value)
+        return pipe
+
     def load_config(self, component: str) -> dict[str, Any]:
         """A component's config.json as a dict, without loading any weights (read once per process)."""
         try:

@@ -229,18 +229,14 @@ def staged(out, preset, stage1_flags=(), stage2_flags=(), guidance_scale=5.0):
 def pipeline(preset: str):
     """The preset's diffusers pipeline, loaded from its materialized folder in fp32, with the preset's
     pipeline attributes (the padded lengths of models.family.Preset) as the stages use them."""
-    import json
 
     import diffusers
 
     import models
 
-    location = models.materialize_preset(preset)
-    cls = getattr(diffusers, json.loads((location / "model_index.json").read_text())["_class_name"])
-    pipe = cls.from_pretrained(location, dtype=torch.float32)
-    for name, value in models.PRESETS[preset].pipeline_attributes.items():
-        setattr(pipe, name, value)
-    return pipe
+    source, _ = models.resolve_model(preset)
+    cls = getattr(diffusers, source.index["_class_name"])
+    return source.configure(cls.from_pretrained(source.location, dtype=torch.float32))
 
 
 def pipeline_latents(pipe, config, guidance_scale=5.0, **extra):

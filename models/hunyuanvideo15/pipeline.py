@@ -30,10 +30,7 @@ def _pipeline(source, **components):
         cls = source.component_class("vae")
         with torch.device("meta"):
             components["vae"] = cls.from_config(source.load_config("vae"))
-    pipe = HunyuanVideo15Pipeline(**{**dict.fromkeys(names), **components})
-    for name, value in source.pipeline_attributes.items():
-        setattr(pipe, name, value)
-    return pipe
+    return source.configure(HunyuanVideo15Pipeline(**{**dict.fromkeys(names), **components}))
 
 
 # Stage 1 -------------------------------------------------------------------------------------------

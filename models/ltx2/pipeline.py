@@ -47,6 +47,8 @@ def prompt_encoder(source, dtype: torch.dtype, runtime):
     text_encoder = DeviceTextEncoder(gemma.model.language_model, runtime, hidden_states=True)
     connectors = source.load("connectors", dtype=dtype).eval()
     pipe = stock_pipeline(source, tokenizer=source.load("tokenizer"), text_encoder=text_encoder, connectors=connectors)
+    # The connectors run on the host, where their weights are: the meta device under --plan (shapes only).
+    where = next(connectors.parameters()).device
 
     def encode(request: Request) -> dict[str, torch.Tensor]:
         with torch.no_grad():
@@ -58,9 +60,7 @@ def prompt_encoder(source, dtype: torch.dtype, runtime):
                 device="cpu",
                 dtype=dtype,
             )
-            # The pipeline runs the connectors on the [negative, positive] batch; so does stage 1, on the
-            # host, where their weights are (the meta device under --plan: shapes only, no program).
-            where = next(connectors.parameters()).device
+            # The pipeline runs the connectors on the [negative, positive] batch; so does stage 1.
             outputs = connectors(
                 torch.cat([negative, positive]).to(where),
                 torch.cat([negative_mask, positive_mask]).to(where),

@@ -154,7 +154,7 @@ def plan_main(args) -> None:
     store = executables_to_save(args.save_executables, target)
     if args.prompts or args.seeds:
         raise UserError("--plan compiles one video's encodes: give --prompt, not --prompts or --seeds")
-    source, family = models.resolve_model(args.model)
+    source, family = models.resolve_model(args.model, configs_only=True)
     video = checked_video(args, source, family, Path(args.output_dir))
     log(f"planning {family.NAME} stage 1 for {target.name} ({target.topology}), every device on tp")
     report = plan_stage1(family, source, video.request, video.images, parse_dtype(args.dtype), target, store)

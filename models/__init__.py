@@ -41,7 +41,8 @@ class ModelSource:
     """Where a pipeline's components come from.
 
     `ref` is what the user typed (recorded as `model_id`); `location` is what `from_pretrained` gets
-    (a local folder or a hub id); `index` is the pipeline's model_index.json.
+    (a local folder or a hub id); `index` is the pipeline's model_index.json. `configs_only`: a published
+    pipeline's configs kept in code (planning), no weights and no tokenizer files.
     """
 
     ref: str
@@ -49,6 +50,7 @@ class ModelSource:
     index: dict[str, Any]
     preset_defaults: dict[str, Any] = field(default_factory=dict)
     pipeline_attributes: dict[str, Any] = field(default_factory=dict)  # a preset's (models.family.Preset)
+    configs_only: bool = False
 
     def configure(self, pipe):
         """`pipe` (a diffusers pipeline of this source) with the preset's pipeline attributes set; returned."""
@@ -105,12 +107,12 @@ def resolve_model(model: str, configs_only: bool = False) -> tuple[ModelSource, 
 
     With `configs_only` (planning: the architecture is all that is needed) a published hub id resolves
     to its configs kept in code (its family's `PUBLISHED`), without the network."""
-    attributes = {}
+    attributes, configs = {}, False
     if model in PRESETS:
         location = str(materialize_preset(model))
         defaults, attributes = PRESETS[model].defaults, PRESETS[model].pipeline_attributes
     elif configs_only and model in PUBLISHED and not os.path.isdir(model):
-        location, defaults = str(materialize_published(model)), {}
+        location, defaults, configs = str(materialize_published(model)), {}, True
     elif os.path.isdir(model):
         location, defaults = model, {}
     elif model.startswith(("/", ".", "~")) or model.count("/") > 1:  # a path, not an "org/name" hub id
@@ -119,7 +121,9 @@ def resolve_model(model: str, configs_only: bool = False) -> tuple[ModelSource, 
         location, defaults = model, {}
     index = _read_model_index(model, location)
     family = detect_family(index, model)
-    source = ModelSource(model, location, index, preset_defaults=defaults, pipeline_attributes=attributes)
+    source = ModelSource(
+        model, location, index, preset_defaults=defaults, pipeline_attributes=attributes, configs_only=configs
+    )
     return source, family
 
 

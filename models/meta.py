@@ -34,6 +34,24 @@ def meta_module(source, component: str, dtype: torch.dtype, **overrides) -> torc
     return module
 
 
+def meta_pretrained(source, component: str, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A transformers model (a text or image encoder) on the meta device, loaded by its own `from_pretrained`
+    from its config alone (an empty state dict: configs suffice, so a published pipeline's configs kept in code
+    plan as its downloaded folder does): fp32 modules kept and every attribute a load sets, so its programs key
+    as a run's (tests/test_plan_executables.py)."""
+    from transformers.utils import logging
+
+    cls = source.component_class(component)
+    config = cls.config_class.from_pretrained(source.location, subfolder=component)
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # its report lists every weight as missing: all are, by design
+    try:
+        return cls.from_pretrained(None, config=config, state_dict={}, device_map="meta", **kwargs).eval()
+    finally:
+        logging.set_verbosity(verbosity)
+
+
 def meta_transformers(
     family, source, dtype: torch.dtype, num_layers: int | None = None, quantization: Quantization = NO_QUANTIZATION
 ) -> dict[str, torch.nn.Module]:

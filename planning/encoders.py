@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from models.meta import meta_module
+from cli import UserError
+from models.meta import meta_module, meta_pretrained
 from planning.plan import Compiled, add_flops, base_report, compile_module
 from planning.tpus import Target, topology_mesh
 from runtime import placement
@@ -24,11 +25,14 @@ from sharding import REPLICATED_TABLE, MeshShape
 
 class MetaSource:
     """A models.ModelSource whose models load on the meta device, as `load` would load them but without
-    weights (diffusers': models.meta.meta_module; transformers': their from_pretrained with device_map
-    "meta"); tokenizers and processors load as they are."""
+    weights (diffusers': models.meta.meta_module; transformers': models.meta.meta_pretrained); tokenizers and
+    processors load as they are. A published pipeline's configs (`configs_only`) carry no tokenizer files:
+    the family's tiny preset's tokenizer stands in (`stand_ins` records which). Every family's pipeline pads
+    the prompt to a fixed length, so the programs are the published model's; only the tokens differ."""
 
-    def __init__(self, source) -> None:
-        self.source = source
+    def __init__(self, source, family) -> None:
+        self.source, self.family = source, family
+        self.stand_ins: dict[str, str] = {}  # component: the preset whose tokenizer stood in
 
     def __getattr__(self, name: str):
         return getattr(self.source, name)
@@ -37,13 +41,32 @@ class MetaSource:
         import diffusers
         import transformers
 
+        if self.source.configs_only and component not in self.source.index:
+            return self._stand_in(component)
         cls = self.source.component_class(component)
         if issubclass(cls, diffusers.ModelMixin):
             return meta_module(self.source, component, dtype)
         if issubclass(cls, transformers.PreTrainedModel):
-            kwargs = {} if dtype is None else {"dtype": dtype}
-            return cls.from_pretrained(self.source.location, subfolder=component, device_map="meta", **kwargs)
+            return meta_pretrained(self.source, component, dtype)
         return self.source.load(component, dtype)
+
+    def _stand_in(self, component: str):
+        import transformers
+
+        import models
+
+        for name in self.family.PRESETS:  # the first preset that has the component
+            preset, _ = models.resolve_model(name)
+            if component not in preset.index:
+                continue
+            if issubclass(preset.component_class(component), transformers.PreTrainedTokenizerBase):
+                self.stand_ins[component] = name
+                return preset.load(component)
+            break
+        raise UserError(
+            f"stage 1's --plan of {self.source.ref!r}: the configs kept in code for it have no {component!r} "
+            "(only tokenizers have stand-ins); give the downloaded model's folder as --model"
+        )
 
 
 class _Input:
@@ -136,7 +159,7 @@ def plan_stage1(family, source, request, images: dict, dtype: torch.dtype, targe
     on the devices while each program runs (a run loads them all first), so a program's HBM counts them all."""
     mesh = topology_mesh(target, MeshShape(tp=target.devices))
     runtime = PlanningRuntime(mesh, store)
-    planning = MetaSource(source)
+    planning = MetaSource(source, family)
     images_planned = bool(images) and family.images_on_runtime(source)
     try:
         with runtime.precision(dtype):
@@ -157,6 +180,8 @@ def plan_stage1(family, source, request, images: dict, dtype: torch.dtype, targe
 
     largest = max(programs, key=need)
     fields = {"programs": [program["name"] for program in programs], "largest_program": largest["name"]}
+    if planning.stand_ins:
+        fields["stand_ins"] = {component: f"{preset}'s tokenizer" for component, preset in planning.stand_ins.items()}
     if images and not images_planned:  # a run's image encoder and VAE encode then run on the host's CPU too
         fields["images"] = "not planned: this model encodes its images partly on the host CPU"
     report = base_report(1, target, mesh, request, dtype, largest["compiled"], **fields)

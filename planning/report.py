@@ -49,6 +49,11 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"  programs: {calls or ', '.join(report['programs'])}; the largest: {report['largest_program']}")
         if report.get("images"):
             print(f"  images: {report['images']}")
+        for component, stand_in in report.get("stand_ins", {}).items():
+            print(
+                f"  {component}: {stand_in} stands in (the configs kept in code carry no tokenizer files; "
+                "the prompt pads to the same length, so the programs are the published model's)"
+            )
     if report["stage"] == 3:
         split = f"split along {report['split']}" if report["split"] else "NOT split: kept whole on every device"
         print(f"  latents {report['latents']} {split}; VAE tiling {'on' if report['tiling'] else 'off'}")

@@ -29,7 +29,7 @@ import torch
 
 from runtime.interface import library_versions
 
-KEY_FORMAT = 2  # bump when what a key covers changes
+KEY_FORMAT = 3  # bump when what a key covers changes
 LIBRARIES = ("jax", "jaxlib", "libtpu", "jax-cuda13-plugin", "jax-cuda13-pjrt", "torch", "torchax", "diffusers")
 LIBRARIES += ("transformers",)
 # The compiler's own settings. Which platform and devices is the `devices` part's: a plan on a CPU host (which
@@ -39,9 +39,10 @@ ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 JAX_SETTINGS = ("jax_default_matmul_precision", "jax_enable_x64", "jax_default_prng_impl", "jax_numpy_rank_promotion")
 
 
-# Config entries that say where a model came from, not what it computes: another checkpoint of the same
-# configuration in another folder reuses its programs (its weights are arguments).
-BOOKKEEPING = frozenset({"_name_or_path", "_commit_hash", "_diffusers_version", "transformers_version"})
+# Config entries (and a transformers model's own `name_or_path`) that say where a model came from, not what it
+# computes: another checkpoint of the same configuration in another folder reuses its programs (its weights
+# are arguments).
+BOOKKEEPING = frozenset({"_name_or_path", "name_or_path", "_commit_hash", "_diffusers_version", "transformers_version"})
 
 
 class ProgramKeyError(ValueError):
@@ -190,6 +191,8 @@ class Describer:
     def _module(self, module: torch.nn.Module, path: str):
         attributes = {}
         for name, value in vars(module).items():
+            if name in BOOKKEEPING:
+                continue
             if name in ("_parameters", "_buffers"):
                 value = {k: None if v is None else argument(v) for k, v in value.items()}
                 attributes[name] = value

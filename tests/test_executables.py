@@ -233,20 +233,32 @@ def test_a_new_guidance_scale_misses_and_a_new_step_count_reuses_the_program(tmp
 
 
 def test_the_same_configuration_from_another_folder_keys_alike(tmp_path):
-    """Where a checkpoint came from (`_name_or_path`, versions) is no part of a program's key."""
+    """Where a checkpoint came from (`_name_or_path`, versions; a transformers model's own `name_or_path`) is no
+    part of a program's key: a diffusers transformer and a transformers text encoder loaded from two folders,
+    and the text encoder as stage 1's plan builds it from the config alone (the path's key held the folder
+    until 2026-11-26, so a plan's saved text-encoder programs missed on a VM with the model elsewhere)."""
     from diffusers import WanTransformer3DModel
+    from transformers import UMT5EncoderModel
 
     import models
+    from models.meta import meta_pretrained
 
-    folder = models.materialize_preset("tiny-wan2.1") / "transformer"
-    shutil.copytree(folder, tmp_path / "elsewhere")
-    loaded = [WanTransformer3DModel.from_pretrained(path) for path in (folder, tmp_path / "elsewhere")]
-    assert loaded[0].config["_name_or_path"] != loaded[1].config["_name_or_path"]
+    preset = models.materialize_preset("tiny-wan2.1")
+    shutil.copytree(preset, tmp_path / "elsewhere")
 
     def described(module):
         return program_key.Describer({id(t) for t in (*module.parameters(), *module.buffers())})(module)
 
+    folders = (preset, tmp_path / "elsewhere")
+    loaded = [WanTransformer3DModel.from_pretrained(folder / "transformer") for folder in folders]
+    assert loaded[0].config["_name_or_path"] != loaded[1].config["_name_or_path"]
     assert described(loaded[0]) == described(loaded[1])
+
+    encoders = [UMT5EncoderModel.from_pretrained(folder / "text_encoder").eval() for folder in folders]
+    assert encoders[0].name_or_path != encoders[1].name_or_path
+    source, _ = models.resolve_model("tiny-wan2.1")
+    planned = meta_pretrained(source, "text_encoder", torch.float32)
+    assert described(encoders[0]) == described(encoders[1]) == described(planned)
 
 
 def test_stages_1_and_3_load_their_programs_too(tmp_path):

@@ -534,18 +534,46 @@ def test_stage3_plans_from_configs_alone(tmp_path):
     assert report["fits"] and report["latents"] == [1, 8, 3, 4, 4]
 
 
-def test_stage1_plans_gemma_and_leaves_the_connectors_on_the_host(tmp_path):
+def configs_kept_in_code(folder) -> dict:
+    """A pipeline folder's configs as a published pipeline's entry (models/<family>/published.py's form): what
+    `--plan` of a hub id reads, without the network, weights or tokenizer files."""
+    index = json.loads((folder / "model_index.json").read_text())
+    entry: dict = {"_class_name": ("diffusers", index["_class_name"])}
+    for component, (library, class_name) in [(k, v) for k, v in index.items() if isinstance(v, list) and v[0]]:
+        cls = models.library_class(library, class_name)
+        if hasattr(cls, "config_name"):  # diffusers models and schedulers
+            config = json.loads((folder / component / cls.config_name).read_text())
+        elif hasattr(cls, "config_class"):  # transformers models
+            config = cls.config_class.from_pretrained(folder / component).to_dict()
+        else:  # tokenizers: not kept
+            continue
+        entry[component] = (library, class_name, {k: v for k, v in config.items() if not k.startswith("_")})
+    return entry
+
+
+def test_stage1_plans_gemma_and_leaves_the_connectors_on_the_host(tmp_path, monkeypatch):
     """Stage 1's --plan compiles Gemma 3's language model (the prompt's and the negative prompt's encodes)
     and runs the connectors, which a run keeps on the host, on meta-device weights: shapes only (they met
-    CPU inputs there and stopped the plan with a traceback until 2026-11-26)."""
-    out = tmp_path / "plan.json"
-    argv = ["--model", "tiny-ltx2", "--prompt", "a dog barking", "--plan", "v6e-8", "--plan_json", out]
-    run_stage(stage1_text_encoder, [*argv, "--output_dir", tmp_path / "unused"])
-    report = json.loads(out.read_text())
-    assert report["fits"] and report["stage"] == 1 and report["mesh"] == {"dp": 1, "sp": 1, "tp": 8}
-    assert report["programs"] == ["Gemma3TextModel ([1, 1024], [1, 1024])"]
-    assert report["calls"] == {"Gemma3TextModel ([1, 1024], [1, 1024])": 2}
+    CPU inputs there and stopped the plan with a traceback until 2026-11-26). A hub id plans from its configs
+    kept in code (no weights, no tokenizer: tiny-ltx2's stands in) as its folder does: here tiny-ltx2's own
+    configs under a hub id, so the programs must be the preset's."""
+    configs = configs_kept_in_code(models.materialize_preset("tiny-ltx2"))
+    monkeypatch.setitem(models.PUBLISHED, "Lightricks/tiny", configs)
+    reports = []
+    for model in ("tiny-ltx2", "Lightricks/tiny"):
+        out = tmp_path / "plan.json"
+        argv = ["--model", model, "--prompt", "a dog barking", "--plan", "v6e-8", "--plan_json", out]
+        run_stage(stage1_text_encoder, [*argv, "--output_dir", tmp_path / "unused"])
+        reports.append(json.loads(out.read_text()))
+    preset, published = reports
+    assert preset["fits"] and preset["stage"] == 1 and preset["mesh"] == {"dp": 1, "sp": 1, "tp": 8}
+    assert preset["programs"] == ["Gemma3TextModel ([1, 1024], [1, 1024])"]
+    assert preset["calls"] == {"Gemma3TextModel ([1, 1024], [1, 1024])": 2}
     assert not (tmp_path / "unused").exists()
+    assert published["model"] == "Lightricks/tiny" and published["stand_ins"] == {"tokenizer": "tiny-ltx2's tokenizer"}
+    assert "stand_ins" not in preset
+    for key in ("programs", "calls", "hbm_bytes_per_device", "flops_per_device", "collectives"):
+        assert published[key] == preset[key], key
 
 
 def test_later_ltx_releases_are_refused(capsys, tmp_path):

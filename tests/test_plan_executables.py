@@ -9,6 +9,7 @@ far as this host goes: libtpu's programs are serialized and keyed for the topolo
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import jax
@@ -16,13 +17,16 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
+from transformers import PreTrainedModel
 
+import models
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
 from cli import parse_dtype
 from helpers import expect_user_error, run_stage, write_image
 from models.cache_schedule import kind_from_flags
+from models.meta import meta_pretrained
 from planning import encoders, flags, plan, tpus
 from runtime import placement, program_key
 from runtime.executables import SUFFIX, ExecutableStore
@@ -128,6 +132,26 @@ def test_a_stage1_run_keys_its_encoder_programs_as_the_plan_saved_them_and_loads
     assert record["executables"]["hits"] == report["executables"]["saved"] and record["executables"]["misses"] == 0
     first, second = (load_file(tmp_path / run / "stage1_embeddings.safetensors") for run in ("one", "two"))
     assert first.keys() == second.keys() and all(np.array_equal(first[key], second[key]) for key in first)
+
+
+@pytest.mark.parametrize("model", ["tiny-wan2.1-i2v", "tiny-cogvideox", "tiny-hunyuanvideo15-i2v", "tiny-ltx2"])
+def test_the_plans_meta_encoders_are_the_encoders_from_pretrained_loads(model):
+    """Stage 1's plan builds each transformers model from its config on the meta device (a published pipeline's
+    configs kept in code have no weight files): the same tensors, shapes and dtypes as `from_pretrained` loads,
+    in bf16 (T5's fp32 `wo` kept) and fp32."""
+    source, _ = models.resolve_model(model)
+    library_models = [name for name, entry in source.index.items() if isinstance(entry, list) and entry[0]]
+    built_here = [name for name in library_models if issubclass(source.component_class(name), PreTrainedModel)]
+    assert built_here
+    for name, dtype in itertools.product(built_here, (torch.bfloat16, torch.float32)):
+        loaded = source.component_class(name).from_pretrained(source.location, subfolder=name, dtype=dtype)
+        built = meta_pretrained(source, name, dtype)
+        described = [
+            {key: (tuple(tensor.shape), tensor.dtype) for key, tensor in module.state_dict(keep_vars=True).items()}
+            for module in (loaded, built)
+        ]
+        assert described[0] == described[1] and not built.training
+        assert all(tensor.is_meta for tensor in built.state_dict().values())
 
 
 @pytest.mark.slow

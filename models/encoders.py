@@ -12,7 +12,6 @@ import torch
 from cli import UserError
 from runtime.interface import Runtime
 from sharding import TP
-from workarounds.torchax import quiet_attribute_scan
 
 
 def text_encoder_rules(config) -> Any:
@@ -58,8 +57,7 @@ class _OnRuntime(torch.nn.Module):
         self.config = module.config
         self.module_dtype = module.dtype
         self.runtime = runtime
-        with quiet_attribute_scan():
-            self.jitted = runtime.compile(jitted_side, rules)
+        self.jitted = runtime.compile(jitted_side, rules)
 
     @property
     def dtype(self) -> torch.dtype:

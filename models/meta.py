@@ -44,12 +44,15 @@ def meta_pretrained(source, component: str, dtype: torch.dtype | None = None) ->
     cls = source.component_class(component)
     config = cls.config_class.from_pretrained(source.location, subfolder=component)
     kwargs = {} if dtype is None else {"dtype": dtype}
-    verbosity = logging.get_verbosity()
+    verbosity, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
     logging.set_verbosity_error()  # its report lists every weight as missing: all are, by design
+    logging.disable_progress_bar()  # and counts none loaded
     try:
         return cls.from_pretrained(None, config=config, state_dict={}, device_map="meta", **kwargs).eval()
     finally:
         logging.set_verbosity(verbosity)
+        if bar:
+            logging.enable_progress_bar()
 
 
 def meta_transformers(

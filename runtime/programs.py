@@ -19,7 +19,7 @@ import torch
 from runtime import program_checks, program_key
 from runtime.interface import PROGRAM_TIMES
 from workarounds.jax import without_compilation_cache
-from workarounds.torchax import import_torchax, op_definition
+from workarounds.torchax import import_torchax, op_definition, quiet_attribute_scan
 
 interop = import_torchax().interop
 
@@ -49,7 +49,8 @@ class Programs(interop.JittableModule):
     def __init__(self, module: torch.nn.Module, methods: tuple[str, ...], store=None, mesh=None, abstract=None):
         if abstract is not None:  # placing replaces each Parameter by a plain tensor, which torchax then lists
             module.requires_grad_(False)  # among the buffers: a plan's state takes the same structure
-        super().__init__(module)
+        with quiet_attribute_scan():
+            super().__init__(module)
         state = (self.params, self.buffers)
         self._state = interop.jax_view(state) if abstract is None else jax.tree.map(lambda t: abstract[id(t)], state)
         self._store = store if store is not None and store.enabled else None

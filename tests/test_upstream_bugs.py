@@ -322,3 +322,21 @@ def test_torchax_0_0_13_sdpa_gives_nan_where_a_boolean_mask_admits_no_key():
         fixed = runtime.to_host(torch.nn.functional.scaled_dot_product_attention(*inputs))
     assert relative_error(fixed, expected) <= 1e-6 and torch.equal(fixed[:, :, 0], expected[:, :, 0])
     assert torch.isnan(stock[:, :, 0]).all(), "torchax now gives torch's zeros: drop zero_unattended_rows_sdpa"
+
+
+def test_torchax_0_0_13_jittable_module_evaluates_every_property_of_a_transformers_model():
+    """JittableModule finds a module's tensors by reading every attribute of every submodule, which on a
+    transformers model evaluates `is_gradient_checkpointing` (a FutureWarning each time). Workaround:
+    runtime.programs.Programs scans under workarounds.torchax.quiet_attribute_scan (a run's and a plan's
+    programs alike; until 2026-11-26 only a run's encoders did)."""
+    import warnings
+
+    import models
+    from workarounds.torchax import import_torchax
+
+    encoder = models.resolve_model("tiny-wan2.1")[0].load("text_encoder").eval()
+    with pytest.warns(FutureWarning, match="is_gradient_checkpointing"):
+        import_torchax().interop.JittableModule(encoder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TorchaxRuntime().compile(encoder)  # places the weights, then builds runtime.programs.Programs

@@ -4,7 +4,9 @@
 hidden state returned) at 1 and at 2 layers, in eager PyTorch and through torchax on the JAX CPU device.
 The difference is one layer's cost; the full model is the 1-layer run plus 47 more layers. The whole
 model does not fit this 24 GiB host (its bf16 weights alone are 22 GiB), so the full figure is that sum.
-Prints one JSON line.
+Then the text connectors (`Lightricks/LTX-2`'s, or `--connectors_of Lightricks/LTX-2.3`), which stage 1
+runs on the host, in eager PyTorch on the [negative, prompt] batch of Gemma's 49 stacked hidden states, as
+the pipeline runs them. Prints one JSON line.
 
     python benchmarks/gemma_stage1.py [--dtype bf16] [--repeats 2] [--backends torch torchax]
 """
@@ -73,6 +75,36 @@ def seconds(layers: int, dtype, backend: str, repeats: int) -> float:
     return best
 
 
+def connectors_seconds(model: str, dtype, repeats: int) -> float:
+    """The best of `repeats` calls of the published connectors (random weights, normal 0.02) on two
+    1024-token sequences, half of each padding (after one warm-up call)."""
+    import torch
+
+    import models
+    from models.ltx2.config import TOKENIZER_PADDING_SIDE
+    from models.meta import meta_module
+
+    source, _ = models.resolve_model(model, configs_only=True)
+    connectors = meta_module(source, "connectors", dtype).to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for tensor in connectors.parameters():
+            tensor.normal_(0.0, 0.02)
+    config = source.load_config("connectors")
+    width = config["caption_channels"] * config["text_proj_in_factor"]  # Gemma's hidden states, stacked
+    embeds = torch.randn(2, TOKENS, width).to(dtype)
+    mask = torch.ones(2, TOKENS, dtype=torch.int64)
+    mask[:, : TOKENS // 2] = 0  # left padding, as the pipeline pads
+    best = float("inf")
+    for attempt in range(repeats + 1):
+        start = time.perf_counter()
+        with torch.no_grad():
+            connectors(embeds, mask, padding_side=TOKENIZER_PADDING_SIDE)
+        if attempt:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
 def main() -> None:
     import torch
 
@@ -80,6 +112,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--backends", nargs="+", choices=("torch", "torchax"), default=["torch", "torchax"])
+    parser.add_argument("--connectors_of", default="Lightricks/LTX-2", help="the published model whose connectors")
     args = parser.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     result = {"tokens": TOKENS, "dtype": args.dtype, "threads": torch.get_num_threads()}
@@ -92,6 +125,7 @@ def main() -> None:
             "per_layer_s": round(per_layer, 3),
             "48_layers_s": round(one + 47 * per_layer, 1),
         }
+    result["connectors_torch_s"] = round(connectors_seconds(args.connectors_of, dtype, args.repeats), 3)
     print(json.dumps(result))
 
 

@@ -1,4 +1,6 @@
-"""LoRA adapters for stage 2 (`--lora PATH[:SCALE]`, and `--lora_2` for Wan 2.2's low-noise expert).
+"""LoRA adapters for stage 2 (`--lora PATH[:SCALE]`, and `--lora_2` for Wan 2.2's low-noise expert), and for
+stage 1 where the family's loader also adapts a component stage 1 runs (LTX-2's text connectors: stage 1's
+`--lora` fuses that share, stage 2's the transformer's; each stage checks the other's record).
 
 Each file is read with the family's diffusers loader (`lora_state_dict`, which converts the community
 formats diffusers knows), checked against the transformer's modules before any weights load, then fused
@@ -55,6 +57,18 @@ def add_arguments(parser) -> None:
         default=[],
         metavar="PATH[:SCALE]",
         help="Wan 2.2 A14B: a LoRA adapter for transformer_2, the low-noise expert; repeatable",
+    )
+
+
+def add_stage1_argument(parser) -> None:
+    group = parser.add_argument_group("LoRA adapters (LTX-2's text connectors; docs/lora.md)")
+    group.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:SCALE]",
+        help="LTX-2: a LoRA adapter whose weights also change the text connectors (stage 1 fuses those; give stage 2 "
+        "the same --lora for the transformer's): as stage 2's --lora; repeatable",
     )
 
 
@@ -131,18 +145,20 @@ def _only_safetensors(names: list[str], path: str, flag: str, folder: Path) -> P
     return folder / found[0]
 
 
-def read_adapters(args, family, source, dtype: torch.dtype) -> list[Adapter]:
+def read_adapters(args, family, source, dtype: torch.dtype, stage1: list[dict] | None = None) -> list[Adapter]:
     """Every `--lora`/`--lora_2` flag, read and checked against the transformers' modules on the meta
-    device (no weights): all errors come before anything is loaded or placed."""
+    device (no weights): all errors come before anything is loaded or placed. `stage1`: the adapters stage 1
+    fused into the text connectors (its record; None under --plan), which must match stage 2's."""
     from models.meta import meta_transformers
 
     wanted = [(flag, text) for flag in FLAGS for text in getattr(args, flag.lstrip("-"))]
     if not wanted:
+        check_stage2_share(stage1 or [], [])
         return []
     components = family.transformer_components(source)
     if args.lora_2 and "transformer_2" not in components:
         raise UserError(f"--lora_2 adapts Wan 2.2's transformer_2; {source.ref!r} has one transformer (use --lora)")
-    loader = family_loader(family)
+    loader, in_stage1 = family_loader(family), stage1_component(family)
     transformers = meta_transformers(family, source, dtype)
     adapters = []
     for flag, text in wanted:
@@ -152,7 +168,14 @@ def read_adapters(args, family, source, dtype: torch.dtype) -> list[Adapter]:
             raise UserError(f"{flag} {path}: {file.name} is not a .safetensors file")
         state_dict, metadata = read_file(loader, file, flag)
         weights, prefix, others = transformer_weights(state_dict)
-        check_stage2_only(loader, others, components, flag, file)
+        sha = sha256_file(file)
+        stage1_share = stage1_weights(state_dict, in_stage1)
+        if stage1_share:
+            check_stage1_share(stage1, len(stage1_share), sha, scale, flag, file)
+            others = [key for key in others if key.split(".")[0] != in_stage1]
+            if not weights:
+                log(f"{flag} {file.name}: only text-connector weights, fused by stage 1; nothing for the transformer")
+                continue
         component = FLAGS[flag]
         modules = dict(transformers[component].named_modules())
         missing = check_fits(weights, modules, flag, file) if weights else ["(none)"]
@@ -170,23 +193,110 @@ def read_adapters(args, family, source, dtype: torch.dtype) -> list[Adapter]:
             log(f"{flag} {file.name}: {len(others)} keys of other components left alone ({few_names(others, 2)})")
         if loader is not None and prefix is None:
             log(f"{flag} {file.name}: keys without the '{PREFIX}.' prefix, taken as the transformer's")
-        sha = sha256_file(file)
         adapters.append(Adapter(flag, component, file, scale, sha, state_dict, metadata, prefix))
         log(f"{flag} {file.name}: {len(ranks)} modules of {component}, rank {max(ranks.values())}, scale {scale:g}")
+    check_stage2_share(stage1 or [], adapters)
     return adapters
 
 
-def check_stage2_only(loader, others: list[str], components: tuple[str, ...], flag: str, file: Path) -> None:
-    """Refuse an adapter that also changes a component the pipeline's loader adapts but stage 1 runs (LTX-2's
-    text connectors): fusing only the transformer's share would silently differ from the pipeline."""
-    loadable = set(getattr(loader, "_lora_loadable_modules", ())) - set(components)
-    elsewhere = sorted({key.split(".")[0] for key in others} & loadable)
-    if elsewhere:
-        count = sum(key.split(".")[0] in elsewhere for key in others)
+def stage1_component(family) -> str | None:
+    """The component stage 1 runs that the family's diffusers loader also adapts (LTX-2: "connectors"), or None."""
+    loader = family_loader(family)
+    loadable = [name for name in getattr(loader, "_lora_loadable_modules", ()) if not name.startswith("transformer")]
+    return loadable[0] if loadable else None
+
+
+def stage1_weights(state_dict: dict[str, torch.Tensor], component: str | None) -> dict[str, torch.Tensor]:
+    """The adapter's weights for the stage-1 component, as load_lora_adapter sees them (prefix removed)."""
+    if component is None:
+        return {}
+    return {key.removeprefix(f"{component}."): v for key, v in state_dict.items() if key.startswith(f"{component}.")}
+
+
+def read_stage1_adapters(texts: list[str], family, source, dtype: torch.dtype) -> list[Adapter]:
+    """Stage 1's `--lora` flags: each file's weights for the stage-1 component its family's loader adapts
+    (LTX-2's text connectors), checked against that module on the meta device before any weights load. A file
+    without any is stage 2's alone (logged, not kept)."""
+    from models.meta import meta_module
+
+    if not texts:
+        return []
+    component = stage1_component(family)
+    if component is None:
+        raise UserError(f"--lora in stage 1: {family.NAME} adapters change the transformer alone; give them to stage 2")
+    loader, module = family_loader(family), meta_module(source, component, dtype)
+    adapters = []
+    for text in texts:
+        path, scale = parse_flag(text, "--lora")
+        file = resolve_file(path, "--lora")
+        if file.suffix != ".safetensors":
+            raise UserError(f"--lora {path}: {file.name} is not a .safetensors file")
+        state_dict, metadata = read_file(loader, file, "--lora")
+        weights = stage1_weights(state_dict, component)
+        if not weights:
+            log(f"--lora {file.name}: nothing for the {component}; stage 2 fuses it into the transformer")
+            continue
+        missing = check_fits(weights, dict(module.named_modules()), "--lora", file)
+        if missing:
+            raise UserError(f"--lora {file.name}: {few_names(missing)} are not in this {family.NAME} {component}")
+        down = ".lora_A.weight"
+        ranks = {key.removesuffix(down): t.shape[0] for key, t in weights.items() if key.endswith(down)}
+        check_metadata(metadata, component, ranks, "--lora", file)
+        transformer_share = len(state_dict) - len(weights)
+        adapters.append(Adapter("--lora", component, file, scale, sha256_file(file), state_dict, metadata, component))
+        log(f"--lora {file.name}: {len(ranks)} modules of the {component}, scale {scale:g}")
+        if transformer_share:
+            log(f"--lora {file.name}: give stage 2 the same --lora for its {transformer_share} transformer weights")
+    return adapters
+
+
+def stage1_record(adapter: Adapter) -> dict[str, Any]:
+    """What stage 1 records of an adapter it fused (stage 2 checks it against its own --lora)."""
+    transformer_share = sum(not key.startswith(f"{adapter.transformer}.") for key in adapter.state_dict)
+    return {**adapter.record(), "transformer_weights": transformer_share}
+
+
+def check_stage1_share(stage1: list[dict] | None, count: int, sha: str, scale: float, flag: str, file: Path) -> None:
+    """An adapter with `count` weights for the stage-1 component: stage 1 must have fused them, at this scale
+    (`stage1`: its record; None under --plan, which compiles the transformer alone)."""
+    if stage1 is None:
+        return
+    fused = [record for record in stage1 if record["sha256"] == sha]
+    if not any(record["scale"] == scale for record in fused):
+        said = f"stage 1 fused them at scale {fused[0]['scale']:g}" if fused else "stage 1 fused none of them"
         raise UserError(
-            f"{flag} {file.name}: {count} of its weights adapt the {' and '.join(elsewhere)}, which "
-            f"{loader.__name__} loads and stage 1 runs; adapters on stage-1 components are not supported yet"
+            f"{flag} {file.name}: {count} of its weights adapt the text connectors, which stage 1 runs, and {said}; "
+            f"give stage 1 the same --lora {file.name}:{scale:g} and rerun it"
         )
+
+
+def check_stage2_share(stage1: list[dict], adapters: list[Adapter]) -> None:
+    """Every adapter stage 1 fused that also has transformer weights is among stage 2's, at the same scale."""
+    given = {(adapter.sha256, adapter.scale) for adapter in adapters}
+    for record in stage1:
+        if record["transformer_weights"] and (record["sha256"], record["scale"]) not in given:
+            raise UserError(
+                f"stage 1 fused {record['file']}'s text-connector weights at scale {record['scale']:g}: give stage 2 "
+                f"the same --lora {record['file']}:{record['scale']:g} for its {record['transformer_weights']} "
+                "transformer weights"
+            )
+
+
+class AdaptedSource:
+    """A models.ModelSource whose `load` fuses stage 1's adapters into the component they adapt (LTX-2's text
+    connectors), as the pipeline's `load_lora_weights` and `set_adapters` would apply them."""
+
+    def __init__(self, source, adapters: list[Adapter], family) -> None:
+        self.source, self.adapters, self.family = source, adapters, family
+
+    def __getattr__(self, name: str):
+        return getattr(self.source, name)
+
+    def load(self, component: str, dtype=None):
+        module = self.source.load(component, dtype)
+        if any(adapter.transformer == component for adapter in self.adapters):
+            fuse({component: module}, self.adapters, self.family)
+        return module
 
 
 def fuse(transformers: dict[str, torch.nn.Module], adapters: list[Adapter], family) -> None:

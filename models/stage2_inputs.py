@@ -73,7 +73,7 @@ def validated_run(
         models.validate_request(family, source, request)
         embeddings = read_tensors(input_dir, config["stage1"])
         check_output_dir(output_dir, input_dir, config)
-        adapters = lora.read_adapters(args, family, source, dtype)
+        adapters = lora.read_adapters(args, family, source, dtype, config["stage1"].get("adapters", []))
     quantization = Quantization.from_args(args)
     calibrated = (request.model_id, lora.identity(adapters), quantization.calibration_key())
     check_family_runs(family, args)

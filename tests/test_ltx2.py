@@ -220,6 +220,59 @@ def test_adapters_fuse_as_the_pipeline_loads_them(tmp_path, stage1_folders):
     assert relative_error(audio, base_audio) > 100 * TOLERANCE
 
 
+# The connectors' input projection and both connectors' attention and feed-forward (PEFT full-match regexes).
+CONNECTOR_BLOCKS = r"(video|audio)_connector\.transformer_blocks\.\d+\."
+CONNECTOR_TARGETS = rf"text_proj_in|{CONNECTOR_BLOCKS}(attn1\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))"
+
+
+def connectors_adapter(folder, preset: str, seed: int):
+    """A random adapter for the transformer and the text connectors (diffusers' keys `transformer.*` and
+    `connectors.*`, which LTX2LoraLoaderMixin loads into each; no metadata: the ranks come from the tensors)."""
+    from peft import LoraConfig, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    weights, _ = peft_weights(preset, seed)
+    connectors = models.resolve_model(preset)[0].load("connectors")
+    torch.manual_seed(seed)
+    connectors.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=CONNECTOR_TARGETS, init_lora_weights=False))
+    with torch.no_grad():  # a modest change, as peft_weights keeps the transformer's
+        for name, parameter in connectors.named_parameters():
+            if "lora_" in name:
+                parameter.mul_(0.5)
+    tensors = {f"transformer.{key}": value for key, value in weights.items()}
+    tensors.update({f"connectors.{key}": value for key, value in get_peft_model_state_dict(connectors).items()})
+    save_file({key: value.contiguous() for key, value in tensors.items()}, folder / "both.safetensors")
+    return folder / "both.safetensors"
+
+
+def test_adapters_on_the_text_connectors_fuse_in_stage1_as_the_pipeline_loads_them(tmp_path, stage1_folders, capsys):
+    """An adapter for the transformer and the text connectors at 0.8: stage 1's `--lora` fuses the connectors'
+    share (their outputs change), stage 2's the transformer's, and the latents are the pipeline's with the
+    adapter loaded its own way. Each stage checks the other: stage 2 refuses the adapter at another scale or
+    where stage 1 fused none of it, and without the adapter stage 1 fused."""
+    file = connectors_adapter(tmp_path, "tiny-ltx2", seed=4)
+    out = tmp_path / "run"
+    argv = ["--model", "tiny-ltx2", "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
+    argv += ["--seed", SEED, "--num_inference_steps", STEPS, "--lora", f"{file}:0.8", "--output_dir", out]
+    run_stage(stage1_text_encoder, argv)
+    stage1 = read_config(out, needs="stage1")["stage1"]
+    assert [(a["file"], a["scale"], a["transformer"]) for a in stage1["adapters"]] == [(file.name, 0.8, "connectors")]
+    base = read_tensors(stage1_folders["tiny-ltx2"], read_config(stage1_folders["tiny-ltx2"])["stage1"])
+    adapted = read_tensors(out, stage1)
+    for name in ("connector_prompt_embeds", "connector_audio_prompt_embeds"):
+        assert relative_error(adapted[name], base[name]) > 100 * TOLERANCE, name
+
+    expect_user_error(capsys, stage2_transformer, ["--input_dir", out], f"give stage 2 the same --lora {file.name}:0.8")
+    argv = ["--input_dir", out, "--lora", f"{file}:0.5"]
+    expect_user_error(capsys, stage2_transformer, argv, "and stage 1 fused them at scale 0.8")
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", "--lora", f"{file}:0.8"])
+    config = read_config(out, needs="stage2")
+    tensors = read_tensors(out, config["stage2"])
+    video, audio = reference("tiny-ltx2", config, "latent", adapters=[(file, 0.8)])
+    assert relative_error(tensors["latents"], video) <= TOLERANCE
+    assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
+
+
 @pytest.fixture(scope="module")
 def four_blocks(tmp_path_factory):
     """tiny-ltx2.3's folder with a 4-block transformer (the interval cache needs 3 or more blocks)."""
@@ -418,7 +471,8 @@ def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_
     weights["connectors.text_proj_in.lora_B.weight"] = torch.zeros(16, 4)
     save_file(weights, tmp_path / "with_connectors.safetensors")
     argv = ["--input_dir", folder, "--lora", tmp_path / "with_connectors.safetensors"]
-    expect_user_error(capsys, stage2_transformer, argv, "2 of its weights adapt the connectors, which LTX2Lora")
+    expected = "2 of its weights adapt the text connectors, which stage 1 runs, and stage 1 fused none of them"
+    expect_user_error(capsys, stage2_transformer, argv, expected)
 
 
 def test_a_prompt_list_batches_each_video_as_the_pipeline_runs_it(tmp_path):

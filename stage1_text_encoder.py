@@ -31,7 +31,7 @@ from cli import (
     run_cli,
     stage_parser,
 )
-from models import batch_folders, lora
+from models import batch_folders, lora_stage1
 from models.images import IMAGE_FLAGS, check_image_flags, read_images
 from runtime.backend import check_backend_flags, open_runtime
 from runtime.interface import Timer, run_record
@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--no_compile_cache", action="store_true", help="torchax: do not use the persistent JAX compilation cache"
     )
     add_executables_argument(parser)
-    lora.add_stage1_argument(parser)
+    lora_stage1.add_argument(parser)
     add_plan_arguments(parser, "the text encoders (and image encoders) as --backend torchax runs them for this request")
     add_request_arguments(parser, for_later_stage=False)
     return parser.parse_args(argv)
@@ -157,7 +157,7 @@ def plan_main(args) -> None:
         raise UserError("--plan compiles one video's encodes: give --prompt, not --prompts or --seeds")
     source, family = models.resolve_model(args.model, configs_only=True)
     video = checked_video(args, source, family, Path(args.output_dir))
-    if lora.read_stage1_adapters(args.lora, family, source, parse_dtype(args.dtype)):
+    if lora_stage1.read_adapters(args.lora, family, source, parse_dtype(args.dtype)):
         log("--lora: the text connectors' adapters change no device program (the connectors run on the host)")
     log(f"planning {family.NAME} stage 1 for {target.name} ({target.topology}), every device on tp")
     report = plan_stage1(family, source, video.request, video.images, parse_dtype(args.dtype), target, store)
@@ -177,7 +177,7 @@ def main(argv=None) -> None:
 
     source, family = models.resolve_model(args.model)
     log(f"stage 1 for {family.NAME}, model {args.model}")
-    adapters = lora.read_stage1_adapters(args.lora, family, source, dtype)
+    adapters = lora_stage1.read_adapters(args.lora, family, source, dtype)
     batch_folders.check_output_kind(output_dir, many=entries is not None)
     if entries is None:
         videos = [checked_video(args, source, family, output_dir)]
@@ -198,7 +198,7 @@ def main(argv=None) -> None:
     log(f"loading the text encoders on {runtime.describe()} in {args.dtype}")
     timers = [Timer() for _ in videos]  # the first video's record holds the one load
     with timers[0].phase("load"), runtime.precision(dtype):
-        encoded = lora.AdaptedSource(source, adapters, family) if adapters else source
+        encoded = lora_stage1.AdaptedSource(source, adapters, family) if adapters else source
         encode = family.prompt_encoder(encoded, dtype, runtime)
     for number, (video, timer) in enumerate(zip(videos, timers, strict=True), 1):
         if entries is not None:
@@ -236,7 +236,7 @@ def encode_and_write(args, dtype, source, family, video: Video, encode, runtime,
     task = {"task": "i2v" if images else "t2v", **({"images": image_records} if images else {})}
     section = {**record, "prompts": prompts, **task, **run_record(runtime, args.dtype, timer.finish(), versions)}
     if adapters:  # fused into the text connectors (LTX-2); stage 2 checks its --lora against them
-        section["adapters"] = [lora.stage1_record(adapter) for adapter in adapters]
+        section["adapters"] = [lora_stage1.record(adapter) for adapter in adapters]
     write_stage_config(output_dir, request, later_sections(output_dir), "stage1", section)
     shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in embeddings.items())
     log(f"wrote {output_dir / STAGE1_FILE}: {shapes}")

@@ -47,7 +47,7 @@ class _EncoderOutputs(torch.nn.Module):
         return (output.last_hidden_state, *output.hidden_states)
 
 
-class _OnRuntime(torch.nn.Module):
+class OnRuntime(torch.nn.Module):
     """A stand-in for a pipeline component whose work runs compiled on a runtime: it has the component's
     `config` and `dtype`, and says its `device` is the host, where the pipelines put its inputs (they ask
     the module, diffusers' get_module_execution_device, which would otherwise find the weights' 'jax' device)."""
@@ -68,7 +68,7 @@ class _OnRuntime(torch.nn.Module):
         return torch.device("cpu")
 
 
-class DeviceTextEncoder(_OnRuntime):
+class DeviceTextEncoder(OnRuntime):
     """A text encoder on a runtime, called as diffusers pipelines call one on the host: CPU token ids in,
     a CPU `BaseModelOutput` out (`[0]` and, if built with `hidden_states`, every layer's
     `.hidden_states`). On a JAX mesh its weights are split over `tp` by the encoder's rule table and
@@ -100,7 +100,7 @@ class _ImageEncoderOutputs(torch.nn.Module):
         return (output.last_hidden_state, *output.hidden_states)
 
 
-class DeviceImageEncoder(_OnRuntime):
+class DeviceImageEncoder(OnRuntime):
     """An image encoder (CLIP, SigLIP) on a runtime, called as the pipelines call one on the host: CPU pixel
     values in, a CPU `BaseModelOutput` out (`last_hidden_state` and every layer's `hidden_states`). Its
     weights are replicated (a few hundred million parameters); it compiles once per image size."""
@@ -127,7 +127,7 @@ class _Moments(torch.nn.Module):
         return (self.vae.encode(pixels).latent_dist.parameters,)
 
 
-class DeviceVAEEncoder(_OnRuntime):
+class DeviceVAEEncoder(OnRuntime):
     """A VAE whose `encode` runs on a runtime, for the pipelines' single-image encodes: CPU pixels in, the
     posterior out on the host, as `vae.encode(x)` returns it (`.latent_dist`). Weights replicated."""
 

@@ -1,6 +1,6 @@
-"""LoRA adapters for stage 2 (`--lora PATH[:SCALE]`, and `--lora_2` for Wan 2.2's low-noise expert), and for
-stage 1 where the family's loader also adapts a component stage 1 runs (LTX-2's text connectors: stage 1's
-`--lora` fuses that share, stage 2's the transformer's; each stage checks the other's record).
+"""LoRA adapters for stage 2 (`--lora PATH[:SCALE]`, and `--lora_2` for Wan 2.2's low-noise expert). Where the
+family's loader also adapts a component stage 1 runs (LTX-2's text connectors), stage 1 fuses that share
+(models/lora_stage1.py) and stage 2 checks its adapters against stage 1's record.
 
 Each file is read with the family's diffusers loader (`lora_state_dict`, which converts the community
 formats diffusers knows), checked against the transformer's modules before any weights load, then fused
@@ -30,6 +30,8 @@ from .lora_files import (
     few_names,
     likely_model,
     read_file,
+    stage1_component,
+    stage1_weights,
     transformer_weights,
 )
 
@@ -57,18 +59,6 @@ def add_arguments(parser) -> None:
         default=[],
         metavar="PATH[:SCALE]",
         help="Wan 2.2 A14B: a LoRA adapter for transformer_2, the low-noise expert; repeatable",
-    )
-
-
-def add_stage1_argument(parser) -> None:
-    group = parser.add_argument_group("LoRA adapters (LTX-2's text connectors; docs/lora.md)")
-    group.add_argument(
-        "--lora",
-        action="append",
-        default=[],
-        metavar="PATH[:SCALE]",
-        help="LTX-2: a LoRA adapter whose weights also change the text connectors (stage 1 fuses those; give stage 2 "
-        "the same --lora for the transformer's): as stage 2's --lora; repeatable",
     )
 
 
@@ -199,63 +189,6 @@ def read_adapters(args, family, source, dtype: torch.dtype, stage1: list[dict] |
     return adapters
 
 
-def stage1_component(family) -> str | None:
-    """The component stage 1 runs that the family's diffusers loader also adapts (LTX-2: "connectors"), or None."""
-    loader = family_loader(family)
-    loadable = [name for name in getattr(loader, "_lora_loadable_modules", ()) if not name.startswith("transformer")]
-    return loadable[0] if loadable else None
-
-
-def stage1_weights(state_dict: dict[str, torch.Tensor], component: str | None) -> dict[str, torch.Tensor]:
-    """The adapter's weights for the stage-1 component, as load_lora_adapter sees them (prefix removed)."""
-    if component is None:
-        return {}
-    return {key.removeprefix(f"{component}."): v for key, v in state_dict.items() if key.startswith(f"{component}.")}
-
-
-def read_stage1_adapters(texts: list[str], family, source, dtype: torch.dtype) -> list[Adapter]:
-    """Stage 1's `--lora` flags: each file's weights for the stage-1 component its family's loader adapts
-    (LTX-2's text connectors), checked against that module on the meta device before any weights load. A file
-    without any is stage 2's alone (logged, not kept)."""
-    from models.meta import meta_module
-
-    if not texts:
-        return []
-    component = stage1_component(family)
-    if component is None:
-        raise UserError(f"--lora in stage 1: {family.NAME} adapters change the transformer alone; give them to stage 2")
-    loader, module = family_loader(family), meta_module(source, component, dtype)
-    adapters = []
-    for text in texts:
-        path, scale = parse_flag(text, "--lora")
-        file = resolve_file(path, "--lora")
-        if file.suffix != ".safetensors":
-            raise UserError(f"--lora {path}: {file.name} is not a .safetensors file")
-        state_dict, metadata = read_file(loader, file, "--lora")
-        weights = stage1_weights(state_dict, component)
-        if not weights:
-            log(f"--lora {file.name}: nothing for the {component}; stage 2 fuses it into the transformer")
-            continue
-        missing = check_fits(weights, dict(module.named_modules()), "--lora", file)
-        if missing:
-            raise UserError(f"--lora {file.name}: {few_names(missing)} are not in this {family.NAME} {component}")
-        down = ".lora_A.weight"
-        ranks = {key.removesuffix(down): t.shape[0] for key, t in weights.items() if key.endswith(down)}
-        check_metadata(metadata, component, ranks, "--lora", file)
-        transformer_share = len(state_dict) - len(weights)
-        adapters.append(Adapter("--lora", component, file, scale, sha256_file(file), state_dict, metadata, component))
-        log(f"--lora {file.name}: {len(ranks)} modules of the {component}, scale {scale:g}")
-        if transformer_share:
-            log(f"--lora {file.name}: give stage 2 the same --lora for its {transformer_share} transformer weights")
-    return adapters
-
-
-def stage1_record(adapter: Adapter) -> dict[str, Any]:
-    """What stage 1 records of an adapter it fused (stage 2 checks it against its own --lora)."""
-    transformer_share = sum(not key.startswith(f"{adapter.transformer}.") for key in adapter.state_dict)
-    return {**adapter.record(), "transformer_weights": transformer_share}
-
-
 def check_stage1_share(stage1: list[dict] | None, count: int, sha: str, scale: float, flag: str, file: Path) -> None:
     """An adapter with `count` weights for the stage-1 component: stage 1 must have fused them, at this scale
     (`stage1`: its record; None under --plan, which compiles the transformer alone)."""
@@ -280,23 +213,6 @@ def check_stage2_share(stage1: list[dict], adapters: list[Adapter]) -> None:
                 f"the same --lora {record['file']}:{record['scale']:g} for its {record['transformer_weights']} "
                 "transformer weights"
             )
-
-
-class AdaptedSource:
-    """A models.ModelSource whose `load` fuses stage 1's adapters into the component they adapt (LTX-2's text
-    connectors), as the pipeline's `load_lora_weights` and `set_adapters` would apply them."""
-
-    def __init__(self, source, adapters: list[Adapter], family) -> None:
-        self.source, self.adapters, self.family = source, adapters, family
-
-    def __getattr__(self, name: str):
-        return getattr(self.source, name)
-
-    def load(self, component: str, dtype=None):
-        module = self.source.load(component, dtype)
-        if any(adapter.transformer == component for adapter in self.adapters):
-            fuse({component: module}, self.adapters, self.family)
-        return module
 
 
 def fuse(transformers: dict[str, torch.nn.Module], adapters: list[Adapter], family) -> None:

@@ -193,3 +193,17 @@ def likely_model(file: Path) -> str | None:
         if share > best_share:
             best, best_share = f"{hub_id} ({family.NAME})", share
     return best
+
+
+def stage1_component(family) -> str | None:
+    """The component stage 1 runs that the family's diffusers loader also adapts (LTX-2: "connectors"), or None."""
+    loader = family_loader(family)
+    loadable = [name for name in getattr(loader, "_lora_loadable_modules", ()) if not name.startswith("transformer")]
+    return loadable[0] if loadable else None
+
+
+def stage1_weights(state_dict: dict[str, torch.Tensor], component: str | None) -> dict[str, torch.Tensor]:
+    """The adapter's weights for the stage-1 component, as load_lora_adapter sees them (prefix removed)."""
+    if component is None:
+        return {}
+    return {key.removeprefix(f"{component}."): v for key, v in state_dict.items() if key.startswith(f"{component}.")}

@@ -108,6 +108,9 @@ def _weight_bytes(module: torch.nn.Module, rules, mesh) -> int:
     return total
 
 
+INNER = ("encoder", "vae", "connectors")  # where a compiled module (models/encoders.py) holds the stock one
+
+
 class _Compiling(torch.nn.Module):
     """A module as a planning runtime's `compile` returns it: each call with a new input signature is compiled
     (and saved); every call returns zeros shaped as the program's outputs. It holds the module, as a run's
@@ -131,7 +134,7 @@ class _Compiling(torch.nn.Module):
         if signature not in self.seen:
             runtime = self.runtime[0]
             compiled = compile_module(self.module, self.rules, inputs, runtime.mesh, runtime.env, store=runtime.store)
-            inner = getattr(self.module, "encoder", getattr(self.module, "vae", self.module))
+            inner = next((getattr(self.module, name) for name in INNER if hasattr(self.module, name)), self.module)
             shapes = ", ".join(str(list(tensor.shape)) for tensor, _ in inputs if isinstance(tensor, torch.Tensor))
             name = f"{type(inner).__name__} ({shapes})"
             program = {"name": name, "module": id(self), "weights": self.weights, "calls": 0, "compiled": compiled}

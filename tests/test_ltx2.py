@@ -607,8 +607,7 @@ def configs_kept_in_code(folder) -> dict:
 
 def test_stage1_plans_gemma_and_leaves_the_connectors_on_the_host(tmp_path, monkeypatch):
     """Stage 1's --plan compiles Gemma 3's language model (the prompt's and the negative prompt's encodes)
-    and runs the connectors, which a run keeps on the host, on meta-device weights: shapes only (they met
-    CPU inputs there and stopped the plan with a traceback until 2026-11-26). A hub id plans from its configs
+    and the text connectors (one call on both; their rotary tables are inputs). A hub id plans from its configs
     kept in code (no weights, no tokenizer: tiny-ltx2's stands in) as its folder does: here tiny-ltx2's own
     configs under a hub id, so the programs must be the preset's."""
     configs = configs_kept_in_code(models.materialize_preset("tiny-ltx2"))
@@ -621,8 +620,10 @@ def test_stage1_plans_gemma_and_leaves_the_connectors_on_the_host(tmp_path, monk
         reports.append(json.loads(out.read_text()))
     preset, published = reports
     assert preset["fits"] and preset["stage"] == 1 and preset["mesh"] == {"dp": 1, "sp": 1, "tp": 8}
-    assert preset["programs"] == ["Gemma3TextModel ([1, 1024], [1, 1024])"]
-    assert preset["calls"] == {"Gemma3TextModel ([1, 1024], [1, 1024])": 2}
+    tables = ", ".join(["[2, 2, 1024, 4]"] * 4)  # each connector's (cos, sin)
+    gemma = "Gemma3TextModel ([1, 1024], [1, 1024])"
+    connectors = f"LTX2TextConnectors ([2, 1024, 48], [2, 1024], {tables})"
+    assert preset["programs"] == [gemma, connectors] and preset["calls"] == {gemma: 2, connectors: 1}
     assert not (tmp_path / "unused").exists()
     assert published["model"] == "Lightricks/tiny" and published["stand_ins"] == {"tokenizer": "tiny-ltx2's tokenizer"}
     assert "stand_ins" not in preset

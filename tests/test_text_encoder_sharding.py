@@ -202,7 +202,8 @@ def test_sharded_qwen_hidden_states_equal_eager(tp):
         ("tiny-cogvideox", "a red cat"),
         ("tiny-hunyuanvideo15", 'a shop sign that says "OPEN"'),
         ("tiny-wan2.1", "a red cat"),  # Wan's pipeline asked the encoder's weights for their device ('jax')
-        ("tiny-ltx2", "a red cat"),  # Gemma 3's every hidden state; the connectors run on the host after it
+        ("tiny-ltx2", "a red cat"),  # Gemma 3's every hidden state, then the connectors (registers, float64 RoPE)
+        ("tiny-ltx2.3", "a red cat"),  # the connectors' per-stream projections and gated attention
     ],
 )
 def test_stage1_torchax_backend_equals_torch_backend(tmp_path, model, prompt):
@@ -228,7 +229,8 @@ def test_stage1_torchax_backend_equals_torch_backend(tmp_path, model, prompt):
         "tiny-cogvideox": ["t5-encoder"],
         "tiny-hunyuanvideo15": ["qwen2.5-vl-text", "t5-encoder"],
         "tiny-wan2.1": ["t5-encoder"],
-        "tiny-ltx2": ["gemma3-text"],
+        "tiny-ltx2": ["gemma3-text", "replicated"],  # the text connectors' weights on every device
+        "tiny-ltx2.3": ["gemma3-text", "replicated"],
     }
     assert [p["rule_table"].split("/")[0] for p in stage1["placement"]] == expected_tables[model]
     assert torch_config["stage1"]["backend"] == "torch" and torch_config["stage1"]["device"] == "cpu"

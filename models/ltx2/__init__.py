@@ -6,6 +6,7 @@ the family's `models.family.Family` members, gathered from its parts.
 - `transformer`: the jit-safe audio-video transformer, its rule table, Splash tiles and guided call;
 - `i2v`: stage 1's image conditioning (the H.264 round trip, the VAE encode) and the first-frame mask;
 - `pipeline`: stage 1's Gemma 3 encoding and connectors, stage 2's loop over both streams, the decode;
+- `connectors`: stage 1's text connectors on the runtime (their float64 rotary tables from the host);
 - `audio`: stage 3's soundtrack (audio VAE and vocoder);
 - `presets`: the tiny random presets;
 - `published`: Lightricks/LTX-2's configs, for --plan.

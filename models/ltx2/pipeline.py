@@ -23,7 +23,6 @@ from ..encoders import DeviceTextEncoder
 from ..guidance import BATCH
 from .config import (
     MAX_SEQUENCE_LENGTH,
-    TOKENIZER_PADDING_SIDE,
     audio_frames,
     audio_temporal_ratio,
     image_to_video,
@@ -31,6 +30,7 @@ from .config import (
     stock_pipeline,
     vae_ratios,
 )
+from .connectors import DeviceConnectors
 from .guidance import resolve_guidance
 from .i2v import IMAGE_LATENTS, conditioning_mask
 from .transformer import ROPES, GuidedTransformer, rope_tables, transformer_rules
@@ -41,14 +41,12 @@ STAGE1_TENSORS = ("connector_prompt_embeds", "connector_audio_prompt_embeds", "c
 
 
 def prompt_encoder(source, dtype: torch.dtype, runtime):
-    """Gemma 3 (its language model on the runtime) and the connectors loaded once; per request the
+    """Gemma 3 (its language model) and the connectors loaded once, both on the runtime; per request the
     pipeline's `encode_prompt` of the prompt and the negative prompt, then its connectors on both."""
     gemma = source.load("text_encoder", dtype=dtype).eval()
     text_encoder = DeviceTextEncoder(gemma.model.language_model, runtime, hidden_states=True)
-    connectors = source.load("connectors", dtype=dtype).eval()
+    connectors = DeviceConnectors(source.load("connectors", dtype=dtype).eval(), runtime)
     pipe = stock_pipeline(source, tokenizer=source.load("tokenizer"), text_encoder=text_encoder, connectors=connectors)
-    # The connectors run on the host, where their weights are: the meta device under --plan (shapes only).
-    where = next(connectors.parameters()).device
 
     def encode(request: Request) -> dict[str, torch.Tensor]:
         with torch.no_grad():
@@ -61,11 +59,7 @@ def prompt_encoder(source, dtype: torch.dtype, runtime):
                 dtype=dtype,
             )
             # The pipeline runs the connectors on the [negative, positive] batch; so does stage 1.
-            outputs = connectors(
-                torch.cat([negative, positive]).to(where),
-                torch.cat([negative_mask, positive_mask]).to(where),
-                padding_side=TOKENIZER_PADDING_SIDE,
-            )
+            outputs = connectors(torch.cat([negative, positive]), torch.cat([negative_mask, positive_mask]))
         tensors = {}
         for name, output in zip(STAGE1_TENSORS, outputs, strict=True):
             uncond, cond = output.chunk(2)

@@ -109,11 +109,12 @@ def test_a_stage3_run_keys_its_frame_programs_as_the_plan_saved_them_and_loads_t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny-wan2.1", "tiny-hunyuanvideo15-i2v"])
+@pytest.mark.parametrize("model", ["tiny-wan2.1", "tiny-hunyuanvideo15-i2v", "tiny-ltx2"])
 def test_a_stage1_run_keys_its_encoder_programs_as_the_plan_saved_them_and_loads_them(tmp_path, monkeypatch, model):
     """Stage 1's device programs (UMT5; or Qwen2.5-VL, ByT5 on the quoted text, SigLIP and the VAE encode of
-    the image): the plan pointed at this host's devices saves the keys a `--backend torchax` run computes, and a
-    run given them loads every one and writes the embeddings the run that compiled its own wrote."""
+    the image; or Gemma 3 and LTX-2's text connectors): the plan pointed at this host's devices saves the keys
+    a `--backend torchax` run computes, and a run given them loads every one and writes the embeddings the run
+    that compiled its own wrote."""
     run_store, plan_store, report_path = tmp_path / "run", tmp_path / "plan", tmp_path / "plan.json"
     image = ["--image", write_image(tmp_path / "image.png", 32, 48)] if "i2v" in model else []
     argv = ["--model", model, "--prompt", 'a sign that reads "OPEN"', *image]
@@ -124,7 +125,8 @@ def test_a_stage1_run_keys_its_encoder_programs_as_the_plan_saved_them_and_loads
     run_stage(stage1_text_encoder, [*argv, *planned, "--output_dir", tmp_path / "unused"])
     report = json.loads(report_path.read_text())
     assert report["stage"] == 1 and report["fits"] and not (tmp_path / "unused").exists()
-    assert report["executables"]["saved"] == len(keys(run_store)) == (4 if image else 1)
+    programs = {"tiny-wan2.1": 1, "tiny-hunyuanvideo15-i2v": 4, "tiny-ltx2": 2}  # LTX-2: Gemma, the connectors
+    assert report["executables"]["saved"] == len(keys(run_store)) == programs[model]
     assert keys(plan_store) == keys(run_store)
 
     run_stage(stage1_text_encoder, [*torchax, plan_store, "--output_dir", tmp_path / "two"])

@@ -158,7 +158,7 @@ def plan_main(args) -> None:
     source, family = models.resolve_model(args.model, configs_only=True)
     video = checked_video(args, source, family, Path(args.output_dir))
     if lora_stage1.read_adapters(args.lora, family, source, parse_dtype(args.dtype)):
-        log("--lora: the text connectors' adapters change no device program (the connectors run on the host)")
+        log("--lora: fused into the text connectors' weights, which keep their shapes: the programs are the same")
     log(f"planning {family.NAME} stage 1 for {target.name} ({target.topology}), every device on tp")
     report = plan_stage1(family, source, video.request, video.images, parse_dtype(args.dtype), target, store)
     plan_report.finish(report, args.plan_json, store)

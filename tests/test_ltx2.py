@@ -605,7 +605,7 @@ def configs_kept_in_code(folder) -> dict:
     return entry
 
 
-def test_stage1_plans_gemma_and_leaves_the_connectors_on_the_host(tmp_path, monkeypatch):
+def test_stage1_plans_gemma_and_the_connectors_also_from_configs_kept_in_code(tmp_path, monkeypatch):
     """Stage 1's --plan compiles Gemma 3's language model (the prompt's and the negative prompt's encodes)
     and the text connectors (one call on both; their rotary tables are inputs). A hub id plans from its configs
     kept in code (no weights, no tokenizer: tiny-ltx2's stands in) as its folder does: here tiny-ltx2's own

@@ -1,8 +1,8 @@
 """LTX-2's text connectors on stage 1's runtime: `LTX2TextConnectors` (the projection of Gemma 3's stacked
 hidden states and the video and audio connector transformers) compiled as one program, weights replicated.
 
-On a CPU host they were the second half of stage 1's cost (31 s beside Gemma's 68 s for one prompt and its
-negative, docs/ltx2.md). Their stock forward runs as it is, with two changes for jit: each connector's
+On the host they took about a third of stage 1's time on our 2-core machine (31 s beside Gemma's 68 s for a
+prompt and its negative, docs/ltx2.md). Their stock forward runs as it is, with two changes for jit: each connector's
 rotary module computes its frequencies in float64 inside `forward`, which JAX drops, so the tables are
 computed on the host by that same class `forward` and passed in as inputs; and LTX-2's split rotary embedding
 is traced without its in-place update (workarounds/torchax.py: functional_split_rotary).

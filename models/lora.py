@@ -135,6 +135,21 @@ def _only_safetensors(names: list[str], path: str, flag: str, folder: Path) -> P
     return folder / found[0]
 
 
+def read_flag(text: str, flag: str, loader) -> tuple[Path, float, dict[str, torch.Tensor], dict | None]:
+    """One `PATH[:SCALE]` flag: the file, its scale, and its weights and metadata as the loader reads them."""
+    path, scale = parse_flag(text, flag)
+    file = resolve_file(path, flag)
+    if file.suffix != ".safetensors":
+        raise UserError(f"{flag} {path}: {file.name} is not a .safetensors file")
+    return (file, scale, *read_file(loader, file, flag))
+
+
+def lora_ranks(weights: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Each adapted module's rank (its down projection's rows)."""
+    down = ".lora_A.weight"
+    return {key.removesuffix(down): tensor.shape[0] for key, tensor in weights.items() if key.endswith(down)}
+
+
 def read_adapters(args, family, source, dtype: torch.dtype, stage1: list[dict] | None = None) -> list[Adapter]:
     """Every `--lora`/`--lora_2` flag, read and checked against the transformers' modules on the meta
     device (no weights): all errors come before anything is loaded or placed. `stage1`: the adapters stage 1
@@ -152,11 +167,7 @@ def read_adapters(args, family, source, dtype: torch.dtype, stage1: list[dict] |
     transformers = meta_transformers(family, source, dtype)
     adapters = []
     for flag, text in wanted:
-        path, scale = parse_flag(text, flag)
-        file = resolve_file(path, flag)
-        if file.suffix != ".safetensors":
-            raise UserError(f"{flag} {path}: {file.name} is not a .safetensors file")
-        state_dict, metadata = read_file(loader, file, flag)
+        file, scale, state_dict, metadata = read_flag(text, flag, loader)
         weights, prefix, others = transformer_weights(state_dict)
         sha = sha256_file(file)
         stage1_share = stage1_weights(state_dict, in_stage1)
@@ -176,8 +187,7 @@ def read_adapters(args, family, source, dtype: torch.dtype, stage1: list[dict] |
                 f"{flag} {file.name}: {len(missing)} of its modules are not in this {family.NAME} {component} "
                 f"({few_names(missing)}); {looks}"
             )
-        down = ".lora_A.weight"
-        ranks = {key.removesuffix(down): t.shape[0] for key, t in weights.items() if key.endswith(down)}
+        ranks = lora_ranks(weights)
         check_metadata(metadata, prefix, ranks, flag, file)
         if others:
             log(f"{flag} {file.name}: {len(others)} keys of other components left alone ({few_names(others, 2)})")

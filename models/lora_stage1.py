@@ -12,13 +12,12 @@ import torch
 from cli import UserError, log
 from utils import sha256_file
 
-from .lora import Adapter, fuse, parse_flag, resolve_file
+from .lora import Adapter, fuse, lora_ranks, read_flag
 from .lora_files import (
     check_fits,
     check_metadata,
     family_loader,
     few_names,
-    read_file,
     stage1_component,
     stage1_weights,
 )
@@ -50,11 +49,7 @@ def read_adapters(texts: list[str], family, source, dtype: torch.dtype) -> list[
     loader, module = family_loader(family), meta_module(source, component, dtype)
     adapters = []
     for text in texts:
-        path, scale = parse_flag(text, "--lora")
-        file = resolve_file(path, "--lora")
-        if file.suffix != ".safetensors":
-            raise UserError(f"--lora {path}: {file.name} is not a .safetensors file")
-        state_dict, metadata = read_file(loader, file, "--lora")
+        file, scale, state_dict, metadata = read_flag(text, "--lora", loader)
         weights = stage1_weights(state_dict, component)
         if not weights:
             log(f"--lora {file.name}: nothing for the {component}; stage 2 fuses it into the transformer")
@@ -62,14 +57,14 @@ def read_adapters(texts: list[str], family, source, dtype: torch.dtype) -> list[
         missing = check_fits(weights, dict(module.named_modules()), "--lora", file)
         if missing:
             raise UserError(f"--lora {file.name}: {few_names(missing)} are not in this {family.NAME} {component}")
-        down = ".lora_A.weight"
-        ranks = {key.removesuffix(down): t.shape[0] for key, t in weights.items() if key.endswith(down)}
+        ranks = lora_ranks(weights)
         check_metadata(metadata, component, ranks, "--lora", file)
-        transformer_share = len(state_dict) - len(weights)
-        adapters.append(Adapter("--lora", component, file, scale, sha256_file(file), state_dict, metadata, component))
+        adapter = Adapter("--lora", component, file, scale, sha256_file(file), state_dict, metadata, component)
+        adapters.append(adapter)
         log(f"--lora {file.name}: {len(ranks)} modules of the {component}, scale {scale:g}")
-        if transformer_share:
-            log(f"--lora {file.name}: give stage 2 the same --lora for its {transformer_share} transformer weights")
+        others = record(adapter)["transformer_weights"]
+        if others:
+            log(f"--lora {file.name}: give stage 2 the same --lora for its {others} transformer weights")
     return adapters
 
 

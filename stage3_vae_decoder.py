@@ -36,7 +36,7 @@ from cli import (
 from models import batch_folders
 from models.decode import decode
 from runtime.backend import STAGE3_BACKENDS, check_backend_flags, choose_backend, open_runtime
-from runtime.interface import Timer, run_record
+from runtime.interface import Timer, TorchRuntime, run_record
 from sharding import SP
 from utils import (
     CONFIG_FILE,
@@ -325,7 +325,7 @@ def checked_video(args, input_dir: Path) -> Video:
     check_stage2_fresh(input_dir, config, request)
     dtype_name = args.dtype or request.dtype
     parse_dtype(dtype_name)
-    if family.decode_audio is not None and args.fps is not None and args.fps != config["fps"]:
+    if family.Soundtrack is not None and args.fps is not None and args.fps != config["fps"]:
         raise UserError(
             f"--fps {args.fps}: this {family.NAME} video's soundtrack was generated for {config['fps']} fps (stage 1's "
             "--fps); another frame rate would play the pictures out of step with it"
@@ -337,6 +337,30 @@ def checked_video(args, input_dir: Path) -> Video:
     ensure_writable_dir(output_dir, (output_name, preview_name(output_name), frames_name(output_name)))
     fields = (config, request, overrides, source, family, dtype_name, normalization, tensors)
     return Video(input_dir, output_dir, output_name, *fields)
+
+
+def soundtrack_runtime(runtime, backend: str):
+    """Where the soundtrack (audio VAE and vocoder) runs: with `--backend torch` on its device (a GPU with
+    --device cuda); with `--backend torchax` on the host in PyTorch, because the TPU compiler took 20 minutes to
+    build LTX-2.0's soundtrack program (docs/ltx2.md#the-soundtrack)."""
+    return runtime if backend == "torch" else TorchRuntime("cpu")
+
+
+def decode_soundtrack(family, source, latents, dtype, runtime, timer, programs: dict) -> tuple[torch.Tensor, int]:
+    """The family's soundtrack (audio VAE and vocoder as one module on `runtime`; built on first use and kept
+    in `programs` for every folder of the same model and dtype): the waveform (channels, samples) float32 in
+    [-1, 1] and its sample rate."""
+    key = ("soundtrack", source.location, dtype)
+    if key not in programs:
+        with timer.phase("load"):
+            parts = [source.load(name, dtype=dtype).eval() for name in family.Soundtrack.COMPONENTS]
+        with timer.phase("place"):
+            soundtrack = family.Soundtrack(*parts)
+            programs[key] = runtime.compile(soundtrack), soundtrack.sample_rate
+    program, rate = programs[key]
+    with timer.phase("audio"), torch.no_grad():
+        waveform = runtime.to_host(program(runtime.to_device(latents.to(dtype))))
+    return waveform[0].float(), rate
 
 
 def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vaes: dict) -> None:
@@ -375,9 +399,10 @@ def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vae
         )
     pixels = (frames.numpy() * 255).round().astype(np.uint8)
     audio = None
-    if family.decode_audio is not None:
-        with timer.phase("audio"):
-            audio = family.decode_audio(source, video.tensors, dtype)
+    if family.Soundtrack is not None:
+        where = soundtrack_runtime(runtime, backend)
+        with where.precision(dtype):
+            audio = decode_soundtrack(family, source, video.tensors["audio_latents"], dtype, where, timer, vaes)
     with timer.phase("save"):
         write_mp4(output_dir / output_name, pixels, request.fps, audio)
         preview = None
@@ -407,7 +432,13 @@ def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vae
     if audio is not None:
         waveform, rate = audio
         channels, samples = waveform.shape
-        section["audio"] = {"codec": "aac", "sample_rate": rate, "channels": channels, "samples": samples}
+        section["audio"] = {
+            "codec": "aac",
+            "sample_rate": rate,
+            "channels": channels,
+            "samples": samples,
+            "decoded_on": where.describe(),
+        }
     if preview:
         section.update(preview=preview, preview_grid=[rows, columns])
     if args.save_frames:

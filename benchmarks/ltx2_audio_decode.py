@@ -1,11 +1,13 @@
 #!/usr/bin/env python
-"""LTX-2's soundtrack decode on this CPU, as stage 3 runs it on the host (models/ltx2/audio.py): the published
-audio VAE and vocoder (configs from models/ltx2/published.py, random weights, normal 0.02) on the audio latents
-of a video of `--num_frames` at `--fps`, eager PyTorch. Seconds of the best of `--repeats` decodes after one
-warm-up, for each dtype. Prints one JSON line.
+"""LTX-2's soundtrack decode (models/ltx2/audio.py: the audio VAE and the vocoder as one module): the published
+components (configs from models/ltx2/published.py, random weights, normal 0.02) on the audio latents of a
+video of `--num_frames` at `--fps`. By default, eager PyTorch on this CPU, as stage 3 runs it: seconds of the
+best of `--repeats` decodes after one warm-up, for each dtype. With `--plan TARGET` (e.g. v6e-8), instead the
+soundtrack's program compiled by the TPU compiler (weights replicated), in bf16: compile seconds, HBM per device
+(code size apart) and FLOPs, which is why stage 3 keeps it on the host. Prints one JSON line.
 
     python benchmarks/ltx2_audio_decode.py [--model Lightricks/LTX-2] [--num_frames 121] [--fps 24]
-        [--dtypes fp32 bf16] [--repeats 2]
+        [--dtypes fp32 bf16] [--repeats 2] [--plan v6e-8 [--part all|vae|vocoder]]
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
 def random_module(source, component: str, dtype):
     """The published component at its widths with random weights (normal 0.02; buffers as built)."""
-    import torch
-
     from models.meta import meta_module
 
     module = meta_module(source, component, dtype).to_empty(device="cpu")
@@ -38,11 +40,56 @@ def random_module(source, component: str, dtype):
     return module.eval()
 
 
-def main() -> None:
-    import torch
+def plan_soundtrack(source, latents, target_name: str, part: str) -> dict:
+    """The soundtrack (or its audio VAE or vocoder alone) in bf16 compiled for `target_name`'s devices."""
+    from models.ltx2.audio import Soundtrack
+    from models.meta import meta_module
+    from planning import plan
+    from planning.flags import target_from_flag
+    from planning.tpus import topology_mesh
+    from runtime.torchax_runtime import TorchaxRuntime
+    from sharding import REPLICATED_TABLE, MeshShape
 
+    target = target_from_flag(target_name)
+    mesh = topology_mesh(target, MeshShape(sp=target.devices))
+    dtype = torch.bfloat16
+    audio_vae, vocoder = (meta_module(source, name, dtype) for name in Soundtrack.COMPONENTS)
+    latents = latents.to(dtype)
+    if part == "vocoder":
+        with torch.no_grad():
+            mel = audio_vae.decode(latents.to("meta"), return_dict=False)[0]
+        module, inputs = vocoder, torch.zeros(mel.shape, dtype=dtype)
+    else:
+        module = Soundtrack(audio_vae, vocoder) if part == "all" else DecodeOnly(audio_vae)
+        inputs = latents
+    compiled = plan.compile_module(module, REPLICATED_TABLE, [(inputs, ())], mesh, TorchaxRuntime(mesh).env)
+    memory = compiled.memory or {}
+    return {
+        "target": target.name,
+        "part": part,
+        "input": list(inputs.shape),
+        "compile_seconds": round(compiled.seconds, 1),
+        "code_mib": round(memory.get("code", 0) / 2**20, 1),
+        "hbm_total_mib": round(memory.get("total", 0) / 2**20, 1),
+        "flops_per_device": compiled.flops,
+        "seconds_lower_bound": compiled.flops / target.bf16_flops_per_device,
+    }
+
+
+class DecodeOnly(torch.nn.Module):
+    """The audio VAE's decode as a module's forward (the soundtrack's first half)."""
+
+    def __init__(self, audio_vae: torch.nn.Module) -> None:
+        super().__init__()
+        self.audio_vae = audio_vae
+
+    def forward(self, latents):
+        return self.audio_vae.decode(latents, return_dict=False)[0]
+
+
+def main() -> None:
     import models
-    from models.ltx2.audio import decode_audio
+    from models.ltx2.audio import Soundtrack
     from models.ltx2.config import audio_frames
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -51,27 +98,33 @@ def main() -> None:
     parser.add_argument("--fps", type=float, default=24.0)
     parser.add_argument("--dtypes", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--plan", help="a TPU target (e.g. v6e-8): compile the program for it instead of timing")
+    parser.add_argument("--part", choices=("all", "vae", "vocoder"), default="all", help="with --plan")
     args = parser.parse_args()
 
     source, _ = models.resolve_model(args.model, configs_only=True)
     frames = audio_frames(source, SimpleNamespace(num_frames=args.num_frames, fps=args.fps))
     config = source.load_config("audio_vae")
-    result = {"model": args.model, "seconds_of_sound": args.num_frames / args.fps, "threads": torch.get_num_threads()}
+    mel_bins = config["mel_bins"] // 4  # the latents' mel axis (4x compression)
+    latents = torch.randn(1, config["latent_channels"], frames, mel_bins)
+    result = {"model": args.model, "seconds_of_sound": args.num_frames / args.fps, "latents": list(latents.shape)}
+    if args.plan:
+        result.update(plan_soundtrack(source, latents, args.plan, args.part))
+        print(json.dumps(result))
+        return
+    result["threads"] = torch.get_num_threads()
     for name in args.dtypes:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-        parts = {component: random_module(source, component, dtype) for component in ("audio_vae", "vocoder")}
-        folder = SimpleNamespace(load=lambda component, dtype=None, parts=parts: parts[component])  # decode_audio's
-
-        mel_bins = config["mel_bins"] // 4  # the latents' mel axis (4x compression)
-        latents = {"audio_latents": torch.randn(1, config["latent_channels"], frames, mel_bins)}
+        soundtrack = Soundtrack(*(random_module(source, component, dtype) for component in Soundtrack.COMPONENTS))
         best = float("inf")
         for attempt in range(args.repeats + 1):
             start = time.perf_counter()
-            waveform, rate = decode_audio(folder, latents, dtype)
+            with torch.no_grad():
+                waveform = soundtrack(latents)
             if attempt:
                 best = min(best, time.perf_counter() - start)
-        result[name] = {"seconds": round(best, 3), "samples": list(waveform.shape), "sample_rate": rate}
-    result["latents"] = [1, config["latent_channels"], frames, config["mel_bins"] // 4]
+        shape = list(waveform[0].shape)
+        result[name] = {"seconds": round(best, 3), "samples": shape, "sample_rate": soundtrack.sample_rate}
     print(json.dumps(result))
 
 

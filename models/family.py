@@ -60,9 +60,10 @@ class Family(Protocol):
     # Decoder(vae, normalization): undoes the latents' recorded normalisation and decodes stage-2 latents
     # to pixels in [-1, 1], as one graph.
     Decoder: type[torch.nn.Module]
-    # Families whose videos carry sound (LTX-2): decode_audio(source, stage-2 tensors, dtype) gives the
-    # waveform (channels, samples) in [-1, 1] and its sample rate; None for silent families.
-    decode_audio: Callable[..., tuple[torch.Tensor, int]] | None
+    # Families whose videos carry sound (LTX-2): Soundtrack(*components named in Soundtrack.COMPONENTS), a
+    # module from stage 2's `audio_latents` to the waveform (B, channels, samples) in [-1, 1] at its
+    # `sample_rate`; None for silent families.
+    Soundtrack: type[torch.nn.Module] | None
 
     def request_defaults(self, source: ModelSource) -> dict[str, Any]:
         """Request values for keys the user did not give (documented per-checkpoint defaults)."""

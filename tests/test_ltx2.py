@@ -375,7 +375,8 @@ def test_int8_weights_match_the_pipeline_with_the_same_dequantized_weights(tmp_p
 
 
 def test_torchax_decode_matches_the_pipeline(tmp_path, stage1_folders):
-    """Stage 3 with --backend torchax on the 8 devices (the video VAE as one program, the soundtrack on the host)."""
+    """Stage 3 with --backend torchax on the 8 devices: the video VAE as one program, the soundtrack (LTX-2.3's
+    vocoder with its bandwidth extension) on the host, as the config records."""
     out = tmp_path / "run"
     shutil.copytree(stage1_folders["tiny-ltx2.3"], out)
     run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off"])
@@ -385,6 +386,9 @@ def test_torchax_decode_matches_the_pipeline(tmp_path, stage1_folders):
     frames, waveform = reference("tiny-ltx2.3", config, "np")
     assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
     assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
+    assert (
+        config["stage3"]["audio"]["decoded_on"] == "torch on cpu" and config["stage3"]["audio"]["sample_rate"] == 48000
+    )
 
 
 @pytest.mark.parametrize("version", ["2.0", "2.3"])
@@ -478,7 +482,8 @@ def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_
 def test_a_prompt_list_batches_each_video_as_the_pipeline_runs_it(tmp_path):
     """Stage 1 `--prompts` (three entries with their own prompts, negative prompts and seeds), stage 2 in
     batches of 2 of LTX-2.3 with all four passes (8 rows per step; the second batch padded with a copy):
-    each folder's video and audio latents within 1e-5 of the pipeline run for that entry alone."""
+    each folder's video and audio latents within 1e-5 of the pipeline run for that entry alone; stage 3 over
+    the three folders (one soundtrack module, kept for all) gives the last one the pipeline's waveform."""
     from models import batch_folders
 
     entries = [
@@ -502,6 +507,13 @@ def test_a_prompt_list_batches_each_video_as_the_pipeline_runs_it(tmp_path):
         assert relative_error(tensors["latents"], video) <= TOLERANCE, folder.name
         assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE, folder.name
     assert read_config(folders[2])["stage2"]["batch"]["padding"] == 1
+    # Stage 3 over the three folders reuses one soundtrack module; the last folder's sound is still its own.
+    run_stage(stage3_vae_decoder, ["--input_dir", out, "--save_frames"])
+    config = read_config(folders[2], needs="stage3")
+    assert config["stage3"]["audio"]["decoded_on"] == "torch on cpu"
+    saved = read_tensors(folders[2], config["stage3"]["frames_file"])
+    _, waveform = reference("tiny-ltx2.3", config, "np", spatio_temporal_guidance_blocks=[1])
+    assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
 
 
 @pytest.fixture(scope="module")

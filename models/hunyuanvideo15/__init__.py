@@ -31,4 +31,4 @@ from .published import PUBLISHED
 from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
 from .vae import CHUNK_FRAMES, Decoder, frame_plan, frame_programs, video_processor
 
-decode_audio = None  # no soundtrack
+Soundtrack = None  # no soundtrack

@@ -7,13 +7,13 @@ the family's `models.family.Family` members, gathered from its parts.
 - `i2v`: stage 1's image conditioning (the H.264 round trip, the VAE encode) and the first-frame mask;
 - `pipeline`: stage 1's Gemma 3 encoding and connectors, stage 2's loop over both streams, the decode;
 - `connectors`: stage 1's text connectors on the runtime (their float64 rotary tables from the host);
-- `audio`: stage 3's soundtrack (audio VAE and vocoder);
+- `audio`: stage 3's soundtrack (audio VAE and vocoder, one module);
 - `presets`: the tiny random presets;
 - `published`: Lightricks/LTX-2's configs, for --plan.
 """
 
 from ..common import size_from_request as image_size
-from .audio import decode_audio
+from .audio import Soundtrack
 from .config import (
     LORA_LOADER,
     NAME,

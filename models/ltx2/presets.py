@@ -185,6 +185,48 @@ def tiny_vocoder(seed: int) -> torch.nn.Module:
     ).eval()
 
 
+def tiny_bwe_vocoder(seed: int) -> torch.nn.Module:
+    """A random tiny LTX2VocoderWithBWE (LTX-2.3's class): the tiny vocoder's layout with LTX-2.3's anti-aliased
+    SnakeBeta activations, to 16 kHz (upsampling exactly 160, as the extender's residual needs); then the causal
+    mel STFT of its output (32-sample window, hop 16, 8 mel bins) and a bandwidth extender upsampling 16 x 3 = 48
+    to 48 kHz. The STFT's bases are persistent buffers the class leaves at zero (the checkpoint holds them): the
+    forward one here is the Hann-windowed DFT, the mel filterbank random and positive."""
+    from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
+
+    torch.manual_seed(seed)
+    vocoder = LTX2VocoderWithBWE(
+        in_channels=16,
+        hidden_channels=32,
+        upsample_kernel_sizes=[16, 11, 8],  # kernel - factor even: each upsampler multiplies the length exactly
+        upsample_factors=[8, 5, 4],
+        resnet_kernel_sizes=[3],
+        resnet_dilations=[[1, 3, 5]],
+        bwe_in_channels=16,
+        bwe_hidden_channels=16,
+        bwe_upsample_kernel_sizes=[8, 8, 5],
+        bwe_upsample_factors=[4, 4, 3],
+        bwe_resnet_kernel_sizes=[3],
+        bwe_resnet_dilations=[[1, 3, 5]],
+        filter_length=32,
+        hop_length=16,
+        window_length=32,
+        num_mel_channels=8,
+        input_sampling_rate=16000,
+        output_sampling_rate=48000,
+    )
+    stft = vocoder.mel_stft.stft_fn
+    length = stft.forward_basis.shape[-1]
+    frequencies = torch.arange(length // 2 + 1, dtype=torch.float64)[:, None]
+    angles = 2 * torch.pi * frequencies * torch.arange(length, dtype=torch.float64) / length
+    window = torch.hann_window(length, periodic=True, dtype=torch.float64)
+    basis = torch.cat([torch.cos(angles), -torch.sin(angles)]) * window
+    with torch.no_grad():
+        stft.forward_basis.copy_(basis[:, None].float())
+        stft.inverse_basis.copy_(basis[:, None].float())
+        vocoder.mel_stft.mel_basis.uniform_(0.0, 0.2)
+    return vocoder.eval()
+
+
 def tiny_pipeline(version: str = "2.0", seed: int = 0, image_to_video: bool = False):
     """LTX2Pipeline (or LTX2ImageToVideoPipeline: the same components) with random tiny components of
     LTX-2.0's or LTX-2.3's layout, deterministic per seed."""
@@ -199,7 +241,7 @@ def tiny_pipeline(version: str = "2.0", seed: int = 0, image_to_video: bool = Fa
         tokenizer=tokenizer,
         connectors=tiny_connectors(seed + 3, version),
         transformer=tiny_transformer(seed + 4, version),
-        vocoder=tiny_vocoder(seed + 5),
+        vocoder=(tiny_bwe_vocoder if version == "2.3" else tiny_vocoder)(seed + 5),
     )
 
 

@@ -32,4 +32,4 @@ from .published import PUBLISHED
 from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
 from .vae import CHUNK_FRAMES, frame_plan, frame_programs
 
-decode_audio = None  # no soundtrack
+Soundtrack = None  # no soundtrack

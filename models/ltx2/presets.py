@@ -189,8 +189,9 @@ def tiny_bwe_vocoder(seed: int) -> torch.nn.Module:
     """A random tiny LTX2VocoderWithBWE (LTX-2.3's class): the tiny vocoder's layout with LTX-2.3's anti-aliased
     SnakeBeta activations, to 16 kHz (upsampling exactly 160, as the extender's residual needs); then the causal
     mel STFT of its output (32-sample window, hop 16, 8 mel bins) and a bandwidth extender upsampling 16 x 3 = 48
-    to 48 kHz. The STFT's bases are persistent buffers the class leaves at zero (the checkpoint holds them): the
-    forward one here is the Hann-windowed DFT, the mel filterbank random and positive."""
+    to 48 kHz. The STFT's bases are persistent buffers the class leaves at zero (the checkpoint holds them): here the
+    forward one is the Hann-windowed DFT and the mel filterbank random and positive (the inverse one, which no
+    forward reads, stays zero)."""
     from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
 
     torch.manual_seed(seed)
@@ -222,7 +223,6 @@ def tiny_bwe_vocoder(seed: int) -> torch.nn.Module:
     basis = torch.cat([torch.cos(angles), -torch.sin(angles)]) * window
     with torch.no_grad():
         stft.forward_basis.copy_(basis[:, None].float())
-        stft.inverse_basis.copy_(basis[:, None].float())
         vocoder.mel_stft.mel_basis.uniform_(0.0, 0.2)
     return vocoder.eval()
 

@@ -408,6 +408,8 @@ def plan_stage3(
             raise ValueError(f"latents {list(latents.shape)} do not split {rows} x {target.devices // rows}")
         axis, layout = f"height x width ({rows} x {target.devices // rows})", LATENTS_GRID_SPLIT
     fields = {"tiling": tiling, "chunk_frames": chunk_frames, "latents": list(latents.shape), "split": axis}
+    if family.Soundtrack is not None:  # stage 3 decodes the sound on the host with --backend torchax
+        fields["soundtrack"] = {"runs_on": "host", "audio_latents": list(tensors["audio_latents"].shape)}
     if chunk_frames:
         return _plan_frame_programs(
             family, source, decoder, latents, layout, target, mesh, runtime, request, dtype, fields, store

@@ -57,6 +57,11 @@ def print_report(report: dict[str, Any]) -> None:
     if report["stage"] == 3:
         split = f"split along {report['split']}" if report["split"] else "NOT split: kept whole on every device"
         print(f"  latents {report['latents']} {split}; VAE tiling {'on' if report['tiling'] else 'off'}")
+        if report.get("soundtrack"):
+            print(
+                f"  soundtrack: audio latents {report['soundtrack']['audio_latents']} decoded on the host in PyTorch, "
+                "not in this plan (the TPU compiler is slow to build it: docs/ltx2.md#the-soundtrack)"
+            )
         if report.get("calls"):
             calls = ", ".join(f"{name} x{count}" for name, count in report["calls"].items())
             sizes = ", ".join(f"{name} {gib(size)}" for name, size in report.get("hbm_bytes_per_program", {}).items())

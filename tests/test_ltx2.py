@@ -598,6 +598,7 @@ def test_stage3_plans_from_configs_alone(tmp_path):
     run_stage(stage3_vae_decoder, ["--model", "tiny-ltx2", "--plan", "v6e-8", "--plan_json", out])
     report = json.loads(out.read_text())
     assert report["fits"] and report["latents"] == [1, 8, 3, 4, 4]
+    assert report["soundtrack"] == {"runs_on": "host", "audio_latents": [1, 2, 9, 2]}
 
 
 def configs_kept_in_code(folder) -> dict:

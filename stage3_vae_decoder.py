@@ -34,9 +34,9 @@ from cli import (
     stage_parser,
 )
 from models import batch_folders
-from models.decode import decode
+from models.decode import decode, decode_soundtrack, soundtrack_runtime
 from runtime.backend import STAGE3_BACKENDS, check_backend_flags, choose_backend, open_runtime
-from runtime.interface import Timer, TorchRuntime, run_record
+from runtime.interface import Timer, run_record
 from sharding import SP
 from utils import (
     CONFIG_FILE,
@@ -337,30 +337,6 @@ def checked_video(args, input_dir: Path) -> Video:
     ensure_writable_dir(output_dir, (output_name, preview_name(output_name), frames_name(output_name)))
     fields = (config, request, overrides, source, family, dtype_name, normalization, tensors)
     return Video(input_dir, output_dir, output_name, *fields)
-
-
-def soundtrack_runtime(runtime, backend: str):
-    """Where the soundtrack (audio VAE and vocoder) runs: with `--backend torch` on its device (a GPU with
-    --device cuda); with `--backend torchax` on the host in PyTorch, because the TPU compiler took 20 minutes to
-    build LTX-2.0's soundtrack program (docs/ltx2.md#the-soundtrack)."""
-    return runtime if backend == "torch" else TorchRuntime("cpu")
-
-
-def decode_soundtrack(family, source, latents, dtype, runtime, timer, programs: dict) -> tuple[torch.Tensor, int]:
-    """The family's soundtrack (audio VAE and vocoder as one module on `runtime`; built on first use and kept
-    in `programs` for every folder of the same model and dtype): the waveform (channels, samples) float32 in
-    [-1, 1] and its sample rate."""
-    key = ("soundtrack", source.location, dtype)
-    if key not in programs:
-        with timer.phase("load"):
-            parts = [source.load(name, dtype=dtype).eval() for name in family.Soundtrack.COMPONENTS]
-        with timer.phase("place"):
-            soundtrack = family.Soundtrack(*parts)
-            programs[key] = runtime.compile(soundtrack), soundtrack.sample_rate
-    program, rate = programs[key]
-    with timer.phase("audio"), torch.no_grad():
-        waveform = runtime.to_host(program(runtime.to_device(latents.to(dtype))))
-    return waveform[0].float(), rate
 
 
 def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vaes: dict) -> None:

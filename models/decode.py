@@ -1,6 +1,6 @@
 """Stage 3's decode for every family: the latents' spatial split over the devices, the VAE decode as one
 program or through the family's frame programs (a host loop over frame chunks), and the pipeline's own
-post-processing to frames in [0, 1].
+post-processing to frames in [0, 1]; for families with sound, the soundtrack.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from runtime.interface import Runtime, Timer
+from runtime.interface import Runtime, Timer, TorchRuntime
 from sharding import DP, SP
 
 # Stage 3: (B, C, F, H, W) latents split along width over the mesh's `sp` axis, or along height; or
@@ -95,3 +95,27 @@ def decode_in_chunks(programs, names: list[str], spans: list[tuple[int, int]], l
         out, *state = getattr(programs, name)(inputs, *state)
         pieces.append(runtime.to_host(out))
     return torch.cat(pieces, dim=2)
+
+
+def soundtrack_runtime(runtime, backend: str):
+    """Where the soundtrack (audio VAE and vocoder) runs: with `--backend torch` on its device (a GPU with
+    --device cuda); with `--backend torchax` on the host in PyTorch, because the TPU compiler took 20 minutes to
+    build LTX-2.0's soundtrack program (docs/ltx2.md#the-soundtrack)."""
+    return runtime if backend == "torch" else TorchRuntime("cpu")
+
+
+def decode_soundtrack(family, source, latents, dtype, runtime, timer, programs: dict) -> tuple[torch.Tensor, int]:
+    """The family's soundtrack (audio VAE and vocoder as one module on `runtime`; built on first use and kept
+    in `programs` for every folder of the same model and dtype): the waveform (channels, samples) float32 in
+    [-1, 1] and its sample rate."""
+    key = ("soundtrack", source.location, dtype)
+    if key not in programs:
+        with timer.phase("load"):
+            parts = [source.load(name, dtype=dtype).eval() for name in family.Soundtrack.COMPONENTS]
+        with timer.phase("place"):
+            soundtrack = family.Soundtrack(*parts)
+            programs[key] = runtime.compile(soundtrack), soundtrack.sample_rate
+    program, rate = programs[key]
+    with timer.phase("audio"), torch.no_grad():
+        waveform = runtime.to_host(program(runtime.to_device(latents.to(dtype))))
+    return waveform[0].float(), rate

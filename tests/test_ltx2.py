@@ -637,6 +637,7 @@ def test_stage1_plans_gemma_and_the_connectors_also_from_configs_kept_in_code(tm
     gemma = "Gemma3TextModel ([1, 1024], [1, 1024])"
     connectors = f"LTX2TextConnectors ([2, 1024, 48], [2, 1024], {tables})"
     assert preset["programs"] == [gemma, connectors] and preset["calls"] == {gemma: 2, connectors: 1}
+    assert "all-reduce" in preset["collectives"][connectors]  # split over tp (models/ltx2/connectors.py)
     assert not (tmp_path / "unused").exists()
     assert published["model"] == "Lightricks/tiny" and published["stand_ins"] == {"tokenizer": "tiny-ltx2's tokenizer"}
     assert "stand_ins" not in preset

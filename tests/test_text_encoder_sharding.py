@@ -139,6 +139,48 @@ def test_gemma3_12b_rule_table_matches_every_parameter_as_intended(tp, split):
     assert sum(spec != REPLICATED for spec in specs.values()) == per_layer * 48
 
 
+def expected_connector_spec(name: str, split_attention: bool):
+    """The intended layout of an LTX2TextConnectors parameter, written independently of the regex table."""
+    weight = name.endswith(".weight")
+    if "text_proj_in." in name:
+        return ROW if weight else REPLICATED
+    if ".attn1." in name:
+        if not split_attention:
+            return REPLICATED
+        if ".to_out." in name:
+            return ROW if weight else REPLICATED
+        return COLUMN if weight and ".norm_" not in name else COLUMN_BIAS  # q/k/v, gates; the q/k norms
+    if ".ff.net.0." in name:
+        return COLUMN if weight else COLUMN_BIAS
+    if ".ff.net.2." in name:
+        return ROW if weight else REPLICATED
+    return REPLICATED  # the learnable registers
+
+
+@pytest.mark.parametrize("version, tp", [("2.0", 8), ("2.3", 8), ("2.3", 64)])
+def test_ltx2_connector_rule_table_matches_every_parameter_as_intended(version, tp):
+    """LTX-2's text connectors at their published sizes: LTX-2.0's 30 heads per connector keep attention
+    replicated at tp 8; LTX-2.3's 32 split it at 8, not at 64. The projections (row-parallel) and the MLPs
+    split either way."""
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    from models.ltx2.connectors import connector_rules
+    from models.ltx2.published import LTX2_CONNECTORS, LTX23_CONNECTORS
+
+    config = LTX2_CONNECTORS if version == "2.0" else LTX23_CONNECTORS
+    with torch.device("meta"):
+        connectors = LTX2TextConnectors(**config)
+    split = connectors.config.video_connector_num_attention_heads % tp == 0
+    names = [name for name, _ in connectors.named_parameters()]
+    table = connector_rules(connectors.config, tp)
+    assert table.name == f"ltx2-connectors/{'megatron' if split else 'megatron-mlp'}"
+    specs = table.assign(names)
+    assert specs == {name: expected_connector_spec(name, split) for name in names}
+    split_count = sum(p.numel() for name, p in connectors.named_parameters() if specs[name] != REPLICATED)
+    share = split_count / sum(p.numel() for p in connectors.parameters())
+    assert share > (0.95 if split else 0.75)  # unsplit attention replicated: 83% (2.0, tp 8), 79% (2.3, tp 64)
+
+
 def test_unknown_text_encoder_is_a_value_error_in_the_library_and_a_user_error_in_stage_1():
     from transformers import CLIPTextConfig
 
@@ -229,8 +271,8 @@ def test_stage1_torchax_backend_equals_torch_backend(tmp_path, model, prompt):
         "tiny-cogvideox": ["t5-encoder"],
         "tiny-hunyuanvideo15": ["qwen2.5-vl-text", "t5-encoder"],
         "tiny-wan2.1": ["t5-encoder"],
-        "tiny-ltx2": ["gemma3-text", "replicated"],  # the text connectors' weights on every device
-        "tiny-ltx2.3": ["gemma3-text", "replicated"],
+        "tiny-ltx2": ["gemma3-text", "ltx2-connectors"],  # 2 heads per connector: only the MLPs split at tp 8
+        "tiny-ltx2.3": ["gemma3-text", "ltx2-connectors"],  # 8 heads: attention split too
     }
     assert [p["rule_table"].split("/")[0] for p in stage1["placement"]] == expected_tables[model]
     assert torch_config["stage1"]["backend"] == "torch" and torch_config["stage1"]["device"] == "cpu"

@@ -1,5 +1,6 @@
 """LTX-2's text connectors on stage 1's runtime: `LTX2TextConnectors` (the projection of Gemma 3's stacked
-hidden states and the video and audio connector transformers) compiled as one program, weights replicated.
+hidden states and the video and audio connector transformers) compiled as one program, weights split over
+`tp` by `connector_rules`.
 
 On the host they took about a third of stage 1's time on our 2-core machine (31 s beside Gemma's 68 s for a
 prompt and its negative, docs/ltx2.md). Their stock forward runs as it is, with two changes for jit: each connector's
@@ -10,12 +11,54 @@ is traced without its in-place update (workarounds/torchax.py: functional_split_
 
 from __future__ import annotations
 
+import re
+
 import torch
+
+from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, TP, RuleTable
 
 from ..encoders import OnRuntime
 from .config import TOKENIZER_PADDING_SIDE
 
 CONNECTORS = ("video_connector", "audio_connector")
+
+
+def connector_rules(config, tp: int) -> RuleTable:
+    """LTX2TextConnectors on a mesh with `tp` devices on its `tp` axis, in the Megatron layout. The stacked
+    hidden states' projections (LTX-2.0's one `text_proj_in`, 3840 x 188,160; LTX-2.3's one per stream) are
+    row-parallel: each device takes its slice of the (replicated) stacked features and one all-reduce sums
+    the projection. Column-parallel compiled to more traffic for the TPU (v6e-8, bf16: 210 against 75 MiB for
+    LTX-2.0, 1408 against 984 MiB for LTX-2.3; docs/planning.md#ltx-2). Each connector block's MLP is split
+    always, its attention where `tp` divides that connector's heads (the published LTX-2.0 has 30: at tp 8
+    attention stays replicated; LTX-2.3 has 32). The q/k RMS norms span all heads, so they are split like
+    q/k's columns; LTX-2.3's per-head gates like the heads. Replicated: the learnable registers and the
+    row-parallel layers' biases."""
+    rules = [
+        (r"(video_|audio_)?text_proj_in\.weight", ROW),
+        (r"(video_|audio_)?text_proj_in\.bias", REPLICATED),  # proj_bias (off in the published configs)
+        (r"(video|audio)_connector\.learnable_registers", REPLICATED),
+    ]
+    optional = {1, 2}
+    split = [name for name in CONNECTORS if config[f"{name}_num_attention_heads"] % tp == 0]
+    for name in CONNECTORS:
+        column, column_bias, row = (COLUMN, COLUMN_BIAS, ROW) if name in split else (REPLICATED,) * 3
+        block = re.escape(name) + r"\.transformer_blocks\.\d+\."
+        optional |= {len(rules) + 3, len(rules) + 4}  # LTX-2.3's gates
+        rules += [
+            (block + r"attn1\.to_[qkv]\.weight", column),
+            (block + r"attn1\.to_[qkv]\.bias", column_bias),
+            (block + r"attn1\.norm_[qk]\.weight", column_bias),
+            (block + r"attn1\.to_gate_logits\.weight", column),
+            (block + r"attn1\.to_gate_logits\.bias", column_bias),
+            (block + r"attn1\.to_out\.0\.weight", row),
+            (block + r"attn1\.to_out\.0\.bias", REPLICATED),
+            (block + r"ff\.net\.0\.proj\.weight", COLUMN),
+            (block + r"ff\.net\.0\.proj\.bias", COLUMN_BIAS),
+            (block + r"ff\.net\.2\.weight", ROW),
+            (block + r"ff\.net\.2\.bias", REPLICATED),
+        ]
+    layout = "megatron" if len(split) == len(CONNECTORS) else "megatron-mlp"
+    return RuleTable(f"ltx2-connectors/{layout}", tuple(rules), frozenset(optional))
 
 
 def rope_tables(connectors: torch.nn.Module, batch: int, length: int) -> list[torch.Tensor]:
@@ -55,10 +98,15 @@ class _ConnectorOutputs(torch.nn.Module):
 class DeviceConnectors(OnRuntime):
     """`LTX2TextConnectors` on a runtime, called as the pipeline calls it on its [negative, prompt] batch: CPU
     stacked hidden states and mask in, the video and audio text embeddings and their mask out on the host (the
-    mask as the stock module's int64)."""
+    mask as the stock module's int64). On a JAX mesh the weights are split by `connector_rules`."""
 
     def __init__(self, connectors: torch.nn.Module, runtime) -> None:
-        super().__init__(connectors, runtime, _ConnectorOutputs(connectors))
+        config = connectors.config
+
+        def rules(mesh_shape: dict[str, int]) -> RuleTable:
+            return connector_rules(config, mesh_shape[TP]).nested("connectors.")
+
+        super().__init__(connectors, runtime, _ConnectorOutputs(connectors), rules)
         self.connectors = [connectors]  # the rotary tables' source (not a submodule)
 
     def forward(self, hidden_states, attention_mask):

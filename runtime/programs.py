@@ -19,7 +19,7 @@ import torch
 from runtime import program_checks, program_key
 from runtime.interface import PROGRAM_TIMES
 from workarounds.jax import without_compilation_cache
-from workarounds.torchax import import_torchax, op_definition, quiet_attribute_scan
+from workarounds.torchax import dedup_tied_buffers, import_torchax, op_definition, quiet_attribute_scan
 
 interop = import_torchax().interop
 
@@ -51,6 +51,7 @@ class Programs(interop.JittableModule):
             module.requires_grad_(False)  # among the buffers: a plan's state takes the same structure
         with quiet_attribute_scan():
             super().__init__(module)
+        dedup_tied_buffers(self)
         state = (self.params, self.buffers)
         self._state = interop.jax_view(state) if abstract is None else jax.tree.map(lambda t: abstract[id(t)], state)
         self._store = store if store is not None and store.enabled else None

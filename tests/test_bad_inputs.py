@@ -287,7 +287,7 @@ CASES = [
     s1(
         "s1-plan-published-without-text-encoder-config",
         "user errors",
-        ["--model", "THUDM/CogVideoX-2b", "--plan", "v6e-8"],
+        ["--model", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v", "--plan", "v6e-8"],
         "the configs kept in code for it have no 'text_encoder'",
     ),
     s2(

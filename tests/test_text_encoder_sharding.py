@@ -304,3 +304,22 @@ def test_stage1_image_encoders_on_the_devices_equal_the_torch_backend(tmp_path, 
             assert relative_error(jax_tensors[name], expected) <= TOLERANCE, name
     tables = [p["rule_table"] for p in jax_config["stage1"]["placement"]]
     assert tables.count("replicated") == on_devices, tables
+
+
+@pytest.mark.parametrize(
+    "family, parameters",
+    [("cogvideox", 4_762_310_656), ("wan", 5_680_910_336)],  # T5 v1.1 XXL's encoder; UMT5-XXL's (256,384 tokens)
+)
+def test_published_t5_text_encoders_are_kept_for_every_hub_id(family, parameters):
+    """Stage 1's --plan of a CogVideoX or Wan hub id builds its text encoder from the config kept in code:
+    the published encoder's parameter count (its bf16 weights: 9.5 and 11.4 GB), split by the T5 table."""
+    import models
+    from planning.encoders import MetaSource
+
+    for hub_id in models.FAMILIES[family].PUBLISHED:
+        source, family_module = models.resolve_model(hub_id, configs_only=True)
+        encoder = MetaSource(source, family_module).load("text_encoder", torch.bfloat16)
+        assert sum(parameter.numel() for parameter in encoder.parameters()) == parameters, hub_id
+        names = [name for name, _ in encoder.named_parameters(remove_duplicate=False)]
+        table = sharding.text_encoder_rules(encoder.config, 8)
+        assert table.name == "t5-encoder/megatron" and table.assign(names)

@@ -340,3 +340,30 @@ def test_torchax_0_0_13_jittable_module_evaluates_every_property_of_a_transforme
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         TorchaxRuntime().compile(encoder)  # places the weights, then builds runtime.programs.Programs
+
+
+def test_torchax_0_0_13_jittable_module_lists_a_tied_plain_tensor_under_every_name():
+    """torchax 0.0.13's JittableModule passes a tied weight once only when it is a Parameter that requires
+    grad; placed weights are plain tensors, listed as buffers under each name, so a program took the tied
+    T5 embedding twice. Workaround: workarounds.torchax.dedup_tied_buffers (runtime/programs.py): one
+    argument, the same encoding."""
+    from torchax import interop
+    from transformers import T5Config, T5EncoderModel
+
+    from models.encoders import DeviceTextEncoder
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4)
+    encoder = T5EncoderModel(config).eval().requires_grad_(False)
+    assert encoder.shared.weight is encoder.encoder.embed_tokens.weight
+    tied = {"shared.weight", "encoder.embed_tokens.weight"}
+    assert tied <= set(interop.JittableModule(encoder).buffers)  # the bug: both names, one tensor
+    ids = torch.tensor([[3, 5, 7, 1]])
+    with torch.no_grad():
+        expected = encoder(input_ids=ids).last_hidden_state
+    with jax.default_matmul_precision("highest"):
+        device_encoder = DeviceTextEncoder(encoder, TorchaxRuntime(make_mesh(MeshShape())))
+        output = device_encoder(ids, torch.ones_like(ids))
+    names = {name.removeprefix("encoder.") for name in device_encoder.jitted.buffers}
+    assert len(tied & names) == 1
+    assert relative_error(output.last_hidden_state, expected) <= 1e-6

@@ -16,6 +16,11 @@ VAE's `WanUpsample` does `upsample(x.float()).type_as(x)` before a bf16 conv, wh
 meaning, a new tensor; tests/test_upstream_bugs.py checks the stock method still misbehaves.
 
 torchax 0.0.13's `Tensor.__setitem__` turns a strided slice assignment into a scatter (strided_slice_set).
+
+torchax 0.0.13's `JittableModule` passes a tied weight once only if it is a Parameter that requires grad;
+our placed weights are plain tensors, which it lists among the buffers under every name, so a T5 encoder's
+embedding (`shared` and `encoder.embed_tokens`) was two arguments of every program and the TPU compiler
+counted it twice (UMT5-XXL: 1.96 GiB per device too many in a plan). `dedup_tied_buffers`.
 """
 
 from __future__ import annotations
@@ -417,3 +422,16 @@ def functional_split_rotary() -> Iterator[None]:
         yield
     finally:
         transformer_ltx2.apply_split_rotary_emb = stock
+
+
+def dedup_tied_buffers(jittable) -> None:
+    """Keep one name per tensor among an `interop.JittableModule`'s buffers, the others re-added inside
+    `functional_call` from its `_extra_dumped_weights`, as torchax already does for Parameters."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in jittable.buffers.items():
+        names.setdefault(id(tensor), []).append(name)
+    for first, *others in names.values():
+        if others:
+            jittable._extra_dumped_weights.setdefault(first, []).extend(others)
+            for name in others:
+                del jittable.buffers[name]

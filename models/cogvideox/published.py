@@ -26,7 +26,8 @@ COGVIDEOX15_5B_TRANSFORMER = {
     "use_rotary_positional_embeddings": True,
 }
 
-# CogVideoX's text encoder, T5 v1.1 XXL (T5Config kwargs, e.g. for benchmarks/collectives.py and table tests).
+# CogVideoX's text encoder, T5 v1.1 XXL (T5Config kwargs: every published CogVideoX folder's `text_encoder`,
+# also for benchmarks/collectives.py and table tests).
 T5_XXL_ENCODER = {
     "vocab_size": 32128,
     "d_model": 4096,
@@ -77,6 +78,7 @@ def _cogvideox(
 ) -> dict[str, tuple]:
     return {
         "_class_name": ("diffusers", pipeline),
+        "text_encoder": ("transformers", "T5EncoderModel", T5_XXL_ENCODER),
         "transformer": ("diffusers", "CogVideoXTransformer3DModel", transformer),
         "vae": ("diffusers", "AutoencoderKLCogVideoX", {**COGVIDEOX_VAE, "scaling_factor": scaling_factor, **vae}),
         "scheduler": ("diffusers", scheduler, COGVIDEOX_SCHEDULER),

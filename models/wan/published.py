@@ -25,6 +25,19 @@ WAN_14B_TRANSFORMER = {
 WAN_13B_TRANSFORMER = {**WAN_14B_TRANSFORMER, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}
 # UniPC with flow sigmas, as the Diffusers folders ship it. The flow shift recorded here (3.0, the 480p
 # value) only sets the default --flow_shift; it does not change a plan.
+# Every Wan folder's text encoder, UMT5-XXL (UMT5Config kwargs): T5 v1.1 XXL's shape with a 256,384-token
+# vocabulary.
+UMT5_XXL_ENCODER = {
+    "vocab_size": 256384,
+    "d_model": 4096,
+    "d_kv": 64,
+    "d_ff": 10240,
+    "num_layers": 24,
+    "num_heads": 64,
+    "feed_forward_proj": "gated-gelu",
+    "relative_attention_num_buckets": 32,
+    "relative_attention_max_distance": 128,
+}
 WAN_SCHEDULER = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0}
 
 
@@ -197,6 +210,7 @@ def _wan(transformer: dict[str, Any], boundary_ratio: float | None = None) -> di
     plain values, components are (library, class, config) tuples)."""
     pipeline: dict[str, Any] = {
         "_class_name": ("diffusers", "WanPipeline"),
+        "text_encoder": ("transformers", "UMT5EncoderModel", UMT5_XXL_ENCODER),
         "transformer": ("diffusers", "WanTransformer3DModel", transformer),
         "vae": ("diffusers", "AutoencoderKLWan", {}),  # the class defaults are the Wan 2.1 VAE
         "scheduler": ("diffusers", "UniPCMultistepScheduler", WAN_SCHEDULER),

@@ -10,7 +10,7 @@ builds for that request, keyed as it keys them (tests/test_plan_executables.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -52,7 +52,7 @@ class MetaSource:
             if component not in self.source.index:
                 self._refuse(component)
 
-    def _refuse(self, component: str):
+    def _refuse(self, component: str) -> NoReturn:
         raise UserError(
             f"stage 1's --plan of {self.source.ref!r}: the configs kept in code for it have no {component!r} "
             "(only tokenizers have stand-ins); give the downloaded model's folder as --model"

@@ -23,8 +23,6 @@ WAN_14B_TRANSFORMER = {
     "rope_max_seq_len": 1024,
 }
 WAN_13B_TRANSFORMER = {**WAN_14B_TRANSFORMER, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}
-# UniPC with flow sigmas, as the Diffusers folders ship it. The flow shift recorded here (3.0, the 480p
-# value) only sets the default --flow_shift; it does not change a plan.
 # Every Wan folder's text encoder, UMT5-XXL (UMT5Config kwargs): T5 v1.1 XXL's shape with a 256,384-token
 # vocabulary.
 UMT5_XXL_ENCODER = {
@@ -38,6 +36,8 @@ UMT5_XXL_ENCODER = {
     "relative_attention_num_buckets": 32,
     "relative_attention_max_distance": 128,
 }
+# UniPC with flow sigmas, as the Diffusers folders ship it. The flow shift recorded here (3.0, the 480p
+# value) only sets the default --flow_shift; it does not change a plan.
 WAN_SCHEDULER = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0}
 
 

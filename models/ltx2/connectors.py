@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, TP, RuleTable
+from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, TP, RuleTable, megatron_rules
 
 from ..encoders import OnRuntime
 from .config import TOKENIZER_PADDING_SIDE
@@ -41,21 +41,19 @@ def connector_rules(config, tp: int) -> RuleTable:
     optional = {1, 2}
     split = [name for name in CONNECTORS if config[f"{name}_num_attention_heads"] % tp == 0]
     for name in CONNECTORS:
-        column, column_bias, row = (COLUMN, COLUMN_BIAS, ROW) if name in split else (REPLICATED,) * 3
         block = re.escape(name) + r"\.transformer_blocks\.\d+\."
-        optional |= {len(rules) + 3, len(rules) + 4}  # LTX-2.3's gates
+        megatron = megatron_rules(block, r"attn1\.to_[qkv]", r"attn1\.to_out\.0", "ff", "megatron")
+        attention, mlp = megatron[:4], megatron[4:]
+        norm, gate, gate_bias = (COLUMN_BIAS, COLUMN, COLUMN_BIAS) if name in split else (REPLICATED,) * 3
+        if name not in split:
+            attention = tuple((pattern, REPLICATED) for pattern, _ in attention)
+        optional |= {len(rules) + 5, len(rules) + 6}  # LTX-2.3's gates
         rules += [
-            (block + r"attn1\.to_[qkv]\.weight", column),
-            (block + r"attn1\.to_[qkv]\.bias", column_bias),
-            (block + r"attn1\.norm_[qk]\.weight", column_bias),
-            (block + r"attn1\.to_gate_logits\.weight", column),
-            (block + r"attn1\.to_gate_logits\.bias", column_bias),
-            (block + r"attn1\.to_out\.0\.weight", row),
-            (block + r"attn1\.to_out\.0\.bias", REPLICATED),
-            (block + r"ff\.net\.0\.proj\.weight", COLUMN),
-            (block + r"ff\.net\.0\.proj\.bias", COLUMN_BIAS),
-            (block + r"ff\.net\.2\.weight", ROW),
-            (block + r"ff\.net\.2\.bias", REPLICATED),
+            *attention,
+            (block + r"attn1\.norm_[qk]\.weight", norm),
+            (block + r"attn1\.to_gate_logits\.weight", gate),
+            (block + r"attn1\.to_gate_logits\.bias", gate_bias),
+            *mlp,
         ]
     layout = "megatron" if len(split) == len(CONNECTORS) else "megatron-mlp"
     return RuleTable(f"ltx2-connectors/{layout}", tuple(rules), frozenset(optional))

@@ -37,21 +37,6 @@ class MetaSource:
     def __getattr__(self, name: str):
         return getattr(self.source, name)
 
-    def check_text_encoders(self) -> None:
-        """Refuse, before anything loads, a published pipeline whose configs kept in code lack one of the text
-        encoders its pipeline class takes (HunyuanVideo-1.5's: the ByT5 vocabulary is not kept)."""
-        import inspect
-
-        import diffusers
-
-        if not self.source.configs_only:
-            return
-        pipeline = getattr(diffusers, self.source.index["_class_name"])
-        encoders = [name for name in inspect.signature(pipeline.__init__).parameters if name.startswith("text_encoder")]
-        for component in encoders:
-            if component not in self.source.index:
-                self._refuse(component)
-
     def _refuse(self, component: str) -> NoReturn:
         raise UserError(
             f"stage 1's --plan of {self.source.ref!r}: the configs kept in code for it have no {component!r} "
@@ -181,7 +166,6 @@ def plan_stage1(family, source, request, images: dict, dtype: torch.dtype, targe
     mesh = topology_mesh(target, MeshShape(tp=target.devices))
     runtime = PlanningRuntime(mesh, store)
     planning = MetaSource(source, family)
-    planning.check_text_encoders()
     images_planned = bool(images) and family.images_on_runtime(source)
     try:
         with runtime.precision(dtype):

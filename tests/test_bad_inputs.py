@@ -284,12 +284,6 @@ CASES = [
     s3("s3-output-name-gif", "user errors", ["--output_name", "video.gif"], "name it .mp4"),
     s2("s2-plan-odd-topology", "user errors", ["--plan", "v6e:3x3"], "--plan: libtpu knows no TPU topology 'v6e:3x3'"),
     s1("s1-lora-not-ltx2", "user errors", ["--lora", "x.safetensors"], "adapters change the transformer alone"),
-    s1(
-        "s1-plan-published-without-text-encoder-config",
-        "user errors",
-        ["--model", "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v", "--plan", "v6e-8"],
-        "the configs kept in code for it have no 'text_encoder'",
-    ),
     s2(
         "s2-coordinator-without-port",
         "user errors",

@@ -307,19 +307,47 @@ def test_stage1_image_encoders_on_the_devices_equal_the_torch_backend(tmp_path, 
 
 
 @pytest.mark.parametrize(
-    "family, parameters",
-    [("cogvideox", 4_762_310_656), ("wan", 5_680_910_336)],  # T5 v1.1 XXL's encoder; UMT5-XXL's (256,384 tokens)
+    "family, component, parameters, table_name",
+    [
+        ("cogvideox", "text_encoder", 4_762_310_656, "t5-encoder/megatron"),  # T5 v1.1 XXL's encoder
+        ("wan", "text_encoder", 5_680_910_336, "t5-encoder/megatron"),  # UMT5-XXL's (256,384 tokens)
+        ("hunyuanvideo15", "text_encoder", 7_070_619_136, "qwen2.5-vl-text/megatron-mlp"),  # Qwen2.5-7B's, no head
+        ("hunyuanvideo15", "text_encoder_2", 219_314_944, "t5-encoder/megatron-mlp"),  # ByT5-small's, 1510 tokens
+    ],
 )
-def test_published_t5_text_encoders_are_kept_for_every_hub_id(family, parameters):
-    """Stage 1's --plan of a CogVideoX or Wan hub id builds its text encoder from the config kept in code:
-    the published encoder's parameter count (its bf16 weights: 9.5 and 11.4 GB), split by the T5 table."""
+def test_published_text_encoders_are_kept_for_every_hub_id(family, component, parameters, table_name):
+    """Stage 1's --plan of a CogVideoX, Wan or HunyuanVideo-1.5 hub id builds its text encoders from the configs
+    kept in code: the published encoder's parameter count (bf16 weights: T5 9.5 GB, UMT5 11.4 GB; Qwen2.5-7B's
+    7.62e9 less its 152,064 x 3584 head; ByT5-small's encoder at 384 tokens is 217,657,472), split by its table
+    (attention replicated where 8 does not divide the heads: Qwen's 28 and 4, ByT5's 6)."""
     import models
     from planning.encoders import MetaSource
 
     for hub_id in models.FAMILIES[family].PUBLISHED:
         source, family_module = models.resolve_model(hub_id, configs_only=True)
-        encoder = MetaSource(source, family_module).load("text_encoder", torch.bfloat16)
+        encoder = MetaSource(source, family_module).load(component, torch.bfloat16)
         assert sum(parameter.numel() for parameter in encoder.parameters()) == parameters, hub_id
         names = [name for name, _ in encoder.named_parameters(remove_duplicate=False)]
         table = sharding.text_encoder_rules(encoder.config, 8)
-        assert table.name == "t5-encoder/megatron" and table.assign(names)
+        assert table.name == table_name and table.assign(names)
+
+
+def test_every_published_id_keeps_each_text_encoder_its_pipeline_takes():
+    """So stage 1's --plan of every hub id kept in code builds the published encoders; only tokenizers have
+    stand-ins, and any other component missing from the configs kept is refused when stage 1 loads it."""
+    import inspect
+
+    import diffusers
+
+    import models
+    from cli import UserError
+    from planning.encoders import MetaSource
+
+    for family in models.FAMILIES.values():
+        for hub_id, index in family.PUBLISHED.items():
+            pipeline = getattr(diffusers, index["_class_name"][1])
+            takes = [name for name in inspect.signature(pipeline.__init__).parameters if name.startswith("text_enc")]
+            assert takes and all(name in index for name in takes), (hub_id, takes)
+    source, family = models.resolve_model("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", configs_only=True)
+    with pytest.raises(UserError, match="the configs kept in code for it have no 'image_processor'"):
+        MetaSource(source, family).load("image_processor")

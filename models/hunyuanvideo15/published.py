@@ -1,13 +1,13 @@
 """HunyuanVideo-1.5's published checkpoints (480p and 720p; t2v, i2v and the distilled i2v folders), their
-configs kept in code for `--plan` (offline, architecture only), and its prompt encoder's config for the
-benchmarks and table tests. Each entry maps a component to (library, class, config.json values)."""
+configs kept in code for `--plan` (offline, architecture only; the text encoders' too). Each entry maps a
+component to (library, class, config.json values)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-# HunyuanVideo-1.5's prompt encoder, the Qwen2.5-VL-7B text model (Qwen2_5_VLTextConfig kwargs, for
-# benchmarks/collectives.py and table tests; weights never needed).
+# HunyuanVideo-1.5's prompt encoder, the Qwen2.5-VL-7B text model (Qwen2_5_VLTextConfig kwargs: every published
+# folder's `text_encoder`, also for benchmarks/collectives.py and table tests).
 QWEN25_VL_7B_TEXT = {
     "vocab_size": 152064,
     "hidden_size": 3584,
@@ -16,6 +16,21 @@ QWEN25_VL_7B_TEXT = {
     "num_attention_heads": 28,
     "num_key_value_heads": 4,
     "rope_scaling": {"rope_type": "default", "mrope_section": [16, 24, 24]},
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 128000,
+}
+# Its glyph encoder (`text_encoder_2`, T5Config kwargs): ByT5-small's encoder with Glyph-SDXL-v2's weights, its
+# byte vocabulary (384) grown by 138 colour and 988 font tokens to 1510 (diffusers'
+# convert_hunyuan_video1_5_to_diffusers.py adds them from the Glyph-SDXL-v2 assets, then resizes the embedding).
+BYT5_GLYPH_ENCODER = {
+    "vocab_size": 1510,
+    "d_model": 1472,
+    "d_kv": 64,
+    "d_ff": 3584,
+    "num_layers": 12,
+    "num_heads": 6,
+    "feed_forward_proj": "gated-gelu",
+    "tie_word_embeddings": False,
 }
 # diffusers' HunyuanVideo15Transformer3DModel defaults are the published architecture; t2v at 480p or 720p.
 HUNYUANVIDEO15_T2V_TRANSFORMER = {"task_type": "t2v"}
@@ -42,6 +57,8 @@ def _hunyuanvideo15(
     image = {"image_encoder": ("transformers", "SiglipVisionModel", SIGLIP_SO400M_384)} if task == "i2v" else {}
     return {
         "_class_name": ("diffusers", pipeline),
+        "text_encoder": ("transformers", "Qwen2_5_VLTextModel", QWEN25_VL_7B_TEXT),
+        "text_encoder_2": ("transformers", "T5EncoderModel", BYT5_GLYPH_ENCODER),
         **image,
         "transformer": (
             "diffusers",

@@ -33,3 +33,20 @@ def test_stage1_and_stage3_torch_backend_never_import_jax(jax_blocked, tmp_path)
         result = run_script(script, [*argv, "--backend", "torchax"], extra_pythonpath=jax_blocked)
         assert result.returncode == 2, result.stderr[-3000:]
         assert result.stderr.strip().splitlines()[-1].startswith("error: --backend torchax needs JAX and torchax")
+
+
+@pytest.mark.slow
+def test_ltx2_stage1_and_stage3_torch_backend_never_import_jax(jax_blocked, tmp_path):
+    """LTX-2's Gemma 3, text connectors, video VAE, audio VAE and vocoder too, and the mp4's soundtrack."""
+    out = tmp_path / "out"
+    stage1 = ["--model", "tiny-ltx2", "--prompt", "a dog barking", "--output_dir", out, "--backend", "torch"]
+    result = run_script("stage1_text_encoder.py", stage1, extra_pythonpath=jax_blocked)
+    assert result.returncode == 0, result.stderr[-3000:]
+    import stage2_transformer
+
+    run_stage(stage2_transformer, ["--input_dir", out, "--num_inference_steps", "2"])
+    result = run_script(
+        "stage3_vae_decoder.py", ["--input_dir", out, "--backend", "torch"], extra_pythonpath=jax_blocked
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2-channel AAC soundtrack" in result.stdout

@@ -346,7 +346,9 @@ def test_every_published_id_keeps_each_text_encoder_its_pipeline_takes():
     for family in models.FAMILIES.values():
         for hub_id, index in family.PUBLISHED.items():
             pipeline = getattr(diffusers, index["_class_name"][1])
-            takes = [name for name in inspect.signature(pipeline.__init__).parameters if name.startswith("text_enc")]
+            takes = [
+                name for name in inspect.signature(pipeline.__init__).parameters if name.startswith("text_encoder")
+            ]
             assert takes and all(name in index for name in takes), (hub_id, takes)
     source, family = models.resolve_model("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", configs_only=True)
     with pytest.raises(UserError, match="the configs kept in code for it have no 'image_processor'"):

@@ -216,7 +216,7 @@ def _publish_folder(target: Path, write) -> Path:
     return target
 
 
-PUBLISHED_FOLDER_LAYOUT = 2  # bump when materialize_published writes its folders differently
+PUBLISHED_FOLDER_LAYOUT = 3  # bump when materialize_published writes its folders differently
 
 
 def materialize_published(hub_id: str) -> Path:
@@ -240,8 +240,10 @@ def materialize_published(hub_id: str) -> Path:
             index[component] = [library, class_name]
             cls = library_class(library, class_name)
             (folder / component).mkdir()
-            if not hasattr(cls, "config_name"):  # a transformers model: its config class writes config.json
-                cls.config_class(**config).save_pretrained(folder / component)
+            if not hasattr(cls, "config_name"):  # transformers: a model's config class writes config.json
+                (cls.config_class(**config) if hasattr(cls, "config_class") else cls(**config)).save_pretrained(
+                    folder / component  # an image processor writes its preprocessor_config.json itself
+                )
                 continue
             # The class's own defaults fill what the published config leaves to them.
             defaults = {

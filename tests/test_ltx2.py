@@ -595,7 +595,8 @@ def test_the_plan_compiles_all_four_passes_on_dp_for_v6e_with_the_real_splash_ke
 def test_stage3_plans_from_configs_alone(tmp_path):
     """Stage 3's --plan reaches stage 2's de-normalisation without VAE weights (a meta-device transformer)."""
     out = tmp_path / "plan.json"
-    run_stage(stage3_vae_decoder, ["--model", "tiny-ltx2", "--plan", "v6e-8", "--plan_json", out])
+    argv = ["--input_dir", tmp_path, "--model", "tiny-ltx2", "--plan", "v6e-8", "--plan_json", out]
+    run_stage(stage3_vae_decoder, argv)  # an empty folder: nothing of a previous run in ./stage_outputs is read
     report = json.loads(out.read_text())
     assert report["fits"] and report["latents"] == [1, 8, 3, 4, 4]
     assert report["soundtrack"] == {"runs_on": "host", "audio_latents": [1, 2, 9, 2]}

@@ -303,7 +303,18 @@ def test_plan_counts_quantized_weights_read_by_the_matmuls(tmp_path):
     reports = {}
     for scheme, scan in (("none", "off"), ("int8", "on"), ("fp8_weight", "off")):
         report = tmp_path / f"{scheme}.json"
-        argv = ["--plan", "v6e-8", "--model", "tiny-wan2.1", "--dtype", "bf16", "--scan_blocks", scan]
+        argv = [
+            "--input_dir",
+            tmp_path,
+            "--plan",
+            "v6e-8",
+            "--model",
+            "tiny-wan2.1",
+            "--dtype",
+            "bf16",
+            "--scan_blocks",
+            scan,
+        ]
         run_stage(stage2_transformer, [*argv, "--quantize", scheme, "--plan_json", report])
         reports[scheme] = json.loads(report.read_text())
     assert reports["int8"]["collectives"]["scanned_blocks"] == 2

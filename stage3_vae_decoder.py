@@ -157,7 +157,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--save_frames",
         action="store_true",
         help="also write <video name>_frames.safetensors: `frames` uint8 (F, H, W, 3) as encoded and "
-        "`frames_float` float32 in [0, 1] before quantisation (default: off)",
+        "`frames_float` float32 in [0, 1] before quantisation; with a soundtrack (LTX-2) also `waveform`, float32 "
+        "(channels, samples) before AAC (default: off)",
     )
     parser.add_argument("--fps", type=int, help="override the request's frames per second")
     parser.add_argument(
@@ -247,12 +248,16 @@ def chunk_frames_choice(args, family, backend: str) -> int | None:
         return None if args.tiling or not family.CHUNK_FRAMES else family.CHUNK_FRAMES[0]
     if given == 0:
         return None
+    if not family.CHUNK_FRAMES:
+        raise UserError(
+            f"--chunk_frames {given}: the {family.NAME} decode runs as one program (give 0 or leave it out)"
+        )
     if given not in family.CHUNK_FRAMES:
         allowed = family.CHUNK_FRAMES
         if isinstance(allowed, range):
             allowed = f"{allowed.start} to {allowed.stop - 1}"
         else:
-            allowed = ", ".join(map(str, allowed)) or "none yet"
+            allowed = ", ".join(map(str, allowed))
         raise UserError(f"--chunk_frames {given}: the {family.NAME} decode is exact in chunks of {allowed} (or 0)")
     if args.tiling:
         raise UserError("--tiling is diffusers' tiled decode in one program; with --chunk_frames drop it")

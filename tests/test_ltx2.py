@@ -462,6 +462,8 @@ def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_
     shutil.copytree(stage1_folders["tiny-ltx2"], folder)
     run_stage(stage2_transformer, ["--input_dir", folder, "--executables", "off"])
     expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", folder, "--fps", "30"], "soundtrack")
+    argv = ["--input_dir", folder, "--backend", "torchax", "--chunk_frames", 1]
+    expect_user_error(capsys, stage3_vae_decoder, argv, "the ltx2 decode runs as one program (give 0 or leave it out)")
     argv = ["--input_dir", folder, "--cache", "magcache"]
     expect_user_error(capsys, stage2_transformer, argv, "--cache magcache: ltx2 runs --cache interval only")
     window = ["--cache_start_step", 1, "--cache_end_step", 4, "--cache_step_interval", 2]

@@ -66,6 +66,10 @@ class Runtime(Protocol):
     def precision(self, dtype: torch.dtype) -> contextlib.AbstractContextManager:
         """Around a stage's work in `dtype`: fp32 means fp32 matmuls where the runtime's default is less."""
 
+    def attention(self, plan) -> contextlib.AbstractContextManager:
+        """Within the block, `scaled_dot_product_attention` in compiled programs runs attention plan `plan`'s
+        backend (attention/dispatch.py); eagerly, PyTorch's own."""
+
     def describe(self) -> str:
         """Where it runs, for log lines."""
 
@@ -115,6 +119,9 @@ class TorchRuntime:
             yield
         finally:
             torch.set_float32_matmul_precision(previous)
+
+    def attention(self, plan) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def describe(self) -> str:
         return f"torch on {self.device}"

@@ -4,8 +4,9 @@
 `--backend torchax`) hand modules to `TorchaxRuntime.compile`, which places the weights on the mesh by
 a rule table (sharding.py; runtime/placement.py places them) and returns the module with its methods as
 compiled programs (runtime/programs.py). Attention is torchax's lowering of
-`torch.nn.functional.scaled_dot_product_attention` unless attention.dispatch.attention_backend overrides
-it; `torch.gather` is lowered by workarounds.torchax.take_along_axis_gather. `CompileCache` turns on JAX's
+`torch.nn.functional.scaled_dot_product_attention` unless an attention plan overrides it (`attention`:
+attention.dispatch.attention_backend; stage 2's plan, LTX-2's text connectors' XLA einsums);
+`torch.gather` is lowered by workarounds.torchax.take_along_axis_gather. `CompileCache` turns on JAX's
 persistent compilation cache.
 """
 
@@ -185,6 +186,12 @@ class TorchaxRuntime:
         latents differed from the CPU's by 6.1e-4 relative, and by 5.6e-7 with this. bf16 and fp16 keep
         the default: their matmuls already accumulate in fp32."""
         return jax.default_matmul_precision("highest") if dtype == torch.float32 else contextlib.nullcontext()
+
+    def attention(self, plan) -> contextlib.AbstractContextManager:
+        """Within the block, SDPA in this runtime's programs runs `plan`'s backend on its mesh."""
+        from attention.dispatch import attention_backend
+
+        return attention_backend(self.env, plan, self.mesh)
 
     def to_device(self, tree, layout: tuple | None = None):
         """The CPU tensors in `tree` as torchax tensors laid out as `layout` on the mesh (default: replicated)."""

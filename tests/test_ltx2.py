@@ -648,6 +648,18 @@ def test_stage1_plans_gemma_and_the_connectors_also_from_configs_kept_in_code(tm
         assert published[key] == preset[key], key
 
 
+def test_stage1_connectors_with_heads_on_tp_gather_nothing(tmp_path):
+    """tiny-ltx2.3's connectors (8 heads) split their attention over tp 8; their attention runs as the attention
+    plan's XLA einsums, so the [negative, prompt] batch and the split heads stay apart and nothing is gathered
+    (torchax's own SDPA lowering gathered q, k and v whole: 6 all-gathers here, 48 for the published LTX-2.3)."""
+    out = tmp_path / "plan.json"
+    argv = ["--model", "tiny-ltx2.3", "--prompt", "a dog barking", "--plan", "v6e-8", "--plan_json", out]
+    run_stage(stage1_text_encoder, [*argv, "--output_dir", tmp_path / "unused"])
+    report = json.loads(out.read_text())
+    connectors = next(name for name in report["programs"] if name.startswith("LTX2TextConnectors"))
+    assert set(report["collectives"][connectors]) == {"all-reduce"}, report["collectives"][connectors]
+
+
 def test_later_ltx_releases_are_refused(capsys, tmp_path):
     """A folder with LTX-2.5's parts (here: a duration head in model_index.json) is named and refused."""
     folder = tmp_path / "ltx2.5"

@@ -240,10 +240,9 @@ def materialize_published(hub_id: str) -> Path:
             index[component] = [library, class_name]
             cls = library_class(library, class_name)
             (folder / component).mkdir()
-            if not hasattr(cls, "config_name"):  # transformers: a model's config class writes config.json
-                (cls.config_class(**config) if hasattr(cls, "config_class") else cls(**config)).save_pretrained(
-                    folder / component  # an image processor writes its preprocessor_config.json itself
-                )
+            if not hasattr(cls, "config_name"):  # transformers: a model's config class writes its config.json,
+                written = cls.config_class(**config) if hasattr(cls, "config_class") else cls(**config)
+                written.save_pretrained(folder / component)  # an image processor its preprocessor_config.json
                 continue
             # The class's own defaults fill what the published config leaves to them.
             defaults = {

@@ -49,6 +49,10 @@ SIGLIP_SO400M_384 = {
 # Its image processor (`feature_extractor`, SiglipImageProcessor kwargs; the conversion takes FLUX.1-Redux-dev's):
 # images resized to the encoder's 384 px; the class's defaults are the rest of SigLIP's preprocessing.
 SIGLIP_384_PROCESSOR = {"size": {"height": 384, "width": 384}}
+IMAGE_COMPONENTS = {  # image-to-video's
+    "image_encoder": ("transformers", "SiglipVisionModel", SIGLIP_SO400M_384),
+    "feature_extractor": ("transformers", "SiglipImageProcessor", SIGLIP_384_PROCESSOR),
+}
 
 
 def _hunyuanvideo15(
@@ -57,15 +61,11 @@ def _hunyuanvideo15(
     """A HunyuanVideo-1.5 pipeline; the distilled folders differ in guidance (1: CFG distilled away), shift and,
     for the step-distilled one, a meanflow transformer (diffusers' convert_hunyuan_video1_5_to_diffusers.py)."""
     pipeline = "HunyuanVideo15Pipeline" if task == "t2v" else "HunyuanVideo15ImageToVideoPipeline"
-    image = {
-        "image_encoder": ("transformers", "SiglipVisionModel", SIGLIP_SO400M_384),
-        "feature_extractor": ("transformers", "SiglipImageProcessor", SIGLIP_384_PROCESSOR),
-    }
     return {
         "_class_name": ("diffusers", pipeline),
         "text_encoder": ("transformers", "Qwen2_5_VLTextModel", QWEN25_VL_7B_TEXT),
         "text_encoder_2": ("transformers", "T5EncoderModel", BYT5_GLYPH_ENCODER),
-        **(image if task == "i2v" else {}),
+        **(IMAGE_COMPONENTS if task == "i2v" else {}),
         "transformer": (
             "diffusers",
             "HunyuanVideo15Transformer3DModel",

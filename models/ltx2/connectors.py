@@ -115,7 +115,8 @@ class DeviceConnectors(OnRuntime):
 
     def forward(self, hidden_states, attention_mask):
         tables = rope_tables(self.connectors[0], *attention_mask.shape)
+        inputs = self.runtime.to_device((hidden_states, attention_mask, *tables))
         with self.runtime.attention(XLA_ATTENTION):
-            outputs = self.jitted(*self.runtime.to_device((hidden_states, attention_mask, *tables)))
+            outputs = self.jitted(*inputs)
         video, audio, mask = (self.runtime.to_host(output) for output in outputs)
         return video, audio, mask.to(torch.int64)

@@ -337,6 +337,7 @@ def checked_video(args, input_dir: Path) -> Video:
         )
     tensors = read_tensors(input_dir, config["stage2"])
     normalization = stage2_normalization(config["stage2"], lambda: family.latents_normalization(source))
+    tensors, normalization = family.upgrade_stage2(source, tensors, normalization)
     source.load_config("vae")  # a model folder without a VAE is refused here, before any folder decodes
     check_output_dir(output_dir, input_dir, config)
     ensure_writable_dir(output_dir, (output_name, preview_name(output_name), frames_name(output_name)))

@@ -261,15 +261,24 @@ def materialize_preset(name: str) -> Path:
     """Save a preset's tiny random components once (save_pretrained) and return the folder.
 
     Presets then load through the same `from_pretrained` path as real models. The folder name carries a
-    hash of the component configs, so a changed preset never reuses a stale folder.
+    hash of the component configs and of every saved tensor (parameters and persistent buffers, such as
+    LTX-2's latent statistics), so a changed preset never reuses a stale folder.
     """
+    import torch
+
     pipe = PRESETS[name].build()
     configs = {}
-    for key, component in pipe.components.items():
+    digest = hashlib.sha256()
+    for key, component in sorted(pipe.components.items()):
         config = getattr(component, "config", None)  # tokenizers have none; they are fixed by the code
         if config is not None:
             configs[key] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        if isinstance(component, torch.nn.Module):
+            for tensor_name, tensor in component.state_dict().items():
+                digest.update(f"{key}.{tensor_name}:{tensor.dtype}:{list(tensor.shape)}".encode())
+                digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     # Keys starting with "_" are bookkeeping (some are unordered sets), not part of the model.
     configs = {name: {k: v for k, v in c.items() if not k.startswith("_")} for name, c in configs.items()}
-    digest = hashlib.sha256(json.dumps(configs, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    digest.update(json.dumps(configs, sort_keys=True, default=str).encode())
+    digest = digest.hexdigest()[:12]
     return _publish_folder(cache_root() / "presets" / f"{name}-{digest}", pipe.save_pretrained)

@@ -32,6 +32,11 @@ def vae_scaling_factor(source) -> dict[str, Any]:
     return {"method": "scaling_factor", "scaling_factor": source.load_config("vae")["scaling_factor"]}
 
 
+def stage2_as_written(source, tensors: dict, normalization: dict[str, Any]) -> tuple[dict, dict[str, Any]]:
+    """`upgrade_stage2` of a family whose every stage 2 wrote what stage 3 decodes: unchanged."""
+    return tensors, normalization
+
+
 def recorded_scaling_factor(normalization: dict[str, Any]) -> float:
     """The scaling factor stage 2 recorded; any other normalisation is a wrong folder for this family."""
     if normalization.get("method") != "scaling_factor":

@@ -88,6 +88,12 @@ class Family(Protocol):
     def latents_normalization(self, source: ModelSource) -> dict[str, Any]:
         """How stage 2's latents relate to the VAE's (recorded by stage 2, undone by stage 3)."""
 
+    def upgrade_stage2(
+        self, source: ModelSource, tensors: dict[str, torch.Tensor], normalization: dict[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Stage 3: a folder's stage-2 tensors and recorded normalisation as this stage 3 decodes them (an
+        older stage 2's layout brought up to date, logged; unchanged for folders this version writes)."""
+
     def prompt_encoder(self, source: ModelSource, dtype: torch.dtype, runtime: Runtime) -> Callable[[Request], dict]:
         """Stage 1: the text encoders loaded once; a function of a request giving the pipeline's own prompt
         encoding, tensors named as the pipeline's arguments."""
@@ -121,10 +127,12 @@ class Family(Protocol):
         transformers: dict[str, torch.nn.Module],
         runtime: Runtime,
         tp_mode: str,
+        planning: bool = False,
     ) -> tuple[DenoiseLoop, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]]:
         """Stage 2: the loop for `transformers` (by component name; loaded, or on the meta device for --plan),
         and the function turning its final latents into stage 2's tensors by name (`latents`, (B, C, F, H,
-        W); LTX-2 adds `audio_latents`) and the facts stage 3 needs."""
+        W); LTX-2 adds `audio_latents`) and the facts stage 3 needs. `planning` (--plan): only shapes count,
+        so no checkpoint value is read; a run never infers it from its modules."""
 
     def planning_embeds(self, source: ModelSource, request: Request, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Zero stage-1 tensors of the shapes stage 1 would write (to plan before encoding)."""

@@ -277,7 +277,7 @@ def plan_stage2(
             continue
         depth_layers = layers if depth == FULL else depth
         transformers = meta_transformers(family, source, dtype, depth_layers, quantization)
-        loops = [family.denoise_loop(source, request, embeds, dtype, transformers, runtime, tp_mode)[0]]
+        loops = [family.denoise_loop(source, request, embeds, dtype, transformers, runtime, tp_mode, planning=True)[0]]
         loop = batched_loop(loops * videos) if videos > 1 else loops[0]
         t = loop.timesteps[0]
         inputs = [(loop.model_input(loop.latents, t), ()), (loop.timestep_input(0, t), ()), *loop.static_inputs]
@@ -393,7 +393,7 @@ def plan_stage3(
     runtime = TorchaxRuntime(mesh)
     transformers = meta_transformers(family, source, dtype, num_layers=1)
     embeds = family.planning_embeds(source, request, dtype)
-    loop, finish = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, "megatron")
+    loop, finish = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, "megatron", planning=True)
     tensors, record = finish(loop.latents.to(dtype))
     latents = tensors["latents"]
     vae = meta_module(source, "vae", dtype)

@@ -391,6 +391,65 @@ def test_torchax_decode_matches_the_pipeline(tmp_path, stage1_folders):
     )
 
 
+def test_a_stage2_folder_from_before_the_denormalization_fix_decodes_as_the_pipeline(
+    tmp_path, stage1_folders, monkeypatch, capsys
+):
+    """A stage-2 section written before 2026-11-27 holds the latents as the transformer denoised them, labelled
+    {"method": "none"} without the mark (that stage 2 read the statistics as zeros and ones). Made here by the
+    stage 2 of today with the de-normalisation taken out: its latents are far from the pipeline's (so the
+    parity tests catch a stage 2 that skips it), and stage 3 de-normalises them, says so, and decodes the
+    pipeline's frames and waveform (1e-5)."""
+    from models.ltx2 import pipeline as ltx2_pipeline
+
+    out = tmp_path / "run"
+    shutil.copytree(stage1_folders["tiny-ltx2"], out)
+    monkeypatch.setattr(ltx2_pipeline, "denormalized", lambda source, tensors, planning=False: tensors)
+    monkeypatch.setattr(ltx2_pipeline, "latents_normalization", lambda source: {"method": "none"})
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off"])
+    monkeypatch.undo()
+    config = read_config(out, needs="stage2")
+    assert config["stage2"]["latents_normalization"] == {"method": "none"}
+    tensors = read_tensors(out, config["stage2"])
+    video, audio = reference("tiny-ltx2", config, "latent")
+    assert relative_error(tensors["latents"], video) > 0.1 and relative_error(tensors["audio_latents"], audio) > 0.1
+
+    capsys.readouterr()
+    run_stage(stage3_vae_decoder, ["--input_dir", out, "--backend", "torch", "--save_frames"])
+    assert "predates 2026-11-27 and stored normalised LTX-2 latents" in capsys.readouterr().out
+    config = read_config(out, needs="stage3")
+    assert config["stage2"]["latents_normalization"] == {"method": "none"}  # stage 3 leaves stage 2's section
+    saved = read_tensors(out, config["stage3"]["frames_file"])
+    frames, waveform = reference("tiny-ltx2", config, "np")
+    assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
+    assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
+
+
+def test_the_presets_statistics_are_not_the_identity_and_key_their_folder():
+    """Both VAEs' latent statistics and the scaling factor are not 0, 1 and 1 (de-normalising would be the
+    identity and hide a decode that skips it), and the preset's cached folder is keyed by its tensors, not only
+    its configs: a preset whose statistics change gets a new folder instead of the stale one."""
+    import dataclasses
+
+    preset = models.PRESETS["tiny-ltx2"]
+    pipe = preset.build()
+    for vae in (pipe.vae, pipe.audio_vae):
+        assert (vae.latents_mean.abs() > 1e-3).all() and ((vae.latents_std - 1).abs() > 1e-3).all()
+    assert pipe.vae.config.scaling_factor != 1.0
+    before = models.materialize_preset("tiny-ltx2")
+
+    def doubled_std():
+        changed = preset.build()
+        changed.vae.latents_std.mul_(2)
+        return changed
+
+    models.PRESETS["tiny-ltx2"] = dataclasses.replace(preset, build=doubled_std)
+    try:
+        after = models.materialize_preset("tiny-ltx2")
+    finally:
+        models.PRESETS["tiny-ltx2"] = preset
+    assert after != before  # the configs are the same; only a buffer differs
+
+
 @pytest.mark.parametrize("version", ["2.0", "2.3"])
 def test_the_jit_safe_transformer_is_the_stock_one_in_eager(version):
     """make_jit_safe's patches (RoPE tables fed in, boolean text masks, per-branch modality factors, no
@@ -514,7 +573,8 @@ def test_a_prompt_list_batches_each_video_as_the_pipeline_runs_it(tmp_path):
     config = read_config(folders[2], needs="stage3")
     assert config["stage3"]["audio"]["decoded_on"] == "torch on cpu"
     saved = read_tensors(folders[2], config["stage3"]["frames_file"])
-    _, waveform = reference("tiny-ltx2.3", config, "np", spatio_temporal_guidance_blocks=[1])
+    frames, waveform = reference("tiny-ltx2.3", config, "np", spatio_temporal_guidance_blocks=[1])
+    assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
     assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
 
 
@@ -525,20 +585,21 @@ def image_file(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "crf, stage2_flags",
-    [(None, []), (0, ["--attention", "splash", "--sp", "2", "--tp", "4"])],
-    ids=["crf33-8-devices-and-decode", "no-recompress-splash"],
+    "crf, stage1_flags, stage2_flags",
+    [(None, [], []), (0, ["--backend", "torchax"], ["--attention", "splash", "--sp", "2", "--tp", "4"])],
+    ids=["crf33-8-devices-and-decode", "no-recompress-torchax-stage1-splash"],
 )
-def test_image_to_video_matches_the_pipeline(tmp_path, image_file, crf, stage2_flags):
+def test_image_to_video_matches_the_pipeline(tmp_path, image_file, crf, stage1_flags, stage2_flags):
     """LTX2ImageToVideoPipeline: stage 1's H.264 round trip (the default CRF 33, through PyAV) or none, and
-    the VAE latents of the image; stage 2's first frame held at timestep zero and never stepped; stage 3's
-    decode of the whole video."""
+    the VAE latents of the image (on torch, or on torchax, whose placed VAE's statistics are read before
+    placing); stage 2's first frame held at timestep zero and never stepped; stage 3's decode of the whole
+    video."""
     from PIL import Image
 
     out = tmp_path / "run"
     argv = ["--model", "tiny-ltx2-i2v", "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
     argv += ["--seed", SEED, "--num_inference_steps", STEPS, "--image", image_file, "--output_dir", out]
-    run_stage(stage1_text_encoder, [*argv, *([] if crf is None else ["--image_crf", crf])])
+    run_stage(stage1_text_encoder, [*argv, *stage1_flags, *([] if crf is None else ["--image_crf", crf])])
     run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", *stage2_flags])
     config = read_config(out, needs="stage2")
     assert config["image_crf"] == (33 if crf is None else crf) and config["stage1"]["task"] == "i2v"
@@ -595,12 +656,12 @@ def test_the_plan_compiles_all_four_passes_on_dp_for_v6e_with_the_real_splash_ke
 
 
 def test_stage3_plans_from_configs_alone(tmp_path):
-    """Stage 3's --plan reaches stage 2's de-normalisation without VAE weights (a meta-device transformer)."""
+    """Stage 3's --plan reaches stage 2's de-normalisation, which reads no statistics when planning."""
     out = tmp_path / "plan.json"
     argv = ["--input_dir", tmp_path, "--model", "tiny-ltx2", "--plan", "v6e-8", "--plan_json", out]
     run_stage(stage3_vae_decoder, argv)  # an empty folder: nothing of a previous run in ./stage_outputs is read
     report = json.loads(out.read_text())
-    assert report["fits"] and report["latents"] == [1, 8, 3, 4, 4]
+    assert report["fits"] and report["latents"] == [1, 8, 3, 4, 6]
     assert report["soundtrack"] == {"runs_on": "host", "audio_latents": [1, 2, 9, 2]}
 
 

@@ -54,7 +54,16 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
     return embeds
 
 
-def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtype, transformers, runtime, tp_mode):
+def denoise_loop(
+    source,
+    request: Request,
+    embeds: dict[str, torch.Tensor],
+    dtype,
+    transformers,
+    runtime,
+    tp_mode,
+    planning: bool = False,
+):
     """The pipeline's denoising loop as a DenoiseLoop for `transformer` on `runtime`, and the function that
     turns its final latents into stage 2's (B, C, F, H, W) latents and record.
 

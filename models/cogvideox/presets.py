@@ -67,7 +67,7 @@ def tiny_pipeline(version: str, seed: int = 0, num_layers: int = 2, image_to_vid
         temporal_compression_ratio=4,
         scaling_factor=0.7,
     )
-    # The real checkpoints' scheduler settings: 1.5 and 5b use DPM, 2b uses DDIM.
+    # The real checkpoints' scheduler settings: 1.5 and 5b use DPM, 2b uses DDIM and shifts the SNR by 3.
     scheduler_cls = CogVideoXDPMScheduler if version == "1.5" else CogVideoXDDIMScheduler
     scheduler = scheduler_cls(
         beta_schedule="scaled_linear",
@@ -78,7 +78,7 @@ def tiny_pipeline(version: str, seed: int = 0, num_layers: int = 2, image_to_vid
         timestep_spacing="trailing",
         clip_sample=False,
         set_alpha_to_one=True,
-        snr_shift_scale=1.0,
+        snr_shift_scale=3.0 if version == "1.0" and not image_to_video else 1.0,  # CogVideoX-2b's 3.0, the 5b's 1.0
     )
     if image_to_video and version == "1.5":
         vae.register_to_config(invert_scale_latents=True)  # as the CogVideoX 1.5 VAE folders say

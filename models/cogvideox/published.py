@@ -74,21 +74,28 @@ COGVIDEOX15_5B_I2V_TRANSFORMER = {**COGVIDEOX15_5B_TRANSFORMER, "in_channels": 3
 
 
 def _cogvideox(
-    transformer: dict[str, Any], scheduler: str, scaling_factor: float, pipeline: str = "CogVideoXPipeline", **vae
+    transformer: dict[str, Any],
+    scheduler: str,
+    scaling_factor: float,
+    pipeline: str = "CogVideoXPipeline",
+    snr_shift_scale: float = 1.0,
+    **vae,
 ) -> dict[str, tuple]:
     return {
         "_class_name": ("diffusers", pipeline),
         "text_encoder": ("transformers", "T5EncoderModel", T5_XXL_ENCODER),
         "transformer": ("diffusers", "CogVideoXTransformer3DModel", transformer),
         "vae": ("diffusers", "AutoencoderKLCogVideoX", {**COGVIDEOX_VAE, "scaling_factor": scaling_factor, **vae}),
-        "scheduler": ("diffusers", scheduler, COGVIDEOX_SCHEDULER),
+        "scheduler": ("diffusers", scheduler, {**COGVIDEOX_SCHEDULER, "snr_shift_scale": snr_shift_scale}),
     }
 
 
 PUBLISHED: dict[str, dict[str, Any]] = {
     "zai-org/CogVideoX1.5-5B": _cogvideox(COGVIDEOX15_5B_TRANSFORMER, "CogVideoXDPMScheduler", 0.7),
     "THUDM/CogVideoX-5b": _cogvideox(COGVIDEOX_5B_TRANSFORMER, "CogVideoXDPMScheduler", 0.7),
-    "THUDM/CogVideoX-2b": _cogvideox(COGVIDEOX_2B_TRANSFORMER, "CogVideoXDDIMScheduler", 1.15258426),
+    "THUDM/CogVideoX-2b": _cogvideox(
+        COGVIDEOX_2B_TRANSFORMER, "CogVideoXDDIMScheduler", 1.15258426, snr_shift_scale=3.0
+    ),
     "THUDM/CogVideoX-5b-I2V": _cogvideox(
         COGVIDEOX_5B_I2V_TRANSFORMER, "CogVideoXDPMScheduler", 0.7, "CogVideoXImageToVideoPipeline"
     ),

@@ -12,6 +12,7 @@
 
 from ..common import no_image_checks as check_images
 from ..common import one_transformer as transformer_components
+from ..common import stage2_as_written as upgrade_stage2
 from ..common import vae_scaling_factor as latents_normalization
 from .config import (
     LORA_LOADER,

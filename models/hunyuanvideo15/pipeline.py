@@ -85,7 +85,16 @@ def meanflow_timesteps(timesteps: torch.Tensor):
     return lambda i, t: torch.stack([t, following[i]])
 
 
-def denoise_loop(source, request: Request, embeds: dict[str, torch.Tensor], dtype, transformers, runtime, tp_mode):
+def denoise_loop(
+    source,
+    request: Request,
+    embeds: dict[str, torch.Tensor],
+    dtype,
+    transformers,
+    runtime,
+    tp_mode,
+    planning: bool = False,
+):
     """The pipeline's flow-matching loop as a DenoiseLoop for `transformer` on `runtime`, and the function
     that turns its final latents into stage 2's latents and record."""
     import numpy as np

@@ -27,7 +27,15 @@ from .config import (
     validate_request,
 )
 from .i2v import check_images, encode_images, image_inputs, images_on_runtime
-from .pipeline import Decoder, denoise_loop, latents_normalization, planning_embeds, prompt_encoder, video_processor
+from .pipeline import (
+    Decoder,
+    denoise_loop,
+    latents_normalization,
+    planning_embeds,
+    prompt_encoder,
+    upgrade_stage2,
+    video_processor,
+)
 from .presets import PRESETS
 from .published import PUBLISHED
 from .transformer import SPLASH_BLOCK_SIZES, transformer_rules

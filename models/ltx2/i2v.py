@@ -68,9 +68,11 @@ def encode_images(source, request: Request, images: dict[str, Any], runtime) -> 
     processor = VideoProcessor(vae_scale_factor=vae_ratios(source)[0], resample="bilinear")
     image = recompress(images["image"], request.image_crf)
     pixels = processor.preprocess(image, height=request.height, width=request.width).float()
+    # Read before the runtime places the VAE: placed (torchax) buffers cannot be used on the host.
+    mean, std = vae.latents_mean.clone(), vae.latents_std.clone()
     posterior = DeviceVAEEncoder(vae, runtime).encode(pixels.unsqueeze(2)).latent_dist
     # The pipeline normalises without the VAE's scaling_factor (its de-normalisation uses it; 1.0 when published).
-    latents = LTX2ImageToVideoPipeline._normalize_latents(posterior.mode(), vae.latents_mean, vae.latents_std)
+    latents = LTX2ImageToVideoPipeline._normalize_latents(posterior.mode(), mean, std)
     return {IMAGE_LATENTS: latents.contiguous()}
 
 

@@ -93,14 +93,15 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
 
 def latent_statistics(source, component: str, planning: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A VAE's `latents_mean` and `latents_std` buffers (the pipeline's de-normalisation), read from its
-    checkpoint without loading the VAE. `planning` (a meta-device transformer: --plan, where no value is
-    read): zeros and ones of the buffers' shape, since a configs-only folder has no values."""
+    checkpoint without loading the VAE. `planning` (--plan, or a configs-only source, which has no values):
+    zeros and ones of the buffers' shape. Never inferred from a module's parameters: placed torchax weights
+    and directly loaded ones report `is_meta` in every real run."""
     from safetensors import safe_open
 
     from ..direct_load import checkpoint_paths
     from ..meta import meta_module
 
-    if planning:
+    if planning or source.configs_only:
         shape = meta_module(source, component, torch.float32).latents_mean.shape
         return torch.zeros(shape), torch.ones(shape)
 
@@ -116,8 +117,25 @@ def latent_statistics(source, component: str, planning: bool = False) -> tuple[t
     return vae.latents_mean.float(), vae.latents_std.float()
 
 
-def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime, tp_mode):
-    """LTX2Pipeline's loop as a DenoiseLoop over one tensor holding both streams' packed latents."""
+def denormalized(source, tensors: dict[str, torch.Tensor], planning: bool = False) -> dict[str, torch.Tensor]:
+    """Stage 2's `latents` (B, C, F, H, W) and `audio_latents` (B, C, L, M), normalised as the transformer
+    denoises them, de-normalised to their VAEs' spaces as LTX2Pipeline does after its loop (the audio on its
+    packed features, the video with the VAE's scaling factor), in float32."""
+    from diffusers import LTX2Pipeline
+
+    mean, std = latent_statistics(source, "vae", planning)
+    scaling = source.load_config("vae").get("scaling_factor", 1.0)
+    video = LTX2Pipeline._denormalize_latents(tensors["latents"].float(), mean, std, scaling)
+    audio = tensors["audio_latents"].float()
+    mean, std = latent_statistics(source, "audio_vae", planning)
+    packed = LTX2Pipeline._denormalize_audio_latents(LTX2Pipeline._pack_audio_latents(audio), mean, std)
+    audio = LTX2Pipeline._unpack_audio_latents(packed, audio.shape[2], num_mel_bins=audio.shape[3])
+    return {**tensors, "latents": video, "audio_latents": audio}
+
+
+def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime, tp_mode, planning: bool = False):
+    """LTX2Pipeline's loop as a DenoiseLoop over one tensor holding both streams' packed latents; `finish`
+    de-normalises them with the VAEs' statistics (zeros and ones when `planning`: no values are read)."""
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
     from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, retrieve_timesteps
@@ -207,16 +225,12 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         video_latents = LTX2Pipeline._unpack_latents(
             video_latents.reshape(1, *shapes[0]), frames, height, width, patch, patch_t
         )
-        planning = next(transformer.parameters()).is_meta
-        mean, std = latent_statistics(source, "vae", planning)
-        scaling = source.load_config("vae").get("scaling_factor", 1.0)
-        video_latents = LTX2Pipeline._denormalize_latents(video_latents, mean, std, scaling)
-        mean, std = latent_statistics(source, "audio_vae", planning)
-        audio_latents = LTX2Pipeline._denormalize_audio_latents(audio_latents.reshape(1, *shapes[1]), mean, std)
-        audio_latents = LTX2Pipeline._unpack_audio_latents(audio_latents, audio_length, num_mel_bins=mel_bins)
+        audio_latents = LTX2Pipeline._unpack_audio_latents(
+            audio_latents.reshape(1, *shapes[1]), audio_length, num_mel_bins=mel_bins
+        )
+        tensors = denormalized(source, {"latents": video_latents, "audio_latents": audio_latents}, planning)
         extra = {"guidance": guidance.record(), "audio_latents_layout": "BCLM"}
-        record = latents_record(scheduler, guidance.cfg, latents_normalization(source), **extra)
-        return {"latents": video_latents, "audio_latents": audio_latents}, record
+        return tensors, latents_record(scheduler, guidance.cfg, latents_normalization(source), **extra)
 
     return loop, finish
 
@@ -224,9 +238,27 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
 # Stage 3 -------------------------------------------------------------------------------------------
 
 
+# Marks a stage-2 section whose latents stage 2 de-normalised itself. Sections without it (written before
+# 2026-11-27) hold the latents as the transformer denoised them, normalised, though labelled "none": stage 2
+# then read the statistics as zeros and ones in every real run, so de-normalising them now is exact.
+DENORMALIZED = "vae_statistics_applied"
+
+
 def latents_normalization(source) -> dict[str, Any]:
     """Stage 2's latents are already in the VAEs' spaces (the pipeline's output_type="latent")."""
-    return {"method": "none"}
+    return {"method": "none", DENORMALIZED: True}
+
+
+def upgrade_stage2(source, tensors: dict[str, torch.Tensor], normalization: dict[str, Any]):
+    """Stage 3's view of a stage-2 section: one written before the fix (unmarked) is de-normalised here, with
+    a log line, and then reads as a fixed one."""
+    if normalization.get("method") != "none" or normalization.get(DENORMALIZED):
+        return tensors, normalization
+    log(
+        "stage 2 of this folder predates 2026-11-27 and stored normalised LTX-2 latents: de-normalising them "
+        "with the VAEs' statistics (exact; rerunning stage 2 writes them de-normalised)"
+    )
+    return denormalized(source, tensors), latents_normalization(source)
 
 
 class Decoder(torch.nn.Module):
@@ -240,7 +272,7 @@ class Decoder(torch.nn.Module):
 
     def __init__(self, vae: torch.nn.Module, normalization: dict[str, Any]) -> None:
         super().__init__()
-        if normalization.get("method") != "none":
+        if normalization.get("method") != "none" or not normalization.get(DENORMALIZED):
             raise UserError(f"LTX-2 latents are stored de-normalised; stage 2 recorded {normalization}")
         self.vae = vae
 

@@ -112,9 +112,21 @@ def tiny_connectors(seed: int, version: str = "2.0") -> torch.nn.Module:
     ).eval()
 
 
-def tiny_vae(seed: int) -> torch.nn.Module:
+def with_latent_statistics(vae: torch.nn.Module) -> torch.nn.Module:
+    """`vae` (eval mode) with random per-channel `latents_mean` in [-0.5, 0.5] and `latents_std` in [0.5, 2]
+    (its persistent buffers, which the class leaves at 0 and 1 and every published checkpoint sets), drawn
+    from the seeded generator that built it: with 0 and 1 de-normalising is the identity and a decode that
+    skips it looks right."""
+    with torch.no_grad():
+        vae.latents_mean.uniform_(-0.5, 0.5)
+        vae.latents_std.uniform_(0.5, 2.0)
+    return vae.eval()
+
+
+def tiny_vae(seed: int, version: str = "2.0") -> torch.nn.Module:
     """A random tiny AutoencoderKLLTX2Video: 8 latent channels, 16x spatial (4x4 patches, two 2x2x2 downs)
-    and 4x temporal compression."""
+    and 4x temporal compression; latent statistics and a scaling factor that are not the identity. The decoder
+    pads as the release's does (LTX-2.0 reflects, LTX-2.3 pads zeros)."""
     from diffusers import AutoencoderKLLTX2Video
 
     torch.manual_seed(seed)
@@ -137,16 +149,19 @@ def tiny_vae(seed: int) -> torch.nn.Module:
         patch_size_t=1,
         encoder_causal=True,
         decoder_causal=False,
+        decoder_spatial_padding_mode="zeros" if version == "2.3" else "reflect",
+        scaling_factor=0.8,  # published: 1.0; not 1 here, so a missing scaling step shows
     )
-    return vae.eval()
+    return with_latent_statistics(vae)
 
 
 def tiny_audio_vae(seed: int) -> torch.nn.Module:
-    """A random tiny AutoencoderKLLTX2Audio: 8 mel bins, 2 latent channels, 4x time and mel compression."""
+    """A random tiny AutoencoderKLLTX2Audio: 8 mel bins, 2 latent channels, 4x time and mel compression; latent
+    statistics (per packed feature: channels x latent mel bins) that are not the identity."""
     from diffusers import AutoencoderKLLTX2Audio
 
     torch.manual_seed(seed)
-    return AutoencoderKLLTX2Audio(
+    vae = AutoencoderKLLTX2Audio(
         base_channels=4,
         output_channels=2,
         ch_mult=(1,),
@@ -163,7 +178,8 @@ def tiny_audio_vae(seed: int) -> torch.nn.Module:
         mel_hop_length=160,
         is_causal=True,
         mel_bins=8,
-    ).eval()
+    )
+    return with_latent_statistics(vae)
 
 
 def tiny_vocoder(seed: int) -> torch.nn.Module:
@@ -235,7 +251,7 @@ def tiny_pipeline(version: str = "2.0", seed: int = 0, image_to_video: bool = Fa
     tokenizer = gemma_tokenizer()
     return (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
-        vae=tiny_vae(seed + 1),
+        vae=tiny_vae(seed + 1, version),
         audio_vae=tiny_audio_vae(seed + 2),
         text_encoder=tiny_text_encoder(tokenizer, seed),
         tokenizer=tokenizer,
@@ -245,8 +261,9 @@ def tiny_pipeline(version: str = "2.0", seed: int = 0, image_to_video: bool = Fa
     )
 
 
-# Sizes are multiples of 32 (the pipeline's rule): 64 x 64 is 4 x 4 latent tokens per frame.
-TINY_DEFAULTS = {"height": 64, "width": 64, "num_frames": 9, "fps": 24, "num_inference_steps": 4}
+# Sizes are multiples of 32 (the pipeline's rule): 64 x 96 is 4 x 6 latent tokens per frame, not square, so a
+# height and width swapped anywhere shows.
+TINY_DEFAULTS = {"height": 64, "width": 96, "num_frames": 9, "fps": 24, "num_inference_steps": 4}
 PRESETS = {
     "tiny-ltx2": Preset(NAME, functools.partial(tiny_pipeline, "2.0"), TINY_DEFAULTS),
     "tiny-ltx2.3": Preset(NAME, functools.partial(tiny_pipeline, "2.3"), TINY_DEFAULTS),

@@ -13,6 +13,7 @@ the family's `models.family.Family` members, gathered from its parts.
 
 from ..common import no_image_checks as check_images
 from ..common import size_from_request as image_size  # the pipeline resizes the image to the request's size
+from ..common import stage2_as_written as upgrade_stage2
 from .config import (
     LORA_LOADER,
     NAME,

@@ -1,7 +1,7 @@
 """The dp/sp/tp mesh's axis names and shapes, and the weight rule tables: how a table is written and
 checked, the Megatron block layout every transformer table uses, and the text encoders' tables (T5/UMT5,
-Qwen2.5-VL; each family's transformer table is in its package, `models/<family>/transformer.py`). No JAX:
-a layout is a tuple of axis names (or None) per dimension; the runtime (runtime/placement.py) turns
+Qwen2.5-VL; each family's transformer table is in its package, `tpu_video/models/<family>/transformer.py`). No JAX:
+a layout is a tuple of axis names (or None) per dimension; the runtime (tpu_video/runtime/placement.py) turns
 layouts into JAX shardings at its edge, so the planner's arithmetic, the attention plan and stages 1 and 3
 with `--backend torch` read these without JAX.
 
@@ -63,7 +63,7 @@ MODULATION = ROW
 
 # Rule tables ---------------------------------------------------------------------------------------
 
-SCALE_SUFFIX = ".weight_scale"  # a quantized linear's per-output-channel scales (models/quantize.py)
+SCALE_SUFFIX = ".weight_scale"  # a quantized linear's per-output-channel scales (tpu_video/engine/quantize.py)
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class RuleTable:
     rules: tuple[tuple[str, Layout], ...]
     optional: frozenset[int] = frozenset()  # indices of rules only some variants use (may match nothing)
     # names of tensors that hold several blocks' weights stacked along a new first dimension
-    # (models/scanned_blocks.py): laid out as their rule says for one block, the stacked dimension whole
+    # (tpu_video/engine/scanned_blocks.py): laid out as their rule says for one block, the stacked dimension whole
     stacked: frozenset[str] = frozenset()
 
     def nested(self, prefix: str) -> RuleTable:

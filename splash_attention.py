@@ -1,5 +1,5 @@
 """Attention for torchax: the Pallas Splash Attention kernel with exact key masking, which the SDPA override
-(attention/dispatch.py) calls for `torch.nn.functional.scaled_dot_product_attention` under torchax.
+(tpu_video/attention/dispatch.py) calls for `torch.nn.functional.scaled_dot_product_attention` under torchax.
 
 Exactness. Splash needs sequence lengths that are multiples of its tiles, so queries and keys are
 padded. Padded (and user-masked) keys are excluded with the kernel's segment ids: every query gets
@@ -9,9 +9,9 @@ score 0 in the denominator: 28% relative error at 40% padding (benchmarks/attent
 have no such term; tests/test_splash_attention.py holds them to 1e-5 of a float64 reference.
 
 With a mesh the kernel runs under shard_map: batch on `dp`, heads on `tp`, and with `sp` the scheme the
-run's attention plan chose (Ulysses, ring or gather: attention/sequence_parallel.py). On TPU the kernel
+run's attention plan chose (Ulysses, ring or gather: tpu_video/attention/sequence_parallel.py). On TPU the kernel
 is compiled by Mosaic; elsewhere it runs in Pallas interpret mode (slow, for tests). Its tiles and options
-are attention.plan.SplashConfig; the SDPA override that calls it is attention/dispatch.py.
+are attention.plan.SplashConfig; the SDPA override that calls it is tpu_video/attention/dispatch.py.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from attention.masks import pad_sequence, round_up, rows_with_a_key
-from attention.plan import LANE, SplashConfig
-from attention.sequence_parallel import mesh_axes, ring, ulysses
 from sharding import DP, SP, TP
+from tpu_video.attention.masks import pad_sequence, round_up, rows_with_a_key
+from tpu_video.attention.plan import LANE, SplashConfig
+from tpu_video.attention.sequence_parallel import mesh_axes, ring, ulysses
 
 
 def tile_sizes(config: SplashConfig, q_len: int, kv_len: int) -> splash_kernel.BlockSizes:

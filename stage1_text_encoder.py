@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-import models
-from cli import (
+from sharding import TP
+from tpu_video import models
+from tpu_video.cli import (
     UserError,
     add_executables_argument,
     add_plan_arguments,
@@ -31,11 +32,11 @@ from cli import (
     run_cli,
     stage_parser,
 )
-from models import batch_folders, lora_stage1
-from models.images import IMAGE_FLAGS, check_image_flags, read_images
-from runtime.backend import check_backend_flags, open_runtime
-from runtime.interface import Timer, run_record
-from sharding import TP
+from tpu_video.engine import batch_folders, lora_stage1
+from tpu_video.engine.images import IMAGE_FLAGS, check_image_flags, read_images
+from tpu_video.runtime.backend import check_backend_flags, open_runtime
+from tpu_video.runtime.interface import Timer, run_record
+from tpu_video.workarounds.warning_filters import filter_harmless_warnings
 from utils import (
     DEFAULT_OUTPUT_DIR,
     STAGE1_FILE,
@@ -47,7 +48,6 @@ from utils import (
     write_stage_config,
     write_tensors,
 )
-from workarounds.warning_filters import filter_harmless_warnings
 
 DEFAULT_MODEL = "zai-org/CogVideoX1.5-5B"
 DEFAULT_SEED = 42
@@ -147,9 +147,9 @@ def checked_video(args, source, family, output_dir: Path, where: str = "") -> Vi
 
 def plan_main(args) -> None:
     """--plan: compile stage 1's device programs for a TPU slice, print the report, exit 0 (fits) or 3 (not)."""
-    from planning import report as plan_report
-    from planning.encoders import plan_stage1
-    from planning.flags import executables_to_save, target_from_flag
+    from tpu_video.planning import report as plan_report
+    from tpu_video.planning.encoders import plan_stage1
+    from tpu_video.planning.flags import executables_to_save, target_from_flag
 
     target = target_from_flag(args.plan)
     store = executables_to_save(args.save_executables, target)

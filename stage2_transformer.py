@@ -15,8 +15,8 @@ import functools
 import types
 from pathlib import Path
 
-from attention.plan import SP_MODES
-from cli import (
+from tpu_video.attention.plan import SP_MODES
+from tpu_video.cli import (
     UserError,
     add_executables_argument,
     add_plan_arguments,
@@ -29,17 +29,25 @@ from cli import (
     set_logging,
     stage_parser,
 )
-from models import batch_folders, lora, quantize
-from models.batching import default_batch_size, denoise_group, group_key
-from models.cache_schedule import add_cache_arguments, check_family_runs, kind_from_flags
-from models.common import attention_heads
-from models.denoise import DenoiseOptions, denoise
-from models.guard import sigterm_sets_stop
-from models.meta import model_facts
-from models.scanned_blocks import add_scan_argument
-from models.stage2_inputs import PROFILE_DIR, ValidatedRun, batch_resume, check_batch_flags, profile_dir, validated_run
-from runtime import distributed
-from runtime.interface import run_record
+from tpu_video.engine import batch_folders, lora, quantize
+from tpu_video.engine.batching import default_batch_size, denoise_group, group_key
+from tpu_video.engine.cache_schedule import add_cache_arguments, check_family_runs, kind_from_flags
+from tpu_video.engine.denoise import DenoiseOptions, denoise
+from tpu_video.engine.guard import sigterm_sets_stop
+from tpu_video.engine.meta import attention_heads, model_facts
+from tpu_video.engine.scanned_blocks import add_scan_argument
+from tpu_video.models.adapter_origin import likely_model
+from tpu_video.runtime import distributed
+from tpu_video.runtime.interface import run_record
+from tpu_video.stages.stage2_inputs import (
+    PROFILE_DIR,
+    ValidatedRun,
+    batch_resume,
+    check_batch_flags,
+    profile_dir,
+    validated_run,
+)
+from tpu_video.workarounds.warning_filters import filter_harmless_warnings
 from utils import (
     CHECKPOINT_FILE,
     DEFAULT_OUTPUT_DIR,
@@ -50,7 +58,6 @@ from utils import (
     write_stage_config,
     write_tensors,
 )
-from workarounds.warning_filters import filter_harmless_warnings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -81,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=("auto", "splash", "xla", "cudnn"),
         default="auto",
         help="splash: the Pallas Splash kernel (Pallas interpret mode off TPU); cudnn: JAX's cuDNN fused "
-        "attention (NVIDIA GPU, bf16/fp16); xla: plain XLA softmax attention (attention/xla.py); "
+        "attention (NVIDIA GPU, bf16/fp16); xla: plain XLA softmax attention (tpu_video/attention/xla.py); "
         "auto: Splash on TPU, cuDNN on a GPU (XLA in fp32), else xla (default: auto)",
     )
     for name in ("block_q", "block_kv", "block_kv_compute"):
@@ -169,11 +176,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def attention_plan(args, run_model, platform: str, devices: int, per_host=None, memory=None, generation=None, videos=1):
-    """The run's AttentionPlan (attention/plan.py), as --plan and a run both build it: `run_model` is the
+    """The run's AttentionPlan (tpu_video/attention/plan.py), as --plan and a run both build it: `run_model` is the
     (family, source, request, dtype) denoised; the mesh for a batch of `videos` (runtime.mesh.default_mesh
     for the axes not given); `generation` the TPU's (None: not a TPU). Logged with its reasons."""
-    from attention.plan import AttentionFlags, build_plan
-    from runtime.mesh import MEMORY_SHARE, default_mesh
+    from tpu_video.attention.plan import AttentionFlags, build_plan
+    from tpu_video.runtime.mesh import MEMORY_SHARE, default_mesh
 
     family, source, request, dtype = run_model
     facts = model_facts(family, source, dtype, args.tp_mode, request, quantize.Quantization.from_args(args))
@@ -210,8 +217,8 @@ def where_it_fits(facts, branches: int, videos: int, devices: int, per_host, mem
     fits it (mesh flags gave another), else on a TPU (`generation` not None) the smallest slice of each
     generation whose default mesh does (of `generation`, larger than `devices`); a phrase for a log line or
     the plan's verdict."""
-    from planning import tpus
-    from runtime.mesh import default_mesh
+    from tpu_video.planning import tpus
+    from tpu_video.runtime.mesh import default_mesh
 
     here = default_mesh(
         devices, branches=branches, model=facts, videos=videos, devices_per_host=per_host, device_memory=memory
@@ -233,8 +240,8 @@ def where_it_fits(facts, branches: int, videos: int, devices: int, per_host, mem
 
 def plan_main(args) -> None:
     """--plan: compile for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
-    from planning import flags, plan
-    from planning import report as plan_report
+    from tpu_video.planning import flags, plan
+    from tpu_video.planning import report as plan_report
 
     target = flags.target_from_flag(args.plan)
     store = flags.executables_to_save(args.save_executables, target)
@@ -243,7 +250,7 @@ def plan_main(args) -> None:
     )
     dtype = parse_dtype(args.dtype or request.dtype)
     check_family_runs(family, args)
-    adapters = lora.read_adapters(args, family, source, dtype)
+    adapters = lora.read_adapters(args, family, source, dtype, likely_model=likely_model)
     target_devices = (target.devices, target.devices_per_host, target.hbm_per_device)
     attention = attention_plan(
         args, (family, source, request, dtype), "tpu", *target_devices, target.generation, args.batch_size or 1
@@ -320,10 +327,10 @@ def runtime_for(args, run, processes, videos: int = 1):
     record: what one folder's denoise and a group of batches set up alike."""
     import jax
 
-    from attention.dispatch import attention_backend
-    from planning import tpus
-    from runtime import placement
-    from runtime.torchax_runtime import CompileCache, TorchaxRuntime, device_memory
+    from tpu_video.attention.dispatch import attention_backend
+    from tpu_video.planning import tpus
+    from tpu_video.runtime import placement
+    from tpu_video.runtime.torchax_runtime import CompileCache, TorchaxRuntime, device_memory
 
     platform, kind = jax.devices()[0].platform, jax.devices()[0].device_kind
     generation = tpus.generation_of(kind) if platform == "tpu" else None
@@ -371,10 +378,10 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
 
 def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
     """Several folders: grouped by what the compiled program and schedule depend on (in list order), each
-    group denoised in batches of --batch_size sharing one placement and program (models/batching.py)."""
+    group denoised in batches of --batch_size sharing one placement and program (tpu_video/engine/batching.py)."""
     import jax
 
-    from runtime.torchax_runtime import device_memory
+    from tpu_video.runtime.torchax_runtime import device_memory
 
     groups: dict[tuple, list[ValidatedRun]] = {}
     for run in runs:

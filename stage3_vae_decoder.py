@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import models
-from cli import (
+from sharding import SP
+from tpu_video import models
+from tpu_video.cli import (
     UserError,
     add_executables_argument,
     add_plan_arguments,
@@ -33,11 +34,11 @@ from cli import (
     run_cli,
     stage_parser,
 )
-from models import batch_folders
-from models.decode import decode, decode_soundtrack, soundtrack_runtime
-from runtime.backend import STAGE3_BACKENDS, check_backend_flags, choose_backend, open_runtime
-from runtime.interface import Timer, run_record
-from sharding import SP
+from tpu_video.engine import batch_folders
+from tpu_video.engine.decode import decode, decode_soundtrack, soundtrack_runtime
+from tpu_video.runtime.backend import STAGE3_BACKENDS, check_backend_flags, choose_backend, open_runtime
+from tpu_video.runtime.interface import Timer, run_record
+from tpu_video.workarounds.warning_filters import filter_harmless_warnings
 from utils import (
     CONFIG_FILE,
     DEFAULT_OUTPUT_DIR,
@@ -55,7 +56,6 @@ from utils import (
     write_stage_config,
     write_tensors,
 )
-from workarounds.warning_filters import filter_harmless_warnings
 
 
 def write_mp4(path: Path, frames, fps: int, audio: tuple[torch.Tensor, int] | None = None) -> None:
@@ -198,9 +198,9 @@ PLAN_REQUEST_KEYS = ("height", "width", "num_frames")
 
 def plan_main(args) -> None:
     """--plan: compile the decode for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
-    from planning import plan
-    from planning import report as plan_report
-    from planning.flags import executables_to_save, request_to_plan, target_from_flag
+    from tpu_video.planning import plan
+    from tpu_video.planning import report as plan_report
+    from tpu_video.planning.flags import executables_to_save, request_to_plan, target_from_flag
 
     target = target_from_flag(args.plan)
     store = executables_to_save(args.save_executables, target)
@@ -288,7 +288,7 @@ def main(argv=None) -> None:
     videos = [checked_video(args, folder) for folder in folders]  # every folder checked before any work
 
     # With --backend torchax the VAE's weights are replicated and its activations split spatially
-    # (models.decode.latents_split).
+    # (engine.decode.latents_split).
     backend, device, reason = choose_backend(args.backend, args.device)
     log(f"--backend {args.backend}: {reason}")
     runtime = open_runtime(backend, device, SP, not args.no_compile_cache, args.executables)

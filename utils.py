@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from cli import UserError, dtype_name, finite_float, flag_names, parse_dtype
+from tpu_video.cli import UserError, dtype_name, finite_float, flag_names, parse_dtype
 
 # 2: stage 2 records `latents_normalization` (1 had the boolean `latents_scaled_by_vae_scaling_factor`,
 # which stage 3 still reads: see stage2_normalization).
@@ -336,7 +336,7 @@ class Request:
     guidance_scale_2: float | None = None  # Wan 2.2's low-noise expert (None: guidance_scale)
     variant: str | None = None  # e.g. CogVideoX "1.0" or "1.5"
     scheduler: str | None = None  # Wan: one of SCHEDULERS (None: the model folder's)
-    # LTX-2 (None: LTX2Pipeline's default, models/ltx2/guidance.py)
+    # LTX-2 (None: LTX2Pipeline's default, tpu_video/models/ltx2/guidance.py)
     stg_scale: float | None = None
     stg_blocks: str | None = None  # comma-separated block indices
     modality_scale: float | None = None

@@ -50,9 +50,9 @@ ROWS = [
 
 def estimate(model: str, flags: dict, mesh: dict) -> tuple[int, int]:
     """The video tokens and estimated activation bytes per device of one sample per CFG branch on `mesh`."""
-    from cli import parse_dtype
-    from models.meta import model_facts
-    from planning.flags import default_request
+    from tpu_video.cli import parse_dtype
+    from tpu_video.engine.meta import model_facts
+    from tpu_video.planning.flags import default_request
 
     request, source, family = default_request(model, flags)
     facts = model_facts(family, source, parse_dtype(request.dtype), "megatron", request)

@@ -26,9 +26,9 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from attention.plan import SplashConfig  # noqa: E402
-from attention.reference import reference_attention  # noqa: E402
 from splash_attention import splash_attention  # noqa: E402
+from tpu_video.attention.plan import SplashConfig  # noqa: E402
+from tpu_video.attention.reference import reference_attention  # noqa: E402
 
 
 def exact_attention(q, k, v, key_valid):

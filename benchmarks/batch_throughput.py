@@ -38,7 +38,7 @@ def stage(script: str, *argv, allowed=(0,)) -> float:
 def cpu_side_by_side(model: str, videos: int, steps: int) -> dict:
     import torch
 
-    from models import batch_folders
+    from tpu_video.engine import batch_folders
     from utils import read_config, read_tensors
 
     with tempfile.TemporaryDirectory() as tmp:

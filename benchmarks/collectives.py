@@ -3,7 +3,7 @@
 Builds CogVideoX1.5-5B's and HunyuanVideo-1.5's transformers from their published configs on the meta
 device (no weights, no download), with the attention processors stage 2 installs, compiles one block
 with abstract (shape-only) weights and inputs placed by the families' rule tables, and counts the
-collectives XLA inserted (planning/hlo.py). Prints one JSON line per (model, tp_mode).
+collectives XLA inserted (tpu_video/planning/hlo.py). Prints one JSON line per (model, tp_mode).
 
 Stage 1's text encoders (T5-XXL v1.1 at 226 tokens, the Qwen2.5-VL-7B text model at 1108) are measured
 on stage 1's mesh (every device on `tp`): the whole encoder compiled at 1 and at 2 layers, so the
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from attention.plan import SP_MODES  # noqa: E402  (plain strings: no JAX imported yet)
+from tpu_video.attention.plan import SP_MODES  # noqa: E402  (plain strings: no JAX imported yet)
 
 
 def main() -> None:
@@ -48,8 +48,8 @@ def main() -> None:
     import jax
 
     import sharding
-    from planning import hlo
-    from runtime import placement
+    from tpu_video.planning import hlo
+    from tpu_video.runtime import placement
 
     mesh = placement.make_mesh(sharding.MeshShape(args.dp, args.sp, args.tp))
     for model_name in args.models:

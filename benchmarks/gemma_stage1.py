@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """LTX-2's stage-1 text encoder, Gemma 3 12B, on a CPU host: its language model at the published widths
-(models/ltx2/published.py) with random weights, run as stage 1 runs it (1024 left-padded tokens, every
+(tpu_video/models/ltx2/published.py) with random weights, run as stage 1 runs it (1024 left-padded tokens, every
 hidden state returned) at 1 and at 2 layers, in eager PyTorch and through torchax on the JAX CPU device.
 The difference is one layer's cost; the full model is the 1-layer run plus 47 more layers. The whole
 model does not fit this 24 GiB host (its bf16 weights alone are 22 GiB), so the full figure is that sum.
@@ -30,7 +30,7 @@ def language_model(layers: int, dtype):
     import torch
     from transformers import Gemma3TextConfig, Gemma3TextModel
 
-    from models.ltx2.published import GEMMA3_12B
+    from tpu_video.models.ltx2.published import GEMMA3_12B
 
     config = Gemma3TextConfig(**{**GEMMA3_12B["text_config"], "num_hidden_layers": layers})
     torch.manual_seed(0)
@@ -58,8 +58,8 @@ def seconds(layers: int, dtype, backend: str, repeats: int) -> float:
                 return model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-1]
 
     else:
-        from models.encoders import DeviceTextEncoder
-        from runtime.torchax_runtime import TorchaxRuntime
+        from tpu_video.engine.encoders import DeviceTextEncoder
+        from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
         encoder = DeviceTextEncoder(model, TorchaxRuntime(), hidden_states=True)
 
@@ -80,9 +80,9 @@ def connectors_seconds(model: str, dtype, repeats: int) -> float:
     1024-token sequences, half of each padding (after one warm-up call)."""
     import torch
 
-    import models
-    from models.ltx2.config import TOKENIZER_PADDING_SIDE
-    from models.meta import meta_module
+    from tpu_video import models
+    from tpu_video.engine.meta import meta_module
+    from tpu_video.models.ltx2.config import TOKENIZER_PADDING_SIDE
 
     source, _ = models.resolve_model(model, configs_only=True)
     connectors = meta_module(source, "connectors", dtype).to_empty(device="cpu")

@@ -98,7 +98,7 @@ def step_flops(family, source, request, embeds, dtype, layers: int | None) -> fl
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from runtime.interface import TorchRuntime
+    from tpu_video.runtime.interface import TorchRuntime
 
     with torch.device("meta"):
         transformer, _ = random_transformer(source, layers, dtype)
@@ -236,8 +236,8 @@ def best_of(rows: dict) -> dict:
 def measure(model: str, args) -> dict:
     import torch
 
-    import models
-    from runtime.interface import TorchRuntime, library_versions
+    from tpu_video import models
+    from tpu_video.runtime.interface import TorchRuntime, library_versions
 
     dtype = torch.bfloat16
     source, family = models.resolve_model(model, configs_only=True)
@@ -279,9 +279,9 @@ def measure(model: str, args) -> dict:
     # devices"), so the PyTorch baselines run first.
     import jax
 
-    from attention.dispatch import attention_backend
-    from attention.plan import fixed_plan
-    from runtime.torchax_runtime import TorchaxRuntime
+    from tpu_video.attention.dispatch import attention_backend
+    from tpu_video.attention.plan import fixed_plan
+    from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
     # no saved executables: the first call is the trace and the compile on every run, and nothing is stored
     runtime = TorchaxRuntime.on_all_devices("tp", executables="off")

@@ -5,7 +5,7 @@ A Wan 2.1 14B-width transformer (5120 wide, 40 heads, FFN 13824: the published c
 random weights saved in bf16 as a model folder, and a rank-64 adapter on every attention and FFN projection of
 every block (the shape of the 4-step distillation adapters), saved as diffusers saves adapters. Two fresh
 processes load the transformer exactly as stage 2 does (`from_pretrained`); the second also reads the adapter
-and fuses it (models/lora.py). Each reports its peak resident memory (ru_maxrss) and the seconds taken.
+and fuses it (tpu_video/engine/lora.py). Each reports its peak resident memory (ru_maxrss) and the seconds taken.
 The bound checked: peak with the adapter <= 1.1 x (peak without + the adapter file).
 
     python benchmarks/lora_memory.py [--layers 2] [--rank 64]
@@ -36,7 +36,7 @@ def wide_wan(folder: Path, layers: int):
     import torch
     from diffusers import WanTransformer3DModel
 
-    from models.wan.published import WAN_14B_TRANSFORMER
+    from tpu_video.models.wan.published import WAN_14B_TRANSFORMER
 
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -71,8 +71,8 @@ def measure(folder: str, adapter: str | None) -> dict:
 
     import torch
 
-    import models
-    from models import lora
+    from tpu_video import models
+    from tpu_video.engine import lora
 
     source, family = models.resolve_model(folder)
     start = time.perf_counter()

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""LTX-2's soundtrack decode (models/ltx2/audio.py: the audio VAE and the vocoder as one module): the published
-components (configs from models/ltx2/published.py, random weights, normal 0.02) on the audio latents of a
-video of `--num_frames` at `--fps`. By default, eager PyTorch on this CPU, as stage 3 runs it: seconds of the
-best of `--repeats` decodes after one warm-up, for each dtype. With `--plan TARGET` (e.g. v6e-8), instead the
-soundtrack's program compiled by the TPU compiler (weights replicated), in bf16: compile seconds, HBM per device
-(code size apart) and FLOPs, which is why stage 3 keeps it on the host. Prints one JSON line.
+"""LTX-2's soundtrack decode (tpu_video/models/ltx2/audio.py: the audio VAE and the vocoder as one module): the
+published components (configs from tpu_video/models/ltx2/published.py, random weights, normal 0.02) on the audio latents
+of a video of `--num_frames` at `--fps`. By default, eager PyTorch on this CPU, as stage 3 runs it: seconds of the best
+of `--repeats` decodes after one warm-up, for each dtype. With `--plan TARGET` (e.g. v6e-8), instead the soundtrack's
+program compiled by the TPU compiler (weights replicated), in bf16: compile seconds, HBM per device (code size apart)
+and FLOPs, which is why stage 3 keeps it on the host. Prints one JSON line.
 
     python benchmarks/ltx2_audio_decode.py [--model Lightricks/LTX-2] [--num_frames 121] [--fps 24]
         [--dtypes fp32 bf16] [--repeats 2] [--plan v6e-8 [--part all|vae|vocoder]]
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 def random_module(source, component: str, dtype):
     """The published component at its widths with random weights (normal 0.02; buffers as built)."""
-    from models.meta import meta_module
+    from tpu_video.engine.meta import meta_module
 
     module = meta_module(source, component, dtype).to_empty(device="cpu")
     torch.manual_seed(0)
@@ -42,13 +42,13 @@ def random_module(source, component: str, dtype):
 
 def plan_soundtrack(source, latents, target_name: str, part: str) -> dict:
     """The soundtrack (or its audio VAE or vocoder alone) in bf16 compiled for `target_name`'s devices."""
-    from models.ltx2.audio import Soundtrack
-    from models.meta import meta_module
-    from planning import plan
-    from planning.flags import target_from_flag
-    from planning.tpus import topology_mesh
-    from runtime.torchax_runtime import TorchaxRuntime
     from sharding import REPLICATED_TABLE, MeshShape
+    from tpu_video.engine.meta import meta_module
+    from tpu_video.models.ltx2.audio import Soundtrack
+    from tpu_video.planning import plan
+    from tpu_video.planning.flags import target_from_flag
+    from tpu_video.planning.tpus import topology_mesh
+    from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
     target = target_from_flag(target_name)
     mesh = topology_mesh(target, MeshShape(sp=target.devices))
@@ -88,9 +88,9 @@ class DecodeOnly(torch.nn.Module):
 
 
 def main() -> None:
-    import models
-    from models.ltx2.audio import Soundtrack
-    from models.ltx2.config import audio_frames
+    from tpu_video import models
+    from tpu_video.models.ltx2.audio import Soundtrack
+    from tpu_video.models.ltx2.config import audio_frames
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="Lightricks/LTX-2")

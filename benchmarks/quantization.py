@@ -39,7 +39,7 @@ LAYER_SETS = ("all", "ffn", "attention")
 
 
 def stage(module, argv) -> None:
-    from cli import run_cli
+    from tpu_video.cli import run_cli
 
     run_cli(lambda: module.main([str(arg) for arg in argv]))
 
@@ -58,7 +58,7 @@ def row_names(preset: str) -> list[tuple[str, str]]:
 def quality(work: Path) -> dict:
     import stage1_text_encoder
     import stage2_transformer
-    from cli import set_logging
+    from tpu_video.cli import set_logging
 
     set_logging(False)
     results = {}
@@ -81,8 +81,8 @@ def quality(work: Path) -> dict:
 
 MEMORY_CHILD = r"""
 import json, resource, sys, threading, time, torch
-import models
-from models.quantize import Quantization, quantize
+from tpu_video import models
+from tpu_video.engine.quantize import Quantization, quantize
 
 def status():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))

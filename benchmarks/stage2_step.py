@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from models.cogvideox.published import COGVIDEOX15_5B_TRANSFORMER  # noqa: E402
+from tpu_video.models.cogvideox.published import COGVIDEOX15_5B_TRANSFORMER  # noqa: E402
 
 TEXT_TOKENS = COGVIDEOX15_5B_TRANSFORMER["max_text_seq_length"]
 LATENT_SHAPE = (1, 4, 16, 20, 32)  # B, F, C, H, W (CogVideoX's transformer layout)
@@ -83,8 +83,8 @@ def interleaved_medians(calls: dict, steps: int, warmup: int = 2) -> dict[str, f
 
 
 def step_times(steps: int) -> dict[str, float]:
-    from models.cogvideox.transformer import GuidedTransformer, make_jit_safe
-    from runtime.torchax_runtime import TorchaxRuntime
+    from tpu_video.models.cogvideox.transformer import GuidedTransformer, make_jit_safe
+    from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
     transformer = make_jit_safe(build_transformer(**STEP_MODEL))
     latents, timestep, embeds, rotary, guidance = inputs(transformer)
@@ -111,8 +111,8 @@ def step_times(steps: int) -> dict[str, float]:
 
 def first_call_seconds() -> float:
     """Child process: configure the cache, compile the step model once, report the first call's time."""
-    from models.cogvideox.transformer import GuidedTransformer, make_jit_safe
-    from runtime.torchax_runtime import CompileCache, TorchaxRuntime
+    from tpu_video.models.cogvideox.transformer import GuidedTransformer, make_jit_safe
+    from tpu_video.runtime.torchax_runtime import CompileCache, TorchaxRuntime
 
     cache = CompileCache(enabled=True)
 
@@ -141,8 +141,8 @@ def peak_load_ratio(folder: str) -> dict[str, float]:
     import jax
     from diffusers import CogVideoXTransformer3DModel
 
-    from models import cogvideox
-    from runtime.torchax_runtime import TorchaxRuntime
+    from tpu_video.models import cogvideox
+    from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
     runtime = TorchaxRuntime()
     before = peak_rss_bytes()

@@ -37,7 +37,7 @@ def build_pipeline(folder: Path) -> None:
     """The tiny CogVideoX-1.5 preset with a mid-size transformer, saved as a model folder."""
     from diffusers import CogVideoXTransformer3DModel
 
-    from models import cogvideox
+    from tpu_video.models import cogvideox
 
     pipe = cogvideox.presets.tiny_pipeline("1.5")
     config = dict(pipe.transformer.config)
@@ -52,7 +52,7 @@ def build_pipeline(folder: Path) -> None:
 
 def run(module, argv) -> None:
     """A stage's main() in this process, as its `__main__` block runs it."""
-    from cli import run_cli
+    from tpu_video.cli import run_cli
 
     run_cli(lambda: module.main([str(arg) for arg in argv]))
 

@@ -58,8 +58,8 @@ def wide_model(folder: Path, blocks: int) -> list[str]:
     import torch
     from diffusers import WanTransformer3DModel
 
-    from models import PRESETS
-    from models.wan.published import WAN_13B_TRANSFORMER
+    from tpu_video.models import PRESETS
+    from tpu_video.models.wan.published import WAN_13B_TRANSFORMER
 
     pipe = PRESETS["tiny-wan2.1"].build()
     torch.manual_seed(0)

@@ -114,9 +114,9 @@ def splash_tiles() -> list[dict]:
     from jax.sharding import PartitionSpec as P
 
     import sharding
-    from attention.plan import SplashConfig
-    from planning import tpus
     from splash_attention import splash_attention
+    from tpu_video.attention.plan import SplashConfig
+    from tpu_video.planning import tpus
 
     found = []
     for tpu in ("v5e-8", "v5p-8", "v6e-8", "tpu7x-8"):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Stage 3's decode on this CPU, side by side in one run: diffusers' `vae.decode` eager in PyTorch against
-the frame programs `--backend torchax` runs (models/wan/vae.py, cogvideox/vae.py, hunyuanvideo15/vae.py),
+the frame programs `--backend torchax` runs (tpu_video/models/wan/vae.py, cogvideox/vae.py, hunyuanvideo15/vae.py),
 on a published VAE's widths with random weights at a reduced video size. Each in a fresh process: seconds
 (the torchax placement and compile, then a second decode timed alone), peak resident memory, and the
 relative error against eager. Prints a table and one JSON line.
@@ -37,7 +37,7 @@ def build(folder: Path, family: str) -> None:
     """The published VAE config with random weights, as a model folder beside that model's index."""
     import torch
 
-    import models
+    from tpu_video import models
 
     source, _ = models.resolve_model(PUBLISHED[family], configs_only=True)
     torch.manual_seed(0)
@@ -52,8 +52,8 @@ def measure(folder: str, mode: str, frames: int, height: int, width: int, chunk:
     the frame programs on torchax (`frames`: the first call compiles, the second is timed alone)."""
     import torch
 
-    import models
-    from models.decode import LATENTS_WIDTH_SPLIT
+    from tpu_video import models
+    from tpu_video.engine.decode import LATENTS_WIDTH_SPLIT
 
     source, family = models.resolve_model(folder)
     config = source.load_config("vae")
@@ -71,8 +71,8 @@ def measure(folder: str, mode: str, frames: int, height: int, width: int, chunk:
             seconds["decode"] = time.perf_counter() - start
         else:
             import sharding
-            from runtime import placement
-            from runtime.torchax_runtime import TorchaxRuntime
+            from tpu_video.runtime import placement
+            from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
             runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(sp=int(os.environ["DEVICES"]))))
             with runtime.precision(torch.float32):

@@ -24,8 +24,8 @@ def compile_split(model: str, tpu: str, rows: int, size: dict) -> dict:
     """One plan of the family's frame programs with `rows` height rows (1: the default width split)."""
     import torch
 
-    from models import resolve_model
-    from planning import flags, plan
+    from tpu_video.models import resolve_model
+    from tpu_video.planning import flags, plan
     from utils import Request
 
     source, family = resolve_model(model, configs_only=True)

@@ -7,7 +7,7 @@ as a model folder, plus a rank-64 adapter on every attention and FFN projection.
 on `--devices` CPU devices (tp over all of them):
 
 - `raw read`: every safetensors file read into memory (`open().read()`), nothing else;
-- `direct`: what stage 2 does with nothing to change on the host (models/direct_load.py): built on the meta
+- `direct`: what stage 2 does with nothing to change on the host (tpu_video/engine/direct_load.py): built on the meta
   device, then each device's slices read from the files as they are placed, unrolled or under the block scan;
 - `from_pretrained`: the whole transformer read on the host first, then placed (stage 2 before this path);
 - `LoRA` and `int8_weight`: stage 2's host path with an adapter fused or the weights quantized before placing.
@@ -79,14 +79,14 @@ def child(folder: str, mode: str, adapter: str) -> dict:
     import jax
     import torch
 
-    import models
-    from models import lora, scanned_blocks
-    from models.denoise import DenoiseOptions, load_transformers
-    from models.quantize import Quantization
-    from runtime import placement
-    from runtime.interface import Timer
     from sharding import MeshShape
-    from workarounds.torchax import import_torchax
+    from tpu_video import models
+    from tpu_video.engine import lora, scanned_blocks
+    from tpu_video.engine.denoise import DenoiseOptions, load_transformers
+    from tpu_video.engine.quantize import Quantization
+    from tpu_video.runtime import placement
+    from tpu_video.runtime.interface import Timer
+    from tpu_video.workarounds.torchax import import_torchax
 
     env = import_torchax().default_env()
     source, family = models.resolve_model(folder)

@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def harmless_warnings_filtered():
     """The stages' own warning filter (workarounds.warning_filters), also for tests that call library code directly."""
-    from workarounds.warning_filters import filter_harmless_warnings
+    from tpu_video.workarounds.warning_filters import filter_harmless_warnings
 
     filter_harmless_warnings()
 
@@ -67,7 +67,7 @@ def jax_blocked(tmp_path):
 def no_weights_loaded(monkeypatch):
     """For "refused before loading" tests: any component load (models.ModelSource.load, the one path to
     `from_pretrained`) fails the test."""
-    import models
+    from tpu_video import models
 
     def refuse(self, component, dtype=None):
         raise AssertionError(f"{component} was loaded before the refusal")
@@ -78,7 +78,7 @@ def no_weights_loaded(monkeypatch):
 @pytest.fixture(scope="session")
 def four_layer_cogvideox(tmp_path_factory):
     """A tiny CogVideoX 1.5 pipeline folder with 4 transformer blocks (the interval cache needs 3 or more)."""
-    from models import cogvideox
+    from tpu_video.models import cogvideox
 
     folder = tmp_path_factory.mktemp("cogvideox-4-layers")
     cogvideox.presets.tiny_pipeline("1.5", num_layers=4).save_pretrained(folder)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from attention.reference import reference_attention  # noqa: F401  (re-exported for the tests)
+from tpu_video.attention.reference import reference_attention  # noqa: F401  (re-exported for the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ def relative_error(actual, expected) -> float:
 
 def run_stage(module, argv: list[str]) -> None:
     """Run a stage's main() in this process exactly as its `__main__` block does."""
-    from cli import run_cli
+    from tpu_video.cli import run_cli
 
     run_cli(lambda: module.main([str(arg) for arg in argv]))
 
@@ -124,7 +124,7 @@ TEXT, BYT5, IMAGE = 12, 6, 5
 
 def tiny_hunyuan_transformer():
     """A tiny HunyuanVideo-1.5 transformer for the forward-patch tests (seeded)."""
-    from models import hunyuanvideo15
+    from tpu_video.models import hunyuanvideo15
 
     return hunyuanvideo15.presets.tiny_transformer(seed=0)
 
@@ -166,7 +166,7 @@ def collectives_in(jax_function, shapes, mesh, layout=("dp",)) -> list[str]:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from runtime import torchax_runtime
+    from tpu_video.runtime import torchax_runtime
 
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*layout))) for shape, dtype in shapes]
     with torchax_runtime.torchax.default_env():
@@ -177,8 +177,8 @@ def collectives_in(jax_function, shapes, mesh, layout=("dp",)) -> list[str]:
 def stop_stage2_after(monkeypatch, argv: list[str], steps: int) -> None:
     """Run stage 2 in this process and stop it after `steps` steps as SIGTERM does (the guard saves a
     checkpoint, then raises Stopped); the test then resumes it with --resume."""
-    from cli import Stopped
-    from models.guard import DenoiseGuard
+    from tpu_video.cli import Stopped
+    from tpu_video.engine.guard import DenoiseGuard
 
     after_step = DenoiseGuard.after_step
 
@@ -197,7 +197,7 @@ def stop_stage2_after(monkeypatch, argv: list[str], steps: int) -> None:
 def attention_plan(backend: str, mesh=None, *, heads: int = 1, sp_mode: str = "auto", **splash_options):
     """A fixed AttentionPlan for `backend` on `mesh` (a jax Mesh or None), its scheme resolved for `heads`;
     Splash with 128 tiles in interpret mode (and `splash_options`)."""
-    from attention.plan import SplashConfig, fixed_plan
+    from tpu_video.attention.plan import SplashConfig, fixed_plan
 
     tiles = {"block_q": 128, "block_kv": 128, "block_kv_compute": 128, "interpret": True, **splash_options}
     splash = SplashConfig(**tiles) if backend == "splash" else None
@@ -232,7 +232,7 @@ def pipeline(preset: str):
 
     import diffusers
 
-    import models
+    from tpu_video import models
 
     source, _ = models.resolve_model(preset)
     cls = getattr(diffusers, source.index["_class_name"])
@@ -279,7 +279,7 @@ def peft_weights(preset: str, seed: int, rank: int = 4, alpha: int | None = None
     """A random adapter's PEFT state dict (bare module keys) and config for the preset's transformer."""
     from peft import LoraConfig, get_peft_model_state_dict
 
-    import models
+    from tpu_video import models
 
     source, family = models.resolve_model(preset)
     transformer = source.load("transformer")
@@ -312,7 +312,7 @@ def diffusers_file(folder, name: str, preset: str, seed: int):
 
 def dequantized(linear: torch.nn.Linear, scheme: str) -> torch.nn.Linear:
     """The linear with its weight replaced by the scheme's dequantized values (weight-only schemes)."""
-    from models.quantize import fp8_per_row, int8_per_row
+    from tpu_video.engine.quantize import fp8_per_row, int8_per_row
 
     values, scale = (fp8_per_row if scheme == "fp8_weight" else int8_per_row)(linear.weight.detach())
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The attention plan (attention/plan.py): built once per run from the flags, the platform and the model,
+"""The attention plan (tpu_video/attention/plan.py): built once per run from the flags, the platform and the model,
 recorded as built, and refusing flags that could not act under the backend it resolved."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import stage2_transformer
-from attention.plan import AttentionFlags, build_plan
 from helpers import expect_user_error, run_stage, tiny_stage1
-from runtime.mesh import ModelFacts, default_mesh
+from tpu_video.attention.plan import AttentionFlags, build_plan
+from tpu_video.runtime.mesh import ModelFacts, default_mesh
 
 SPLASH_ONLY = {
     "--block_q": ["--block_q", "256"],
@@ -43,13 +43,11 @@ def test_plan_refuses_a_splash_only_flag_under_xla(capsys, stage1_folder):
 
 
 def test_the_stage2_section_records_the_plan_that_ran(monkeypatch, stage1_folder, tmp_path):
-    import attention.dispatch
+    from tpu_video.attention import dispatch
 
     ran = []
-    install = attention.dispatch.attention_backend
-    monkeypatch.setattr(
-        attention.dispatch, "attention_backend", lambda env, plan, *a: ran.append(plan) or install(env, plan, *a)
-    )
+    install = dispatch.attention_backend
+    monkeypatch.setattr(dispatch, "attention_backend", lambda env, plan, *a: ran.append(plan) or install(env, plan, *a))
     splash = ["--attention", "splash", "--local_window", "64", "--k_smoothing", "--block_q", "256"]
     run_stage(
         stage2_transformer, ["--input_dir", stage1_folder, "--output_dir", tmp_path, *splash, "--warmup_steps", 0]
@@ -100,10 +98,10 @@ def test_the_backend_is_never_auto_and_fp32_on_a_gpu_is_xla():
 def test_a_local_window_acts_on_self_attention_only():
     """Inside a module marked as cross-attention (Wan's attn2) the window is not applied, also where the
     prompt happens to be as long as the video; outside it, it is."""
-    from attention.calls import mark_cross_attention
-    from attention.dispatch import attention_backend
     from helpers import attention_plan, relative_error
-    from runtime.torchax_runtime import TorchaxRuntime
+    from tpu_video.attention.calls import mark_cross_attention
+    from tpu_video.attention.dispatch import attention_backend
+    from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
     class Attend(torch.nn.Module):
         def forward(self, q, k, v):

@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
-from cli import INTERRUPTED_EXIT_STATUS, run_cli
 from helpers import ROOT, run_script, run_stage, tiny_stage1
+from tpu_video.cli import INTERRUPTED_EXIT_STATUS, run_cli
 from utils import CONFIG_FILE, STAGE1_FILE, STAGE2_FILE, strict_json, write_config
 
 STAGES = {"stage1": stage1_text_encoder, "stage2": stage2_transformer, "stage3": stage3_vae_decoder}
@@ -76,7 +76,7 @@ def other_run(root: Path) -> None:
 
 def model_without(component: str) -> Callable[[Path], None]:
     def prepare(root: Path) -> None:
-        from models import materialize_preset
+        from tpu_video.models import materialize_preset
 
         shutil.copytree(materialize_preset("tiny-cogvideox"), root / "MODEL")
         shutil.rmtree(root / "MODEL" / component)

@@ -1,8 +1,8 @@
-"""Many videos per run (models/batch_folders.py). Stage 1: a prompt list or a seed sweep writes one stage folder per
-entry, each what a single stage-1 run with that entry's flags writes (embeddings bit-identical, the config
-equal but for the timing table), and a batch.json listing them; bad entries are one `error:` naming the
-line, before any weights load, with nothing written. Stage 3: several folders, or a batch folder, decoded
-with one loaded VAE, each as a single run decodes it."""
+"""Many videos per run (tpu_video/engine/batch_folders.py). Stage 1: a prompt list or a seed sweep writes one stage
+folder per entry, each what a single stage-1 run with that entry's flags writes (embeddings bit-identical, the config
+equal but for the timing table), and a batch.json listing them; bad entries are one `error:` naming the line, before any
+weights load, with nothing written. Stage 3: several folders, or a batch folder, decoded with one loaded VAE, each as a
+single run decodes it."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 
 import stage1_text_encoder
 import stage3_vae_decoder
-from cli import UserError
 from helpers import expect_user_error, relative_error, run_script, run_stage
-from models import batch_folders
+from tpu_video.cli import UserError
+from tpu_video.engine import batch_folders
 from utils import read_config, read_tensors
 
 MODEL = "tiny-wan2.1"
@@ -257,7 +257,7 @@ def test_sigterm_in_the_second_batch_then_resume(tmp_path, monkeypatch):
     import signal
 
     import stage2_transformer
-    from models import batching
+    from tpu_video.engine import batching
     from utils import CHECKPOINT_FILE, STAGE2_FILE
 
     out = stage1_batch(tmp_path, "tiny-cogvideox")
@@ -354,7 +354,7 @@ def test_interval_cache_batches_and_resumes_per_folder(tmp_path, four_layer_cogv
     import shutil
 
     import stage2_transformer
-    from models import batching
+    from tpu_video.engine import batching
     from utils import CHECKPOINT_FILE
 
     size = ["--height", 64, "--width", 96, "--num_frames", 9, "--num_inference_steps", 5]
@@ -382,7 +382,7 @@ def test_interval_cache_batches_and_resumes_per_folder(tmp_path, four_layer_cogv
     real_after_step = batching.BatchGuard.after_step
 
     def stopped_after_the_second_step(self, index, total, tensors, more=dict):
-        self.run.stop_requested = self.run.stop_requested or index == 1  # as SIGTERM's handler does
+        self.stop.stop_requested = self.stop.stop_requested or index == 1  # as SIGTERM's handler does
         return real_after_step(self, index, total, tensors, more)
 
     stopped = tmp_path / "stopped"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import read_mp4, run_stages
-from models import cogvideox
+from tpu_video.models import cogvideox
 from utils import CONFIG_FILE, VIDEO_FILE
 
 FLAGS = ["--height", "48", "--width", "80", "--num_frames", "17", "--num_inference_steps", "2", "--fps", "6"]
@@ -48,7 +48,7 @@ def test_three_stages_from_a_saved_folder_make_the_requested_mp4(saved_model, tm
 def test_hunyuanvideo15_from_a_saved_folder_through_the_cli(tmp_path):
     """The same path for HunyuanVideo-1.5: both text encoders and tokenizers, guider and VAE saved and
     loaded back by class name from model_index.json."""
-    from models import hunyuanvideo15
+    from tpu_video.models import hunyuanvideo15
 
     folder = tmp_path / "tiny-hunyuanvideo15-saved"
     hunyuanvideo15.presets.tiny_pipeline(seed=5).save_pretrained(folder)

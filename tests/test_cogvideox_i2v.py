@@ -13,10 +13,10 @@ import pytest
 import torch
 from PIL import Image
 
-import models
 import stage1_text_encoder
 import stage2_transformer
 from helpers import relative_error, run_stage, stop_stage2_after, three_stages, write_image
+from tpu_video import models
 from utils import read_config, read_tensors
 
 TOLERANCE = 1e-4

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import relative_error
-from models import cogvideox
+from tpu_video.models import cogvideox
 
 
 @pytest.mark.parametrize("version", ["1.5", "1.0"])

@@ -11,13 +11,13 @@ import pytest
 import torch
 from diffusers import CogVideoXPipeline
 
-import models
 import stage1_text_encoder
 import stage2_transformer
 from helpers import relative_error, run_stage
-from models import cogvideox
-from models.decode import LATENTS_WIDTH_SPLIT, decode
-from runtime.interface import Timer, TorchRuntime
+from tpu_video import models
+from tpu_video.engine.decode import LATENTS_WIDTH_SPLIT, decode
+from tpu_video.models import cogvideox
+from tpu_video.runtime.interface import Timer, TorchRuntime
 from utils import STAGE2_FILE, read_config, read_tensors
 
 TOLERANCE = 1e-4
@@ -98,8 +98,8 @@ def test_torchax_decode_matches_torch_decode(width_split):
     """Stage 3's two backends decode the same latents to the same frames (fp32, same tolerance), also
     with the activations split along width over 8 devices as stage 3 does (latent width 16)."""
     import sharding
-    from runtime import placement
-    from runtime.torchax_runtime import TorchaxRuntime
+    from tpu_video.runtime import placement
+    from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
     source, family = models.resolve_model("tiny-cogvideox")
     latents = torch.randn(1, 4, 3, 8, 16, generator=torch.Generator().manual_seed(0))

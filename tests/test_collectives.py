@@ -1,4 +1,4 @@
-"""The collective counts docs/sharding.md states, read from compiled HLO at real widths (planning/hlo.py).
+"""The collective counts docs/sharding.md states, read from compiled HLO at real widths (tpu_video/planning/hlo.py).
 
 Counts are exact integers from the partitioner, not timings: a rule-table or patch change that adds a
 weight gather or an extra all-reduce fails here. The blocks carry the attention processors stage 2
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from planning import hlo
-from runtime import placement
 from sharding import MeshShape
+from tpu_video.planning import hlo
+from tpu_video.runtime import placement
 
 # One all-reduce op of two f32 tensors and one all-gather, as XLA:CPU prints them after the partitioner.
 HLO_SAMPLE = """

@@ -1,6 +1,6 @@
 """The stage-file contract in seconds: checked tensor files, the config, the request and checkpoints.
 
-Unit tests of utils.py and models/denoise.py's checkpoints, without running a model, so a change to the
+Unit tests of utils.py and tpu_video/engine/denoise.py's checkpoints, without running a model, so a change to the
 contract fails here first.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli import UserError
-from models.guard import DenoiseGuard
+from tpu_video.cli import UserError
+from tpu_video.engine.guard import DenoiseGuard
 from utils import (
     CHECKPOINT_FILE,
     CONFIG_FILE,

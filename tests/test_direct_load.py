@@ -1,4 +1,4 @@
-"""Stage 2's weights read straight from their files onto the devices (models/direct_load.py).
+"""Stage 2's weights read straight from their files onto the devices (tpu_video/engine/direct_load.py).
 
 The module `load_direct` builds is what `from_pretrained` loads, bit for bit once read: names, dtypes (Wan's
 fp32-kept modules in a bf16 load), buffers, config; over one file and over a sharded checkpoint stored in
@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from models import direct_load, resolve_model, scanned_blocks
-from models.denoise import DenoiseOptions, load_transformers
-from models.quantize import Quantization
-from runtime import placement
-from runtime.interface import Timer
 from sharding import MeshShape
-from workarounds.torchax import import_torchax
+from tpu_video.engine import direct_load, scanned_blocks
+from tpu_video.engine.denoise import DenoiseOptions, load_transformers
+from tpu_video.engine.quantize import Quantization
+from tpu_video.models import resolve_model
+from tpu_video.runtime import placement
+from tpu_video.runtime.interface import Timer
+from tpu_video.workarounds.torchax import import_torchax
 
 MODELS = ["tiny-wan2.1", "tiny-wan2.2", "tiny-cogvideox", "tiny-hunyuanvideo15"]
 

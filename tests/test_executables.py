@@ -1,8 +1,8 @@
-"""Saved executables (runtime/executables.py, runtime/program_key.py, runtime/program_checks.py): a
-program saved by one runtime is loaded by the next and gives bit-identical results; whatever changes the
-program misses (the line names the part) and gives what jit gives; damaged and foreign entries fall
-back with one line; checks inside a loaded program still raise; a second process reuses a stage's
-programs; `--executables off` writes nothing."""
+"""Saved executables (tpu_video/runtime/executables.py, tpu_video/runtime/program_key.py,
+tpu_video/runtime/program_checks.py): a program saved by one runtime is loaded by the next and gives bit-identical
+results; whatever changes the program misses (the line names the part) and gives what jit gives; damaged and foreign
+entries fall back with one line; checks inside a loaded program still raise; a second process reuses a stage's programs;
+`--executables off` writes nothing."""
 
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ from safetensors.numpy import load_file
 
 import stage1_text_encoder
 import stage2_transformer
-from attention.cudnn import NOT_A_PREFIX
-from attention.dispatch import attention_backend
-from attention.plan import fixed_plan
-from cli import UserError, add_executables_argument
 from helpers import ROOT, run_script, run_stage
-from runtime import executables, program_key
-from runtime.placement import make_mesh
-from runtime.torchax_runtime import TorchaxRuntime
 from sharding import MeshShape
+from tpu_video.attention.cudnn import NOT_A_PREFIX
+from tpu_video.attention.dispatch import attention_backend
+from tpu_video.attention.plan import fixed_plan
+from tpu_video.cli import UserError, add_executables_argument
+from tpu_video.runtime import executables, program_key
+from tpu_video.runtime.placement import make_mesh
+from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
 
 class Toy(torch.nn.Module):
@@ -199,7 +199,7 @@ def test_a_second_process_loads_stage2_programs_and_off_writes_nothing(tmp_path,
     second, second_latents = stage2_record()
     assert first["executables"]["saved"] >= 1 and first["executables"]["hits"] == 0
     assert second["executables"]["hits"] == first["executables"]["saved"] and second["executables"]["misses"] == 0
-    assert "loaded the saved models.hunyuanvideo15.transformer.GuidedTransformer.forward" in result.stdout
+    assert "loaded the saved tpu_video.models.hunyuanvideo15.transformer.GuidedTransformer.forward" in result.stdout
     assert second["seconds"]["trace"] == 0 and second["seconds"]["compile"] == 0
     assert np.array_equal(first_latents, second_latents)
 
@@ -240,8 +240,8 @@ def test_the_same_configuration_from_another_folder_keys_alike(tmp_path):
     from diffusers import WanTransformer3DModel
     from transformers import UMT5EncoderModel
 
-    import models
-    from models.meta import meta_pretrained
+    from tpu_video import models
+    from tpu_video.engine.meta import meta_pretrained
 
     preset = models.materialize_preset("tiny-wan2.1")
     shutil.copytree(preset, tmp_path / "elsewhere")

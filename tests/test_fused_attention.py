@@ -17,9 +17,6 @@ import torch
 
 import sharding
 import stage2_transformer
-from attention.cudnn import fused_attention
-from attention.dispatch import attention_backend
-from attention.plan import fixed_plan, resolve_backend
 from helpers import (
     Sample,
     expect_user_error,
@@ -29,9 +26,12 @@ from helpers import (
     tiny_hunyuan_transformer,
     tiny_stage1,
 )
-from models import hunyuanvideo15
-from runtime import placement
-from runtime.torchax_runtime import TorchaxRuntime
+from tpu_video.attention.cudnn import fused_attention
+from tpu_video.attention.dispatch import attention_backend
+from tpu_video.attention.plan import fixed_plan, resolve_backend
+from tpu_video.models import hunyuanvideo15
+from tpu_video.runtime import placement
+from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
 
 def qkv(batch=2, heads=2, q_len=40, kv_len=56, head_dim=16, seed=0):

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import sharding
-from attention.dispatch import attention_backend
 from helpers import (
     BYT5,
     IMAGE,
@@ -26,9 +25,10 @@ from helpers import (
     relative_error,
     tiny_hunyuan_transformer,
 )
-from models import hunyuanvideo15
-from runtime import placement
-from runtime.torchax_runtime import TorchaxRuntime
+from tpu_video.attention.dispatch import attention_backend
+from tpu_video.models import hunyuanvideo15
+from tpu_video.runtime import placement
+from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
 
 def test_reorder_matches_boolean_indexing():
@@ -155,7 +155,7 @@ def test_guided_call_runs_under_torch_compile():
 import torch
 from diffusers import ClassifierFreeGuidance
 from helpers import hunyuan_inputs, relative_error, tiny_hunyuan_transformer
-from models import hunyuanvideo15
+from tpu_video.models import hunyuanvideo15
 
 guided = hunyuanvideo15.transformer.GuidedTransformer(tiny_hunyuan_transformer(), ClassifierFreeGuidance(6.0), True)
 inputs = hunyuan_inputs()

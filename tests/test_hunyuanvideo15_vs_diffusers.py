@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import helpers
-import models
 import stage1_text_encoder
 import stage2_transformer
 from helpers import relative_error, run_stage
-from models.decode import decode
-from runtime.interface import Timer, TorchRuntime
+from tpu_video import models
+from tpu_video.engine.decode import decode
+from tpu_video.runtime.interface import Timer, TorchRuntime
 from utils import read_config, read_tensors
 
 TOLERANCE = 1e-4
@@ -132,7 +132,7 @@ def test_resolution_defaults_follow_the_transformer_target_size(tmp_path, target
     """480p and 720p checkpoints differ in the transformer's target_size; defaults and flow shift follow."""
     import json
 
-    from models import ModelSource, hunyuanvideo15
+    from tpu_video.models import ModelSource, hunyuanvideo15
 
     files = {"transformer": ("config.json", {"target_size": target_size}), "guider": ("guider_config.json", {})}
     for component, (name, config) in files.items():

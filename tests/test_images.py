@@ -1,4 +1,4 @@
-"""Image inputs as cameras and editors write them (models/images.py): EXIF orientation, 16-bit and float
+"""Image inputs as cameras and editors write them (tpu_video/engine/images.py): EXIF orientation, 16-bit and float
 pixels, palettes with transparency, a camera's multi-picture JPEG, TIFF and BMP, and the refusals (folders,
 animations, images over Pillow's pixel limit) as one `error:` line before any weights load."""
 
@@ -15,7 +15,7 @@ from PIL import Image
 
 import stage1_text_encoder
 from helpers import expect_user_error, run_stage
-from models.images import read_image
+from tpu_video.engine.images import read_image
 from utils import CONFIG_FILE, read_config, read_tensors
 
 RNG = np.random.default_rng(7)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,14 +16,15 @@ from pathlib import Path
 
 import pytest
 
-import models
-from models.family import family_members
+from tpu_video import models
+from tpu_video.models.family import family_members
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 450
 MAX_MODELS_LINES = 300
-# Our packages: every folder at the top holding an __init__.py (tests and benchmarks hold none).
+# Our packages: every folder at the top holding an __init__.py (tests and benchmarks hold none): the one package.
 PACKAGES = tuple(sorted(path.parent.name for path in ROOT.glob("*/__init__.py")))
+PACKAGE = "tpu_video"
 
 
 @functools.cache
@@ -63,7 +65,7 @@ def import_graph() -> dict[str, set[str]]:
                 base = package.rsplit(".", node.level - 1)[0] if node.level else ""  # `..` climbs one package
                 module = ".".join(part for part in (base, node.module or "") if part)
                 submodules = {f"{module}.{alias.name}" for alias in node.names} & set(modules)
-                targets |= submodules or {module}  # `from models import cogvideox` imports the submodule
+                targets |= submodules or {module}  # `from tpu_video.models import cogvideox` imports the submodule
         graph[name] = {target for target in targets if target in modules and target != name}
     return graph
 
@@ -106,29 +108,39 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle_among_our_modules():
     graph = import_graph()
-    assert "sharding" in graph["runtime.torchax_runtime"]  # the graph sees real edges
+    assert "sharding" in graph["tpu_video.runtime.torchax_runtime"]  # the graph sees real edges
     assert find_cycle(graph) is None, find_cycle(graph)
 
 
 # docs/architecture.md draws these layers: a module imports from its own layer or the ones below.
 LAYERS = [
-    ("cli",),
-    # "runtime": its opening
-    ("utils", "sharding", "runtime", "runtime.interface", "runtime.mesh", "runtime.program_checks", "workarounds"),
-    ("attention",),
+    ("tpu_video", "tpu_video.cli"),
+    # "tpu_video.runtime": its opening
+    (
+        "utils",
+        "sharding",
+        "tpu_video.runtime",
+        "tpu_video.runtime.interface",
+        "tpu_video.runtime.mesh",
+        "tpu_video.runtime.program_checks",
+        "tpu_video.workarounds",
+    ),
+    ("tpu_video.attention",),
     (
         "splash_attention",
-        "attention.dispatch",
-        "runtime.placement",
-        "runtime.torchax_runtime",
-        "runtime.programs",
-        "runtime.program_key",
-        "runtime.executables",
-        "runtime.backend",
-        "runtime.distributed",
+        "tpu_video.attention.dispatch",
+        "tpu_video.runtime.placement",
+        "tpu_video.runtime.torchax_runtime",
+        "tpu_video.runtime.programs",
+        "tpu_video.runtime.program_key",
+        "tpu_video.runtime.executables",
+        "tpu_video.runtime.backend",
+        "tpu_video.runtime.distributed",
     ),
-    ("models",),
-    ("planning",),
+    ("tpu_video.engine",),
+    ("tpu_video.models",),
+    ("tpu_video.planning",),
+    ("tpu_video.stages",),
     ("stage1_text_encoder", "stage2_transformer", "stage3_vae_decoder"),
 ]
 
@@ -148,7 +160,7 @@ def test_imports_go_down_the_layers():
     graph = import_graph()
     upward = [(a, b) for a, targets in graph.items() for b in targets if layer_of(b) > layer_of(a)]
     assert not upward, upward
-    assert layer_of("runtime.torchax_runtime") == 3  # the longest matching name wins
+    assert layer_of("tpu_video.runtime.torchax_runtime") == 3  # the longest matching name wins
 
 
 def test_find_cycle_sees_a_cycle():
@@ -159,21 +171,24 @@ def test_library_modules_do_not_import_the_cli_contract():
     """sharding.py and splash_attention.py are libraries: they raise ValueError, the stages word it."""
     graph = import_graph()
     for library in ("sharding", "splash_attention"):
-        assert not graph[library] & {"cli", "utils"}, f"{library} imports the CLI conventions or the file contract"
+        assert not graph[library] & {"tpu_video.cli", "utils"}, (
+            f"{library} imports the CLI conventions or the file contract"
+        )
 
 
 @pytest.mark.parametrize("name", sorted(project_modules()))
 def test_module_size(name):
-    """450 lines at most; 300 in models/ (the families and the shared engine, where new families land)."""
+    """450 lines at most; 300 in the families and the engine (tpu_video/models/, tpu_video/engine/), where new
+    families land."""
     lines = len(project_modules()[name].read_text().splitlines())
-    limit = MAX_MODELS_LINES if name == "models" or name.startswith("models.") else MAX_LINES
+    limit = MAX_MODELS_LINES if name.startswith(("tpu_video.models", "tpu_video.engine")) else MAX_LINES
     assert lines <= limit, f"{name} has {lines} lines (at most {limit}); split it by responsibility"
 
 
 @pytest.mark.parametrize("family", list(models.FAMILIES.values()), ids=list(models.FAMILIES))
 def test_family_fills_in_the_interface(family):
     """Every member the protocol names exists in this family, its methods are callable, its presets are its own."""
-    from models.family import Family
+    from tpu_video.models.family import Family
 
     missing = [name for name in family_members() if not hasattr(family, name)]
     assert not missing, f"{family.NAME} lacks {missing}"
@@ -195,18 +210,18 @@ def test_presets_are_unique_and_registered():
 @pytest.mark.parametrize(
     "name",
     [
-        "cli",
+        "tpu_video.cli",
         "utils",
-        "models.batch_folders",
+        "tpu_video.engine.batch_folders",
         "sharding",
-        "runtime",
-        "runtime.interface",
-        "runtime.mesh",
-        "workarounds",
-        "attention",
-        "attention.plan",
-        "attention.calls",
-        "planning",
+        "tpu_video.runtime",
+        "tpu_video.runtime.interface",
+        "tpu_video.runtime.mesh",
+        "tpu_video.workarounds",
+        "tpu_video.attention",
+        "tpu_video.attention.plan",
+        "tpu_video.attention.calls",
+        "tpu_video.planning",
     ],
 )
 def test_jax_free_modules_import_no_jax(name):
@@ -215,14 +230,30 @@ def test_jax_free_modules_import_no_jax(name):
 
 
 def test_jax_free_check_sees_jax():
-    assert "jax" in imports_anywhere("runtime.torchax_runtime")
+    assert "jax" in imports_anywhere("tpu_video.runtime.torchax_runtime")
 
 
 def test_every_package_opens_with_a_docstring():
     openings = [path for path in project_modules().values() if path.name == "__init__.py"]
-    assert len(openings) >= len(PACKAGES) >= 6
+    assert PACKAGES == (PACKAGE,) and len(openings) >= 9
     for path in openings:
         assert ast.get_docstring(ast.parse(path.read_text())), path
+
+
+@pytest.mark.parametrize("package", sorted(name for name, path in project_modules().items() if path.stem == "__init__"))
+def test_a_package_docstring_names_real_modules_and_all_of_them(package):
+    """A name in backquotes in a package's opening is one of its modules (the mesh axes aside), and an opening
+    that names its modules names every one: the docstring is the package's table of contents."""
+    doc = ast.get_docstring(ast.parse(project_modules()[package].read_text())) or ""
+    named = set(re.findall(r"`([a-z_][a-z0-9_]*)`", doc)) - {"dp", "sp", "tp"}
+    depth = package.count(".") + 1
+    children = {
+        name.rsplit(".", 1)[1]
+        for name in project_modules()
+        if name.startswith(f"{package}.") and name.count(".") == depth
+    }
+    assert named <= children, f"{package}'s docstring names {sorted(named - children)}, which are not its modules"
+    assert not named or named == children, f"{package}'s docstring leaves out {sorted(children - named)}"
 
 
 def test_every_folder_of_a_package_is_a_subpackage():

@@ -17,7 +17,6 @@ import pytest
 import torch
 from PIL import Image
 
-import models
 import stage1_text_encoder
 import stage2_transformer
 from helpers import (
@@ -33,6 +32,7 @@ from helpers import (
     staged,
     stop_stage2_after,
 )
+from tpu_video import models
 from utils import CONFIG_FILE
 
 TOLERANCE = 1e-4
@@ -292,7 +292,7 @@ def test_adapter_files_resolve_from_folders_and_the_hub_cache(tmp_path, monkeypa
     """A folder holding one file; a hub id, and a hub id with a file name, from huggingface_hub's cache."""
     from huggingface_hub import constants
 
-    from models.lora import parse_flag, resolve_file
+    from tpu_video.engine.lora import parse_flag, resolve_file
 
     snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)
@@ -313,7 +313,7 @@ def test_flow_shift_override_reaches_flow_match_euler():
     the override must build the scheduler with it, as the HunyuanVideo-1.5 folder's and --scheduler euler do."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from models.common import flow_scheduler
+    from tpu_video.models.common import flow_scheduler
 
     for preset, name in (("tiny-hunyuanvideo15", None), ("tiny-wan2.1", "euler")):
         source, _ = models.resolve_model(preset)

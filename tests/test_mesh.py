@@ -15,15 +15,15 @@ import math
 import pytest
 import torch
 
-import models
 import stage2_transformer
 from helpers import run_stage
-from models.meta import model_facts
-from planning import tpus
-from planning.flags import default_request
-from runtime import placement
-from runtime.mesh import MEMORY_SHARE, MeshShape, ModelFacts, default_batch, default_mesh, sp_mode_choice
-from runtime.torchax_runtime import TorchaxRuntime
+from tpu_video import models
+from tpu_video.engine.meta import model_facts
+from tpu_video.planning import tpus
+from tpu_video.planning.flags import default_request
+from tpu_video.runtime import placement
+from tpu_video.runtime.mesh import MEMORY_SHARE, MeshShape, ModelFacts, default_batch, default_mesh, sp_mode_choice
+from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
 TOPOLOGIES = ("v5e-8", "v6e-8", "v5p-8", "tpu7x-8", "v6e-16")
 

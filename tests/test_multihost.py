@@ -21,9 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cli import UserError
 from helpers import ROOT, relative_error, run_stage
-from runtime.distributed import launch_settings
+from tpu_video.cli import UserError
+from tpu_video.runtime.distributed import launch_settings
 from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE
 
 pytestmark = pytest.mark.slow  # several processes each, 10-60 s a test
@@ -197,7 +197,7 @@ def test_a_killed_process_makes_the_other_exit_with_an_error(long_request, tmp_p
 def test_sigterm_before_the_loop_still_ends_the_process():
     """JAX's preemption service would catch SIGTERM and carry on; Processes.start turns it off."""
     code = (
-        "import os, signal, sys, time; from runtime.distributed import Processes; "
+        "import os, signal, sys, time; from tpu_video.runtime.distributed import Processes; "
         f"Processes.start({{'coordinator_address': '127.0.0.1:{free_port()}', 'num_processes': 1, 'process_id': 0}}); "
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(5); sys.exit(0)"
     )

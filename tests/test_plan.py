@@ -12,16 +12,16 @@ import json
 import pytest
 import torch
 
-import models
 import stage2_transformer
 import stage3_vae_decoder
 from helpers import expect_user_error, run_stage, tiny_stage1
-from models import wan
-from planning import report as plan_report
-from planning import tpus
-from runtime import placement
-from runtime.mesh import MeshShape, ModelFacts, default_mesh
-from runtime.torchax_runtime import TorchaxRuntime
+from tpu_video import models
+from tpu_video.models import wan
+from tpu_video.planning import report as plan_report
+from tpu_video.planning import tpus
+from tpu_video.runtime import placement
+from tpu_video.runtime.mesh import MeshShape, ModelFacts, default_mesh
+from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
 
 @pytest.mark.parametrize(
@@ -206,7 +206,7 @@ def test_a_folder_with_configs_only_plans(tmp_path):
     """A local diffusers folder without weights or tokenizer files: the architecture is all a plan needs."""
     import shutil
 
-    import models
+    from tpu_video import models
 
     preset = models.materialize_preset("tiny-cogvideox")
     folder = tmp_path / "configs-only"
@@ -226,9 +226,9 @@ def test_a_folder_with_configs_only_plans(tmp_path):
     "generation, expected", [("v5e", (1024, 1024, 512)), ("v5p", (1024, 1024, 512)), ("v6e", None)]
 )
 def test_default_splash_tiles_are_capped_where_scoped_vmem_cannot_hold_them(generation, expected):
-    from attention.plan import AttentionFlags, build_plan
-    from models import cogvideox
-    from runtime.mesh import MeshChoice, MeshShape
+    from tpu_video.attention.plan import AttentionFlags, build_plan
+    from tpu_video.models import cogvideox
+    from tpu_video.runtime.mesh import MeshChoice, MeshShape
 
     def plan(**flags):
         mesh = lambda *axes, sequence_split: MeshChoice(MeshShape(2, 1, 4), "test")  # noqa: E731

@@ -1,4 +1,4 @@
-"""`--plan TARGET --save_executables DIR`: the plan compiles the run's own programs (runtime/programs.py) over
+"""`--plan TARGET --save_executables DIR`: the plan compiles the run's own programs (tpu_video/runtime/programs.py) over
 abstract weights and saves them keyed as the run on that target keys them.
 
 A TPU cannot run here, so the key's equality is shown on the devices that can: the plan is pointed at this
@@ -19,18 +19,18 @@ import torch
 from safetensors.numpy import load_file
 from transformers import PreTrainedModel
 
-import models
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
-from cli import parse_dtype
 from helpers import expect_user_error, run_stage, write_image
-from models.cache_schedule import kind_from_flags
-from models.meta import meta_pretrained
-from planning import encoders, flags, plan, tpus
-from runtime import placement, program_key
-from runtime.executables import SUFFIX, ExecutableStore
 from sharding import MeshShape
+from tpu_video import models
+from tpu_video.cli import parse_dtype
+from tpu_video.engine.cache_schedule import kind_from_flags
+from tpu_video.engine.meta import meta_pretrained
+from tpu_video.planning import encoders, flags, plan, tpus
+from tpu_video.runtime import placement, program_key
+from tpu_video.runtime.executables import SUFFIX, ExecutableStore
 
 
 def keys(store) -> list[str]:
@@ -166,7 +166,7 @@ def test_a_tpu_plan_saves_programs_keyed_for_the_topology(tmp_path):
     report = json.loads(report_path.read_text())
     assert report["executables"]["saved"] == len(keys(store)) == 1
     summary = json.loads(next(store.glob("*.json")).read_text())
-    assert summary["name"] == "models.wan.transformer.GuidedTransformer.forward"
+    assert summary["name"] == "tpu_video.models.wan.transformer.GuidedTransformer.forward"
     devices = tpus.topology_devices(tpus.parse_target("v5e-8"))
     mesh = placement.make_mesh(MeshShape(**report["mesh"]), devices)
     expected = program_key.environment_parts(mesh, process=0)["devices"]
@@ -195,7 +195,7 @@ def test_abstract_weights_are_laid_out_as_placed_ones():
     """The plan's arguments (placement.abstract_weights) and a run's placed weights: same shapes, dtypes and
     shardings, a tied weight once, as its first name's rule lays it out."""
     from sharding import RuleTable
-    from workarounds.torchax import import_torchax
+    from tpu_video.workarounds.torchax import import_torchax
 
     module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     module[1].weight = module[0].weight

@@ -36,7 +36,7 @@ from helpers import (
     staged,
     stop_stage2_after,
 )
-from models.quantize import ACTIVATION_LEVELS, int8_per_row
+from tpu_video.engine.quantize import ACTIVATION_LEVELS, int8_per_row
 
 TOLERANCE = 1e-4
 TORCHAO = Path(sys.prefix) / "torchao-reference"
@@ -55,7 +55,7 @@ from torchao.kernel.intmm import int_scaled_matmul
 from torchao.quantization import Float8WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig
 from torchao.quantization import Int8WeightOnlyConfig, quantize_
 from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
-from models.quantize import QuantizedLinear
+from tpu_video.engine.quantize import QuantizedLinear
 
 CONFIGS = {"int8_weight": Int8WeightOnlyConfig, "int8": Int8DynamicActivationInt8WeightConfig,
            "fp8_weight": Float8WeightOnlyConfig}
@@ -97,7 +97,7 @@ print(json.dumps(results))
 
 def test_schemes_match_torchao():
     """Weight integers and scales equal torchao's bit for bit, in fp32 and bf16; a linear's output equals
-    torchao's (`int8`: its primitives with the activations on [-127, 127], models/quantize.py says why) to
+    torchao's (`int8`: its primitives with the activations on [-127, 127], tpu_video/engine/quantize.py says why) to
     float rounding: the integer paths are the same ops; for fp8 torchao dequantizes the weight before the
     matmul and we scale the product."""
     assert TORCHAO.is_dir(), f"{TORCHAO} is missing: `make install` puts torchao 0.18 there"
@@ -173,9 +173,9 @@ def test_feed_forward_only_on_wan(tmp_path):
 
 def transformer_and_inputs(family: str):
     """A tiny transformer of the family, adapted for jit as stage 2 runs it, and one call's inputs (a batch of 2)."""
-    import models
     from helpers import hunyuan_inputs, tiny_hunyuan_transformer
-    from models import cogvideox, hunyuanvideo15
+    from tpu_video import models
+    from tpu_video.models import cogvideox, hunyuanvideo15
 
     if family == "hunyuanvideo15":
         return hunyuanvideo15.transformer.make_jit_safe(tiny_hunyuan_transformer()), hunyuan_inputs()
@@ -201,7 +201,7 @@ class Captured(torch.nn.Module):
 
     def __init__(self, transformer: torch.nn.Module) -> None:
         super().__init__()
-        from models.quantize import QuantizedLinear
+        from tpu_video.engine.quantize import QuantizedLinear
 
         self.transformer = transformer
         self.seen: list[torch.Tensor] = []
@@ -230,11 +230,11 @@ def test_int8_linears_in_the_compiled_transformer_match_the_reference(family, me
     itself when its latents are scaled by 1 + 1e-7. So each quantized linear of the compiled transformer (on
     one device, and with its weights and scales split on tp) is checked on the input it received in the
     program: its output there against the eager reference's on that same input, within 1e-6."""
-    from models import FAMILIES
-    from models.quantize import Quantization, quantize
-    from runtime.placement import make_mesh
-    from runtime.torchax_runtime import TorchaxRuntime
     from sharding import MeshShape
+    from tpu_video.engine.quantize import Quantization, quantize
+    from tpu_video.models import FAMILIES
+    from tpu_video.runtime.placement import make_mesh
+    from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
     transformer, inputs = transformer_and_inputs(family)
     reference = copy.deepcopy(transformer)
@@ -266,7 +266,7 @@ def test_resuming_with_another_scheme_is_refused(tmp_path, monkeypatch, capsys):
 def test_magcache_ratios_are_keyed_by_the_quantization(tmp_path, capsys):
     """Ratios calibrated with one --quantize serve only runs with the same one (as for LoRA adapters)."""
     from helpers import run_stage
-    from models.mag_ratios import MAG_RATIOS_FILE
+    from tpu_video.engine.mag_ratios import MAG_RATIOS_FILE
 
     out = tmp_path / "run"
     staged(out, "tiny-wan2.1", stage2_flags=["--quantize", "int8_weight", "--cache_calibrate"])
@@ -342,9 +342,9 @@ def test_scales_are_laid_out_as_their_weights_output_dimension():
 def test_the_mesh_choice_counts_quantized_bytes():
     """The default mesh weighs the weights as stored: Wan 2.1 14B's (published config, meta device) in
     int8_weight are at most 0.55x of bf16's (the blocks' linears are nearly all of them)."""
-    import models
-    from models.meta import model_facts
-    from models.quantize import Quantization
+    from tpu_video import models
+    from tpu_video.engine.meta import model_facts
+    from tpu_video.engine.quantize import Quantization
 
     source, family = models.resolve_model("Wan-AI/Wan2.1-T2V-14B-Diffusers", configs_only=True)
 
@@ -362,7 +362,7 @@ def test_a_stored_dequantized_copy_is_counted():
     import jax
     import jax.numpy as jnp
 
-    from planning.hlo import quantized_reads
+    from tpu_video.planning.hlo import quantized_reads
 
     weight, x = jnp.ones((64, 32), jnp.int8), jnp.ones((8, 64), jnp.float32)
     compiled = jax.jit(lambda w, x: x @ w.astype(jnp.float32)).lower(weight, x).compile()

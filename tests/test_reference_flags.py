@@ -13,14 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import models
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
 from helpers import expect_user_error, run_script, run_stage
-from models.decode import decode
-from runtime.backend import choose_backend
-from runtime.interface import Timer, TorchRuntime
+from tpu_video import models
+from tpu_video.engine.decode import decode
+from tpu_video.runtime.backend import choose_backend
+from tpu_video.runtime.interface import Timer, TorchRuntime
 from utils import CONFIG_FILE, STAGE1_FILE, STAGE2_FILE, read_config, read_tensors
 
 REQUEST = ["--prompt", "a cat", "--height", "32", "--width", "48", "--num_inference_steps", "2"]
@@ -94,7 +94,9 @@ def test_stage2_refusals_come_before_loading(capsys, encoded, tmp_path, flags, m
 
 def test_stage3_output_video_and_save_frames(denoised, tmp_path):
     video = tmp_path / "videos" / "cat.mp4"
-    run_stage(stage3_vae_decoder, ["--input_dir", denoised, "--output_video", video, "--save_frames"])
+    # Pinned to the CPU: --backend auto would decode with torch on CUDA on a GPU host, not the computation below.
+    argv = ["--input_dir", denoised, "--output_video", video, "--save_frames", "--backend", "torch", "--device", "cpu"]
+    run_stage(stage3_vae_decoder, argv)
     folder = video.parent
     assert {path.name for path in folder.iterdir()} >= {"cat.mp4", "cat_preview.png", "cat_frames.safetensors"}
     config = json.loads((folder / CONFIG_FILE).read_text())

@@ -12,9 +12,9 @@ from PIL import Image
 import stage2_transformer
 import stage3_vae_decoder
 from helpers import run_script, run_stage, tiny_stage1
-from runtime.interface import Timer
+from tpu_video.runtime.interface import Timer
+from tpu_video.workarounds.jax import with_cpu_platform
 from utils import STAGE2_FILE, read_config, read_tensors
-from workarounds.jax import with_cpu_platform
 
 STEPS = 3
 
@@ -59,9 +59,9 @@ def test_torchax_runs_fp32_matmuls_at_full_precision(dtype, precision):
     import jax.numpy as jnp
 
     import sharding
-    from runtime import placement
-    from runtime.interface import TorchRuntime
-    from runtime.torchax_runtime import TorchaxRuntime
+    from tpu_video.runtime import placement
+    from tpu_video.runtime.interface import TorchRuntime
+    from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
     runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(1, 1, 1)))
     x = jnp.ones((4, 4), jnp.float32)

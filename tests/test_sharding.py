@@ -11,20 +11,19 @@ import json
 import pytest
 import torch
 
-import models
 import sharding
 import stage2_transformer
-from attention.dispatch import attention_backend
 from helpers import attention_plan, expect_user_error, relative_error, run_stage, tiny_stage1
-from models import cogvideox, hunyuanvideo15, wan
-from models.common import attention_heads
-from models.denoise import DenoiseOptions, denoise
-from models.meta import meta_transformers, model_facts
-from runtime import placement
-from runtime.interface import Timer
-from runtime.mesh import default_mesh
-from runtime.torchax_runtime import TorchaxRuntime
 from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, RuleTable
+from tpu_video import models
+from tpu_video.attention.dispatch import attention_backend
+from tpu_video.engine.denoise import DenoiseOptions, denoise
+from tpu_video.engine.meta import attention_heads, meta_transformers, model_facts
+from tpu_video.models import cogvideox, hunyuanvideo15, wan
+from tpu_video.runtime import placement
+from tpu_video.runtime.interface import Timer
+from tpu_video.runtime.mesh import default_mesh
+from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 from utils import Request, read_config, read_tensors
 
 TOLERANCE = 1e-5

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 import sharding
-from attention.dispatch import attention_backend
-from attention.masks import DENSE_MASK_LIMIT, masks_from_attn_mask
-from attention.plan import SplashConfig, fixed_plan
-from attention.sequence_parallel import call_scheme, merge_partials
-from attention.xla import attention_with_lse, xla_attention, xla_sequence_parallel_attention
 from helpers import reference_attention, relative_error
-from runtime import placement
-from runtime.mesh import sp_mode_choice
 from splash_attention import splash_attention, tile_sizes
+from tpu_video.attention.dispatch import attention_backend
+from tpu_video.attention.masks import DENSE_MASK_LIMIT, masks_from_attn_mask
+from tpu_video.attention.plan import SplashConfig, fixed_plan
+from tpu_video.attention.sequence_parallel import call_scheme, merge_partials
+from tpu_video.attention.xla import attention_with_lse, xla_attention, xla_sequence_parallel_attention
+from tpu_video.runtime import placement
+from tpu_video.runtime.mesh import sp_mode_choice
 
 SMALL_TILES = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
 
@@ -123,8 +123,8 @@ def test_tile_sizes_clamp_to_short_sequences_and_keep_divisibility():
 
 def test_torchax_sdpa_override_calls_splash_and_matches_torch(monkeypatch):
     """Inside the torchax environment, F.scaled_dot_product_attention with a key mask runs Splash."""
-    import attention.dispatch as module
-    from runtime.torchax_runtime import TorchaxRuntime
+    import tpu_video.attention.dispatch as module
+    from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
     calls = []
     monkeypatch.setattr(module, "splash_attention", lambda *a, **kw: calls.append(1) or splash_attention(*a, **kw))
@@ -151,9 +151,9 @@ def test_torchax_sdpa_override_calls_splash_and_matches_torch(monkeypatch):
 
 def test_cogvideox_stage2_with_splash_matches_xla(tmp_path, monkeypatch, capsys):
     """The tiny CogVideoX transformer (80 tokens, padded to one 128 tile) denoised with each backend."""
-    import attention.dispatch as module
     import stage1_text_encoder
     import stage2_transformer
+    import tpu_video.attention.dispatch as module
     from helpers import run_stage
     from utils import read_config, read_tensors
 

@@ -1,4 +1,4 @@
-"""Step caching (models/step_cache.py) against its definitions.
+"""Step caching (tpu_video/engine/step_cache.py) against its definitions.
 
 MagCache: our staged run equals the eager diffusers pipeline with `transformer.enable_cache(
 MagCacheConfig(...))` on the same tiny components, with the same steps skipped, fp32, 1e-4 relative (as
@@ -20,14 +20,14 @@ import pytest
 import torch
 
 import helpers
-import models
 import stage1_text_encoder
 import stage2_transformer
-from cli import Stopped
 from helpers import expect_user_error, relative_error, run_stage
-from models import cache_schedule, cached_blocks
-from models.cache_schedule import CacheSettings, schedule
-from models.guard import DenoiseGuard
+from tpu_video import models
+from tpu_video.cli import Stopped
+from tpu_video.engine import cache_schedule, cached_blocks
+from tpu_video.engine.cache_schedule import CacheSettings, schedule
+from tpu_video.engine.guard import DenoiseGuard
 from utils import CHECKPOINT_FILE, read_config, read_tensors
 
 TOLERANCE = 1e-4
@@ -238,7 +238,7 @@ def test_wan22_calibration_and_per_branch_magcache_equal_diffusers(tmp_path, cap
 
 
 def test_hunyuanvideo15_magcache_equals_diffusers_with_the_block_registered(tmp_path):
-    from workarounds.diffusers import register_hunyuanvideo15_block
+    from tpu_video.workarounds.diffusers import register_hunyuanvideo15_block
 
     ratios = [1.0, 1.0, 1.0, 1.0]
     request = stage1(tmp_path, "tiny-hunyuanvideo15", 4)

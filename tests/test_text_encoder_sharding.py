@@ -15,12 +15,12 @@ from safetensors.torch import load_file
 import sharding
 import stage1_text_encoder
 from helpers import relative_error, run_stage, write_image
-from models.cogvideox.published import T5_XXL_ENCODER
-from models.encoders import DeviceTextEncoder
-from models.hunyuanvideo15.published import QWEN25_VL_7B_TEXT
-from runtime import placement
-from runtime.torchax_runtime import TorchaxRuntime
 from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape
+from tpu_video.engine.encoders import DeviceTextEncoder
+from tpu_video.models.cogvideox.published import T5_XXL_ENCODER
+from tpu_video.models.hunyuanvideo15.published import QWEN25_VL_7B_TEXT
+from tpu_video.runtime import placement
+from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 from utils import read_config
 
 TOLERANCE = 1e-5
@@ -123,7 +123,7 @@ def test_gemma3_12b_rule_table_matches_every_parameter_as_intended(tp, split):
     """LTX-2's prompt encoder at its published size (16 query, 8 key/value heads): tp 16 replicates attention."""
     from transformers import Gemma3TextConfig, Gemma3TextModel
 
-    from models.ltx2.published import GEMMA3_12B
+    from tpu_video.models.ltx2.published import GEMMA3_12B
 
     with torch.device("meta"):
         encoder = Gemma3TextModel(Gemma3TextConfig(**GEMMA3_12B["text_config"]))
@@ -164,8 +164,8 @@ def test_ltx2_connector_rule_table_matches_every_parameter_as_intended(version, 
     split either way."""
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
-    from models.ltx2.connectors import connector_rules
-    from models.ltx2.published import LTX2_CONNECTORS, LTX23_CONNECTORS
+    from tpu_video.models.ltx2.connectors import connector_rules
+    from tpu_video.models.ltx2.published import LTX2_CONNECTORS, LTX23_CONNECTORS
 
     config = LTX2_CONNECTORS if version == "2.0" else LTX23_CONNECTORS
     with torch.device("meta"):
@@ -184,8 +184,8 @@ def test_ltx2_connector_rule_table_matches_every_parameter_as_intended(version, 
 def test_unknown_text_encoder_is_a_value_error_in_the_library_and_a_user_error_in_stage_1():
     from transformers import CLIPTextConfig
 
-    from cli import UserError
-    from models.encoders import text_encoder_rules
+    from tpu_video.cli import UserError
+    from tpu_video.engine.encoders import text_encoder_rules
 
     with pytest.raises(ValueError, match="no sharding rules for a 'clip_text_model' text encoder"):
         sharding.text_encoder_rules(CLIPTextConfig(), 8)
@@ -320,8 +320,8 @@ def test_published_text_encoders_are_kept_for_every_hub_id(family, component, pa
     kept in code: the published encoder's parameter count (bf16 weights: T5 9.5 GB, UMT5 11.4 GB; Qwen2.5-7B's
     7.62e9 less its 152,064 x 3584 head; ByT5-small's encoder at 384 tokens is 217,657,472), split by its table
     (attention replicated where 8 does not divide the heads: Qwen's 28 and 4, ByT5's 6)."""
-    import models
-    from planning.encoders import MetaSource
+    from tpu_video import models
+    from tpu_video.planning.encoders import MetaSource
 
     for hub_id in models.FAMILIES[family].PUBLISHED:
         source, family_module = models.resolve_model(hub_id, configs_only=True)
@@ -340,9 +340,9 @@ def test_every_published_id_keeps_each_text_encoder_its_pipeline_takes():
 
     import diffusers
 
-    import models
-    from cli import UserError
-    from planning.encoders import MetaSource
+    from tpu_video import models
+    from tpu_video.cli import UserError
+    from tpu_video.planning.encoders import MetaSource
 
     for family in models.FAMILIES.values():
         for hub_id, index in family.PUBLISHED.items():

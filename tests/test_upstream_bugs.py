@@ -14,19 +14,19 @@ import pytest
 import torch
 
 from helpers import ROOT, Sample, collectives_in, hunyuan_inputs, relative_error, tiny_hunyuan_transformer
-from models import cogvideox
-from runtime.placement import make_mesh
-from runtime.torchax_runtime import TorchaxRuntime
 from sharding import MeshShape
+from tpu_video.models import cogvideox
+from tpu_video.runtime.placement import make_mesh
+from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
 pytestmark = pytest.mark.upstream_bug
 
 
 def test_torchax_0_0_13_import_fails_on_torch_2_13_dimname_overloads():
     """torchax 0.0.13 looks up `aten.*.Dimname` overloads that torch 2.13 removed.
-    Workaround: torchax_compat.py (delete it once this fails)."""
+    Workaround: tpu_video/workarounds/torchax.py's tolerate_missing_overloads (delete it once this fails)."""
     result = subprocess.run([sys.executable, "-c", "import torchax"], capture_output=True, text=True)
-    assert result.returncode != 0, "torchax now imports without the shim: remove torchax_compat.py and this test"
+    assert result.returncode != 0, "torchax imports without the shim now: drop tolerate_missing_overloads, this test"
     assert "has no overload name" in result.stderr and "Dimname" in result.stderr
 
 
@@ -122,7 +122,7 @@ def test_torchax_type_as_casts_in_place_and_leaves_a_stale_dtype():
     """torchax 0.0.13's Tensor.type_as mutates the array and keeps the old torch dtype, so a bf16 conv
     after `upsample(x.float()).type_as(x)` (the Wan VAE) fails under jit.
     Workaround: torchax_compat.cast_type_as."""
-    from workarounds.torchax import STOCK_TYPE_AS
+    from tpu_video.workarounds.torchax import STOCK_TYPE_AS
 
     class Upsampled(torch.nn.Module):
         def __init__(self, type_as):
@@ -215,8 +215,8 @@ def test_jax_0_10_2_splash_cannot_shard_a_local_window_mask_eight_ways():
     import jax.numpy as jnp
     import numpy as np
 
-    from attention.plan import SplashConfig
     from splash_attention import splash_attention
+    from tpu_video.attention.plan import SplashConfig
 
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 8, 300, 64)), jnp.float32) for _ in range(3))
@@ -230,21 +230,21 @@ def test_jax_0_10_2_splash_cannot_shard_a_local_window_mask_eight_ways():
 def test_torch_2_13_generator_set_state_fails_on_a_view_at_an_offset():
     """torch 2.13's CPU `Generator.set_state` reads a state tensor that is a view at a storage offset (a row
     of a stacked state) wrongly: it crashes the process or says "Invalid mt19937 state". Workaround:
-    models.batching.Generators.set_state gives each generator a copy (delete the `.clone()` once this fails)."""
+    engine.batching.Generators.set_state gives each generator a copy (delete the `.clone()` once this fails)."""
     code = (
         "import torch; s = torch.stack([torch.Generator().manual_seed(1).get_state(), "
         "torch.Generator().manual_seed(2).get_state()]); g = torch.Generator(); g.set_state(s[1]); "
         "assert torch.equal(torch.randn(3, generator=g), torch.randn(3, generator=torch.Generator().manual_seed(2)))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode != 0, "set_state now takes a row of a stack: drop the copy in models.batching"
+    assert result.returncode != 0, "set_state now takes a row of a stack: drop the copy in engine.batching"
 
 
 SERIALIZE_AFTER_CACHE_HIT = """
 import contextlib, pickle, sys
 import jax, jax.numpy as jnp
 from jax.experimental import serialize_executable
-from workarounds.jax import without_compilation_cache
+from tpu_video.workarounds.jax import without_compilation_cache
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -266,7 +266,7 @@ else:
 def test_jax_0_10_2_cpu_executables_from_the_compilation_cache_fail_when_loaded_in_a_new_process(tmp_path):
     """An executable the persistent compilation cache returned serializes into bytes that load in a new
     process and then fail when run. Workaround: workarounds.jax.without_compilation_cache, around the
-    compiles of programs bound for the executable store (runtime/programs.py)."""
+    compiles of programs bound for the executable store (tpu_video/runtime/programs.py)."""
     script, cache = tmp_path / "bug.py", tmp_path / "cache"
     script.write_text(SERIALIZE_AFTER_CACHE_HIT)
 
@@ -285,10 +285,10 @@ def test_jax_0_10_2_cpu_executables_from_the_compilation_cache_fail_when_loaded_
 def test_torchax_0_0_13_drops_in_place_updates_made_through_a_view():
     """diffusers' LTX-2 `apply_split_rotary_emb` writes both halves of its output with `addcmul_` on slices;
     under torchax the output keeps the unrotated values. Workaround: workarounds.torchax.split_rotary_emb
-    (models/ltx2/transformer.py traces with it)."""
+    (tpu_video/models/ltx2/transformer.py traces with it)."""
     from diffusers.models.transformers.transformer_ltx2 import apply_split_rotary_emb
 
-    from workarounds.torchax import split_rotary_emb
+    from tpu_video.workarounds.torchax import split_rotary_emb
 
     generator = torch.Generator().manual_seed(0)
     x, cos, sin = torch.randn(2, 5, 16, generator=generator), torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4)
@@ -307,7 +307,7 @@ def test_torchax_0_0_13_sdpa_gives_nan_where_a_boolean_mask_admits_no_key():
     """torch's SDPA gives zeros on such a row (transformers counts on it for left-padded prompts: Gemma 3 in
     LTX-2's stage 1); torchax's reference gives NaN. Workaround: workarounds.torchax.zero_unattended_rows_sdpa,
     installed in every TorchaxRuntime's environment."""
-    from workarounds.torchax import op_definition
+    from tpu_video.workarounds.torchax import op_definition
 
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(1, 2, 3, 4, generator=generator) for _ in range(3))
@@ -331,8 +331,8 @@ def test_torchax_0_0_13_jittable_module_evaluates_every_property_of_a_transforme
     programs alike; until 2026-11-26 only a run's encoders did)."""
     import warnings
 
-    import models
-    from workarounds.torchax import import_torchax
+    from tpu_video import models
+    from tpu_video.workarounds.torchax import import_torchax
 
     encoder = models.resolve_model("tiny-wan2.1")[0].load("text_encoder").eval()
     with pytest.warns(FutureWarning, match="is_gradient_checkpointing"):
@@ -345,12 +345,12 @@ def test_torchax_0_0_13_jittable_module_evaluates_every_property_of_a_transforme
 def test_torchax_0_0_13_jittable_module_lists_a_tied_plain_tensor_under_every_name():
     """torchax 0.0.13's JittableModule passes a tied weight once only when it is a Parameter that requires
     grad; placed weights are plain tensors, listed as buffers under each name, so a program took the tied
-    T5 embedding twice. Workaround: workarounds.torchax.dedup_tied_buffers (runtime/programs.py): one
+    T5 embedding twice. Workaround: workarounds.torchax.dedup_tied_buffers (tpu_video/runtime/programs.py): one
     argument, the same encoding."""
     from torchax import interop
     from transformers import T5Config, T5EncoderModel
 
-    from models.encoders import DeviceTextEncoder
+    from tpu_video.engine.encoders import DeviceTextEncoder
 
     torch.manual_seed(0)
     config = T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4)

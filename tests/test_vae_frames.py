@@ -1,24 +1,24 @@
-"""Stage 3's decode in frame chunks on torchax (models/wan/vae.py: one latent frame per call;
-models/cogvideox/vae.py: the stock frame batches; models/hunyuanvideo15/vae.py: chunks of any length)
-against diffusers' `vae.decode` run eagerly in PyTorch, fp32: the frames within 1e-5 relative, on 1 and 8
-CPU devices, for the Wan 2.1, Wan 2.2 (TI2V-5B), CogVideoX 1.5 and 1.0 and HunyuanVideo-1.5 VAEs; through the
-real stage-3 CLI, where it is the torchax default."""
+"""Stage 3's decode in frame chunks on torchax (tpu_video/models/wan/vae.py: one latent frame per call;
+tpu_video/models/cogvideox/vae.py: the stock frame batches; tpu_video/models/hunyuanvideo15/vae.py: chunks of any
+length) against diffusers' `vae.decode` run eagerly in PyTorch, fp32: the frames within 1e-5 relative, on 1 and 8 CPU
+devices, for the Wan 2.1, Wan 2.2 (TI2V-5B), CogVideoX 1.5 and 1.0 and HunyuanVideo-1.5 VAEs; through the real stage-3
+CLI, where it is the torchax default."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import models
 import sharding
 import stage3_vae_decoder
 from helpers import expect_user_error, relative_error, run_stage
-from models.decode import LATENTS_WIDTH_SPLIT, decode
-from models.meta import meta_module
-from models.wan import vae as wan_vae
-from runtime import placement
-from runtime.interface import Timer, TorchRuntime
-from runtime.torchax_runtime import TorchaxRuntime
+from tpu_video import models
+from tpu_video.engine.decode import LATENTS_WIDTH_SPLIT, decode
+from tpu_video.engine.meta import meta_module
+from tpu_video.models.wan import vae as wan_vae
+from tpu_video.runtime import placement
+from tpu_video.runtime.interface import Timer, TorchRuntime
+from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 from utils import read_config, read_tensors
 
 TOLERANCE = 1e-5
@@ -111,12 +111,12 @@ def test_chunk_flag_errors(capsys, tmp_path, wan_latents, flags, message):
 
 @pytest.mark.parametrize("frames", [1, 2, 5])
 def test_hunyuanvideo15_chunks_equal_the_stock_decoder_eagerly(frames):
-    """The restructured forward (models/hunyuanvideo15/vae.py) in eager PyTorch, every chunk length from 1 to
+    """The restructured forward (tpu_video/models/hunyuanvideo15/vae.py) in eager PyTorch, every chunk length from 1 to
     the whole clip, against the stock `HunyuanVideo15Decoder3D`. Two different programs, so fp32's 1e-5
     relative, not bit-identity: on this machine they agree to the bit, on other CPUs (an AMD EPYC) the
     kernels sum in another order and they differ by ~7e-7. The attention's buffers keep the seen keys in
     frame order."""
-    from models.hunyuanvideo15 import vae as hv
+    from tpu_video.models.hunyuanvideo15 import vae as hv
 
     source, family = models.resolve_model("tiny-hunyuanvideo15")
     decoder = hv.Decoder(source.load("vae", dtype=torch.float32).eval(), family.latents_normalization(source))
@@ -185,8 +185,8 @@ def test_hunyuanvideo15_steady_call_gathers_only_the_chunk_keys_and_values():
     """The attention's key and value buffers stay whole on every device and only the chunk's new keys and
     values are gathered: a steady call's all-gathers (8 devices, width split) move the same bytes for a video
     of 5 latent frames as for one of 9."""
-    from planning.plan import compile_module
     from sharding import REPLICATED_TABLE
+    from tpu_video.planning.plan import compile_module
 
     source, family = models.resolve_model("tiny-hunyuanvideo15")
     runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(sp=8)))
@@ -212,7 +212,7 @@ def test_plan_with_chunk_frames_0_compiles_the_one_program_decode(tmp_path):
 
 def test_height_split_where_the_width_does_not_divide():
     """12 latent columns do not divide by 8 devices, 8 rows do: the frames split along height, still exact."""
-    from models.decode import LATENTS_HEIGHT_SPLIT, latents_split
+    from tpu_video.engine.decode import LATENTS_HEIGHT_SPLIT, latents_split
 
     source, family = models.resolve_model("tiny-cogvideox")
     latents = torch.randn(1, 4, 5, 8, 12, generator=torch.Generator().manual_seed(4))
@@ -229,7 +229,7 @@ def test_uneven_width_split_is_exact(preset, chunk):
     """13 latent columns and 6 rows divide by 8 devices along neither side (HunyuanVideo-1.5 480p's 30 x 53
     and CogVideoX-5b's 60 x 90 neither): the frame programs split the width unevenly inside (XLA pads the
     last shards), exact to the stock decode."""
-    from models.decode import UNEVEN_WIDTH, latents_split
+    from tpu_video.engine.decode import UNEVEN_WIDTH, latents_split
 
     source, family = models.resolve_model(preset)
     config = source.load_config("vae")
@@ -268,7 +268,7 @@ def test_an_uneven_constraint_splits_the_dimension_it_does_not_divide():
 def test_height_by_width_split_is_exact(preset):
     """The 2D split benchmarks/vae_split.py compares on the TPU compiler (height over dp 2, width over sp 4)
     decodes exactly too."""
-    from models.decode import LATENTS_GRID_SPLIT
+    from tpu_video.engine.decode import LATENTS_GRID_SPLIT
 
     source, family = models.resolve_model(preset)
     config = source.load_config("vae")

@@ -13,11 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-import models
 import sharding
 import stage1_text_encoder
 import stage2_transformer
-from attention.dispatch import attention_backend
 from helpers import (
     Sample,
     attention_plan,
@@ -28,11 +26,13 @@ from helpers import (
     run_stages,
     stop_stage2_after,
 )
-from models import wan
-from models.decode import decode
-from runtime import placement
-from runtime.interface import Timer, TorchRuntime
-from runtime.torchax_runtime import TorchaxRuntime
+from tpu_video import models
+from tpu_video.attention.dispatch import attention_backend
+from tpu_video.engine.decode import decode
+from tpu_video.models import wan
+from tpu_video.runtime import placement
+from tpu_video.runtime.interface import Timer, TorchRuntime
+from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, VIDEO_FILE, read_config, read_tensors
 
 TOLERANCE = 1e-4

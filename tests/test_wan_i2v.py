@@ -13,11 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-import models
 import stage1_text_encoder
 import stage2_transformer
 from helpers import expect_user_error, relative_error, run_stage, stop_stage2_after, three_stages
-from models import wan
+from tpu_video import models
+from tpu_video.models import wan
 from utils import CONFIG_FILE, read_config, read_tensors
 
 TOLERANCE = 1e-4

@@ -13,9 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
-import models
 import stage1_text_encoder
 from helpers import expect_user_error, relative_error, three_stages, write_image
+from tpu_video import models
 from utils import read_tensors
 
 TOLERANCE = 1e-4
@@ -73,7 +73,7 @@ def test_image_to_video_vs_the_pipelines_expand_timesteps_branch(tmp_path, pipel
     per-token modulation is split over sp like the tokens. Every block's inputs pass one optimization
     barrier (its modulation reads only the timestep; docs/planning.md has what that saves on a TPU), also
     inside the scan that runs the blocks (--scan_blocks auto)."""
-    from runtime.torchax_runtime import TorchaxRuntime
+    from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
     barriers, barrier = [], TorchaxRuntime.barrier
     monkeypatch.setattr(TorchaxRuntime, "barrier", lambda self, *ts: barriers.append(len(ts)) or barrier(self, *ts))

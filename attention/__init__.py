@@ -1,8 +1,0 @@
-"""Attention: the run's attention plan and every backend but the Splash kernel itself.
-
-`plan` resolves the flags, platform and model into one AttentionPlan (no JAX); `dispatch` registers the
-plan's backend as torchax's SDPA; `masks` turns diffusers' attention masks into per-key validity and pads
-sequences; `xla` is plain softmax attention in JAX (the CPU reference and the fallback anywhere); `cudnn`
-is JAX's fused cuDNN attention for NVIDIA GPUs; `sequence_parallel` holds Ulysses and ring attention over
-the mesh's `sp` axis. The Splash kernel is the top-level `splash_attention.py`.
-"""

@@ -1,6 +1,0 @@
-"""Planning for TPUs on a host without one: the real TPU compiler (libtpu) run over abstract weights.
-
-`tpus` knows the TPU generations and topologies; `plan` compiles stage 2 or stage 3 for a target and
-reads memory, FLOPs and collectives; `report` prints and writes the plan; `hlo` counts collectives in
-compiled HLO at real widths.
-"""

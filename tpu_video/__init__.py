@@ -1,0 +1,19 @@
+"""tpu-video's library: everything the three stage scripts call, apart from the six top-level modules
+(the stages, the Splash kernel for torchax, the JAX-free sharding rule tables and the stage-file contract).
+
+Subpackages, from the bottom layer up (docs/architecture.md draws them):
+
+- `cli`: the stage CLIs' conventions (user errors, stop lines, log lines, dtypes by name);
+- `workarounds`: one module per upstream library with a bug we work around;
+- `runtime`: where programs run (the JAX-free runtime interface, the torchax runtime, placement, programs
+  and saved executables, multi-host);
+- `attention`: the attention plan, its backends and the sequence-parallel schemes;
+- `engine`: what every family runs (the denoise loop with its guard and guidance, batching, step caching,
+  the block scan, quantization, LoRA fusion, direct loading, meta facts, the encoders, decode, images);
+- `models`: the families (the registry and `--model` resolution, the `Family` interface, one subpackage
+  per family with its presets and published configs);
+- `planning`: `--plan`, the programs compiled for a TPU topology by libtpu;
+- `stages`: the stages' checked inputs.
+
+It imports nothing itself, so importing one subpackage loads only what that one needs.
+"""

@@ -1,0 +1,168 @@
+"""The conventions of the three stage CLIs, which the code under them raises and logs into: one `error:`
+line and exit 2 for what the user can fix (`UserError`, argparse errors included), `stopped:` lines for
+SIGTERM and Ctrl-C, finite float flags, the reference scripts' flag spellings, dtypes by name, and
+timestamped log lines. It imports nothing of the project, so everything may use it."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_SPELLINGS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # torch's and diffusers' names
+
+# The reference scripts' spellings of our flags, so their users' command lines keep working: one place
+# for all of them; argparse accepts each and `--help` lists it beside ours.
+REFERENCE_ALIASES = {"--model": ("--model_id",), "--num_frames": ("--frames", "--video_length")}
+
+
+def flag_names(flag: str) -> list[str]:
+    """`flag` and its reference-script aliases, for `add_argument`."""
+    return [flag, *REFERENCE_ALIASES.get(flag, ())]
+
+
+def dtype_flag(name: str) -> str:
+    """`--dtype` as typed: torch's spellings become ours (what configs record); anything else is left for
+    parse_dtype to refuse."""
+    return DTYPE_SPELLINGS.get(name, name)
+
+
+_START = time.monotonic()
+
+
+class UserError(Exception):
+    """A problem the user can fix (bad flag, missing or wrong file); reported as one `error:` line, exit 2."""
+
+
+class Stopped(Exception):
+    """The run was asked to stop (SIGTERM, e.g. a preemption notice) and saved what it had."""
+
+
+STOPPED_EXIT_STATUS = 143  # 128 + SIGTERM, what a shell reports for a terminated process
+INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, what a shell reports after Ctrl-C
+
+
+class StageArgumentParser(argparse.ArgumentParser):
+    """argparse with the stages' error convention: a bad flag is one `error:` line (pointing at --help) and
+    exit status 2, not a usage block whose last line starts with the program's name."""
+
+    def error(self, message: str):
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def stage_parser(script: str, description: str | None) -> StageArgumentParser:
+    """A stage's parser, named after its file (also when run in-process), with its docstring as help."""
+    formatter = argparse.RawDescriptionHelpFormatter
+    return StageArgumentParser(prog=Path(script).name, description=description, formatter_class=formatter)
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a float that is neither NaN nor infinite (JSON and the maths need finite numbers)."""
+    value = float(text)  # argparse words a ValueError as "invalid finite_float value"
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def executables_flag(text: str) -> str:
+    """`--executables`: auto, off, or a folder (which must not be an existing file)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give auto, off or a folder")
+    if text not in ("auto", "off") and Path(text).expanduser().is_file():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    return text
+
+
+def add_executables_argument(parser) -> None:
+    """`--executables`, the same on every stage that runs torchax programs (tpu_video/runtime/executables.py)."""
+    parser.add_argument(
+        "--executables",
+        type=executables_flag,
+        default="auto",
+        metavar="auto|off|DIR",
+        help="torchax: save each compiled program and load it in later runs instead of tracing and compiling "
+        "it again; auto: a folder per platform in ~/.cache/tpu-video/executables (or $TPU_VIDEO_CACHE), kept "
+        "under $TPU_VIDEO_EXECUTABLES_GIB (default 20) by dropping the least recently used; "
+        "off: neither load nor save (default: %(default)s)",
+    )
+
+
+def add_plan_arguments(parser, compiles: str, more: str = ""):
+    """`--plan`, `--plan_json` and `--save_executables`, the same on every stage (tpu_video/planning/); `compiles` says
+    what the stage's plan compiles, `more` is added to --plan's help. Returns the group, for a stage's own."""
+    planning = parser.add_argument_group("planning for a TPU (from any host, no TPU, no weights)")
+    planning.add_argument(
+        "--plan",
+        metavar="TPU",
+        help=f"compile {compiles} for a TPU slice and report HBM fit, then exit (0: fits, 3: does not fit); writes "
+        "nothing but what --plan_json and --save_executables ask for. TPU: an accelerator type (v5litepod-8, v5e-8, "
+        f"v5p-8, v6e-8, v6e-16, tpu7x-8, ...) or a topology (v6e:2x4){more}",
+    )
+    planning.add_argument("--plan_json", metavar="FILE", help="also save the plan's report as JSON")
+    planning.add_argument(
+        "--save_executables",
+        metavar="DIR",
+        help="with --plan (a single-host slice): also save the compiled programs in DIR, keyed as a --backend "
+        "torchax run on that TPU keys them, so a run there with --executables DIR loads them instead of compiling",
+    )
+    return planning
+
+
+def refuse_planning_flags(args, names=("plan_json", "save_executables"), why: str = "") -> None:
+    """Without --plan, the flags `names` (add_plan_arguments' and a stage's own) are an error."""
+    given = [f"--{name}" for name in names if getattr(args, name) is not None]
+    if given:
+        raise UserError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --plan{why}")
+
+
+def run_cli(main: Callable[[], None]) -> None:
+    """Run a stage's main(): user errors become one `error:` line and exit status 2; a requested stop one
+    `stopped:` line and status 143 (130 after Ctrl-C); bugs keep their traceback."""
+    try:
+        main()
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except Stopped as stop:
+        print(f"stopped: {stop}", file=sys.stderr, flush=True)
+        sys.exit(STOPPED_EXIT_STATUS)
+    except KeyboardInterrupt:  # writes are atomic, so nothing partial is left
+        print("\nstopped: interrupted (Ctrl-C); no partial file was written", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED_EXIT_STATUS)
+
+
+_LOGGING = {"enabled": True}
+
+
+def set_logging(enabled: bool) -> None:
+    """Turn this process's log lines and progress bars on or off (off in all but process 0 of a
+    multi-host run, so one log tells the story)."""
+    _LOGGING["enabled"] = enabled
+
+
+def logging_enabled() -> bool:
+    return _LOGGING["enabled"]
+
+
+def log(message: str) -> None:
+    """Plain log line prefixed with seconds since the process started."""
+    if _LOGGING["enabled"]:
+        print(f"[{time.monotonic() - _START:7.1f}s] {message}", flush=True)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """`--dtype` as a torch dtype."""
+    if name not in DTYPES:
+        raise UserError(f"--dtype {name!r} is not one of {', '.join(DTYPES)} (or {', '.join(DTYPE_SPELLINGS)})")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

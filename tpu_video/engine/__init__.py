@@ -1,0 +1,12 @@
+"""What every family runs, once; nothing here names a family or reads the registry (tpu_video.models calls
+it with each family's own pieces).
+
+Stage 2: `denoise` (the loop: load, place, compile, step), `guard` (its NaN checks, checkpoints and
+`--resume`), `guidance` (the CFG batch), `batching` (several videos as one batch) and `batch_folders` (many
+videos per run on disk), the step caches (`cache_schedule`, `step_cache`, `cached_blocks`, `mag_ratios`),
+`scanned_blocks` (identical blocks as one scan), `quantize` (int8 and fp8 weights), `lora` and `lora_files`
+(adapters fused before placement), `direct_load` (weights read from their files straight to the devices) and
+`meta` (models on the meta device and the facts the mesh choice needs). Stage 1: `encoders` (text, image and
+VAE encoders on a runtime), `images` (image inputs) and `lora_stage1` (an adapter's text-connector share).
+Stage 3: `decode`.
+"""

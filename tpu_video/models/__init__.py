@@ -1,0 +1,289 @@
+"""Model families: resolving `--model`, detecting the family from model_index.json, built-in tiny presets.
+
+A family (e.g. the package ``tpu_video/models/cogvideox/``) provides the names of ``family.Family``: request
+defaults and validation, prompt encoding, the stage-2 denoiser, the stage-3 decoder, its rule table, tiny
+presets and published configs. A family package holds all of its parts; adding one is a new package, its
+import below and its entry in ``FAMILIES`` (docs/architecture.md shows how). ``PRESETS`` and ``PUBLISHED`` are
+gathered from the families; ``FAMILY_FLAGS`` (the request flags only some families act on) is still listed here.
+
+Beside the families (`cogvideox`, `hunyuanvideo15`, `wan`, `ltx2`): `family` (the interface), `common` (what
+several families share), `tiny` (the tiny presets' T5 tokenizer and encoder) and `adapter_origin` (which
+published model an adapter that does not fit was made for).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tpu_video.cli import UserError
+from tpu_video.runtime.interface import cache_root
+from utils import LTX2_GUIDANCE_KEYS
+
+from . import cogvideox, hunyuanvideo15, ltx2, wan
+from .family import Family, Preset
+
+FAMILIES: dict[str, Family] = {family.NAME: family for family in (cogvideox, hunyuanvideo15, wan, ltx2)}
+
+PRESETS: dict[str, Preset] = {name: preset for family in FAMILIES.values() for name, preset in family.PRESETS.items()}
+# Published hub ids by their components' configs (each family's `PUBLISHED`), to plan offline.
+PUBLISHED: dict[str, dict[str, Any]] = {
+    hub_id: pipeline for family in FAMILIES.values() for hub_id, pipeline in family.PUBLISHED.items()
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a pipeline's components come from.
+
+    `ref` is what the user typed (recorded as `model_id`); `location` is what `from_pretrained` gets
+    (a local folder or a hub id); `index` is the pipeline's model_index.json. `configs_only`: a published
+    pipeline's configs kept in code (planning), no weights and no tokenizer files.
+    """
+
+    ref: str
+    location: str
+    index: dict[str, Any]
+    preset_defaults: dict[str, Any] = field(default_factory=dict)
+    pipeline_attributes: dict[str, Any] = field(default_factory=dict)  # a preset's (models.family.Preset)
+    configs_only: bool = False
+
+    def configure(self, pipe):
+        """`pipe` (a diffusers pipeline of this source) with the preset's pipeline attributes set; returned."""
+        for name, value in self.pipeline_attributes.items():
+            setattr(pipe, name, value)
+        return pipe
+
+    def load_config(self, component: str) -> dict[str, Any]:
+        """A component's config.json as a dict, without loading any weights (read once per process)."""
+        try:
+            return dict(_cached_config(component_class(self, component), self.location, component))
+        except OSError as err:  # a local folder without the component, or a hub id not in the cache
+            where = f"{component}/config.json is missing" if os.path.isdir(self.location) else str(err)
+            raise UserError(f"--model {self.ref!r}: {where} (a diffusers folder has one per component)") from None
+
+    def component_class(self, component: str):
+        return component_class(self, component)
+
+    def load(self, component: str, dtype=None):
+        """`from_pretrained` of one component, with the class named in model_index.json."""
+        cls = component_class(self, component)
+        kwargs = {} if dtype is None else {"dtype": dtype}  # diffusers 0.42 and transformers 5 both say dtype
+        try:
+            return cls.from_pretrained(self.location, subfolder=component, **kwargs)
+        except OSError as err:
+            raise UserError(f"cannot load {component!r} of {self.ref!r}: {err}") from None
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_config(cls, location: str, component: str) -> dict[str, Any]:
+    # Validation, geometry and defaults all read the same few config files; read each once.
+    if hasattr(cls, "load_config"):  # diffusers models and schedulers
+        return cls.load_config(location, subfolder=component)
+    return cls.config_class.from_pretrained(location, subfolder=component).to_dict()  # transformers models
+
+
+def component_class(source: ModelSource, component: str):
+    entry = source.index.get(component)
+    if not isinstance(entry, list) or len(entry) != 2 or entry[1] is None:
+        raise UserError(f"model_index.json of {source.ref!r} has no {component!r} component")
+    return library_class(*entry)
+
+
+def library_class(library: str, class_name: str):
+    """The class a model_index.json entry names: diffusers', transformers', or a pipeline's own module's
+    (LTX-2's connectors and vocoder say "ltx2": diffusers.pipelines.ltx2)."""
+    if library not in ("diffusers", "transformers"):
+        library = f"diffusers.pipelines.{library}"
+    return getattr(importlib.import_module(library), class_name)
+
+
+def resolve_model(model: str, configs_only: bool = False) -> tuple[ModelSource, Family]:
+    """Turn `--model` (preset name, local diffusers folder or hub id) into a source and its family module.
+
+    With `configs_only` (planning: the architecture is all that is needed) a published hub id resolves
+    to its configs kept in code (its family's `PUBLISHED`), without the network."""
+    attributes, configs = {}, False
+    if model in PRESETS:
+        location = str(materialize_preset(model))
+        defaults, attributes = PRESETS[model].defaults, PRESETS[model].pipeline_attributes
+    elif configs_only and model in PUBLISHED and not os.path.isdir(model):
+        location, defaults, configs = str(materialize_published(model)), {}, True
+    elif os.path.isdir(model):
+        location, defaults = model, {}
+    elif model.startswith(("/", ".", "~")) or model.count("/") > 1:  # a path, not an "org/name" hub id
+        raise UserError(f"--model {model!r}: no such folder")
+    else:
+        location, defaults = model, {}
+    index = _read_model_index(model, location)
+    family = detect_family(index, model)
+    source = ModelSource(
+        model, location, index, preset_defaults=defaults, pipeline_attributes=attributes, configs_only=configs
+    )
+    return source, family
+
+
+def resolve_model_for_request(
+    request, model_override: str | None = None, configs_only: bool = False
+) -> tuple[ModelSource, Family]:
+    """The model a later stage uses: the request's `model_id` unless overridden, and of the request's family."""
+    source, family = resolve_model(model_override or request.model_id, configs_only)
+    if family.NAME != request.model_family:
+        raise UserError(
+            f"--model {source.ref!r} is a {family.NAME} model but the stage files are from {request.model_family}"
+        )
+    return source, family
+
+
+# Request flags only some families act on (their `REQUEST_FLAGS`); any other family refuses them, saying
+# this, rather than leave them silently unused.
+FAMILY_FLAGS = {
+    "guidance_scale_2": "applies to two-expert Wan 2.2 models, not {family}",
+    "scheduler": "applies to Wan models; {family} runs its folder's scheduler",
+    **{key: "is an LTX-2 guidance flag; {family} has no such term" for key in LTX2_GUIDANCE_KEYS},
+    "image_crf": "re-encodes LTX-2's conditioning image; {family} takes the image as it is",
+}
+
+
+def validate_request(family: Family, source: ModelSource, request) -> None:
+    """Before any weights load: what every family's request must respect in the model's configs (steps
+    within the scheduler's training timesteps, no flag the family does not act on), the family's own checks
+    (geometry, extras), then a video small enough for the host's memory."""
+    train_steps = source.load_config("scheduler").get("num_train_timesteps", 1000)
+    if request.num_inference_steps > train_steps:
+        raise UserError(
+            f"--num_inference_steps {request.num_inference_steps} is more than the scheduler's {train_steps} "
+            "training timesteps"
+        )
+    for flag, words in FAMILY_FLAGS.items():
+        if flag not in family.REQUEST_FLAGS and getattr(request, flag) is not None:
+            raise UserError(f"--{flag} {words.format(family=request.model_family)}")
+    family.validate_request(source, request)
+    frames = request.num_frames * request.height * request.width * 3 * 4  # what stage 3 holds as float32
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if frames > memory:
+        raise UserError(
+            f"--height {request.height} --width {request.width} --num_frames {request.num_frames}: the decoded "
+            f"video alone is {frames / 2**30:.3g} GiB of float32 frames, more than this host's {memory / 2**30:.0f} "
+            "GiB of memory"
+        )
+
+
+def _read_model_index(model: str, location: str) -> dict[str, Any]:
+    if os.path.isdir(location):
+        path = Path(location) / "model_index.json"
+        if not path.is_file():
+            raise UserError(f"--model {model!r}: {path} is missing (not a diffusers pipeline folder)")
+        return json.loads(path.read_text())
+    from diffusers import DiffusionPipeline
+
+    try:
+        return DiffusionPipeline.load_config(location)
+    except Exception as err:  # the hub client raises many types; any of them means "cannot fetch"
+        raise UserError(
+            f"--model {model!r}: cannot read model_index.json from the hub ({type(err).__name__})"
+        ) from None
+
+
+def detect_family(index: dict[str, Any], model: str) -> Family:
+    """The family whose diffusers pipeline class is named in model_index.json."""
+    pipeline_class = index.get("_class_name")
+    for family in FAMILIES.values():
+        if pipeline_class in family.PIPELINE_CLASSES:
+            return family
+    supported = ", ".join(cls for family in FAMILIES.values() for cls in family.PIPELINE_CLASSES)
+    raise UserError(f"--model {model!r} is a {pipeline_class!r} pipeline; supported: {supported}")
+
+
+def _publish_folder(target: Path, write) -> Path:
+    """Fill `target` through `write(staging_folder)` once, atomically (another process may race us)."""
+    if (target / "model_index.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        write(staging)
+        os.rename(staging, target)
+    except OSError:
+        if not (target / "model_index.json").is_file():  # not merely another process winning the race
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+PUBLISHED_FOLDER_LAYOUT = 3  # bump when materialize_published writes its folders differently
+
+
+def materialize_published(hub_id: str) -> Path:
+    """A diffusers folder with only the configs of a published pipeline (`PUBLISHED`): enough for
+    `load_config`, schedulers and meta-device modules, never for weights."""
+    pipeline = PUBLISHED[hub_id]
+    # The digest covers how the folder is written too: a folder an older version wrote (without the
+    # class defaults, say) is never reused.
+    described = json.dumps({"layout": PUBLISHED_FOLDER_LAYOUT, **pipeline}, sort_keys=True)
+    digest = hashlib.sha256(described.encode()).hexdigest()[:12]
+
+    def write(folder: Path) -> None:
+        index = {"_class_name": pipeline["_class_name"][1]}
+        for component, entry in pipeline.items():
+            if component.startswith("_"):
+                continue
+            if not isinstance(entry, tuple):  # a pipeline-level value (e.g. Wan 2.2's boundary_ratio)
+                index[component] = entry
+                continue
+            library, class_name, config = entry
+            index[component] = [library, class_name]
+            cls = library_class(library, class_name)
+            (folder / component).mkdir()
+            if not hasattr(cls, "config_name"):  # transformers: a model's config class writes its config.json,
+                written = cls.config_class(**config) if hasattr(cls, "config_class") else cls(**config)
+                written.save_pretrained(folder / component)  # an image processor its preprocessor_config.json
+                continue
+            # The class's own defaults fill what the published config leaves to them.
+            defaults = {
+                name: parameter.default
+                for name, parameter in inspect.signature(cls.__init__).parameters.items()
+                if parameter.default is not inspect.Parameter.empty and name != "self"
+            }
+            text = json.dumps({"_class_name": class_name, **defaults, **config})
+            (folder / component / cls.config_name).write_text(text)
+        (folder / "model_index.json").write_text(json.dumps(index))
+
+    return _publish_folder(cache_root() / "published" / f"{hub_id.replace('/', '--')}-{digest}", write)
+
+
+def materialize_preset(name: str) -> Path:
+    """Save a preset's tiny random components once (save_pretrained) and return the folder.
+
+    Presets then load through the same `from_pretrained` path as real models. The folder name carries a
+    hash of the component configs and of every saved tensor (parameters and persistent buffers, such as
+    LTX-2's latent statistics), so a changed preset never reuses a stale folder.
+    """
+    import torch
+
+    pipe = PRESETS[name].build()
+    configs = {}
+    digest = hashlib.sha256()
+    for key, component in sorted(pipe.components.items()):
+        config = getattr(component, "config", None)  # tokenizers have none; they are fixed by the code
+        if config is not None:
+            configs[key] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        if isinstance(component, torch.nn.Module):
+            for tensor_name, tensor in component.state_dict().items():
+                digest.update(f"{key}.{tensor_name}:{tensor.dtype}:{list(tensor.shape)}".encode())
+                digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    # Keys starting with "_" are bookkeeping (some are unordered sets), not part of the model.
+    configs = {name: {k: v for k, v in c.items() if not k.startswith("_")} for name, c in configs.items()}
+    digest.update(json.dumps(configs, sort_keys=True, default=str).encode())
+    digest = digest.hexdigest()[:12]
+    return _publish_folder(cache_root() / "presets" / f"{name}-{digest}", pipe.save_pretrained)

@@ -1,0 +1,112 @@
+"""Small helpers several families share: the noise dtype, one-transformer and scaling-factor defaults of
+the family interface, flow-matching schedulers by name, head counts, activation estimates, and block input
+layouts.
+
+The shared engine's larger parts have their own modules: stage 1's encoders (encoders.py), stage 2's loop
+(denoise.py), stage 3's decode (decode.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tpu_video.cli import UserError
+from tpu_video.runtime.mesh import Activations
+
+# Stage 2's initial noise is drawn in fp32 on the CPU and then cast to the run's dtype, so a seed gives
+# the same latents on every host: torch 2.11's CPU randn draws another sequence in bf16 than in fp32
+# (torch 2.13 draws the fp32 values, rounded), while its fp32 draws equal torch 2.13's (checked on the
+# GPU host, whose torch is 2.11). The pipelines draw in the run's dtype; on torch 2.13 that is the same.
+NOISE_DTYPE = torch.float32
+
+
+def one_transformer(source) -> tuple[str, ...]:
+    """`transformer_components` of a family with a single transformer."""
+    return ("transformer",)
+
+
+def vae_scaling_factor(source) -> dict[str, Any]:
+    """`latents_normalization` of a family whose latents are the VAE's times its `scaling_factor`."""
+    return {"method": "scaling_factor", "scaling_factor": source.load_config("vae")["scaling_factor"]}
+
+
+def stage2_as_written(source, tensors: dict, normalization: dict[str, Any]) -> tuple[dict, dict[str, Any]]:
+    """`upgrade_stage2` of a family whose every stage 2 wrote what stage 3 decodes: unchanged."""
+    return tensors, normalization
+
+
+def recorded_scaling_factor(normalization: dict[str, Any]) -> float:
+    """The scaling factor stage 2 recorded; any other normalisation is a wrong folder for this family."""
+    if normalization.get("method") != "scaling_factor":
+        raise UserError(f"these latents are normalised as {normalization}; this family's VAE expects a scaling factor")
+    return normalization["scaling_factor"]
+
+
+# Flow-matching samplers by --scheduler name: the class, its name for the flow shift, and what makes it a
+# flow sampler when built from another scheduler's config.
+FLOW_SCHEDULERS = {
+    "unipc": ("UniPCMultistepScheduler", "flow_shift", {"use_flow_sigmas": True, "prediction_type": "flow_prediction"}),
+    "euler": ("FlowMatchEulerDiscreteScheduler", "shift", {}),
+}
+
+
+def _shift_key(class_name: str, source) -> str:
+    key = {cls: key for cls, key, _ in FLOW_SCHEDULERS.values()}.get(class_name)
+    if key is None:
+        raise UserError(f"the scheduler of {source.ref!r} ({class_name}) has no flow shift")
+    return key
+
+
+def folder_flow_shift(source) -> float:
+    """The flow shift the model folder's scheduler config records (the default --flow_shift)."""
+    config = source.load_config("scheduler")
+    return config[_shift_key(config["_class_name"], source)]
+
+
+def flow_scheduler(source, shift: float, name: str | None = None):
+    """The model folder's scheduler (or the `name`d FLOW_SCHEDULERS sampler built from its config) with the
+    flow shift `shift`. Built with from_config: FlowMatchEuler keeps its shift from construction, so a
+    register_to_config afterwards would leave the old shift in place."""
+    import diffusers
+
+    config = source.load_config("scheduler")
+    class_name = config["_class_name"] if name is None else FLOW_SCHEDULERS[name][0]
+    extra = {} if name is None or class_name == config["_class_name"] else FLOW_SCHEDULERS[name][2]
+    return getattr(diffusers, class_name).from_config(config, **extra, **{_shift_key(class_name, source): shift})
+
+
+def size_from_request(source, images) -> None:
+    """`image_size` of a family whose pipelines resize the image to the requested size (None: keep it)."""
+    return None
+
+
+def no_image_checks(source, request) -> None:
+    """`check_images` of a family whose image conditioning needs nothing beyond its weights."""
+
+
+def activations(source, tokens: int, dtype: torch.dtype, copies: tuple[float, float], fp32: float = 0.0):
+    """One sample's runtime.mesh.Activations: `tokens` video tokens at the transformer's width in `dtype`,
+    with the family's fitted (whole, split) copies and float32 copies."""
+    config = source.load_config("transformer")
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    return Activations(tokens, width, dtype.itemsize, *copies, fp32)
+
+
+def constrain_block_inputs(blocks, constrain, specs: dict[str | int, tuple], barrier=None) -> None:
+    """Pin the layout of each block's inputs (`specs` by keyword name or by position), so XLA's sharding
+    propagation does not pick a different one per block (e.g. the width split over `tp` that a
+    row-parallel weight suggests, which then costs an all-gather before the next linear). With `barrier`
+    (Runtime.barrier) the positional inputs also pass one optimization barrier together: work in a block
+    that reads only inputs shared by all blocks (a timestep's modulation) then waits for the block before,
+    instead of being scheduled for every block at once with all the results alive together."""
+
+    def hook(module, args, kwargs):
+        args = tuple(constrain(value, specs[index]) if index in specs else value for index, value in enumerate(args))
+        if barrier is not None:
+            args = barrier(*args)
+        return args, {name: constrain(value, specs[name]) if name in specs else value for name, value in kwargs.items()}
+
+    for block in blocks:
+        block.register_forward_pre_hook(hook, with_kwargs=True)

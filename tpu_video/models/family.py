@@ -1,0 +1,150 @@
+"""The family interface: what one model-family package (`tpu_video/models/<family>/`) provides to the stages.
+
+A family package fills in `Family` with the names its `__init__` gathers; `tests/test_layout.py` checks
+every registered family has each of them. What all families share lives in the engine modules beside
+it: the denoising loop (`denoise`) and its guard (`guard`), guidance (`guidance`), batches (`batching`,
+`batch_folders`), step caches, LoRA (`lora`, `lora_files`), meta-device facts (`meta`), stage 1's
+encoders (`encoders`), stage 3's decode (`decode`), and the request (`utils.Request`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:  # annotations only
+    from tpu_video.engine.denoise import DenoiseLoop
+    from tpu_video.runtime.interface import Runtime
+    from utils import Request
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A built-in tiny model: random components built in code (`build` returns the diffusers pipeline)
+    and the request defaults that keep it fast on a CPU. `pipeline_attributes`: values for attributes the
+    pipeline's constructor fixes rather than reads from a config (HunyuanVideo-1.5's padded text lengths),
+    set on every pipeline the family builds for the preset; the test suite's reference pipelines get them too."""
+
+    family: str
+    build: Callable[[], Any]
+    defaults: dict[str, Any] = field(default_factory=dict)
+    pipeline_attributes: dict[str, Any] = field(default_factory=dict)
+
+
+# Where a family's components come from: a models.ModelSource (not imported: models imports this module).
+ModelSource = Any
+
+
+class Family(Protocol):
+    """One diffusers pipeline's staged implementation."""
+
+    NAME: str  # recorded as `model_family`
+    PIPELINE_CLASSES: tuple[str, ...]  # model_index.json `_class_name`s this family runs
+    PRESETS: dict[str, Preset]  # tiny presets by `--model` name
+    PUBLISHED: dict[str, dict[str, Any]]  # published hub ids: components' (library, class, config) for --plan
+    SPLASH_BLOCK_SIZES: dict[str, int]  # default Splash tiles (block_q, block_kv, block_kv_compute)
+    REQUEST_FLAGS: tuple[str, ...]  # the family-specific request flags it acts on (models.FAMILY_FLAGS)
+    LORA_LOADER: (
+        str | None
+    )  # the diffusers.loaders class whose lora_state_dict reads adapters (tpu_video/engine/lora.py)
+    STEP_CACHES: tuple[str, ...]  # the --cache kinds it runs ("magcache", "interval"; tpu_video/engine/step_cache.py)
+    # Stage 3 on torchax: the latent frames per call its frame programs decode exactly (the first is the
+    # default; empty: one program). frame_programs(source, decoder, latents_shape, runtime, layout,
+    # chunk_frames): the programs placed, as a function of the latents giving the video on the host;
+    # frame_plan(same arguments): --plan's view: their module, each program's (tensor, layout) inputs and how
+    # often the video calls it. None where CHUNK_FRAMES is empty.
+    CHUNK_FRAMES: Sequence[int]
+    frame_programs: Callable[..., Callable] | None
+    frame_plan: Callable[..., tuple[torch.nn.Module, dict, dict]] | None
+    # Decoder(vae, normalization): undoes the latents' recorded normalisation and decodes stage-2 latents
+    # to pixels in [-1, 1], as one graph.
+    Decoder: type[torch.nn.Module]
+    # Families whose videos carry sound (LTX-2): Soundtrack(*components named in Soundtrack.COMPONENTS), a
+    # module from stage 2's `audio_latents` to the waveform (B, channels, samples) in [-1, 1] at its
+    # `sample_rate`; None for silent families.
+    Soundtrack: type[torch.nn.Module] | None
+
+    def request_defaults(self, source: ModelSource) -> dict[str, Any]:
+        """Request values for keys the user did not give (documented per-checkpoint defaults)."""
+
+    def validate_request(self, source: ModelSource, request: Request) -> None:
+        """Raise UserError for what the model cannot take (geometry, family extras), before any weights load."""
+
+    def guidance_branches(self, source: ModelSource, request: Request) -> int:
+        """The samples one step of one video runs as one batch: 2 where the pipeline runs classifier-free
+        guidance at this request's scale, else 1; LTX-2 up to 4 (the default mesh's `dp` takes them)."""
+
+    def activations(self, source: ModelSource, request: Request, dtype: torch.dtype) -> Any:
+        """One sample's activation estimate (runtime.mesh.Activations: its video tokens and the family's
+        copies fitted to the TPU compiler), which the default mesh adds to the weights."""
+
+    def transformer_rules(self, tp_mode: str) -> Any:
+        """The transformer's sharding.RuleTable."""
+
+    def transformer_components(self, source: ModelSource) -> tuple[str, ...]:
+        """The pipeline's transformer components stage 2 loads (Wan 2.2: two experts)."""
+
+    def latents_normalization(self, source: ModelSource) -> dict[str, Any]:
+        """How stage 2's latents relate to the VAE's (recorded by stage 2, undone by stage 3)."""
+
+    def upgrade_stage2(
+        self, source: ModelSource, tensors: dict[str, torch.Tensor], normalization: dict[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Stage 3: a folder's stage-2 tensors and recorded normalisation as this stage 3 decodes them (an
+        older stage 2's layout brought up to date, logged; unchanged for folders this version writes)."""
+
+    def prompt_encoder(self, source: ModelSource, dtype: torch.dtype, runtime: Runtime) -> Callable[[Request], dict]:
+        """Stage 1: the text encoders loaded once; a function of a request giving the pipeline's own prompt
+        encoding, tensors named as the pipeline's arguments."""
+
+    def image_inputs(self, source: ModelSource) -> tuple[tuple[str, ...], bool]:
+        """The image flags this model takes ("image", "last_image"; none for text-to-video) and whether
+        "image" is required (an image-to-video pipeline)."""
+
+    def image_size(self, source: ModelSource, images: dict[str, Any]) -> tuple[int, int] | None:
+        """The (height, width) an image-to-video pipeline derives from the image, or None where it resizes the
+        image to the requested size (stage 1 then refuses --height/--width and records the derived size)."""
+
+    def check_images(self, source: ModelSource, request: Request) -> None:
+        """Stage 1, with images given and before any weights load: refuse what encode_images would refuse
+        only after the text encoders ran (e.g. a host tool the image conditioning needs); UserError."""
+
+    def encode_images(self, source: ModelSource, request: Request, images: dict[str, Any], runtime: Runtime) -> dict:
+        """Stage 1 for image-to-video: the pipeline's image conditioning (image embeddings, VAE latents of the
+        conditioning frames), computed as the pipeline computes it; tensors named as stage 2 reads them."""
+
+    def images_on_runtime(self, source: ModelSource) -> bool:
+        """Whether encode_images runs every model it uses on the runtime (stage 1's `--plan` compiles them);
+        False where part of it runs on the host CPU, which a plan without weights cannot run."""
+
+    def denoise_loop(
+        self,
+        source: ModelSource,
+        request: Request,
+        embeds: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        transformers: dict[str, torch.nn.Module],
+        runtime: Runtime,
+        tp_mode: str,
+        planning: bool = False,
+    ) -> tuple[DenoiseLoop, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]]:
+        """Stage 2: the loop for `transformers` (by component name; loaded, or on the meta device for --plan),
+        and the function turning its final latents into stage 2's tensors by name (`latents`, (B, C, F, H,
+        W); LTX-2 adds `audio_latents`) and the facts stage 3 needs. `planning` (--plan): only shapes count,
+        so no checkpoint value is read; a run never infers it from its modules."""
+
+    def planning_embeds(self, source: ModelSource, request: Request, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Zero stage-1 tensors of the shapes stage 1 would write (to plan before encoding)."""
+
+    def video_processor(self, source: ModelSource) -> Any:
+        """The pipeline's post-processor (pixels in [-1, 1] to frames in [0, 1])."""
+
+
+def family_members() -> list[str]:
+    """Names every family module must define (the protocol's attributes and methods)."""
+    names = set(Family.__annotations__)
+    names |= {name for name, value in vars(Family).items() if callable(value) and not name.startswith("_")}
+    return sorted(names)

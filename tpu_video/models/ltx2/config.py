@@ -1,0 +1,150 @@
+"""LTX-2's facts and request rules: which pipelines are this family, the pipeline's defaults, what the VAEs
+and the transformer accept (checked before any weights load), and the stock pipeline object its stages call.
+
+Later LTX releases that diffusers 0.42.1 also runs through `LTX2Pipeline` (LTX-2.5: a Gemma 4 text encoder,
+a duration head, KV-cacheable cross-attention) are refused: their defaults and conditioning differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tpu_video.cli import UserError
+from utils import Request
+
+from .. import common
+
+NAME = "ltx2"
+PIPELINE_CLASSES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
+LORA_LOADER = "LTX2LoraLoaderMixin"  # its lora_state_dict converts the original LTX-2 keys (diffusion_model.*)
+# --cache kinds: the interval cache only. diffusers 0.42.1 has no MagCache for LTX-2 (its blocks are not in
+# the cache hooks' registry), so there is no reference to be exact to, and a MagCache skip would pass the
+# audio stream through its skipped blocks unchanged, as it passes text tokens.
+STEP_CACHES = ("interval",)
+REQUEST_FLAGS = (
+    "stg_scale",
+    "stg_blocks",
+    "modality_scale",
+    "guidance_rescale",
+    "audio_guidance_scale",
+    "audio_stg_scale",
+    "audio_modality_scale",
+    "audio_guidance_rescale",
+    "motion_speed",
+    "image_crf",
+)
+
+# LTX2Pipeline.__call__'s defaults (num_frames: its fixed default for checkpoints without a duration head).
+DEFAULTS = {"height": 512, "width": 768, "num_frames": 121, "fps": 24, "num_inference_steps": 30, "guidance_scale": 3.0}
+IMAGE_CRF = 33  # LTX2ImageToVideoPipeline's default for Gemma 3 checkpoints (resolve_default_image_crf)
+MAX_SEQUENCE_LENGTH = 1024  # the pipeline's Gemma prompt layout: left padding to 1024 tokens
+TOKENIZER_PADDING_SIDE = "left"
+# One sample's activations at a block's peak, in copies of its [video tokens, width] hidden states (whole,
+# split over tp), fitted to the TPU compiler's temporaries of LTX-2.0 and LTX-2.3 at or above each
+# (docs/planning.md#the-activation-estimate): exact on LTX-2.0's unrolled 1 x 1 x 8 and LTX-2.3's 4 x 1 x 2,
+# up to 1.63x over the others (the scanned programs need less, and one linear model serves both versions).
+ACTIVATION_COPIES = (4.72, 5.24)
+SUPPORTED = "LTX-2.0 and LTX-2.3 (Gemma 3 text encoder)"
+
+
+def request_defaults(source) -> dict[str, Any]:
+    return {**DEFAULTS, **({"image_crf": IMAGE_CRF} if image_to_video(source) else {}), **source.preset_defaults}
+
+
+def image_to_video(source) -> bool:
+    return source.index.get("_class_name") == "LTX2ImageToVideoPipeline"
+
+
+def transformer_components(source) -> tuple[str, ...]:
+    return ("transformer",)
+
+
+def check_release(source) -> None:
+    """Refuse LTX releases this family does not run (their defaults and conditioning differ)."""
+    encoder = source.index.get("text_encoder") or [None, None]
+    later = [name for name in ("duration_head", "prompt_enhancer") if (source.index.get(name) or [None])[0]]
+    transformer = source.load_config("transformer")
+    if encoder[1] != "Gemma3ForConditionalGeneration":
+        later.append(f"text encoder {encoder[1]}")
+    if not transformer.get("use_prompt_adaln_single", True) or transformer.get("use_keyframes_abs_pos_embedding"):
+        later.append("KV-cacheable cross-attention")
+    if later:
+        raise UserError(f"--model {source.ref!r} is a later LTX release ({', '.join(later)}); supported: {SUPPORTED}")
+
+
+def validate_request(source, request: Request) -> None:
+    from .guidance import resolve_guidance
+
+    check_release(source)
+    for key in ("height", "width"):
+        value = getattr(request, key)
+        if value <= 0 or value % 32:
+            raise UserError(f"--{key} {value} must be a positive multiple of 32 (LTX2Pipeline's rule)")
+    temporal = vae_ratios(source)[1]
+    if request.num_frames < 1 or (request.num_frames - 1) % temporal:
+        raise UserError(f"--num_frames {request.num_frames} must be {temporal}n+1 (e.g. 121)")
+    if request.image_crf is not None and not image_to_video(source):
+        raise UserError(f"--image_crf: --model {source.ref!r} is text-to-video; there is no image to re-encode")
+    if request.image_crf is not None and not 0 <= request.image_crf <= 51:
+        raise UserError(f"--image_crf {request.image_crf} must be from 0 (no re-encode) to 51 (H.264's range)")
+    if request.flow_shift is not None:
+        raise UserError("--flow_shift: LTX-2's scheduler shifts by the video's token count (dynamic shifting)")
+    resolve_guidance(request, source.load_config("transformer"))
+
+
+def vae_ratios(source) -> tuple[int, int]:
+    """The video VAE's (spatial, temporal) compression from its config alone (AutoencoderKLLTX2Video's rule)."""
+    vae = source.load_config("vae")
+    scaling = vae.get("spatio_temporal_scaling", (True, True, True, True))
+    if isinstance(scaling, bool):
+        scaling = (scaling,) * (len(vae.get("layers_per_block", (4, 6, 6, 2, 2))) - 1)
+    spatial = vae.get("spatial_compression_ratio") or vae.get("patch_size", 4) * 2 ** sum(scaling)
+    temporal = vae.get("temporal_compression_ratio") or vae.get("patch_size_t", 1) * 2 ** sum(scaling)
+    return spatial, temporal
+
+
+def latent_grid(source, request: Request) -> tuple[int, int, int]:
+    """The video latents' (frames, height, width), as the pipeline's prepare_latents computes them."""
+    spatial, temporal = vae_ratios(source)
+    return (request.num_frames - 1) // temporal + 1, request.height // spatial, request.width // spatial
+
+
+def audio_frames(source, request: Request) -> int:
+    """The audio latents' length: the video's duration at the audio VAE's latent rate (the pipeline's
+    expression, so the same rounding)."""
+    audio = source.load_config("audio_vae")
+    duration_s = request.num_frames / float(request.fps)
+    per_second = audio["sample_rate"] / audio["mel_hop_length"] / float(audio_temporal_ratio(source))
+    return round(duration_s * per_second)
+
+
+def audio_temporal_ratio(source) -> int:
+    """AutoencoderKLLTX2Audio's time compression (LATENT_DOWNSAMPLE_FACTOR in diffusers 0.42.1)."""
+    from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR
+
+    return LATENT_DOWNSAMPLE_FACTOR
+
+
+def activations(source, request: Request, dtype: torch.dtype):
+    frames, height, width = latent_grid(source, request)
+    return common.activations(source, frames * height * width, dtype, ACTIVATION_COPIES)
+
+
+def guidance_branches(source, request: Request) -> int:
+    """The passes one step runs as one batch (guidance.py: CFG's two, STG, modality isolation): the default
+    mesh puts them on `dp` where its size divides them."""
+    from .guidance import resolve_guidance
+
+    return len(resolve_guidance(request, source.load_config("transformer")).branches)
+
+
+def stock_pipeline(source, **components):
+    """The source's pipeline (LTX2Pipeline or LTX2ImageToVideoPipeline) holding only the given components
+    (its static helpers, prompt encoding and video processor)."""
+    from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
+
+    names = ("scheduler", "vae", "audio_vae", "text_encoder", "tokenizer", "connectors", "transformer", "vocoder")
+    pipeline = LTX2ImageToVideoPipeline if image_to_video(source) else LTX2Pipeline
+    return pipeline(**{**dict.fromkeys(names), **components})

@@ -1,0 +1,85 @@
+"""LTX-2 image-to-video (`LTX2ImageToVideoPipeline`): stage 1 re-encodes the image with H.264 as the model
+was trained (`--image_crf`, diffusers' own PyAV helper), resizes it as the pipeline does and writes the
+normalised VAE latents of that one frame; stage 2 starts the first latent frame from them, gives its tokens
+timestep zero and never steps them (pipeline.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+from tpu_video.cli import UserError
+from tpu_video.engine.encoders import DeviceVAEEncoder
+from utils import Request
+
+from .config import image_to_video, vae_ratios
+
+IMAGE_LATENTS = "image_latents"  # (1, C, 1, H/32, W/32): the first frame's normalised VAE latents
+
+
+def image_inputs(source) -> tuple[tuple[str, ...], bool]:
+    return (("image",), True) if image_to_video(source) else ((), False)
+
+
+def images_on_runtime(source) -> bool:
+    return True  # the re-encode is a host step before the model; the VAE encode runs on the runtime
+
+
+def check_images(source, request: Request) -> None:
+    """Stage 1, before Gemma 3 loads: the re-encode's PyAV is installed (without this check a missing
+    extra stopped the run only after the text encode)."""
+    if image_to_video(source) and request.image_crf:
+        require_pyav(request.image_crf)
+
+
+def require_pyav(crf: int) -> None:
+    """PyAV's libx264, which diffusers' helper uses, is an extra (`pip install -e ".[crf]"`): its wheels
+    carry GPL x264."""
+    if importlib.util.find_spec("av") is None:
+        raise UserError(
+            f'--image_crf {crf}: re-encoding the image needs PyAV (pip install -e ".[crf]"), or pass --image_crf 0 '
+            "to condition on the image as it is (not how LTX-2 was trained)"
+        )
+
+
+def recompress(image, crf: int):
+    """The image after the pipeline's H.264 round trip at `crf` (0: unchanged)."""
+    import numpy as np
+    from PIL import Image
+
+    if crf == 0:
+        return image
+    require_pyav(crf)
+    from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf
+
+    return Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), crf))
+
+
+def encode_images(source, request: Request, images: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
+    """The pipeline's first-frame conditioning: the H.264 round trip, its bilinear resize to the request's
+    size, the float32 VAE's posterior mode, normalised by the VAE's statistics (`prepare_latents`; the noise
+    it blends with is drawn in stage 2)."""
+    from diffusers import LTX2ImageToVideoPipeline
+    from diffusers.video_processor import VideoProcessor
+
+    vae = source.load("vae", dtype=torch.float32).eval()
+    processor = VideoProcessor(vae_scale_factor=vae_ratios(source)[0], resample="bilinear")
+    image = recompress(images["image"], request.image_crf)
+    pixels = processor.preprocess(image, height=request.height, width=request.width).float()
+    # Read before the runtime places the VAE: placed (torchax) buffers cannot be used on the host.
+    mean, std = vae.latents_mean.clone(), vae.latents_std.clone()
+    posterior = DeviceVAEEncoder(vae, runtime).encode(pixels.unsqueeze(2)).latent_dist
+    # The pipeline normalises without the VAE's scaling_factor (its de-normalisation uses it; 1.0 when published).
+    latents = LTX2ImageToVideoPipeline._normalize_latents(posterior.mode(), mean, std)
+    return {IMAGE_LATENTS: latents.contiguous()}
+
+
+def conditioning_mask(frames: int, height: int, width: int, patch: int, patch_t: int) -> torch.Tensor:
+    """(1, tokens) float32: 1 on the first latent frame's packed tokens (the pipeline's packed mask)."""
+    from diffusers import LTX2ImageToVideoPipeline
+
+    mask = torch.zeros(1, 1, frames, height, width)
+    mask[:, :, 0] = 1.0
+    return LTX2ImageToVideoPipeline._pack_latents(mask, patch, patch_t).squeeze(-1)

@@ -1,0 +1,160 @@
+"""Stage 2's inputs for one folder, read and checked before JAX does any work: the request with the flags'
+overrides, the model, the stage-1 tensors, the LoRA adapters, the step-cache settings and the checkpoint
+guard (with its fingerprint). stage2_transformer.py builds one per input folder, after checking the flags
+that concern several folders (`check_batch_flags`, `batch_resume`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from tpu_video import models
+from tpu_video.cli import UserError, log, parse_dtype
+from tpu_video.engine import batch_folders, lora
+from tpu_video.engine.cache_schedule import CacheSettings, check_family_runs, kind_from_flags, settings_from_flags
+from tpu_video.engine.guard import DenoiseGuard
+from tpu_video.engine.images import check_image_size_kept
+from tpu_video.engine.quantize import Quantization
+from tpu_video.models.adapter_origin import likely_model
+from tpu_video.runtime.interface import Timer
+from utils import (
+    CHECKPOINT_FILE,
+    CONFIG_FILE,
+    STAGE2_FILE,
+    Request,
+    check_output_dir,
+    check_stage1_fresh,
+    ensure_writable_dir,
+    read_config,
+    read_tensors,
+    request_flags,
+)
+
+
+@dataclasses.dataclass
+class ValidatedRun:
+    """What stage 2 knows once its inputs are checked (in every process), before JAX does any work."""
+
+    input_dir: Path
+    output_dir: Path
+    config: dict
+    request: Request
+    overrides: dict
+    source: object
+    family: object
+    dtype_name: str
+    dtype: object  # torch.dtype
+    embeddings: dict
+    cache: CacheSettings
+    adapters: list  # engine.lora.Adapter
+    calibrated: tuple  # what MagCache ratios must be calibrated for: model id, adapters, quantization
+    guard: DenoiseGuard
+    trace_dir: str | None
+    timer: Timer
+
+
+def validated_run(
+    args, processes, input_dir: Path, output_dir: Path, trace_dir: str | None, resume: bool
+) -> ValidatedRun:
+    """Read and check the flags and one stage-1 folder (every process reads its own copy; only process 0
+    prepares the output folder)."""
+    timer = Timer()
+    if args.warmup_steps < 0:
+        raise UserError(f"--warmup_steps {args.warmup_steps} must be >= 0")
+    with timer.phase("read"):  # stage 1's files, the model folder's configs (a tiny preset: built), adapters
+        config = read_config(input_dir, needs="stage1")
+        request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides(
+            {**request_flags(args), "model_id": args.model}
+        )
+        check_stage1_fresh(input_dir, config, request)
+        check_image_size_kept(config, overrides)
+        source, family = models.resolve_model_for_request(request)
+        dtype_name = args.dtype or request.dtype
+        dtype = parse_dtype(dtype_name)
+        models.validate_request(family, source, request)
+        embeddings = read_tensors(input_dir, config["stage1"])
+        check_output_dir(output_dir, input_dir, config)
+        stage1 = config["stage1"].get("adapters", [])
+        adapters = lora.read_adapters(args, family, source, dtype, stage1, likely_model=likely_model)
+    quantization = Quantization.from_args(args)
+    calibrated = (request.model_id, lora.identity(adapters), quantization.calibration_key())
+    check_family_runs(family, args)
+    cache = settings_from_flags(args, input_dir, *calibrated)
+    quantization.check_supported()
+    if processes.is_main:
+        ensure_writable_dir(output_dir, (STAGE2_FILE,))
+    fingerprint = {**request.fingerprint(), "dtype": dtype_name, "stage1_sha256": config["stage1"]["sha256"]}
+    fingerprint.update({"cache": cache.record(), **({"adapters": lora.identity(adapters)} if adapters else {})})
+    if quantization.enabled:  # a checkpoint of another scheme or layer set cannot be resumed
+        fingerprint["quantize"] = quantization.record()
+    guard = DenoiseGuard(
+        output_dir,
+        fingerprint,
+        every=args.checkpoint_every,
+        resume=resume,
+        processes=processes,
+    )
+    return ValidatedRun(
+        input_dir,
+        output_dir,
+        config,
+        request,
+        overrides,
+        source,
+        family,
+        dtype_name,
+        dtype,
+        embeddings,
+        cache,
+        adapters,
+        calibrated,
+        guard,
+        trace_dir,
+        timer,
+    )
+
+
+def check_batch_flags(args, folders: list[Path]) -> None:
+    """Flags that cannot apply to several folders, or to a batch of several videos, refused up front."""
+    if len(folders) > 1 and args.output_dir:
+        raise UserError("--output_dir names one folder; with several input folders each writes into its own")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UserError(f"--batch_size {args.batch_size} must be >= 1")
+    if (args.batch_size or 1) > 1 and kind_from_flags(args) == "magcache":
+        what = "--cache_calibrate" if args.cache_calibrate else "--cache magcache"
+        raise UserError(
+            f"{what} with --batch_size {args.batch_size}: MagCache decides from each video's own data, so it "
+            "runs one video per batch; use --batch_size 1 (the interval cache batches)"
+        )
+
+
+def batch_resume(args, folders: list[Path]) -> list[tuple[Path, bool]]:
+    """The folders to denoise and whether each resumes. One folder: as given. Several with --resume: a
+    folder with a checkpoint resumes, one already denoised (its latents fresh, no checkpoint) is skipped,
+    any other starts over."""
+    if len(folders) == 1 or not args.resume:
+        return [(folder, args.resume) for folder in folders]
+    todo = []
+    for folder in folders:
+        if (folder / CHECKPOINT_FILE).is_file():
+            todo.append((folder, True))
+        elif batch_folders.denoised(folder):
+            log(f"--resume: {folder} is denoised already; skipped")
+        else:
+            todo.append((folder, False))
+    return todo
+
+
+PROFILE_DIR = "./jax-trace"
+
+
+def profile_dir(args) -> str | None:
+    """Where the profiler trace goes: `--profile DIR`, or the reference scripts' `--enable_profiler` with
+    `--profiler_output_dir`; None for no trace."""
+    if args.profiler_output_dir and not args.enable_profiler:
+        raise UserError("--profiler_output_dir needs --enable_profiler (or use --profile DIR)")
+    if not args.enable_profiler:
+        return args.profile
+    if args.profile and args.profiler_output_dir and args.profile != args.profiler_output_dir:
+        raise UserError("--profile and --profiler_output_dir name different folders; give one")
+    return args.profile or args.profiler_output_dir or PROFILE_DIR

@@ -24,6 +24,7 @@ from tpu_video.planning.flags import default_request
 from tpu_video.runtime import placement
 from tpu_video.runtime.mesh import MEMORY_SHARE, MeshShape, ModelFacts, default_batch, default_mesh, sp_mode_choice
 from tpu_video.runtime.torchax_runtime import TorchaxRuntime
+from tpu_video.stages import stage2_attention
 
 TOPOLOGIES = ("v5e-8", "v6e-8", "v5p-8", "tpu7x-8", "v6e-16")
 
@@ -189,15 +190,15 @@ def test_where_a_run_that_does_not_fit_would_fit():
     wan22 = facts_of("Wan-AI/Wan2.2-T2V-A14B-Diffusers", height=720, width=1280)
     v5e = tpus.parse_target("v5e-8")
     at = (v5e.devices, v5e.devices_per_host, v5e.hbm_per_device, v5e.generation)
-    advice = stage2_transformer.where_it_fits(wan22, 2, 1, *at, MeshShape(1, 1, 8))
+    advice = stage2_attention.where_it_fits(wan22, 2, 1, *at, MeshShape(1, 1, 8))
     assert advice == "the smallest slices estimated to fit: v5p-8, v6e-4, tpu7x-8"
     v6e = tpus.parse_target("v6e-4")
     assert default_mesh(4, branches=2, model=wan22, device_memory=v6e.hbm_per_device).fits
     assert not default_mesh(4, branches=2, model=wan22, device_memory=v5e.hbm_per_device).fits
-    off_tpu = stage2_transformer.where_it_fits(wan22, 2, 1, 8, None, v5e.hbm_per_device, None, MeshShape(1, 1, 8))
+    off_tpu = stage2_attention.where_it_fits(wan22, 2, 1, 8, None, v5e.hbm_per_device, None, MeshShape(1, 1, 8))
     assert off_tpu == "no mesh of these 8 devices is estimated to fit it"
     hunyuan = facts_of("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v")
-    given = stage2_transformer.where_it_fits(hunyuan, 2, 1, *at, MeshShape(2, 4, 1))
+    given = stage2_attention.where_it_fits(hunyuan, 2, 1, *at, MeshShape(2, 4, 1))
     assert given == "the default mesh dp 2 x sp 1 x tp 4 is estimated to fit (no --dp/--sp/--tp)"
 
 

@@ -31,6 +31,7 @@ from tpu_video.engine.meta import meta_pretrained
 from tpu_video.planning import encoders, flags, plan, tpus
 from tpu_video.runtime import placement, program_key
 from tpu_video.runtime.executables import SUFFIX, ExecutableStore
+from tpu_video.stages import stage2_attention
 
 
 def keys(store) -> list[str]:
@@ -49,7 +50,7 @@ def plan_on_this_host(monkeypatch, folder, store, argv: list[str]) -> dict:
     request, source, family, embeddings = flags.request_to_plan(folder, None, {}, None)
     dtype = parse_dtype(request.dtype)
     run_model = (family, source, request, dtype)
-    attention = stage2_transformer.attention_plan(args, run_model, "cpu", jax.device_count())
+    attention = stage2_attention.attention_plan(args, run_model, "cpu", jax.device_count())
     cache = kind_from_flags(args)
     target = tpus.parse_target("v6e-8")  # names the report; the devices are this host's
     saving = ExecutableStore("folder", store)

@@ -8,5 +8,5 @@ videos per run on disk), the step caches (`cache_schedule`, `step_cache`, `cache
 (adapters fused before placement), `direct_load` (weights read from their files straight to the devices) and
 `meta` (models on the meta device and the facts the mesh choice needs). Stage 1: `encoders` (text, image and
 VAE encoders on a runtime), `images` (image inputs) and `lora_stage1` (an adapter's text-connector share).
-Stage 3: `decode`.
+Stage 3: `decode`, and `media` (the mp4 with its soundtrack, the WAV, the preview PNG).
 """

@@ -265,7 +265,6 @@ def runtime_for(args, run, processes, videos: int = 1):
     record: what one folder's denoise and a group of batches set up alike."""
     import jax
 
-    from tpu_video.attention.dispatch import attention_backend
     from tpu_video.planning import tpus
     from tpu_video.runtime import placement
     from tpu_video.runtime.torchax_runtime import CompileCache, TorchaxRuntime, device_memory
@@ -287,7 +286,7 @@ def runtime_for(args, run, processes, videos: int = 1):
     quantization = quantize.Quantization.from_args(args)
     loop_flags = (plan.tp_mode, args.warmup_steps, run.guard, run.cache, args.scan_blocks)
     options = DenoiseOptions(*loop_flags, on_loaded=fuse, quantization=quantization)
-    backend = attention_backend(runtime.env, plan, runtime.mesh)
+    backend = runtime.attention(plan)
     return runtime, backend, options, {**plan.record(), "processes": processes.count, "quantize": quantization.record()}
 
 

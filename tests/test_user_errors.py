@@ -22,6 +22,9 @@ TINY = ["--model", "tiny-cogvideox", "--prompt", "a cat", "--num_inference_steps
         (["--num_inference_steps", "0"], "--num_inference_steps 0 must be at least 1"),
         (["--dtype", "int8"], "--dtype 'int8' is not one of bf16, fp16, fp32"),
         (["--model", "./no/such/folder"], "--model './no/such/folder': no such folder"),
+        # A name that is no preset, folder or owner/name hub id is refused at once, never asked of the hub.
+        (["--model", "tiny-cogvidex"], "--model 'tiny-cogvidex' is not a preset, a local folder or a hub id"),
+        (["--model", "tiny-cogvidex"], "did you mean tiny-cogvideox, tiny-cogvideox1.0"),
         (["--backend", "torchax", "--device", "cuda"], "--device applies to --backend torch; --backend torchax"),
     ],
 )

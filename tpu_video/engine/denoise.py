@@ -23,7 +23,7 @@ from tpu_video.engine.cache_schedule import CacheSettings
 from tpu_video.engine.direct_load import load_direct
 from tpu_video.engine.guard import DenoiseGuard
 from tpu_video.engine.quantize import Quantization, quantize
-from tpu_video.engine.step_cache import StepCache
+from tpu_video.engine.step_cache import StepCache, cached_rules
 from tpu_video.runtime.interface import Runtime, Timer
 
 LATENTS_LAYOUT = "BCFHW"  # stage 2's latents file, for every family
@@ -129,7 +129,7 @@ def place_denoisers(loop: DenoiseLoop, runtime: Runtime, options: DenoiseOptions
     or the step cache's programs. Later loops of the same group (tpu_video/engine/batching.py) reuse them."""
     rules = scanned_blocks.install(loop, options.scan_blocks, options.cache, runtime.scan)
     if options.cache.enabled:
-        return StepCache(options.cache, loop, runtime, rules.nested("guided.transformer."))
+        return StepCache(options.cache, loop, runtime, cached_rules(rules))
     return [runtime.compile(guided, rules.nested("transformer.")) for guided in loop.guided]
 
 

@@ -40,6 +40,22 @@ def is_batched_state(key: str) -> bool:
     return len(parts) == 3 and parts[0] == "cache" and parts[1].isdigit()
 
 
+def cached_rules(rules):
+    """The transformer's rule table as it applies inside a cached denoiser, which holds the family's guided
+    module as `guided` (and its transformer as `guided.transformer`)."""
+    return rules.nested("guided.transformer.")
+
+
+def zero_state(module, trace_probe) -> list[tuple[torch.Tensor | None, tuple]]:
+    """A cached denoiser's state at the start, as host tensors with their layouts: zero residuals of the span's
+    input shapes (found by `trace_probe()`, which traces the module's probe; nothing is compiled), the text
+    residual None where the cache keeps none. A run places them; `--plan` compiles over their shapes."""
+    hidden, text = probe_shapes(trace_probe)
+    state = [(torch.zeros(hidden[0], dtype=hidden[1]), HIDDEN_LAYOUT)]
+    state.append((torch.zeros(text[0], dtype=text[1]), TEXT_LAYOUT) if module.cache.cache_text else (None, ()))
+    return state
+
+
 class StepCache:
     """One stage-2 run's cache: the schedule, the compiled programs and the device state per transformer."""
 
@@ -70,12 +86,8 @@ class StepCache:
         )
 
     def _zero_state(self, expert: int, inputs) -> tuple:
-        """Zero residuals of the span's input shapes (found by tracing the probe; nothing is compiled)."""
-        hidden, text = probe_shapes(lambda: self.programs[expert].trace_ahead("probe", inputs))
-        zeros = self.runtime.to_device(torch.zeros(hidden[0], dtype=hidden[1]), HIDDEN_LAYOUT)
-        if not self.modules[expert].cache.cache_text:
-            return zeros, None
-        return zeros, self.runtime.to_device(torch.zeros(text[0], dtype=text[1]), TEXT_LAYOUT)
+        state = zero_state(self.modules[expert], lambda: self.programs[expert].trace_ahead("probe", inputs))
+        return tuple(None if tensor is None else self.runtime.to_device(tensor, layout) for tensor, layout in state)
 
     def _state_for(self, expert: int, inputs) -> tuple:
         if expert not in self.state:

@@ -13,6 +13,7 @@ published model an adapter that does not fit was made for).
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
 import importlib
@@ -122,6 +123,10 @@ def resolve_model(model: str, configs_only: bool = False) -> tuple[ModelSource, 
         location, defaults = model, {}
     elif model.startswith(("/", ".", "~")) or model.count("/") > 1:  # a path, not an "org/name" hub id
         raise UserError(f"--model {model!r}: no such folder")
+    elif "/" not in model:  # neither a preset, a folder nor an "org/name" hub id: a typo, most likely
+        close = difflib.get_close_matches(model, [*PRESETS, *PUBLISHED], n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else f"; the presets: {', '.join(PRESETS)}"
+        raise UserError(f"--model {model!r} is not a preset, a local folder or a hub id (owner/name){hint}")
     else:
         location, defaults = model, {}
     index = _read_model_index(model, location)

@@ -210,22 +210,19 @@ def cache_programs(loop, kind: str, runtime, mesh, rules, inputs, env, expert: i
     """With a step cache (`kind` magcache or interval): the guided denoiser of `expert` wrapped as a real run
     wraps it, and the (module, rules, inputs) of its full step and of its cached step; else the plain
     denoiser. `rules`: the transformer's rule table."""
-    from tpu_video.engine import cached_blocks
     from tpu_video.engine.cache_schedule import CacheSettings
+    from tpu_video.engine.cached_blocks import cached_denoiser
+    from tpu_video.engine.step_cache import cached_rules, zero_state
 
     guided = loop.guided[expert]
     if kind == "none":
         return (guided, rules.nested("transformer."), inputs), None
-    settings = CacheSettings(kind=kind)
-    module = cached_blocks.cached_denoiser(guided, settings, len(loop.cache_branches), runtime.constrain)
-    rules = rules.nested("guided.transformer.")
-    hidden, text = cached_blocks.probe_shapes(lambda: trace_module(module, rules, inputs, mesh, env, "probe"))
-    residuals = [(torch.zeros(hidden[0], dtype=hidden[1]), cached_blocks.HIDDEN_LAYOUT)]
-    residuals.append(
-        (torch.zeros(text[0], dtype=text[1]), cached_blocks.TEXT_LAYOUT) if module.cache.cache_text else (None, ())
-    )
+    # The module, its rules and its starting state are built as a run's StepCache builds them.
+    module = cached_denoiser(guided, CacheSettings(kind=kind), len(loop.cache_branches), runtime.constrain)
+    rules = cached_rules(rules)
+    state = zero_state(module, lambda: trace_module(module, rules, inputs, mesh, env, "probe"))
     reuse = (torch.zeros(len(loop.cache_branches), dtype=torch.bool), ())
-    return (module, rules, [*residuals, reuse, *inputs]), (module, rules, [*residuals, *inputs])
+    return (module, rules, [*state, reuse, *inputs]), (module, rules, [*state, *inputs])
 
 
 FULL = "full"  # plan_stage2's key for the program at the model's depth
@@ -258,7 +255,6 @@ def plan_stage2(
     on `target` keys them (tpu_video/runtime/program_key.py), for that run to load instead of compiling. `quantization`
     (engine.quantize.Quantization) quantizes the blocks' linears as a run does."""
     from splash_attention import record_kernel_calls
-    from tpu_video.attention.dispatch import attention_backend
     from tpu_video.engine import scanned_blocks
     from tpu_video.engine.batching import batched_loop
     from tpu_video.engine.cache_schedule import CacheSettings
@@ -284,7 +280,7 @@ def plan_stage2(
         settings = CacheSettings(kind=cache) if cache != "none" else CacheSettings()
         rules = scanned_blocks.install(loop, scan_blocks if depth == FULL else "off", settings, runtime.scan)
         saving = store if depth == FULL else None
-        with attention_backend(runtime.env, attention, mesh), runtime.precision(dtype):
+        with runtime.attention(attention), runtime.precision(dtype):
             full_step, cached_step = cache_programs(loop, cache, runtime, mesh, rules, inputs, runtime.env)
             with record_kernel_calls() as traced:
                 compiled[depth] = compile_module(*full_step, mesh, runtime.env, store=saving)
@@ -296,7 +292,7 @@ def plan_stage2(
             facts = weight_facts(others, rules, attention_heads(source))
             resident = facts.weight_bytes(mesh.shape[TP])
             compiled[depth].add_resident(resident)
-            with attention_backend(runtime.env, attention, mesh), runtime.precision(dtype):
+            with runtime.attention(attention), runtime.precision(dtype):
                 if cached_step is not None and not compiled[depth].refused:
                     with record_kernel_calls() as cached_calls:
                         cached = compile_module(*cached_step, mesh, runtime.env, method="cached", store=saving)

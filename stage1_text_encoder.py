@@ -139,7 +139,7 @@ def checked_video(args, source, family, output_dir: Path, where: str = "") -> Vi
         request = Request.from_flags(args, model_family=family.NAME, model_id=args.model, defaults=defaults)
         models.validate_request(family, source, request)
         if images:
-            family.check_images(source, request)
+            family.check_images(source, request, images)
     except UserError as err:
         raise UserError(f"{where}: {err}" if where else str(err)) from None
     return Video(output_dir, request, images, image_records)
@@ -170,7 +170,7 @@ def main(argv=None) -> None:
     if args.plan:
         return plan_main(args)
     refuse_planning_flags(args)
-    check_backend_flags(args.backend, args.device)
+    check_backend_flags(args.backend, args.device, args.executables)
     dtype = parse_dtype(args.dtype)
     output_dir = Path(args.output_dir)
     entries = batch_folders.entries_from_flags(args)

@@ -231,6 +231,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     filter_harmless_warnings()
     if args.plan:
+        if args.resume:
+            raise UserError("--resume continues a denoise from its checkpoint; --plan runs none (give one of them)")
         check_batch_flags(args, [])
         return plan_main(args)
     refuse_planning_flags(args)

@@ -211,7 +211,7 @@ def main(argv=None) -> None:
             "--dp: stage 3 has no data-parallel axis; with --backend torchax it splits the latents' width over "
             "all devices (the reference's Flax decoder took --dp); drop the flag"
         )
-    check_backend_flags(args.backend, args.device)
+    check_backend_flags(args.backend, args.device, args.executables)
     if args.preview_frames < 0:
         raise UserError(f"--preview_frames {args.preview_frames} must be >= 0")
     folders = batch_folders.expand_folders(args.input_dir)

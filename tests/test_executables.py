@@ -138,9 +138,12 @@ def test_the_auto_store_drops_its_least_recently_used_entries(tmp_path, monkeypa
     add_executables_argument(parser)
     help_text = " ".join(parser.format_help().split())
     assert f"$TPU_VIDEO_EXECUTABLES_GIB (default {executables.AUTO_LIMIT_GIB:g})" in help_text
-    monkeypatch.setenv(executables.AUTO_LIMIT_VARIABLE, "0")
-    with pytest.raises(UserError, match="TPU_VIDEO_EXECUTABLES_GIB='0': give the auto executable store's size"):
-        executables.store_from_flag("auto", "cpu")
+    for value in ("0", "inf", "1e400", "nan"):
+        monkeypatch.setenv(executables.AUTO_LIMIT_VARIABLE, value)
+        with pytest.raises(UserError, match=f"TPU_VIDEO_EXECUTABLES_GIB='{value}': give the auto executable store"):
+            executables.store_from_flag("auto", "cpu")
+    monkeypatch.setenv(executables.AUTO_LIMIT_VARIABLE, "")  # set but empty: the default
+    assert executables.store_from_flag("auto", "cpu").limit_bytes == int(executables.AUTO_LIMIT_GIB * 2**30)
 
 
 def test_a_check_inside_a_loaded_program_still_raises(tmp_path):

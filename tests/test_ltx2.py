@@ -632,7 +632,17 @@ def test_without_pyav_stage1_stops_before_loading_and_names_the_extra(monkeypatc
         patched.setattr(models.ModelSource, "load", lambda *args, **kwargs: pytest.fail("weights loaded"))
         expect_user_error(capsys, stage1_text_encoder, argv, "--image_crf 33: re-encoding the image needs PyAV")
     source, family = models.resolve_model("tiny-ltx2-i2v")
-    family.check_images(source, SimpleNamespace(image_crf=0))  # no re-encode: nothing to check
+    family.check_images(source, SimpleNamespace(image_crf=0), {})  # no re-encode: nothing to check
+
+
+def test_an_image_h264_cannot_encode_is_refused_before_loading(monkeypatch, capsys, tmp_path):
+    """A side of 1 pixel: the H.264 helper crops it to 0 (an IndexError after the text encode, an empty folder
+    left); now one error line before any weights load. --image_crf 0 takes such an image as it is."""
+    thin = write_image(tmp_path / "thin.png", 1, 40)
+    argv = ["--model", "tiny-ltx2-i2v", "--prompt", PROMPT, "--image", thin, "--output_dir", tmp_path / "out"]
+    with monkeypatch.context() as patched:
+        patched.setattr(models.ModelSource, "load", lambda *args, **kwargs: pytest.fail("weights loaded"))
+        expect_user_error(capsys, stage1_text_encoder, argv, "--image is 40x1 pixels: H.264 (--image_crf 33) needs")
 
 
 def test_the_plan_compiles_all_four_passes_on_dp_for_v6e_with_the_real_splash_kernel(tmp_path, four_blocks):

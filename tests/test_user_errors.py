@@ -94,6 +94,8 @@ def test_stage2_with_changed_embeddings_file(capsys, stage1_dir):
         (["--model", "tiny-wan2.1"], "--model 'tiny-wan2.1' is a wan model but the stage files are from cogvideox"),
         (["--quantize", "int4"], "argument --quantize: invalid choice: 'int4'"),
         (["--quantize", "int8", "--quantize_layers", "mlp"], "argument --quantize_layers: invalid choice: 'mlp'"),
+        # Silently a plain run before (the section recorded layers "ffn" for weights never quantized).
+        (["--quantize_layers", "ffn"], "--quantize_layers ffn acts only with --quantize (int8_weight, int8"),
     ],
 )
 def test_stage2_rejects_bad_overrides(capsys, stage1_dir, flags, message):
@@ -120,3 +122,32 @@ def test_error_exit_status_through_the_real_command_line(tmp_path):
 def test_stage3_rejects_device_with_the_jax_backend(capsys, stage1_dir):
     argv = ["--input_dir", stage1_dir, "--backend", "torchax", "--device", "cuda"]
     expect_user_error(capsys, stage3_vae_decoder, argv, "--device applies to --backend torch")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--plan", ""], "argument --plan: give a TPU"),  # taken as no --plan, it ran the whole stage
+        (["--plan", "v6e-8", "--plan_json", "."], "argument --plan_json: '.' is a folder"),
+        (["--plan", "v6e-8", "--plan_json", "NOWHERE/plan.json"], "argument --plan_json: its folder"),
+        (["--plan", "v6e-8", "--save_executables", "FILE"], "is a file, not a folder"),
+    ],
+)
+def test_every_stage_checks_its_plan_flags_before_anything_compiles(capsys, tmp_path, flags, message):
+    file = tmp_path / "file"
+    file.write_text("not a folder")
+    flags = [{"FILE": str(file), "NOWHERE/plan.json": str(tmp_path / "none" / "plan.json")}.get(f, f) for f in flags]
+    folder = {stage1_text_encoder: "--output_dir", stage2_transformer: "--input_dir", stage3_vae_decoder: "--input_dir"}
+    for stage, flag in folder.items():
+        expect_user_error(capsys, stage, ["--model", "tiny-wan2.1", flag, tmp_path, *flags], message)
+
+
+def test_flags_that_cannot_act_are_refused(capsys, tmp_path):
+    """Each ran silently before, changing nothing: --resume under --plan, a --executables folder with --backend
+    torch (which compiles no programs)."""
+    argv = ["--model", "tiny-wan2.1", "--input_dir", tmp_path, "--plan", "v6e-8", "--resume"]
+    expect_user_error(capsys, stage2_transformer, argv, "--resume continues a denoise from its checkpoint; --plan")
+    store = ["--backend", "torch", "--executables", tmp_path / "store"]
+    expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", tmp_path, *store], "--backend torch compiles none")
+    argv = ["--model", "tiny-wan2.1", "--prompt", "a cat", "--output_dir", tmp_path, *store]
+    expect_user_error(capsys, stage1_text_encoder, argv, "--backend torch compiles none")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -80,6 +81,39 @@ def executables_flag(text: str) -> str:
     return text
 
 
+def plan_target(text: str) -> str:
+    """`--plan`: a TPU name; an empty one is refused (taken as no --plan, it would run the whole stage)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give a TPU, e.g. v6e-8 or v6e:2x4")
+    return text
+
+
+def writable_file(text: str) -> str:
+    """`--plan_json`: a file the report can be written to, checked before anything compiles."""
+    path = Path(text).expanduser()
+    if not text.strip() or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
+    folder = path.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"its folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text} cannot be written")
+    return text
+
+
+def executables_folder(text: str) -> str:
+    """`--save_executables`: a folder (made if missing), checked before anything compiles."""
+    path = Path(text).expanduser()
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give a folder")
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    if not os.access(existing, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text} cannot be written ({existing} is not writable)")
+    return text
+
+
 def add_executables_argument(parser) -> None:
     """`--executables`, the same on every stage that runs torchax programs (tpu_video/runtime/executables.py)."""
     parser.add_argument(
@@ -101,14 +135,16 @@ def add_plan_arguments(parser, compiles: str, more: str = ""):
     planning.add_argument(
         "--plan",
         metavar="TPU",
+        type=plan_target,
         help=f"compile {compiles} for a TPU slice and report HBM fit, then exit (0: fits, 3: does not fit); writes "
         "nothing but what --plan_json and --save_executables ask for. TPU: an accelerator type (v5litepod-8, v5e-8, "
         f"v5p-8, v6e-8, v6e-16, tpu7x-8, ...) or a topology (v6e:2x4){more}",
     )
-    planning.add_argument("--plan_json", metavar="FILE", help="also save the plan's report as JSON")
+    planning.add_argument("--plan_json", metavar="FILE", type=writable_file, help="also save the plan's report as JSON")
     planning.add_argument(
         "--save_executables",
         metavar="DIR",
+        type=executables_folder,
         help="with --plan (a single-host slice): also save the compiled programs in DIR, keyed as a --backend "
         "torchax run on that TPU keys them, so a run there with --executables DIR loads them instead of compiling",
     )

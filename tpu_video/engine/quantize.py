@@ -55,9 +55,8 @@ def add_arguments(parser) -> None:
     group.add_argument(
         "--quantize_layers",
         choices=LAYER_SETS,
-        default="all",
         help="which linears of the blocks --quantize applies to: all (attention, feed-forward and the norms' "
-        "modulation linears), ffn or attention (default: %(default)s)",
+        "modulation linears), ffn or attention (default: all)",
     )
 
 
@@ -70,7 +69,10 @@ class Quantization:
 
     @classmethod
     def from_args(cls, args) -> Quantization:
-        return cls(args.quantize, args.quantize_layers)
+        if args.quantize == "none" and args.quantize_layers is not None:
+            schemes = ", ".join(scheme for scheme in SCHEMES if scheme != "none")
+            raise UserError(f"--quantize_layers {args.quantize_layers} acts only with --quantize ({schemes})")
+        return cls(args.quantize, args.quantize_layers or "all")
 
     @property
     def enabled(self) -> bool:

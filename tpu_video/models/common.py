@@ -82,7 +82,7 @@ def size_from_request(source, images) -> None:
     return None
 
 
-def no_image_checks(source, request) -> None:
+def no_image_checks(source, request, images) -> None:
     """`check_images` of a family whose image conditioning needs nothing beyond its weights."""
 
 

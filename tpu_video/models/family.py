@@ -108,9 +108,10 @@ class Family(Protocol):
         """The (height, width) an image-to-video pipeline derives from the image, or None where it resizes the
         image to the requested size (stage 1 then refuses --height/--width and records the derived size)."""
 
-    def check_images(self, source: ModelSource, request: Request) -> None:
+    def check_images(self, source: ModelSource, request: Request, images: dict[str, Any]) -> None:
         """Stage 1, with images given and before any weights load: refuse what encode_images would refuse
-        only after the text encoders ran (e.g. a host tool the image conditioning needs); UserError."""
+        only after the text encoders ran (a host tool the image conditioning needs, an image it cannot
+        take); UserError."""
 
     def encode_images(self, source: ModelSource, request: Request, images: dict[str, Any], runtime: Runtime) -> dict:
         """Stage 1 for image-to-video: the pipeline's image conditioning (image embeddings, VAE latents of the

@@ -14,12 +14,14 @@ BACKENDS = ("torch", "torchax")
 STAGE3_BACKENDS = ("auto", *BACKENDS)
 
 
-def check_backend_flags(backend: str, device: str | None) -> None:
-    """Refuse `--backend`/`--device` combinations up front, before any file is read."""
+def check_backend_flags(backend: str, device: str | None, executables: str = "auto") -> None:
+    """Refuse `--backend`/`--device`/`--executables` combinations up front, before any file is read."""
     if backend not in STAGE3_BACKENDS:
         raise UserError(f"--backend {backend!r} is not one of {', '.join(STAGE3_BACKENDS)}")
     if backend == "torchax" and device is not None:  # it would be silently ignored: every JAX device is used
         raise UserError(f"--device applies to --backend torch; --backend {backend} uses every JAX device")
+    if backend == "torch" and executables not in ("auto", "off"):  # a folder named for nothing to save or load
+        raise UserError(f"--executables {executables} holds torchax programs; --backend torch compiles none")
     if device is not None:
         check_torch_device(device)
 

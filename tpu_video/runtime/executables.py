@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import pickle
 from pathlib import Path
@@ -40,13 +41,15 @@ def store_from_flag(value: str, platform: str) -> ExecutableStore:
 
 
 def _auto_limit() -> int:
-    text = os.environ.get(AUTO_LIMIT_VARIABLE, str(AUTO_LIMIT_GIB))
+    text = os.environ.get(AUTO_LIMIT_VARIABLE, "").strip() or str(AUTO_LIMIT_GIB)  # set but empty: unset
     try:
         gib = float(text)
     except ValueError:
         gib = -1.0
-    if not gib > 0:
-        raise UserError(f"${AUTO_LIMIT_VARIABLE}={text!r}: give the auto executable store's size in GiB, above 0")
+    if not (gib > 0 and math.isfinite(gib)):
+        raise UserError(
+            f"${AUTO_LIMIT_VARIABLE}={text!r}: give the auto executable store's size in GiB, a finite number above 0"
+        )
     return int(gib * 2**30)
 
 

@@ -27,11 +27,18 @@ def images_on_runtime(source) -> bool:
     return True  # the re-encode is a host step before the model; the VAE encode runs on the runtime
 
 
-def check_images(source, request: Request) -> None:
+def check_images(source, request: Request, images: dict[str, Any]) -> None:
     """Stage 1, before Gemma 3 loads: the re-encode's PyAV is installed (without this check a missing
-    extra stopped the run only after the text encode)."""
+    extra stopped the run only after the text encode), and the image has the 2 x 2 pixels H.264 needs (its
+    helper crops to even sides: a side of 1 became 0 and an IndexError)."""
     if image_to_video(source) and request.image_crf:
         require_pyav(request.image_crf)
+        width, height = images["image"].size
+        if min(width, height) < 2:
+            raise UserError(
+                f"--image is {width}x{height} pixels: H.264 (--image_crf {request.image_crf}) needs at least 2 "
+                "on each side; pass --image_crf 0 to condition on the image as it is"
+            )
 
 
 def require_pyav(crf: int) -> None:

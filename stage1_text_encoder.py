@@ -242,5 +242,10 @@ def encode_and_write(args, dtype, source, family, video: Video, encode, runtime,
     log(f"wrote {output_dir / STAGE1_FILE}: {shapes}")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The installed command (pyproject.toml's scripts): main() under the CLI conventions, as below."""
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -379,5 +379,10 @@ def write_section(args, run: ValidatedRun, saved: dict, tensors, info, timer, re
     log(f"wrote {run.output_dir / STAGE2_FILE}: {shapes} ({info['latents_layout']})")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The installed command (pyproject.toml's scripts): main() under the CLI conventions, as below."""
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

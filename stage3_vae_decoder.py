@@ -272,8 +272,8 @@ def checked_video(args, input_dir: Path) -> Video:
         )
     tensors = read_tensors(input_dir, config["stage2"])
     normalization = stage2_normalization(config["stage2"], lambda: family.latents_normalization(source))
-    tensors, normalization = family.upgrade_stage2(source, tensors, normalization)
     source.load_config("vae")  # a model folder without a VAE is refused here, before any folder decodes
+    tensors, normalization = family.upgrade_stage2(source, tensors, normalization)
     check_output_dir(output_dir, input_dir, config)
     ensure_writable_dir(output_dir, (output_name, preview_name(output_name), frames_name(output_name)))
     fields = (config, request, overrides, source, family, dtype_name, normalization, tensors)
@@ -367,5 +367,10 @@ def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vae
     log(f"wrote {output_dir / output_name}: {count} frames x {height} x {width} at {request.fps} fps{sound}")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The installed command (pyproject.toml's scripts): main() under the CLI conventions, as below."""
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -113,7 +113,7 @@ def make_step(family, source, request, embeds, dtype, runtime, transformer, wrap
     torch.compile), the prediction pulled back (`pull`, default the runtime's)."""
     # The first expert's program (Wan 2.2's second has the same shape), so every component gets it.
     transformers = dict.fromkeys(family.transformer_components(source), transformer)
-    loop, _ = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, "megatron")
+    loop, _ = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, "megatron", planning=False)
     denoiser = runtime.compile(loop.guided[0], loop.rules.nested("transformer."))
     denoiser = wrap(denoiser) if wrap is not None else denoiser
     static = tuple(runtime.to_device(tensor, layout) for tensor, layout in loop.static_inputs)

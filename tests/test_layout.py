@@ -293,6 +293,11 @@ def test_the_wheel_ships_every_module(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"}
     imported = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert imported.returncode == 0, imported.stderr[-3000:]
+    # The installed commands keep the CLI conventions: a user error is one `error:` line and exit 2.
+    for stage in ("stage1", "stage2", "stage3"):
+        command = [site / "bin" / f"tpu-video-{stage}", "--dtype", "int8"]
+        done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env)
+        assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error:"), done.stderr[-2000:]
 
 
 def test_no_test_module_imports_another_and_no_benchmark_imports_a_test():

@@ -394,16 +394,23 @@ def test_torchax_decode_matches_the_pipeline(tmp_path, stage1_folders):
 def test_a_stage2_folder_from_before_the_denormalization_fix_decodes_as_the_pipeline(
     tmp_path, stage1_folders, monkeypatch, capsys
 ):
-    """A stage-2 section written before 2026-11-27 holds the latents as the transformer denoised them, labelled
-    {"method": "none"} without the mark (that stage 2 read the statistics as zeros and ones). Made here by the
-    stage 2 of today with the de-normalisation taken out: its latents are far from the pipeline's (so the
-    parity tests catch a stage 2 that skips it), and stage 3 de-normalises them, says so, and decodes the
-    pipeline's frames and waveform (1e-5)."""
+    """A stage-2 section written before 2026-11-27, labelled {"method": "none"} without the mark: that stage 2
+    read both VAEs' statistics as zeros and ones but kept the video VAE's scaling factor (0.8 here). Made here
+    by today's stage 2 with exactly that: its latents are far from the pipeline's (so the parity tests catch a
+    stage 2 that skips the statistics), and stage 3 de-normalises them, says so, and decodes the pipeline's
+    frames and waveform (1e-5)."""
+    from tpu_video.models.ltx2 import latents as ltx2_latents
     from tpu_video.models.ltx2 import pipeline as ltx2_pipeline
 
     out = tmp_path / "run"
     shutil.copytree(stage1_folders["tiny-ltx2"], out)
-    monkeypatch.setattr(ltx2_pipeline, "denormalized", lambda source, tensors, planning=False: tensors)
+    read = ltx2_latents.latent_statistics
+
+    def zeros_and_ones(source, component, planning=False):
+        mean, std = read(source, component, planning)
+        return torch.zeros_like(mean), torch.ones_like(std)
+
+    monkeypatch.setattr(ltx2_latents, "latent_statistics", zeros_and_ones)
     monkeypatch.setattr(ltx2_pipeline, "latents_normalization", lambda source: {"method": "none"})
     run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off"])
     monkeypatch.undo()
@@ -668,8 +675,16 @@ def test_the_plan_compiles_all_four_passes_on_dp_for_v6e_with_the_real_splash_ke
     assert outside == {"all-reduce": (4, 11), "collective-permute": (6, 24)}
 
 
-def test_stage3_plans_from_configs_alone(tmp_path):
-    """Stage 3's --plan reaches stage 2's de-normalisation, which reads no statistics when planning."""
+def test_stage3_plans_from_configs_alone(tmp_path, monkeypatch):
+    """Stage 3's --plan reaches stage 2's de-normalisation, which reads no statistics when planning (no
+    checkpoint file is opened, no component loaded)."""
+    import safetensors
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a plan read weights")
+
+    monkeypatch.setattr(safetensors, "safe_open", no_weights)
+    monkeypatch.setattr(models.ModelSource, "load", no_weights)
     out = tmp_path / "plan.json"
     argv = ["--input_dir", tmp_path, "--model", "tiny-ltx2", "--plan", "v6e-8", "--plan_json", out]
     run_stage(stage3_vae_decoder, argv)  # an empty folder: nothing of a previous run in ./stage_outputs is read

@@ -91,14 +91,16 @@ def plan_target(text: str) -> str:
 def writable_file(text: str) -> str:
     """`--plan_json`: a file the report can be written to, checked before anything compiles."""
     path = Path(text).expanduser()
-    if not text.strip() or path.is_dir():
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give a file name")
+    if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
     folder = path.parent
     if not folder.is_dir():
         raise argparse.ArgumentTypeError(f"its folder {str(folder)!r} does not exist")
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"{text} cannot be written")
-    return text
+    return str(path)  # as checked: a quoted ~ is expanded here, not by the writer
 
 
 def executables_folder(text: str) -> str:
@@ -111,7 +113,7 @@ def executables_folder(text: str) -> str:
     existing = next(parent for parent in (path, *path.parents) if parent.exists())
     if not os.access(existing, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text} cannot be written ({existing} is not writable)")
-    return text
+    return str(path)
 
 
 def add_executables_argument(parser) -> None:

@@ -264,7 +264,9 @@ def denoise_group(
     for number, videos in enumerate(batches, 1):
         members = videos + [videos[-1]] * (size - len(videos))
         built = [
-            family.denoise_loop(source, video.request, video.embeddings, dtype, transformers, runtime, options.tp_mode)
+            family.denoise_loop(
+                source, video.request, video.embeddings, dtype, transformers, runtime, options.tp_mode, planning=False
+            )
             for video in members
         ]
         loop, timer = batched_loop([loop for loop, _ in built]), timer if number == 1 else Timer()

@@ -191,7 +191,9 @@ def denoise(
     """Stage 2 for any family: load the transformer(s), run the family's loop; returns (stage 2's tensors by
     name, `latents` first; the record; the run's StepCache or None)."""
     transformers = load_transformers(family, source, dtype, options, timer)
-    loop, finish = family.denoise_loop(source, request, embeds, dtype, transformers, runtime, options.tp_mode)
+    loop, finish = family.denoise_loop(
+        source, request, embeds, dtype, transformers, runtime, options.tp_mode, planning=False
+    )
     latents, cache = run_denoise_loop(loop, runtime, timer, options)
     tensors, record = finish(latents)
     return tensors, {**record, **scanned_blocks.record(loop, options.scan_blocks)}, cache

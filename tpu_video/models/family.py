@@ -130,12 +130,14 @@ class Family(Protocol):
         transformers: dict[str, torch.nn.Module],
         runtime: Runtime,
         tp_mode: str,
-        planning: bool = False,
+        *,
+        planning: bool,
     ) -> tuple[DenoiseLoop, Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, Any]]]]:
         """Stage 2: the loop for `transformers` (by component name; loaded, or on the meta device for --plan),
         and the function turning its final latents into stage 2's tensors by name (`latents`, (B, C, F, H,
-        W); LTX-2 adds `audio_latents`) and the facts stage 3 needs. `planning` (--plan): only shapes count,
-        so no checkpoint value is read; a run never infers it from its modules."""
+        W); LTX-2 adds `audio_latents`) and the facts stage 3 needs. `planning` (True for --plan, where only
+        shapes count and no checkpoint value may be read; False for a run) is always given, never inferred
+        from the modules."""
 
     def planning_embeds(self, source: ModelSource, request: Request, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Zero stage-1 tensors of the shapes stage 1 would write (to plan before encoding)."""

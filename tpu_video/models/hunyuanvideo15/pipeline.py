@@ -93,7 +93,8 @@ def denoise_loop(
     transformers,
     runtime,
     tp_mode,
-    planning: bool = False,
+    *,
+    planning: bool,
 ):
     """The pipeline's flow-matching loop as a DenoiseLoop for `transformer` on `runtime`, and the function
     that turns its final latents into stage 2's latents and record."""

@@ -5,7 +5,9 @@ the family's `models.family.Family` members, gathered from its parts.
 - `guidance`: the guidance passes a step runs (CFG, spatio-temporal, modality) and their scales;
 - `transformer`: the jit-safe audio-video transformer, its rule table, Splash tiles and guided call;
 - `i2v`: stage 1's image conditioning (the H.264 round trip, the VAE encode) and the first-frame mask;
-- `pipeline`: stage 1's Gemma 3 encoding and connectors, stage 2's loop over both streams, the decode;
+- `pipeline`: stage 1's Gemma 3 encoding and connectors, stage 2's loop over both streams;
+- `latents`: the VAEs' statistics, stage 2's de-normalisation and its record, the upgrade of older folders,
+  stage 3's video decode;
 - `connectors`: stage 1's text connectors on the runtime (their float64 rotary tables from the host);
 - `audio`: stage 3's soundtrack (audio VAE and vocoder, one module);
 - `presets`: the tiny random presets;
@@ -27,15 +29,8 @@ from .config import (
     validate_request,
 )
 from .i2v import check_images, encode_images, image_inputs, images_on_runtime
-from .pipeline import (
-    Decoder,
-    denoise_loop,
-    latents_normalization,
-    planning_embeds,
-    prompt_encoder,
-    upgrade_stage2,
-    video_processor,
-)
+from .latents import Decoder, latents_normalization, upgrade_stage2, video_processor
+from .pipeline import denoise_loop, planning_embeds, prompt_encoder
 from .presets import PRESETS
 from .published import PUBLISHED
 from .transformer import SPLASH_BLOCK_SIZES, transformer_rules

@@ -10,11 +10,9 @@ unpacked and de-normalised to their VAEs' spaces, so nothing is left for stage 3
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from tpu_video.cli import UserError, log
+from tpu_video.cli import log
 from tpu_video.engine.denoise import DenoiseLoop, latents_record
 from tpu_video.engine.encoders import DeviceTextEncoder
 from tpu_video.engine.guidance import BATCH
@@ -28,11 +26,11 @@ from .config import (
     image_to_video,
     latent_grid,
     stock_pipeline,
-    vae_ratios,
 )
 from .connectors import DeviceConnectors
 from .guidance import resolve_guidance
 from .i2v import IMAGE_LATENTS, conditioning_mask
+from .latents import denormalized, latents_normalization, vae_statistics
 from .transformer import ROPES, GuidedTransformer, rope_tables, transformer_rules
 
 STAGE1_TENSORS = ("connector_prompt_embeds", "connector_audio_prompt_embeds", "connector_attention_mask")
@@ -91,51 +89,10 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
     return embeds
 
 
-def latent_statistics(source, component: str, planning: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A VAE's `latents_mean` and `latents_std` buffers (the pipeline's de-normalisation), read from its
-    checkpoint without loading the VAE. `planning` (--plan, or a configs-only source, which has no values):
-    zeros and ones of the buffers' shape. Never inferred from a module's parameters: placed torchax weights
-    and directly loaded ones report `is_meta` in every real run."""
-    from safetensors import safe_open
-
-    from tpu_video.engine.direct_load import checkpoint_paths
-    from tpu_video.engine.meta import meta_module
-
-    if planning or source.configs_only:
-        shape = meta_module(source, component, torch.float32).latents_mean.shape
-        return torch.zeros(shape), torch.ones(shape)
-
-    try:
-        paths = checkpoint_paths(source.location, component)
-    except OSError:
-        paths = []
-    for path in paths:
-        with safe_open(path, framework="pt") as file:
-            if "latents_mean" in file.keys():
-                return file.get_tensor("latents_mean").float(), file.get_tensor("latents_std").float()
-    vae = source.load(component)
-    return vae.latents_mean.float(), vae.latents_std.float()
-
-
-def denormalized(source, tensors: dict[str, torch.Tensor], planning: bool = False) -> dict[str, torch.Tensor]:
-    """Stage 2's `latents` (B, C, F, H, W) and `audio_latents` (B, C, L, M), normalised as the transformer
-    denoises them, de-normalised to their VAEs' spaces as LTX2Pipeline does after its loop (the audio on its
-    packed features, the video with the VAE's scaling factor), in float32."""
-    from diffusers import LTX2Pipeline
-
-    mean, std = latent_statistics(source, "vae", planning)
-    scaling = source.load_config("vae").get("scaling_factor", 1.0)
-    video = LTX2Pipeline._denormalize_latents(tensors["latents"].float(), mean, std, scaling)
-    audio = tensors["audio_latents"].float()
-    mean, std = latent_statistics(source, "audio_vae", planning)
-    packed = LTX2Pipeline._denormalize_audio_latents(LTX2Pipeline._pack_audio_latents(audio), mean, std)
-    audio = LTX2Pipeline._unpack_audio_latents(packed, audio.shape[2], num_mel_bins=audio.shape[3])
-    return {**tensors, "latents": video, "audio_latents": audio}
-
-
-def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime, tp_mode, planning: bool = False):
+def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime, tp_mode, *, planning: bool):
     """LTX2Pipeline's loop as a DenoiseLoop over one tensor holding both streams' packed latents; `finish`
-    de-normalises them with the VAEs' statistics (zeros and ones when `planning`: no values are read)."""
+    de-normalises them with the VAEs' statistics, read here before the loop runs (zeros and ones when
+    `planning`: no values are read)."""
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
     from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift, retrieve_timesteps
@@ -147,6 +104,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     # The model's guidance, resolved on its folder's config: --plan also builds this loop for 2- and 3-block
     # copies (per-block collectives), which must run the same passes as the whole model.
     guidance = resolve_guidance(request, source.load_config("transformer"))
+    statistics = vae_statistics(source, planning)
     for term, why in guidance.skipped.items():
         log(f"guidance: {term} skipped: {why}")
     frames, height, width = latent_grid(source, request)
@@ -228,63 +186,8 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         audio_latents = LTX2Pipeline._unpack_audio_latents(
             audio_latents.reshape(1, *shapes[1]), audio_length, num_mel_bins=mel_bins
         )
-        tensors = denormalized(source, {"latents": video_latents, "audio_latents": audio_latents}, planning)
+        tensors = denormalized({"latents": video_latents, "audio_latents": audio_latents}, statistics)
         extra = {"guidance": guidance.record(), "audio_latents_layout": "BCLM"}
         return tensors, latents_record(scheduler, guidance.cfg, latents_normalization(source), **extra)
 
     return loop, finish
-
-
-# Stage 3 -------------------------------------------------------------------------------------------
-
-
-# Marks a stage-2 section whose latents stage 2 de-normalised itself. Sections without it (written before
-# 2026-11-27) hold the latents as the transformer denoised them, normalised, though labelled "none": stage 2
-# then read the statistics as zeros and ones in every real run, so de-normalising them now is exact.
-DENORMALIZED = "vae_statistics_applied"
-
-
-def latents_normalization(source) -> dict[str, Any]:
-    """Stage 2's latents are already in the VAEs' spaces (the pipeline's output_type="latent")."""
-    return {"method": "none", DENORMALIZED: True}
-
-
-def upgrade_stage2(source, tensors: dict[str, torch.Tensor], normalization: dict[str, Any]):
-    """Stage 3's view of a stage-2 section: one written before the fix (unmarked) is de-normalised here, with
-    a log line, and then reads as a fixed one."""
-    if normalization.get("method") != "none" or normalization.get(DENORMALIZED):
-        return tensors, normalization
-    log(
-        "stage 2 of this folder predates 2026-11-27 and stored normalised LTX-2 latents: de-normalising them "
-        "with the VAEs' statistics (exact; rerunning stage 2 writes them de-normalised)"
-    )
-    return denormalized(source, tensors), latents_normalization(source)
-
-
-class Decoder(torch.nn.Module):
-    """The video VAE's decode of stage 2's (already de-normalised) latents, as LTX2Pipeline decodes them.
-
-    A VAE with timestep conditioning is decoded at the pipeline's default `decode_timestep` 0, whose noise
-    scale (`decode_noise_scale`, defaulting to the timestep) is 0: the pipeline's noise draw then adds
-    exactly nothing to the latents, so stage 3 need not draw it."""
-
-    DECODE_TIMESTEP = 0.0
-
-    def __init__(self, vae: torch.nn.Module, normalization: dict[str, Any]) -> None:
-        super().__init__()
-        if normalization.get("method") != "none" or not normalization.get(DENORMALIZED):
-            raise UserError(f"LTX-2 latents are stored de-normalised; stage 2 recorded {normalization}")
-        self.vae = vae
-
-    def forward(self, latents):
-        latents = latents.to(next(self.vae.parameters()).dtype)
-        timestep = None
-        if self.vae.config.timestep_conditioning:
-            timestep = torch.full((latents.shape[0],), self.DECODE_TIMESTEP, dtype=latents.dtype, device=latents.device)
-        return self.vae.decode(latents, timestep, return_dict=False)[0]
-
-
-def video_processor(source):
-    from diffusers.video_processor import VideoProcessor
-
-    return VideoProcessor(vae_scale_factor=vae_ratios(source)[0])

@@ -72,7 +72,7 @@ def boundary_timestep(source, scheduler) -> float | None:
     return None if ratio is None else ratio * scheduler.config.num_train_timesteps
 
 
-def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime, tp_mode, planning: bool = False):
+def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime, tp_mode, *, planning: bool):
     """WanPipeline's (or WanImageToVideoPipeline's) loop as a DenoiseLoop over its experts, and the function
     giving stage 2's latents and record. Latents stay float32 between steps, as in the pipeline."""
     from diffusers import WanPipeline

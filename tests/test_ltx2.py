@@ -678,12 +678,13 @@ def test_the_plan_compiles_all_four_passes_on_dp_for_v6e_with_the_real_splash_ke
 def test_stage3_plans_from_configs_alone(tmp_path, monkeypatch):
     """Stage 3's --plan reaches stage 2's de-normalisation, which reads no statistics when planning (no
     checkpoint file is opened, no component loaded)."""
-    import safetensors
+    from tpu_video.models.ltx2 import latents as ltx2_latents
 
     def no_weights(*args, **kwargs):
         raise AssertionError("a plan read weights")
 
-    monkeypatch.setattr(safetensors, "safe_open", no_weights)
+    # Not safetensors.safe_open itself: a library module first imported under the patch would keep it.
+    monkeypatch.setattr(ltx2_latents, "_checkpoint_statistics", no_weights)
     monkeypatch.setattr(models.ModelSource, "load", no_weights)
     out = tmp_path / "plan.json"
     argv = ["--input_dir", tmp_path, "--model", "tiny-ltx2", "--plan", "v6e-8", "--plan_json", out]

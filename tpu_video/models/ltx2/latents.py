@@ -5,6 +5,7 @@ after its loop (as LTX2Pipeline does), what stage 2 records about it, the upgrad
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -19,25 +20,36 @@ def latent_statistics(source, component: str, planning: bool = False) -> tuple[t
     checkpoint without loading the VAE. `planning` (--plan, or a configs-only source, which has no values):
     zeros and ones of the buffers' shape. Never inferred from a module's parameters: placed torchax weights
     and directly loaded ones report `is_meta` in every real run."""
-    from safetensors import safe_open
-
-    from tpu_video.engine.direct_load import checkpoint_paths
     from tpu_video.engine.meta import meta_module
 
     if planning or source.configs_only:
         shape = meta_module(source, component, torch.float32).latents_mean.shape
         return torch.zeros(shape), torch.ones(shape)
 
+    found = _checkpoint_statistics(source.location, component)
+    if found is not None:
+        return found
+    vae = source.load(component)
+    return vae.latents_mean.float(), vae.latents_std.float()
+
+
+@functools.lru_cache(maxsize=8)
+def _checkpoint_statistics(location: str, component: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The buffers as the component's safetensors files hold them (None: not there), read once per process:
+    every video of a stage-2 batch builds its loop, and so asks again."""
+    from safetensors import safe_open
+
+    from tpu_video.engine.direct_load import checkpoint_paths
+
     try:
-        paths = checkpoint_paths(source.location, component)
+        paths = checkpoint_paths(location, component)
     except OSError:
         paths = []
     for path in paths:
         with safe_open(path, framework="pt") as file:
             if "latents_mean" in file.keys():
                 return file.get_tensor("latents_mean").float(), file.get_tensor("latents_std").float()
-    vae = source.load(component)
-    return vae.latents_mean.float(), vae.latents_std.float()
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

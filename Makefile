@@ -16,7 +16,9 @@ TORCHAO_VERSION := 0.18.0
 
 .PHONY: install demo test test-fast lint clean
 
+# The interpreter is checked first: pip would refuse 3.13 only after installing torch.
 $(BIN)/python:
+	@$(PYTHON) -c "import sys; v = sys.version_info[:2]; sys.exit(0 if (3, 11) <= v <= (3, 12) else 'error: $(PYTHON) is Python %d.%d; this project runs on 3.11 or 3.12 (make PYTHON=python3.11 ...)' % v)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Stage 1: encode the prompt and negative prompt with the pipeline's own text encoder(s), and for
-image-to-video the image(s) (`--image`, `--last_image`) with its image encoder and VAE.
+"""Stage 1: encode the prompt and negative prompt with the pipeline's own text encoder(s), and the media
+inputs the model takes (image-to-video: `--image`, `--last_image`) with its image encoder and VAE.
 
 Writes stage1_embeddings.safetensors and starts a new generation_config.json holding the request. With
 `--prompts FILE` (or `--seeds` for one prompt) it writes one such folder per entry under --output_dir, and
@@ -32,16 +32,15 @@ from tpu_video.cli import (
     run_cli,
     stage_parser,
 )
-from tpu_video.engine import batch_folders, lora_stage1
-from tpu_video.engine.images import IMAGE_FLAGS, check_image_flags, read_images
+from tpu_video.engine import batch_folders, inputs, lora_stage1
 from tpu_video.runtime.backend import check_backend_flags, open_runtime
 from tpu_video.runtime.interface import Timer, run_record
+from tpu_video.stages.request import add_media_arguments, add_request_arguments, request_from_flags
 from tpu_video.workarounds.warning_filters import filter_harmless_warnings
 from utils import (
     DEFAULT_OUTPUT_DIR,
     STAGE1_FILE,
     Request,
-    add_request_arguments,
     ensure_writable_dir,
     read_config,
     stage_sections,
@@ -66,24 +65,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--prompts",
         metavar="FILE",
         help="many videos: one prompt per line, or JSON Lines with prompt and optionally negative_prompt, seed, "
-        "image, last_image, name (blank lines and # comments skipped); one stage folder per entry under "
-        "--output_dir, listed in batch.json",
+        "name and the media inputs (image, last_image, ...) (blank lines and # comments skipped); one stage folder "
+        "per entry under --output_dir, listed in batch.json",
     )
     parser.add_argument("--seeds", metavar="LIST", help="a seed sweep of --prompt: one folder per seed, e.g. 1,2,5-8")
     parser.add_argument("--negative_prompt", default="", help="what to steer away from (default: empty)")
-    parser.add_argument(
-        "--image", metavar="PATH", help="image-to-video: the first frame (PNG, JPEG or WebP), required by i2v models"
-    )
-    parser.add_argument(
-        "--last_image", metavar="PATH", help="image-to-video: the last frame, where the model takes one (Wan 2.2 A14B)"
-    )
-    parser.add_argument(
-        "--image_crf",
-        type=int,
-        metavar="CRF",
-        help="LTX-2 image-to-video: the H.264 quality the image is re-encoded at before the VAE, as the model was "
-        "trained (0: not re-encoded; default 33, LTX2ImageToVideoPipeline's; needs the `crf` extra, PyAV)",
-    )
+    add_media_arguments(parser)
     parser.add_argument("--output_dir", default=DEFAULT_OUTPUT_DIR, help="stage folder (default: %(default)s)")
     parser.add_argument(
         "--dtype", type=dtype_flag, default="bf16", help="bf16, fp16 or fp32 (or float32, ...) (default: %(default)s)"
@@ -112,23 +99,26 @@ def later_sections(output_dir: Path) -> dict:
 
 @dataclasses.dataclass
 class Video:
-    """One video's stage-1 work, checked: its folder, request and images."""
+    """One video's stage-1 work, checked: its folder, request and media inputs (by name; `task` and
+    `records` as the stage-1 section records them)."""
 
     output_dir: Path
     request: Request
-    images: dict
-    image_records: dict
+    inputs: dict
+    records: dict
+    task: str
 
 
 def checked_video(args, source, family, output_dir: Path, where: str = "") -> Video:
-    """The request and images `args` ask for (a list entry's flags merged in), checked before any weights
-    load; `where` names the entry in errors."""
+    """The request and media inputs `args` ask for (a list entry's flags merged in), checked before any
+    weights load; `where` names the entry in errors."""
     defaults = {**family.request_defaults(source), "seed": DEFAULT_SEED}
-    given = {flag: getattr(args, flag) for flag in IMAGE_FLAGS}
+    given = {name: getattr(args, name, None) for name in models.MEDIA_INPUTS}
+    accepted = family.media_inputs(source)
     try:
-        check_image_flags(family, source, given)
-        images, image_records = read_images(given)
-        size = family.image_size(source, images) if images else None
+        inputs.check_given(args.model, accepted, given, models.MEDIA_INPUTS)
+        values, records = inputs.read_inputs(accepted, given)
+        size = family.size_from_inputs(source, values) if values else None
         if size is not None:  # the pipeline takes the video's size from the image
             if args.height is not None or args.width is not None:
                 raise UserError(
@@ -136,13 +126,13 @@ def checked_video(args, source, family, output_dir: Path, where: str = "") -> Vi
                     f"({size[0]}x{size[1]} for this one, height x width); leave them out"
                 )
             defaults.update(height=size[0], width=size[1])
-        request = Request.from_flags(args, model_family=family.NAME, model_id=args.model, defaults=defaults)
+        request = request_from_flags(args, family, args.model, defaults)
         models.validate_request(family, source, request)
-        if images:
-            family.check_images(source, request, images)
+        if values:
+            family.check_inputs(source, request, values)
     except UserError as err:
         raise UserError(f"{where}: {err}" if where else str(err)) from None
-    return Video(output_dir, request, images, image_records)
+    return Video(output_dir, request, values, records, inputs.task_of(accepted, values))
 
 
 def plan_main(args) -> None:
@@ -160,7 +150,7 @@ def plan_main(args) -> None:
     if lora_stage1.read_adapters(args.lora, family, source, parse_dtype(args.dtype)):
         log("--lora: fused into the text connectors' weights, which keep their shapes: the programs are the same")
     log(f"planning {family.NAME} stage 1 for {target.name} ({target.topology}), every device on tp")
-    report = plan_stage1(family, source, video.request, video.images, parse_dtype(args.dtype), target, store)
+    report = plan_stage1(family, source, video.request, video.inputs, parse_dtype(args.dtype), target, store)
     plan_report.finish(report, args.plan_json, store)
 
 
@@ -173,7 +163,7 @@ def main(argv=None) -> None:
     check_backend_flags(args.backend, args.device, args.executables)
     dtype = parse_dtype(args.dtype)
     output_dir = Path(args.output_dir)
-    entries = batch_folders.entries_from_flags(args)
+    entries = batch_folders.entries_from_flags(args, tuple(models.MEDIA_INPUTS))
 
     source, family = models.resolve_model(args.model)
     log(f"stage 1 for {family.NAME}, model {args.model}")
@@ -210,16 +200,15 @@ def main(argv=None) -> None:
 
 
 def encode_and_write(args, dtype, source, family, video: Video, encode, runtime, timer: Timer, adapters=()) -> None:
-    """One video's stage 1: its prompts and images encoded, its folder written as a single run writes it."""
-    request, images, image_records, output_dir = video.request, video.images, video.image_records, video.output_dir
+    """One video's stage 1: its prompts and media inputs encoded, its folder written as a single run writes it."""
+    request, output_dir = video.request, video.output_dir
     with timer.phase("encode"), runtime.precision(dtype):
         embeddings = encode(request)
-    if images:  # image encoders and single-image VAE encodes on the runtime, fp32 matmuls (family.encode_images)
-        log(f"encoding {', '.join(f'--{flag}' for flag in images)} on {runtime.describe()}")
-        with timer.phase("encode_images"), torch.no_grad(), runtime.precision(torch.float32):
-            embeddings.update(family.encode_images(source, request, images, runtime))
-        for record in image_records.values():
-            record["processed_size"] = [request.height, request.width]
+    if video.inputs:  # image encoders and single-image VAE encodes on the runtime, fp32 matmuls (family.encode_inputs)
+        log(f"encoding {', '.join(f'--{name}' for name in video.inputs)} on {runtime.describe()}")
+        with timer.phase("encode_inputs"), torch.no_grad(), runtime.precision(torch.float32):
+            embeddings.update(family.encode_inputs(source, request, video.inputs, runtime))
+        inputs.record_processed_size(video.records, request.height, request.width)
     non_finite = [
         name for name, tensor in embeddings.items() if tensor.is_floating_point() and not tensor.isfinite().all()
     ]
@@ -233,8 +222,9 @@ def encode_and_write(args, dtype, source, family, video: Video, encode, runtime,
 
     versions = ("transformers", "diffusers")
     prompts = {"prompt": request.prompt, "negative_prompt": request.negative_prompt}  # check_stage1_fresh
-    task = {"task": "i2v" if images else "t2v", **({"images": image_records} if images else {})}
-    section = {**record, "prompts": prompts, **task, **run_record(runtime, args.dtype, timer.finish(), versions)}
+    task = {"task": video.task, **({"inputs": video.records} if video.inputs else {})}
+    section = {**record, "prompts": prompts, "request": request.to_config(), **task}  # request: as stage 1 wrote it
+    section.update(run_record(runtime, args.dtype, timer.finish(), versions))
     if adapters:  # fused into the text connectors (LTX-2); stage 2 checks its --lora against them
         section["adapters"] = [lora_stage1.record(adapter) for adapter in adapters]
     write_stage_config(output_dir, request, later_sections(output_dir), "stage1", section)

@@ -15,6 +15,7 @@ import functools
 import types
 from pathlib import Path
 
+from tpu_video import models
 from tpu_video.attention.plan import SP_MODES
 from tpu_video.cli import (
     UserError,
@@ -39,6 +40,7 @@ from tpu_video.engine.scanned_blocks import add_scan_argument
 from tpu_video.models.adapter_origin import likely_model
 from tpu_video.runtime import distributed
 from tpu_video.runtime.interface import run_record
+from tpu_video.stages.request import add_request_arguments, request_flags
 from tpu_video.stages.stage2_attention import attention_plan, where_it_fits
 from tpu_video.stages.stage2_inputs import (
     PROFILE_DIR,
@@ -53,8 +55,6 @@ from utils import (
     CHECKPOINT_FILE,
     DEFAULT_OUTPUT_DIR,
     STAGE2_FILE,
-    add_request_arguments,
-    request_flags,
     stage_sections,
     write_stage_config,
     write_tensors,
@@ -66,8 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--input_dir",
         nargs="+",
-        default=[DEFAULT_OUTPUT_DIR],
-        help="folder(s) with stage 1's files, or a batch folder (its batch.json) (default: %(default)s)",
+        help=f"folder(s) with stage 1's files, or a batch folder (its batch.json) (default: {DEFAULT_OUTPUT_DIR}; "
+        "with --plan and --model: none, the plan is made from the model and the request flags)",
     )
     parser.add_argument(
         "--batch_size",
@@ -77,6 +77,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "the weights within their share of memory; 1 with --cache magcache)",
     )
     parser.add_argument("--output_dir", help="where to write the latents and config (default: --input_dir)")
+    parser.add_argument(
+        "--start_latents",
+        metavar="FOLDER",
+        help="a later pass: start from FOLDER's stage-2 latents where the denoise would draw its initial noise, as "
+        "the pipeline called with latents= (same model family, size and frame count; write it to its own "
+        "--output_dir; Wan; docs/usage.md#a-second-pass)",
+    )
     parser.add_argument(
         *flag_names("--model"), dest="model", help="override the model recorded by stage 1 (same family only)"
     )
@@ -183,8 +190,10 @@ def plan_main(args) -> None:
 
     target = flags.target_from_flag(args.plan)
     store = flags.executables_to_save(args.save_executables, target)
+    if args.start_latents:
+        log("--start_latents: a pass from given latents runs the same programs as one from noise")
     request, source, family, embeddings = flags.request_to_plan(
-        Path(args.input_dir[0]), args.model, request_flags(args), args.dtype
+        flags.plan_folder(args.input_dir, args.model), args.model, request_flags(args), args.dtype
     )
     dtype = parse_dtype(args.dtype or request.dtype)
     check_family_runs(family, args)
@@ -238,7 +247,7 @@ def main(argv=None) -> None:
     refuse_planning_flags(args)
     if args.peer_timeout <= 0:
         raise UserError(f"--peer_timeout {args.peer_timeout} must be a positive number of seconds")
-    folders = batch_folders.expand_folders(args.input_dir)
+    folders = batch_folders.expand_folders(args.input_dir or [DEFAULT_OUTPUT_DIR])
     check_batch_flags(args, folders)
     settings = distributed.launch_settings(args.coordinator_address, args.num_processes, args.process_id)
     # Several processes: JAX's distributed runtime starts first, so they can agree on their inputs.
@@ -296,9 +305,19 @@ def denoise_and_write(args, run: ValidatedRun, processes) -> None:
     """Place, compile and run the loop on the mesh; process 0 writes the latents and the config section."""
     runtime, backend, options, record = runtime_for(args, run, processes)
     log(f"request overrides: {run.overrides or 'none'}")
+    if run.earlier:
+        log(f"kept from earlier overrides ([stage 1's, now]): {run.earlier}")
     with backend, runtime.precision(run.dtype), run.guard.stop_handler():
         tensors, info, step_cache = denoise(
-            run.family, run.source, run.request, run.embeddings, run.dtype, runtime, run.timer, options
+            run.family,
+            run.source,
+            run.request,
+            run.embeddings,
+            run.dtype,
+            runtime,
+            run.timer,
+            options,
+            run.start_latents,
         )
     if not processes.is_main:
         processes.agree("written", None)  # wait for process 0's files, and fail if it failed
@@ -325,7 +344,9 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
     groups: dict[tuple, list[ValidatedRun]] = {}
     for run in runs:
         task = run.config["stage1"].get("task", "t2v")
-        groups.setdefault((group_key(run.request, task, run.cache.record()), run.dtype_name), []).append(run)
+        groups.setdefault(
+            (group_key(run.request, run.family.OPTIONS, task, run.cache.record()), run.dtype_name), []
+        ).append(run)
     stop = types.SimpleNamespace(stop_requested=False)
     per_host, memory = jax.local_device_count() if processes.count > 1 else None, device_memory()
     for number, members in enumerate(groups.values(), 1):
@@ -363,11 +384,13 @@ def write_section(args, run: ValidatedRun, saved: dict, tensors, info, timer, re
     section = {
         **saved,
         "stage1_sha256": run.config["stage1"]["sha256"],
-        "request": run.request.fingerprint(),
+        "request": run.request.fingerprint(models.stage1_only(run.family)),
         "resumed": run.guard.restored is not None,
         **info,
         **record,
         "overrides": run.overrides,
+        **({"earlier_overrides": run.earlier} if run.earlier else {}),
+        **({"start_latents": run.start_record} if run.start_record else {}),
         **({"adapters": [adapter.record() for adapter in run.adapters]} if run.adapters else {}),
         "warmup_steps": args.warmup_steps,
         "step_seconds": timer.step_seconds,

@@ -48,6 +48,7 @@ from utils import (
     check_output_dir,
     check_stage1_fresh,
     check_stage2_fresh,
+    describe_folder,
     ensure_writable_dir,
     read_config,
     read_tensors,
@@ -63,8 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--input_dir",
         nargs="+",
-        default=[DEFAULT_OUTPUT_DIR],
-        help="folder(s) with stage 2's files, or a batch folder (its batch.json) (default: %(default)s)",
+        help=f"folder(s) with stage 2's files, or a batch folder (its batch.json) (default: {DEFAULT_OUTPUT_DIR}; "
+        "with --plan and --model: none, the plan is made from the model and the request flags)",
     )
     parser.add_argument("--output_dir", help="where to write the video and config (default: --input_dir)")
     parser.add_argument("--output_name", default=VIDEO_FILE, help="video file name (default: %(default)s)")
@@ -135,14 +136,14 @@ def plan_main(args) -> None:
     """--plan: compile the decode for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
     from tpu_video.planning import plan
     from tpu_video.planning import report as plan_report
-    from tpu_video.planning.flags import executables_to_save, request_to_plan, target_from_flag
+    from tpu_video.planning.flags import executables_to_save, plan_folder, request_to_plan, target_from_flag
 
     target = target_from_flag(args.plan)
     store = executables_to_save(args.save_executables, target)
     flags = {key: getattr(args, key) for key in PLAN_REQUEST_KEYS}
-    if len(args.input_dir) > 1:
+    if args.input_dir and len(args.input_dir) > 1:
         raise UserError("--plan compiles one decode: give one --input_dir (or none, with --model)")
-    request, source, family, _ = request_to_plan(Path(args.input_dir[0]), args.model, flags, args.dtype)
+    request, source, family, _ = request_to_plan(plan_folder(args.input_dir, args.model), args.model, flags, args.dtype)
     dtype = parse_dtype(args.dtype or request.dtype)
     chunk_frames = chunk_frames_choice(args, family, "torchax")  # what a TPU run would take
     log(f"planning the {family.NAME} decode for {target.name} ({target.topology}), tiling {args.tiling}")
@@ -214,7 +215,7 @@ def main(argv=None) -> None:
     check_backend_flags(args.backend, args.device, args.executables)
     if args.preview_frames < 0:
         raise UserError(f"--preview_frames {args.preview_frames} must be >= 0")
-    folders = batch_folders.expand_folders(args.input_dir)
+    folders = batch_folders.expand_folders(args.input_dir or [DEFAULT_OUTPUT_DIR])
     if len(folders) > 1 and (args.output_dir or args.output_video or args.output_name != VIDEO_FILE):
         raise UserError(
             "--output_dir/--output_name/--output_video name one video; with several input folders each video is "
@@ -259,10 +260,11 @@ def checked_video(args, input_dir: Path) -> Video:
     """Read and check one input folder (fresh stage files, a writable output), before anything decodes."""
     output_dir, output_name = output_paths(args, input_dir)
     config = read_config(input_dir, needs="stage2")
+    log(describe_folder(input_dir, config))
     request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides({"fps": args.fps})
     source, family = models.resolve_model_for_request(request, args.model)
     check_stage1_fresh(input_dir, config, request)
-    check_stage2_fresh(input_dir, config, request)
+    check_stage2_fresh(input_dir, config, request, models.stage1_only(family))
     dtype_name = args.dtype or request.dtype
     parse_dtype(dtype_name)
     if family.Soundtrack is not None and args.fps is not None and args.fps != config["fps"]:
@@ -365,6 +367,10 @@ def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vae
     if audio is not None:
         sound = f", with a {samples / rate:.2f} s {channels}-channel AAC soundtrack at {rate} Hz"
     log(f"wrote {output_dir / output_name}: {count} frames x {height} x {width} at {request.fps} fps{sound}")
+    if preview:
+        log(f"wrote {output_dir / preview}: {rows} x {columns} grid of frames")
+    if args.save_frames:
+        log(f"wrote {output_dir / frames_name(output_name)}: {', '.join(frames_record['tensors'])} (--save_frames)")
 
 
 def cli() -> None:

@@ -11,14 +11,16 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from tpu_video.cli import UserError, dtype_name, finite_float, flag_names, parse_dtype
+from tpu_video.cli import UserError, dtype_name, parse_dtype
+from tpu_video.cli.options import KIND_TYPES, KIND_WORDS, Option
 
 # 2: stage 2 records `latents_normalization` (1 had the boolean `latents_scaled_by_vae_scaling_factor`,
 # which stage 3 still reads: see stage2_normalization).
@@ -230,95 +232,41 @@ def stage2_normalization(stage2: dict[str, Any], vae_scaling_factor: Callable[[]
     return normalization
 
 
-# The generation request's keys that later stages may override from their command line.
-REQUEST_KEYS = ("height", "width", "num_frames", "fps", "num_inference_steps")
-REQUEST_KEYS += ("guidance_scale", "guidance_scale_2", "seed", "flow_shift", "scheduler")
-# LTX-2's guidance terms and motion speed (diffusers' LTX2Pipeline arguments); unset, the pipeline's defaults.
-LTX2_GUIDANCE_KEYS = ("stg_scale", "stg_blocks", "modality_scale", "guidance_rescale", "audio_guidance_scale")
-LTX2_GUIDANCE_KEYS += ("audio_stg_scale", "audio_modality_scale", "audio_guidance_rescale", "motion_speed")
-REQUEST_KEYS += LTX2_GUIDANCE_KEYS
-# --scheduler's names for the flow-matching samplers a Wan folder's scheduler config can build.
-SCHEDULERS = ("unipc", "euler")
+# The generation request every family shares; later stages may override each from their command line.
+REQUEST_OPTIONS = (
+    Option("height", "int", "video height in pixels"),
+    Option("width", "int", "video width in pixels"),
+    Option("num_frames", "int", "number of frames (8n+1 for CogVideoX, 4n+1 for HunyuanVideo-1.5 and Wan)"),
+    Option("fps", "int", "frames per second of the mp4"),
+    Option("num_inference_steps", "int", "denoising steps"),
+    Option(
+        "guidance_scale",
+        "float",
+        "classifier-free guidance scale (CogVideoX and Wan: <= 1 turns CFG off; HunyuanVideo-1.5: 1)",
+    ),
+    Option(
+        "flow_shift",
+        "float",
+        "flow-matching timestep shift (HunyuanVideo-1.5: 5.0 at 480p, 9.0 at 720p; Wan: the model folder's "
+        "scheduler value)",
+    ),
+    Option("seed", "int", "seed of the CPU generator that draws the initial noise (stage 1's default: 42)"),
+)
+REQUEST_KEYS = tuple(option.name for option in REQUEST_OPTIONS)
 # Those that shape stage 2's latents (fps only matters to the mp4): a stage-2 section records them, and
-# a later change to one of them makes that section stale.
+# a later change to one of them makes that section stale. A family's options all count (Request.fingerprint).
 DENOISE_KEYS = tuple(key for key in REQUEST_KEYS if key != "fps")
-
-
-def add_request_arguments(parser, *, for_later_stage: bool) -> None:
-    """The generation-request flags. In stage 1 an omitted flag takes the family default; in a later
-    stage it keeps the value from generation_config.json (and a given one is recorded as an override)."""
-    where = "default: from generation_config.json" if for_later_stage else "default: the model family's"
-    group = parser.add_argument_group("generation request", f"({where})")
-    group.add_argument("--height", type=int, help="video height in pixels")
-    group.add_argument("--width", type=int, help="video width in pixels")
-    group.add_argument(
-        *flag_names("--num_frames"),
-        dest="num_frames",
-        type=int,
-        help="number of frames (8n+1 for CogVideoX, 4n+1 for HunyuanVideo-1.5 and Wan)",
-    )
-    group.add_argument("--fps", type=int, help="frames per second of the mp4")
-    group.add_argument("--num_inference_steps", type=int, help="denoising steps")
-    group.add_argument(
-        "--guidance_scale",
-        type=finite_float,
-        help="classifier-free guidance scale (CogVideoX and Wan: <= 1 turns CFG off; HunyuanVideo-1.5: 1)",
-    )
-    group.add_argument(
-        "--guidance_scale_2",
-        type=finite_float,
-        help="Wan 2.2 A14B: guidance scale of the low-noise expert (default: --guidance_scale)",
-    )
-    group.add_argument(
-        "--flow_shift",
-        type=finite_float,
-        help="flow-matching timestep shift (HunyuanVideo-1.5: 5.0 at 480p, 9.0 at 720p; Wan: the model "
-        "folder's scheduler value)",
-    )
-    group.add_argument(
-        "--scheduler",
-        choices=SCHEDULERS,
-        help="Wan: the sampler, built from the model folder's scheduler config (default: the folder's, UniPC in "
-        "the published ones; the 4-step distillation LoRAs expect euler, docs/lora.md)",
-    )
-    group.add_argument(
-        "--seed",
-        type=int,
-        help="seed of the CPU generator that draws the initial noise" + ("" if for_later_stage else " (default: 42)"),
-    )
-    add_ltx2_guidance_arguments(parser)
-
-
-def add_ltx2_guidance_arguments(parser) -> None:
-    """LTX-2's guidance flags (docs/ltx2.md), named as LTX2Pipeline's arguments. Unset, a term takes the
-    pipeline's default and is skipped where it cannot act; a value given that cannot act is an error."""
-    group = parser.add_argument_group("LTX-2 guidance", "(unset: LTX2Pipeline's defaults; other families refuse them)")
-    for name, words in (
-        ("stg_scale", "spatio-temporal guidance scale (default 1.0; acts on models with perturbed attention)"),
-        ("modality_scale", "modality guidance scale (default 3.0; > 1 runs the pass without audio<->video attention)"),
-        ("guidance_rescale", "rescale of the guided prediction toward the conditional one's std (default 0.7)"),
-        ("audio_guidance_scale", "the audio stream's --guidance_scale (default 7.0; 0 means 0)"),
-        ("audio_stg_scale", "the audio stream's --stg_scale (default 1.0)"),
-        ("audio_modality_scale", "the audio stream's --modality_scale (default 3.0)"),
-        ("audio_guidance_rescale", "the audio stream's --guidance_rescale (default 0.7)"),
-        ("motion_speed", "motion relative to real time: RoPE sees fps / motion_speed (default 1.0)"),
-    ):
-        group.add_argument(f"--{name}", type=finite_float, help=words)
-    group.add_argument(
-        "--stg_blocks",
-        help="comma-separated transformer blocks whose self-attention the STG pass perturbs (default: 28)",
-    )
-
-
-# What each annotation of Request accepts (bool is not a number here, though Python's int says so).
-FIELD_TYPES = {"str": (str,), "int": (int,), "float": (int, float)}
-FIELD_KINDS = {"str": "a string", "int": "an integer", "float": "a number"}
+# Top-level keys older stage 1s wrote that nothing reads (CogVideoX's "variant"): dropped on read.
+RETIRED_KEYS = ("variant",)
+NOT_OPTIONS = ("format_version", *RETIRED_KEYS)
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
     """What was asked: the top-level keys of generation_config.json. Written by stage 1 (family defaults,
-    then flags); later stages read it back and may override REQUEST_KEYS, which is recorded."""
+    then flags); later stages read it back and may override REQUEST_KEYS and the family's options, which is
+    recorded. `options`: the family's own (its `OPTIONS` declare them; models.validate_request checks them),
+    stored beside the shared keys; unset ones are absent."""
 
     model_family: str
     model_id: str
@@ -333,78 +281,99 @@ class Request:
     guidance_scale: float
     seed: int
     flow_shift: float | None = None  # flow-matching families
-    guidance_scale_2: float | None = None  # Wan 2.2's low-noise expert (None: guidance_scale)
-    variant: str | None = None  # e.g. CogVideoX "1.0" or "1.5"
-    scheduler: str | None = None  # Wan: one of SCHEDULERS (None: the model folder's)
-    # LTX-2 (None: LTX2Pipeline's default, tpu_video/models/ltx2/guidance.py)
-    stg_scale: float | None = None
-    stg_blocks: str | None = None  # comma-separated block indices
-    modality_scale: float | None = None
-    guidance_rescale: float | None = None
-    audio_guidance_scale: float | None = None
-    audio_stg_scale: float | None = None
-    audio_modality_scale: float | None = None
-    audio_guidance_rescale: float | None = None
-    motion_speed: float | None = None
-    image_crf: int | None = None  # LTX-2 image-to-video: stage 1's H.264 re-encode of the image (0: none)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        """The checks every family shares; geometry and family extras are each family's validate_request.
+        """The checks every family shares; geometry and options are each family's (models.validate_request).
         Types first: a hand-edited config may hold "64" or null where a number belongs."""
-        for field in dataclasses.fields(self):
+        for field in SHARED_FIELDS:
             value, (kind, _, optional) = getattr(self, field.name), field.type.partition(" | ")
-            if not (value is None and optional) and (type(value) not in FIELD_TYPES[kind]):
+            if not (value is None and optional) and (type(value) not in KIND_TYPES[kind]):
                 raise UserError(
-                    f"{field.name} is {json.dumps(value)} in the request; it must be {FIELD_KINDS[kind]}"
+                    f"{field.name} is {json.dumps(value)} in the request; it must be {KIND_WORDS[kind]}"
                     + (" or null" if optional else "")
                 )
+        object.__setattr__(self, "options", {key: value for key, value in self.options.items() if value is not None})
         parse_dtype(self.dtype)
         if self.num_inference_steps < 1:
             raise UserError(f"--num_inference_steps {self.num_inference_steps} must be at least 1")
         if not 0 < self.fps <= 1000:
             raise UserError(f"--fps {self.fps} must be from 1 to 1000")
-        if self.scheduler is not None and self.scheduler not in SCHEDULERS:
-            raise UserError(f"--scheduler {self.scheduler!r} is not one of {', '.join(SCHEDULERS)}")
         if not 0 <= self.seed < 2**64:
             raise UserError(f"--seed {self.seed} must be from 0 to 2**64 - 1 (the CPU generator's seeds)")
 
+    def option(self, name: str) -> Any:
+        """A family option's value, None where unset (the family's default then applies)."""
+        return self.options.get(name)
+
     @classmethod
-    def from_flags(cls, args, *, model_family: str, model_id: str, defaults: dict[str, Any]) -> Request:
-        """Stage 1: the family's defaults, then every request flag given on the command line."""
-        values = {**defaults, "model_family": model_family, "model_id": model_id}
-        values.update(prompt=args.prompt, negative_prompt=args.negative_prompt, dtype=args.dtype)
-        given = {key: getattr(args, key, None) for key in (*REQUEST_KEYS, "image_crf")}  # image_crf: stage 1 only
-        return cls(**{**values, **{key: value for key, value in given.items() if value is not None}})
+    def from_values(cls, values: dict[str, Any]) -> Request:
+        """The request from flat keys (a config's top level, defaults and flags): shared fields by name, every
+        other key a family option."""
+        shared = {field.name for field in SHARED_FIELDS}
+        options = {key: value for key, value in values.items() if key not in shared}
+        return cls(**{key: value for key, value in values.items() if key in shared}, options=options)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], path: Path | str = CONFIG_FILE) -> Request:
-        """The request held at the top level of a generation_config.json (`path` names it in errors)."""
-        fields = {field.name: field for field in dataclasses.fields(cls)}
-        required = [name for name, field in fields.items() if field.default is dataclasses.MISSING]
+        """The request held at the top level of a generation_config.json (`path` names it in errors): every
+        key but the format version, the stage sections and retired keys."""
+        required = [field.name for field in SHARED_FIELDS if field.default is dataclasses.MISSING]
         missing = [name for name in required if name not in config]
         if missing:
             raise UserError(f"{path} lacks the request keys {missing}; rerun stage1_text_encoder.py")
-        return cls(**{name: config[name] for name in fields if name in config})
+        sections = stage_sections(config)
+        return cls.from_values({key: value for key, value in config.items() if key not in (*NOT_OPTIONS, *sections)})
 
     def to_config(self) -> dict[str, Any]:
-        """Top-level keys for generation_config.json (unset family extras left out)."""
-        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
+        """Top-level keys for generation_config.json (unset ones left out): the shared keys, then the options."""
+        shared = {field.name: getattr(self, field.name) for field in SHARED_FIELDS}
+        return {key: value for key, value in {**shared, **self.options}.items() if value is not None}
 
     def with_overrides(self, flags: dict[str, Any]) -> tuple[Request, dict[str, list]]:
-        """The request with the given (non-None) flags applied, and {key: [old, new]} for the record."""
-        changes = {key: value for key, value in flags.items() if value is not None and getattr(self, key) != value}
-        record = {key: [getattr(self, key), value] for key, value in changes.items()}
-        return dataclasses.replace(self, **changes), record
+        """The request with the given (non-None) flags applied (shared keys or options), and {key: [old, new]}
+        for the record."""
+        values = self.to_config()
+        changes = {key: value for key, value in flags.items() if value is not None and values.get(key) != value}
+        record = {key: [values.get(key), value] for key, value in changes.items()}
+        return Request.from_values({**values, **changes}), record
 
-    def fingerprint(self) -> dict[str, Any]:
+    def fingerprint(self, stage1_only: Iterable[str] = ()) -> dict[str, Any]:
         """What stage 2's latents depend on (besides the stage-1 file): recorded in its section and in
-        checkpoints, so stale latents and foreign checkpoints are recognised."""
-        return {"model_id": self.model_id, **{key: getattr(self, key) for key in DENOISE_KEYS}}
+        checkpoints, so stale latents and foreign checkpoints are recognised. Unset keys are left out (an
+        older stage 2 recorded them as null: the readers take null as unset), and so are the family's
+        `stage1_only` options (the stage-1 file's sha256 covers them; an older stage 2 did not record them)."""
+        values = {**{key: getattr(self, key) for key in DENOISE_KEYS}, **self.options}
+        kept = {key: value for key, value in values.items() if value is not None and key not in stage1_only}
+        return {"model_id": self.model_id, **kept}
 
 
-def request_flags(args) -> dict[str, Any]:
-    """The request flags given on a later stage's command line (None where omitted)."""
-    return {key: getattr(args, key, None) for key in REQUEST_KEYS}
+SHARED_FIELDS = tuple(field for field in dataclasses.fields(Request) if field.name != "options")
+
+
+def earlier_overrides(config: dict[str, Any], request: Request, overrides: dict[str, list]) -> dict[str, list]:
+    """What the folder's request holds from an earlier stage's overrides (they stay until overridden again):
+    {key: [stage 1's value, the value this run keeps]}, beside this run's own `overrides`. Empty for folders
+    whose stage 1 did not record its request."""
+    written = config["stage1"].get("request")
+    if not isinstance(written, dict):
+        return {}
+    now = request.to_config()
+    keys = [key for key in {**written, **now} if key not in overrides]
+    return {key: [written.get(key), now.get(key)] for key in keys if written.get(key) != now.get(key)}
+
+
+def describe_folder(directory: Path, config: dict[str, Any]) -> str:
+    """One line naming a stage folder and what it holds, logged as a later stage starts reading it (a default
+    `--input_dir` that holds an older run is then seen at once)."""
+    written = time.strftime("%Y-%m-%d %H:%M", time.localtime((directory / CONFIG_FILE).stat().st_mtime))
+    prompt = str(config.get("prompt", ""))
+    prompt = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+    done = list(stage_sections(config))
+    return (
+        f"reading {directory}: {config.get('model_family')} {config.get('model_id')}, prompt {json.dumps(prompt)}, "
+        f"{' and '.join(done) or 'no stage'} written by {written}"
+    )
 
 
 def write_stage_config(
@@ -429,11 +398,20 @@ def check_stage1_fresh(directory: Path, config: dict[str, Any], request: Request
         )
 
 
-def check_stage2_fresh(directory: Path, config: dict[str, Any], request: Request) -> None:
-    """Refuse stage 2 latents made from another stage-1 file or another request than the folder's now."""
+def fingerprint_changes(recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The keys in which two request fingerprints differ, a key null in one and absent from the other being
+    equal (an older stage 2 recorded unset keys as null)."""
+    return [key for key in {**recorded, **now} if recorded.get(key) != now.get(key)]
+
+
+def check_stage2_fresh(
+    directory: Path, config: dict[str, Any], request: Request, stage1_only: Iterable[str] = ()
+) -> None:
+    """Refuse stage 2 latents made from another stage-1 file or another request than the folder's now
+    (`stage1_only`: the family's options only stage 1 acts on, as Request.fingerprint takes them)."""
     stage2 = config["stage2"]
     recorded = stage2.get("request", {})
-    changed = [key for key, value in request.fingerprint().items() if key in recorded and recorded[key] != value]
+    changed = fingerprint_changes(recorded if isinstance(recorded, dict) else {}, request.fingerprint(stage1_only))
     if stage2.get("stage1_sha256") != config["stage1"]["sha256"]:
         changed.insert(0, "embeddings")
     if changed:

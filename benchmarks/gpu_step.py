@@ -85,7 +85,8 @@ def request_for(family, source, args):
 
     values = {**family.request_defaults(source), "seed": 0}
     values.update({key: getattr(args, key) for key in ("height", "width", "num_frames") if getattr(args, key)})
-    return Request(model_family=family.NAME, model_id=source.ref, prompt="", negative_prompt="", dtype="bf16", **values)
+    fixed = {"model_family": family.NAME, "model_id": source.ref, "prompt": "", "negative_prompt": "", "dtype": "bf16"}
+    return Request.from_values({**fixed, **values})  # the family's options among the defaults
 
 
 def peak_bf16(name: str) -> float | None:

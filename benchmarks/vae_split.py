@@ -30,7 +30,8 @@ def compile_split(model: str, tpu: str, rows: int, size: dict) -> dict:
 
     source, family = resolve_model(model, configs_only=True)
     values = {**family.request_defaults(source), "seed": 0, **size}
-    request = Request(model_family=family.NAME, model_id=model, prompt="", negative_prompt="", dtype="bf16", **values)
+    fixed = {"model_family": family.NAME, "model_id": model, "prompt": "", "negative_prompt": "", "dtype": "bf16"}
+    request = Request.from_values({**fixed, **values})  # the family's options among the defaults
     target = flags.target_from_flag(tpu)
     start = time.perf_counter()
     report = plan.plan_stage3(family, source, request, torch.bfloat16, target, False, family.CHUNK_FRAMES[0], rows)

@@ -351,15 +351,13 @@ CASES = [
     ),  # fmt: skip
     ltx2("s1-ltx2-height-48", "tiny-ltx2", ["--height", "48"], "must be a positive multiple of 32"),
     ltx2("s1-ltx2-given-an-image", "tiny-ltx2", ["--image", "IMAGE"], "takes no image (a text-to-video model)"),
-    ltx2("s1-audio-scale-on-wan", "tiny-wan2.1", ["--audio_guidance_scale", "2"], "is an LTX-2 guidance flag"),
+    ltx2("s1-audio-scale-on-wan", "tiny-wan2.1", ["--audio_guidance_scale", "2"], "is an option of ltx2"),
     ltx2("s1-ltx2.0-stg-scale", "tiny-ltx2", ["--stg_scale", "2"], "spatio-temporal guidance cannot act"),
     ltx2("s1-ltx2-stg-block-5", "tiny-ltx2.3", ["--stg_blocks", "5"], "the transformer has 2 blocks (0 to 1)"),
     ltx2("s1-ltx2-stg-blocks-text", "tiny-ltx2.3", ["--stg_blocks", "a,b"], "comma-separated block indices"),
     ltx2("s1-ltx2-rescale-2", "tiny-ltx2", ["--audio_guidance_rescale", "2"], "must be from 0 to 1"),
     ltx2("s1-ltx2-image-crf-on-t2v", "tiny-ltx2", ["--image_crf", "20"], "there is no image to re-encode"),
-    ltx2(
-        "s1-image-crf-on-wan", "tiny-wan2.1-i2v", ["--image", "IMAGE", "--image_crf", "20"], "takes the image as it is"
-    ),
+    ltx2("s1-image-crf-on-wan", "tiny-wan2.1-i2v", ["--image", "IMAGE", "--image_crf", "20"], "wan does not take it"),
     ltx2("s1-ltx2-i2v-crf-52", "tiny-ltx2-i2v", ["--image", "IMAGE", "--image_crf", "52"], "H.264's range"),
     s2("s2-missing-stage1", "held", [], f"{STAGE1_FILE} is missing", lambda root: (root / "D" / STAGE1_FILE).unlink()),
     s2("s2-changed-embeddings", "held", [], "does not match the sha256", changed_embeddings),

@@ -135,4 +135,4 @@ def test_tiny_presets_are_the_two_variants():
     for preset, expected in (("tiny-cogvideox", "1.5"), ("tiny-cogvideox1.0", "1.0")):
         source, family = models.resolve_model(preset)
         assert family is cogvideox
-        assert family.request_defaults(source)["variant"] == expected
+        assert cogvideox.config.variant(source.load_config("transformer")) == expected

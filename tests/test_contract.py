@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tpu_video import models
 from tpu_video.cli import UserError
 from tpu_video.engine.guard import DenoiseGuard
 from utils import (
@@ -21,6 +22,8 @@ from utils import (
     FORMAT_VERSION,
     Request,
     check_stage2_fresh,
+    describe_folder,
+    earlier_overrides,
     read_config,
     read_tensors,
     write_config,
@@ -41,7 +44,6 @@ REQUEST = {
     "num_inference_steps": 4,
     "guidance_scale": 6.0,
     "seed": 7,
-    "variant": "1.5",
 }
 
 
@@ -99,9 +101,63 @@ def test_request_round_trips_through_the_config_and_keeps_other_sections(tmp_pat
     assert list(config)[-2:] == ["stage2", "stage1"] and "flow_shift" not in config  # unset extras left out
 
 
+def test_overrides_stay_and_a_later_run_records_what_it_kept():
+    """A plain rerun after `--seed 8` runs seed 8 (the folder's request) and records it as kept from an earlier
+    override, against the request stage 1 recorded in its section."""
+    stage1 = Request(**REQUEST)
+    config = {"stage1": {"request": stage1.to_config()}}
+    overridden, overrides = stage1.with_overrides({"seed": 8})
+    assert earlier_overrides(config, overridden, overrides) == {}  # this run's own override
+    rerun, overrides = overridden.with_overrides({"num_inference_steps": 2})
+    assert earlier_overrides(config, rerun, overrides) == {"seed": [7, 8]}
+    assert earlier_overrides({"stage1": {}}, rerun, overrides) == {}  # stage 1 before it recorded its request
+
+
+def test_a_later_stage_names_the_folder_it_reads_and_what_it_holds(tmp_path):
+    write_stage_config(tmp_path, Request(**REQUEST), {}, "stage1", {"file": "y"})
+    line = describe_folder(tmp_path, read_config(tmp_path, needs="stage1"))
+    assert line.startswith(f'reading {tmp_path}: cogvideox tiny-cogvideox, prompt "a cat", stage1 written by 20')
+
+
 def test_request_overrides_are_applied_and_recorded():
     request, overrides = Request(**REQUEST).with_overrides({"seed": 8, "fps": None, "height": 64})
     assert request.seed == 8 and overrides == {"seed": [7, 8]}  # None: not given; 64: unchanged
+    wan = Request.from_values({**REQUEST, "model_family": "wan", "scheduler": "unipc"})
+    changed, overrides = wan.with_overrides({"scheduler": "euler", "guidance_scale_2": 2.0, "stg_scale": None})
+    assert changed.options == {"scheduler": "euler", "guidance_scale_2": 2.0}
+    assert overrides == {"scheduler": ["unipc", "euler"], "guidance_scale_2": [None, 2.0]}
+
+
+def test_family_options_are_stored_beside_the_shared_keys_and_retired_keys_dropped(tmp_path):
+    """A family's options are top-level keys of the config, as before they left Request; CogVideoX's
+    "variant", which older stage 1s wrote and nothing read, is dropped on read."""
+    request = Request.from_values({**REQUEST, "model_family": "ltx2", "stg_blocks": "2", "motion_speed": 1.5})
+    assert request.options == {"stg_blocks": "2", "motion_speed": 1.5} and request.option("stg_scale") is None
+    write_stage_config(tmp_path, request, {}, "stage1", {"file": "y"})
+    config = read_config(tmp_path, needs="stage1")
+    assert config["stg_blocks"] == "2" and config["motion_speed"] == 1.5
+    assert Request.from_config(config) == request
+    assert Request.from_config({**config, "variant": "1.5"}) == request
+    assert request.fingerprint()["motion_speed"] == 1.5 and "stg_scale" not in request.fingerprint()
+
+
+@pytest.mark.parametrize(
+    "model, options, message",
+    [
+        ("tiny-cogvideox", {"guidance_scale_2": 2.0}, "--guidance_scale_2 is an option of wan (Wan 2.2 A14B"),
+        ("tiny-wan2.1", {"stg_scale": 2.0}, "--stg_scale is an option of ltx2"),
+        ("tiny-wan2.1", {"shoe_size": 2}, "the request holds 'shoe_size', which no model family takes"),
+        ("tiny-wan2.1", {"scheduler": 3}, "scheduler is 3 in the request; it must be a string"),
+        ("tiny-wan2.1", {"scheduler": "ddim"}, "--scheduler 'ddim' is not one of unipc, euler"),
+        ("tiny-ltx2", {"stg_scale": "2"}, 'stg_scale is "2" in the request; it must be a number'),
+    ],
+)
+def test_a_family_takes_its_own_options_only_and_of_their_types(model, options, message):
+    source, family = models.resolve_model(model, configs_only=True)
+    values = {**REQUEST, **family.request_defaults(source), "model_family": family.NAME, "model_id": model}
+    request = Request.from_values({**values, **options})
+    with pytest.raises(UserError, match=re.escape(message)):
+        models.validate_request(family, source, request)
 
 
 @pytest.mark.parametrize(
@@ -119,7 +175,7 @@ def test_request_checks_what_every_family_shares(change, message):
 
 def test_guidance_scales_may_be_any_finite_number():
     """Each pipeline decides what a scale means (CFG on above 1); a negative one is the user's to try."""
-    assert Request(**{**REQUEST, "guidance_scale": -3.5, "guidance_scale_2": -1.0}).guidance_scale == -3.5
+    assert Request(**{**REQUEST, "guidance_scale": -3.5}).guidance_scale == -3.5
 
 
 def test_request_missing_from_a_config_is_a_user_error():
@@ -147,6 +203,24 @@ def test_stage2_staleness_follows_what_the_latents_depend_on():
         check_stage2_fresh(folder, config, request)
 
 
+def test_stage2_staleness_sees_an_option_added_or_dropped_and_not_an_older_null_or_a_stage1_option():
+    wan = Request.from_values({**REQUEST, "model_family": "wan", "flow_shift": 3.0})
+    config = {"stage1": {"sha256": "a"}, "stage2": {"stage1_sha256": "a", "request": wan.fingerprint()}}
+    config["stage2"]["latents_normalization"] = {"method": "mean_std"}
+    added = wan.with_overrides({"scheduler": "euler"})[0]  # stage 1 rerun with the same prompt and a new flag
+    with pytest.raises(UserError, match=r"\(scheduler changed\)"):
+        check_stage2_fresh(Path("f"), config, added)
+    config["stage2"]["request"] = added.fingerprint()
+    with pytest.raises(UserError, match=r"\(scheduler changed\)"):  # and dropped again
+        check_stage2_fresh(Path("f"), config, wan)
+    config["stage2"]["request"] = {**wan.fingerprint(), "scheduler": None, "stg_scale": None}  # an older stage 2
+    check_stage2_fresh(Path("f"), config, wan)
+    crf = Request.from_values({**REQUEST, "model_family": "ltx2", "image_crf": 33})
+    config["stage2"]["request"] = crf.fingerprint(["image_crf"])  # a stage-1 option: the embeddings cover it
+    assert "image_crf" not in config["stage2"]["request"]
+    check_stage2_fresh(Path("f"), config, crf, ["image_crf"])
+
+
 def test_checkpoint_round_trip_and_fingerprint(tmp_path):
     fingerprint = Request(**REQUEST).fingerprint()
     state = {"latents": torch.randn(1, 4, 2, 3, 3), "generator_state": torch.Generator().manual_seed(1).get_state()}
@@ -155,8 +229,13 @@ def test_checkpoint_round_trip_and_fingerprint(tmp_path):
     assert step == 3 and restored.keys() == state.keys()
     assert all(torch.equal(restored[name], state[name]) for name in state)
 
-    with pytest.raises(UserError, match="belongs to a different request"):
+    with pytest.raises(UserError, match=r"belongs to a different request or stage-1 file \(seed differs\)"):
         DenoiseGuard(tmp_path, {**fingerprint, "seed": 8}, resume=True)
+    # A stage 2 from before the options left Request recorded every family's keys, null where unset.
+    DenoiseGuard(tmp_path, {**fingerprint, "stg_scale": None, "scheduler": None}).save(3, state)
+    assert DenoiseGuard(tmp_path, fingerprint, resume=True).restored[0] == 3
+    with pytest.raises(UserError, match=r"\(scheduler differs\)"):
+        DenoiseGuard(tmp_path, {**fingerprint, "scheduler": "euler"}, resume=True)
     DenoiseGuard(tmp_path, fingerprint).finished()
     assert not (tmp_path / CHECKPOINT_FILE).exists()
     with pytest.raises(UserError, match="there is no checkpoint"):

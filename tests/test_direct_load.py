@@ -16,8 +16,10 @@ import jax
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from sharding import MeshShape
+from tpu_video.cli import UserError
 from tpu_video.engine import direct_load, scanned_blocks
 from tpu_video.engine.denoise import DenoiseOptions, load_transformers
 from tpu_video.engine.quantize import Quantization
@@ -116,6 +118,57 @@ def test_what_cannot_be_read_directly_is_loaded_by_from_pretrained(tmp_path, cap
     module.save_pretrained(torch_only / "transformer", safe_serialization=False)
     (torch_only / "model_index.json").write_text(json.dumps(source.index))
     assert direct_load.load_direct(resolve_model(str(torch_only))[0], "transformer", torch.float32) is None
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "header", "int32"])
+def test_a_damaged_checkpoint_is_one_user_error(tmp_path, damage):
+    """What direct loading reads is checked as it opens the files: a file safetensors cannot open (empty,
+    cut short, a header that is not JSON) or an integer tensor where the module holds floats names the file or
+    tensor, instead of a SafetensorError or RuntimeError traceback."""
+    source, _ = resolve_model("tiny-wan2.1")
+    folder = tmp_path / "model"
+    module = source.load("transformer")
+    module.save_pretrained(folder / "transformer")
+    (folder / "model_index.json").write_text(json.dumps(source.index))
+    path = folder / "transformer" / direct_load.SAFETENSORS_NAME
+    data = path.read_bytes()
+    if damage == "int32":
+        tensors = load_file(str(path))
+        name = next(iter(tensors))
+        save_file({**tensors, name: tensors[name].to(torch.int32)}, str(path))
+        message = f"{name} is stored as I32 in the checkpoint"
+    else:
+        path.write_bytes(
+            {"empty": b"", "truncated": data[: len(data) // 2], "header": b"\x08" + bytes(7) + b"{oops:1}"}[damage]
+        )
+        message = "is not a readable safetensors file"
+    with pytest.raises(UserError, match=message):
+        direct_load.load_direct(resolve_model(str(folder))[0], "transformer", torch.float32)
+
+
+def test_a_checkpoint_missing_weights_or_naming_an_unknown_class_is_one_user_error(tmp_path):
+    """A config with more blocks than the weights: from_pretrained leaves the missing ones on the meta device,
+    which only placement found ("a meta tensor ... has no values"); an unknown class was an AttributeError."""
+    source, family = resolve_model("tiny-wan2.1")
+    folder = tmp_path / "model"
+    source.load("transformer").save_pretrained(folder / "transformer")
+    config_path = folder / "transformer" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "num_layers": config["num_layers"] + 1}))
+    (folder / "model_index.json").write_text(json.dumps(source.index))
+    copy, _ = resolve_model(str(folder))
+    with pytest.raises(UserError, match=r"the checkpoint has no values for blocks\.\d+\."):
+        load_transformers(family, copy, torch.float32, DenoiseOptions(), Timer())
+    config_path.write_text(json.dumps(config))  # the right blocks, one weight of another shape
+    weights = folder / "transformer" / direct_load.SAFETENSORS_NAME
+    tensors = load_file(str(weights))
+    name = next(name for name, tensor in tensors.items() if tensor.dim() == 2)
+    save_file({**tensors, name: torch.zeros(3, 5)}, str(weights))
+    with pytest.raises(UserError, match="cannot load 'transformer' of .* \\(ValueError: "):
+        load_transformers(family, resolve_model(str(folder))[0], torch.float32, DenoiseOptions(), Timer())
+    (folder / "model_index.json").write_text(json.dumps({**source.index, "transformer": ["diffusers", "NoSuchModel"]}))
+    with pytest.raises(UserError, match="model_index.json names diffusers.NoSuchModel"):
+        resolve_model(str(folder))[0].load("transformer")
 
 
 def test_lora_and_quantization_change_the_weights_on_the_host_first():

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import time
 import tomllib
 from pathlib import Path
 
@@ -60,7 +62,15 @@ def test_a_saved_program_is_loaded_by_the_next_runtime_and_gives_the_same_bits(t
     assert store.counts["saved"] == 1 and store.counts["misses"] == 1
     assert "none saved yet" in capsys.readouterr().out
     again, store = run(tmp_path)
-    assert store.report() == {"mode": "folder", "hits": 1, "misses": 0, "saved": 0, "unusable": 0, "unsaveable": 0}
+    assert store.report() == {
+        "mode": "folder",
+        "hits": 1,
+        "misses": 0,
+        "saved": 0,
+        "unusable": 0,
+        "unsaveable": 0,
+        "failed": 0,
+    }
     assert "executables: loaded the saved " in capsys.readouterr().out
     assert torch.equal(again, first)
     jitted, store = run("off")
@@ -144,6 +154,26 @@ def test_the_auto_store_drops_its_least_recently_used_entries(tmp_path, monkeypa
             executables.store_from_flag("auto", "cpu")
     monkeypatch.setenv(executables.AUTO_LIMIT_VARIABLE, "")  # set but empty: the default
     assert executables.store_from_flag("auto", "cpu").limit_bytes == int(executables.AUTO_LIMIT_GIB * 2**30)
+
+
+def test_a_failed_save_leaves_no_temporary_and_pruning_clears_abandoned_ones(tmp_path, monkeypatch):
+    """A save that fails (here its entry path is a folder; a full disk alike) removes its temporary, and the
+    auto store's pruning removes temporaries an hour old (a killed process's), which no entry glob counts."""
+    blocked = tmp_path / "x.executable"
+    blocked.mkdir()
+    with pytest.raises(OSError):
+        executables._write_atomically(blocked, b"payload")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["x.executable"]
+
+    monkeypatch.setenv("TPU_VIDEO_CACHE", str(tmp_path / "cache"))
+    store_dir = tmp_path / "cache" / "executables" / "cpu"
+    store_dir.mkdir(parents=True)
+    old, fresh = store_dir / ".k1.executable.99.tmp", store_dir / ".k2.executable.98.tmp"
+    for path in (old, fresh):
+        path.write_bytes(b"half")
+    os.utime(old, (time.time() - 2 * executables.ABANDONED_SECONDS,) * 2)
+    run("auto", x=torch.ones(2, 8, 16))  # saves one entry, then prunes
+    assert not old.exists() and fresh.exists()
 
 
 def test_a_check_inside_a_loaded_program_still_raises(tmp_path):

@@ -64,7 +64,7 @@ def test_latents_and_frames_vs_pipeline(capsys, tmp_path, pipeline, images, whic
     run_stage(stage2_transformer, ["--input_dir", tmp_path])
     run_stage(stage3_vae_decoder, ["--input_dir", tmp_path, "--save_frames"])
     config = read_config(tmp_path, needs="stage3")
-    assert [config["height"], config["width"]] == config["stage1"]["images"]["image"]["processed_size"] == size
+    assert [config["height"], config["width"]] == config["stage1"]["inputs"]["image"]["processed_size"] == size
     latents = read_tensors(tmp_path, config["stage2"])["latents"]
     expected = run_pipeline(pipeline, image, "latent")
     assert latents.shape == expected.shape

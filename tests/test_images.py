@@ -15,6 +15,7 @@ from PIL import Image
 
 import stage1_text_encoder
 from helpers import expect_user_error, run_stage
+from tpu_video.engine import inputs
 from tpu_video.engine.images import read_image
 from utils import CONFIG_FILE, read_config, read_tensors
 
@@ -138,7 +139,17 @@ def test_an_exif_photo_conditions_like_its_upright_picture(tmp_path):
     (photo, photo_tensors), (upright, upright_tensors) = outputs["photo"], outputs["upright"]
     assert photo["height"] > photo["width"]
     assert (photo["height"], photo["width"]) == (upright["height"], upright["width"])
-    assert photo["stage1"]["images"]["image"]["exif_orientation"] == 6
-    assert photo["stage1"]["images"]["image"]["size"] == upright["stage1"]["images"]["image"]["size"] == [40, 24]
+    assert photo["stage1"]["inputs"]["image"]["exif_orientation"] == 6
+    assert photo["stage1"]["inputs"]["image"]["size"] == upright["stage1"]["inputs"]["image"]["size"] == [40, 24]
     assert all(torch.equal(photo_tensors[key], upright_tensors[key]) for key in upright_tensors)
     assert (tmp_path / "out_photo" / CONFIG_FILE).is_file()
+
+
+def test_an_image_fitted_to_another_aspect_ratio_is_said(capsys):
+    records = {"image": {"kind": "image", "size": [240, 360]}, "last_image": {"kind": "image", "size": [40, 60]}}
+    inputs.record_processed_size(records, 64, 64)
+    assert records["image"]["processed_size"] == [64, 64]
+    out = capsys.readouterr().out
+    assert "--image: the 240x360 image (height x width) is fitted to the video's 64x64" in out
+    inputs.record_processed_size({"image": {"kind": "image", "size": [40, 60]}}, 32, 48)  # the same shape, smaller
+    assert capsys.readouterr().out == ""

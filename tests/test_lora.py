@@ -324,7 +324,7 @@ def test_flow_shift_override_reaches_flow_match_euler():
 
 def test_config_records_the_scheduler_and_other_families_refuse_it(capsys, tmp_path):
     argv = ["--model", "tiny-cogvideox", "--prompt", PROMPT, "--output_dir", tmp_path, "--scheduler", "euler"]
-    expect_user_error(capsys, stage1_text_encoder, argv, "--scheduler applies to Wan models")
+    expect_user_error(capsys, stage1_text_encoder, argv, "--scheduler is an option of wan")
     assert not (tmp_path / CONFIG_FILE).exists()
 
 

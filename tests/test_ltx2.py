@@ -85,7 +85,7 @@ def flags(arguments: dict) -> list[str]:
     return [
         item
         for key, value in arguments.items()
-        if key in models.ltx2.REQUEST_FLAGS or key == "guidance_scale"
+        if key in {option.name for option in models.ltx2.OPTIONS} or key == "guidance_scale"
         for item in (f"--{key}", str(value))
     ]
 
@@ -514,12 +514,14 @@ def test_guidance_follows_the_pipeline_and_states_its_departures():
     assert defaults.audio.cfg == 7.0 and defaults.video.cfg == 3.0
     assert defaults.branches == ("uncond", "cond", "isolated")  # the default STG block 28 is past 2 blocks
     assert "beyond" in defaults.skipped["stg"]
-    zero = ltx2_guidance.resolve_guidance(Request(**base, audio_guidance_scale=0.0), config)
+    zero = ltx2_guidance.resolve_guidance(Request(**base, options={"audio_guidance_scale": 0.0}), config)
     assert zero.audio.cfg == 0.0  # 0 means 0 (the pipeline's `or` would take the video's 3.0)
     with pytest.raises(UserError, match="blocks"):
-        ltx2_guidance.resolve_guidance(Request(**base, stg_blocks="2"), config)
+        ltx2_guidance.resolve_guidance(Request(**base, options={"stg_blocks": "2"}), config)
     with pytest.raises(UserError, match="off"):
-        ltx2_guidance.resolve_guidance(Request(**base, stg_blocks="1", stg_scale=0.0, audio_stg_scale=0.0), config)
+        ltx2_guidance.resolve_guidance(
+            Request(**base, options={"stg_blocks": "1", "stg_scale": 0.0, "audio_stg_scale": 0.0}), config
+        )
 
 
 def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_folders):
@@ -639,7 +641,7 @@ def test_without_pyav_stage1_stops_before_loading_and_names_the_extra(monkeypatc
         patched.setattr(models.ModelSource, "load", lambda *args, **kwargs: pytest.fail("weights loaded"))
         expect_user_error(capsys, stage1_text_encoder, argv, "--image_crf 33: re-encoding the image needs PyAV")
     source, family = models.resolve_model("tiny-ltx2-i2v")
-    family.check_images(source, SimpleNamespace(image_crf=0), {})  # no re-encode: nothing to check
+    family.check_inputs(source, SimpleNamespace(option={"image_crf": 0}.get), {})  # no re-encode: nothing to check
 
 
 def test_an_image_h264_cannot_encode_is_refused_before_loading(monkeypatch, capsys, tmp_path):

@@ -21,7 +21,7 @@ from helpers import ROOT, relative_error, run_stage
 from utils import Request, read_config, read_tensors
 
 SAMPLES = ROOT / "tests" / "data" / "stage1_2026-11-27"
-FAMILY_FLAGS = {"tiny-wan2.2": ("guidance_scale_2", "flow_shift"), "tiny-ltx2": ("modality_scale", "motion_speed")}
+OPTION_FLAGS = {"tiny-wan2.2": ("guidance_scale_2", "flow_shift"), "tiny-ltx2": ("modality_scale", "motion_speed")}
 
 
 @pytest.mark.parametrize("preset", ["tiny-cogvideox", "tiny-wan2.2", "tiny-ltx2"])
@@ -31,7 +31,7 @@ def test_a_stage1_folder_from_before_the_package_move_runs_as_a_fresh_one(tmp_pa
     config = read_config(old)
     argv = ["--model", preset, "--prompt", config["prompt"], "--negative_prompt", config["negative_prompt"]]
     argv += ["--seed", config["seed"], "--num_inference_steps", config["num_inference_steps"], "--dtype", "fp32"]
-    for flag in FAMILY_FLAGS.get(preset, ()):
+    for flag in OPTION_FLAGS.get(preset, ()):
         argv += [f"--{flag}", config[flag]]
     run_stage(stage1_text_encoder, [*argv, "--output_dir", tmp_path / "new"])
     fresh = read_config(tmp_path / "new")

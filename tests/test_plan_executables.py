@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -29,7 +30,7 @@ from tpu_video.cli import parse_dtype
 from tpu_video.engine.cache_schedule import kind_from_flags
 from tpu_video.engine.meta import meta_pretrained
 from tpu_video.planning import encoders, flags, plan, tpus
-from tpu_video.runtime import placement, program_key
+from tpu_video.runtime import executables, placement, program_key
 from tpu_video.runtime.executables import SUFFIX, ExecutableStore
 from tpu_video.stages import stage2_attention
 
@@ -180,6 +181,27 @@ def test_a_tpu_plan_saves_programs_keyed_for_the_topology(tmp_path):
     report = json.loads(report_path.read_text())
     assert report["fits"] and report["mesh"] == {"dp": 1, "sp": 1, "tp": 8} and len(keys(stage1)) == 1
     assert report["collectives"]["UMT5EncoderModel ([1, 512], [1, 512])"]["all-reduce"]["count"] >= 1
+
+
+def test_a_plan_from_the_model_alone_reads_no_folder():
+    """`--plan T --model M` without --input_dir plans from the model, whatever ./stage_outputs holds."""
+    assert flags.plan_folder(None, "tiny-wan2.2") is None
+    assert flags.plan_folder(None, None) == Path("./stage_outputs")
+    assert flags.plan_folder(["run_x"], "tiny-wan2.2") == Path("run_x")
+
+
+def test_a_plan_whose_save_failed_does_not_exit_0(tmp_path, monkeypatch, capsys):
+    """A full disk while saving: the plan is still printed and its JSON written, then one error line, exit 2."""
+
+    def full_disk(path, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(executables, "_write_atomically", full_disk)
+    report_path = tmp_path / "plan.json"
+    argv = ["--plan", "v5e-8", "--model", "tiny-wan2.1", "--prompt", "a cat", "--output_dir", tmp_path / "unused"]
+    argv += ["--save_executables", tmp_path / "store", "--plan_json", report_path]
+    expect_user_error(capsys, stage1_text_encoder, argv, "1 program(s) could not be saved (see the lines above")
+    assert json.loads(report_path.read_text())["executables"]["failed"] == 1
 
 
 def test_save_executables_is_refused_without_a_plan_and_for_several_hosts(capsys, tmp_path):

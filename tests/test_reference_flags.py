@@ -92,12 +92,16 @@ def test_stage2_refusals_come_before_loading(capsys, encoded, tmp_path, flags, m
     assert not any(tmp_path.iterdir())
 
 
-def test_stage3_output_video_and_save_frames(denoised, tmp_path):
+def test_stage3_output_video_and_save_frames(denoised, tmp_path, capsys):
     video = tmp_path / "videos" / "cat.mp4"
     # Pinned to the CPU: --backend auto would decode with torch on CUDA on a GPU host, not the computation below.
     argv = ["--input_dir", denoised, "--output_video", video, "--save_frames", "--backend", "torch", "--device", "cpu"]
     run_stage(stage3_vae_decoder, argv)
     folder = video.parent
+    out = capsys.readouterr().out  # every file written is announced, and the folder read first
+    assert f"reading {denoised}: cogvideox tiny-cogvideox" in out
+    for name in ("cat.mp4", "cat_preview.png", "cat_frames.safetensors"):
+        assert f"wrote {folder / name}: " in out
     assert {path.name for path in folder.iterdir()} >= {"cat.mp4", "cat_preview.png", "cat_frames.safetensors"}
     config = json.loads((folder / CONFIG_FILE).read_text())
     assert config["stage3"]["file"] == "cat.mp4" and config["stage3"]["frames_file"]["file"] == "cat_frames.safetensors"

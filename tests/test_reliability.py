@@ -7,6 +7,7 @@ previous good files byte for byte as they were.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -259,3 +260,23 @@ def test_a_format_version_1_folder_still_decodes_identically(good_run, tmp_path)
     preview = "output_video_preview.png"
     assert (old / preview).read_bytes() == (good_run / preview).read_bytes()
     assert json.loads((old / CONFIG_FILE).read_text())["format_version"] == 2  # stage 3 wrote it back as 2
+
+
+def test_sigterm_outside_stage_2s_loop_stops_with_one_line_and_leaves_no_temporary(tmp_path, capsys):
+    """SIGTERM while a stage writes a file (stage 3's mp4, here any atomic write): `stopped:`, exit 143, the
+    temporary removed and no file at the final name."""
+    from tpu_video.cli import run_cli
+    from utils import atomic_write
+
+    def write(tmp):
+        tmp.write_bytes(b"half a video")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stop:
+        run_cli(lambda: atomic_write(tmp_path / "output_video.mp4", write))
+    assert stop.value.code == 143
+    assert "stopped: terminated (SIGTERM); no partial file was written" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is before  # restored

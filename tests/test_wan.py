@@ -225,7 +225,7 @@ def test_wan21_request_errors_before_loading(capsys, tmp_path, flags, message, n
 
 def test_guidance_scale_2_is_refused_by_single_transformer_families(capsys, tmp_path):
     argv = ["--model", "tiny-cogvideox", "--prompt", "x", "--output_dir", tmp_path, "--guidance_scale_2", "3"]
-    expect_user_error(capsys, stage1_text_encoder, argv, "--guidance_scale_2 applies to two-expert Wan 2.2 models")
+    expect_user_error(capsys, stage1_text_encoder, argv, "--guidance_scale_2 is an option of wan (Wan 2.2 A14B")
 
 
 def test_published_defaults_and_experts():

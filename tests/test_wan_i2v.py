@@ -94,8 +94,9 @@ def test_stage1_conditioning_equals_what_the_pipeline_computes(tmp_path, pipelin
     assert relative_error(tensors["condition"], inputs["hidden_states"][:, 16:]) <= CONDITIONING_TOLERANCE
     assert tensors["condition"].shape == (1, 4 + 16, 2, 4, 6)
     stage1 = config["stage1"]
-    assert stage1["task"] == "i2v" and stage1["images"]["image"]["file"] == "first.png"
-    assert stage1["images"]["image"]["size"] == [40, 60] and stage1["images"]["image"]["processed_size"] == [32, 48]
+    assert stage1["task"] == "i2v" and stage1["inputs"]["image"]["file"] == "first.png"
+    assert stage1["inputs"]["image"]["kind"] == "image"
+    assert stage1["inputs"]["image"]["size"] == [40, 60] and stage1["inputs"]["image"]["processed_size"] == [32, 48]
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,15 @@
 """The conventions of the three stage CLIs, which the code under them raises and logs into: one `error:`
 line and exit 2 for what the user can fix (`UserError`, argparse errors included), `stopped:` lines for
 SIGTERM and Ctrl-C, finite float flags, the reference scripts' flag spellings, dtypes by name, and
-timestamped log lines. It imports nothing of the project, so everything may use it."""
+timestamped log lines; `options` holds the request options' declarations (`Option`), from which the stages
+build their flags. It imports nothing of the project, so everything may use it."""
 
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -160,9 +162,16 @@ def refuse_planning_flags(args, names=("plan_json", "save_executables"), why: st
         raise UserError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --plan{why}")
 
 
+def _terminated(signum, frame):
+    raise Stopped("terminated (SIGTERM); no partial file was written")
+
+
 def run_cli(main: Callable[[], None]) -> None:
     """Run a stage's main(): user errors become one `error:` line and exit status 2; a requested stop one
-    `stopped:` line and status 143 (130 after Ctrl-C); bugs keep their traceback."""
+    `stopped:` line and status 143 (130 after Ctrl-C); bugs keep their traceback. SIGTERM stops the stage
+    where it is, as Ctrl-C does (writes are atomic: their temporaries are removed on the way out); stage 2's
+    loop replaces this with a stop after the current step and a checkpoint."""
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         main()
     except UserError as err:
@@ -174,6 +183,8 @@ def run_cli(main: Callable[[], None]) -> None:
     except KeyboardInterrupt:  # writes are atomic, so nothing partial is left
         print("\nstopped: interrupted (Ctrl-C); no partial file was written", file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED_EXIT_STATUS)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 _LOGGING = {"enabled": True}

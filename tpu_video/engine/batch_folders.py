@@ -2,8 +2,9 @@
 writes beside one ordinary stage folder per entry, and the folder lists later stages read from it.
 
 A list entry is what one stage-1 run's flags say: its prompt, and optionally its own negative prompt,
-seed, image, last image and folder name; anything it leaves out comes from the command's flags. Every
-entry is checked before any weights load, and a bad one is one `error:` naming its line.
+seed, folder name and media inputs (image, last image, ...: the families' media-input names); anything it
+leaves out comes from the command's flags. Every entry is checked before any weights load, and a bad one
+is one `error:` naming its line.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, atomic_write, read_
 
 BATCH_FILE = "batch.json"
 BATCH_FORMAT = 1
-ENTRY_FIELDS = ("prompt", "negative_prompt", "seed", "image", "last_image", "name")
+ENTRY_FIELDS = ("prompt", "negative_prompt", "seed", "name")  # and the media inputs' names
 MAX_VIDEOS = 10_000  # per run, from --seeds or --prompts: a typo should not plan a million folders
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range (utils.Request checks a single --seed alike)
 NAME_BYTES = 255  # NAME_MAX: the longest file name Linux file systems take
@@ -32,14 +33,13 @@ class Entry:
     prompt: str
     negative_prompt: str | None = None
     seed: int | None = None
-    image: str | None = None
-    last_image: str | None = None
     name: str | None = None
+    inputs: dict[str, str] = dataclasses.field(default_factory=dict)  # media inputs' paths by name
 
     def flags(self) -> dict[str, Any]:
         """The stage-1 flags this entry sets."""
-        fields = ("prompt", "negative_prompt", "seed", "image", "last_image")
-        return {key: getattr(self, key) for key in fields if getattr(self, key) is not None}
+        fields = ("prompt", "negative_prompt", "seed")
+        return {**{key: getattr(self, key) for key in fields if getattr(self, key) is not None}, **self.inputs}
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -66,29 +66,31 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def _json_entry(text: str, where: str, base: Path) -> Entry:
+def _json_entry(text: str, where: str, base: Path, input_names: tuple[str, ...]) -> Entry:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
         raise UserError(f"{where}: not a JSON object ({err.msg} at column {err.colno})") from None
     if not isinstance(value, dict):
         raise UserError(f"{where}: not a JSON object")
-    unknown = sorted(set(value) - set(ENTRY_FIELDS))
+    known = (*ENTRY_FIELDS, *input_names)
+    unknown = sorted(set(value) - set(known))
     if unknown:
-        raise UserError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(ENTRY_FIELDS)})")
-    for key in ("prompt", "negative_prompt", "image", "last_image", "name"):
+        raise UserError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(known)})")
+    for key in ("prompt", "negative_prompt", "name", *input_names):
         if key in value and not isinstance(value[key], str):
             raise UserError(f"{where}: {key!r} must be a string")
     seed = value.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise UserError(f"{where}: 'seed' must be an integer, not {seed!r}")
-    images = {key: str(base / value[key]) for key in ("image", "last_image") if key in value}
-    return Entry(where, value.get("prompt", ""), value.get("negative_prompt"), seed, name=value.get("name"), **images)
+    inputs = {key: str(base / value[key]) for key in input_names if key in value}
+    return Entry(where, value.get("prompt", ""), value.get("negative_prompt"), seed, value.get("name"), inputs)
 
 
-def read_prompt_list(path: Path) -> list[Entry]:
-    """Plain text (one prompt per line) or JSON Lines (one object per line, `ENTRY_FIELDS`); blank lines and
-    lines starting with `#` are skipped. Image paths are relative to the list's folder. Lines end at `\n`
+def read_prompt_list(path: Path, input_names: tuple[str, ...] = ()) -> list[Entry]:
+    """Plain text (one prompt per line) or JSON Lines (one object per line, `ENTRY_FIELDS` and the media
+    inputs' `input_names`); blank lines and lines starting with `#` are skipped. Input paths are relative to
+    the list's folder. Lines end at `\n`
     alone (a `\r` before it is a Windows editor's): `str.splitlines` would also split at U+2028, form
     feeds and the like, which may sit inside a prompt. A UTF-8 byte-order mark is not part of the text."""
     try:
@@ -104,14 +106,15 @@ def read_prompt_list(path: Path) -> list[Entry]:
     entries = []
     for number, line in numbered:
         where = f"--prompts {path} line {number}"
-        entries.append(_json_entry(line, where, path.parent) if json_lines else Entry(where, line))
+        entries.append(_json_entry(line, where, path.parent, input_names) if json_lines else Entry(where, line))
     if not entries:
         raise UserError(f"--prompts {path}: no prompts in it (blank lines and # comments are skipped)")
     return entries
 
 
-def entries_from_flags(args) -> list[Entry] | None:
-    """The videos `--prompts`/`--seeds` ask for, checked; None for a single run (`--prompt` alone)."""
+def entries_from_flags(args, input_names: tuple[str, ...]) -> list[Entry] | None:
+    """The videos `--prompts`/`--seeds` ask for, checked (a list entry may set the media inputs
+    `input_names`); None for a single run (`--prompt` alone)."""
     if args.prompts is not None and args.prompt is not None:
         raise UserError("--prompt and --prompts: give one prompt or a list, not both")
     if args.prompts is None and args.prompt is None:
@@ -124,13 +127,13 @@ def entries_from_flags(args) -> list[Entry] | None:
         return [Entry(f"--seeds {args.seeds}", args.prompt, seed=seed) for seed in parse_seeds(args.seeds)]
     if args.seeds is not None:
         raise UserError("--seeds sweeps one --prompt; in a --prompts list give each entry its own seed (JSON Lines)")
-    entries = read_prompt_list(Path(args.prompts))
+    entries = read_prompt_list(Path(args.prompts), input_names)
     for entry in entries:
         if not entry.prompt.strip():
             raise UserError(f"{entry.where}: the prompt is empty")
-        for key in ("image", "last_image"):
-            if getattr(entry, key) is not None and not Path(getattr(entry, key)).is_file():
-                raise UserError(f"{entry.where}: {key} {getattr(entry, key)} is not a file")
+        for key, path in entry.inputs.items():
+            if not Path(path).is_file():
+                raise UserError(f"{entry.where}: {key} {path} is not a file")
     return entries
 
 

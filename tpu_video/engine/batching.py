@@ -22,13 +22,14 @@ import torch
 from sharding import DP
 from tpu_video.cli import log
 from tpu_video.runtime.interface import Timer
-from utils import LTX2_GUIDANCE_KEYS
 
 from . import scanned_blocks
 from .denoise import DenoiseLoop, DenoiseOptions, load_transformers, place_denoisers, run_denoise_loop
+from .passes import started
 from .step_cache import is_batched_state
 
-# The request fields a batch's videos share: the compiled program and the timestep schedule depend on them.
+# The shared request fields a batch's videos share: the compiled program and the timestep schedule depend
+# on them (and on the family options declared `splits_batch`).
 GROUP_FIELDS = (
     "model_id",
     "dtype",
@@ -38,17 +39,15 @@ GROUP_FIELDS = (
     "fps",  # LTX-2: the soundtrack's length and the RoPE positions
     "num_inference_steps",
     "guidance_scale",
-    "guidance_scale_2",
     "flow_shift",
-    "scheduler",
-    *LTX2_GUIDANCE_KEYS,
 )
 
 
-def group_key(request, task: str, cache_record: dict) -> tuple:
-    """What must be equal for two videos to share a batch: the request's schedule and shape fields, the task
-    (t2v or i2v) and the step-cache settings."""
-    fields = tuple((name, getattr(request, name, None)) for name in GROUP_FIELDS)
+def group_key(request, options, task: str, cache_record: dict) -> tuple:
+    """What must be equal for two videos to share a batch: the request's schedule and shape fields, the family
+    `options` (its declarations) that split batches, the task (t2v or i2v) and the step-cache settings."""
+    fields = tuple((name, getattr(request, name)) for name in GROUP_FIELDS)
+    fields += tuple((option.name, request.option(option.name)) for option in options if option.splits_batch)
     return (*fields, ("task", task), ("cache", tuple(sorted(cache_record.items()))))
 
 
@@ -269,7 +268,8 @@ def denoise_group(
             )
             for video in members
         ]
-        loop, timer = batched_loop([loop for loop, _ in built]), timer if number == 1 else Timer()
+        loops = [started(loop, video.start_latents) for (loop, _), video in zip(built, members, strict=True)]
+        loop, timer = batched_loop(loops), timer if number == 1 else Timer()
         reused = placed is not None
         if placed is None:
             with timer.phase("place"):

@@ -57,18 +57,24 @@ def state_names(expert_names, branches) -> list[str]:
     return [f"{expert}.{branch}" for expert in expert_names for branch in branches]
 
 
+def check_window(settings: CacheSettings, steps: int) -> None:
+    """The interval cache's window within the run's steps (checked again by stage 2 before any weights load)."""
+    start, end, interval = settings.start_step, settings.end_step, settings.step_interval
+    if settings.kind == "interval" and (interval < 1 or not 0 <= start < end <= steps):
+        raise UserError(
+            f"--cache_start_step {start}, --cache_end_step {end} and --cache_step_interval {interval} do not "
+            f"fit {steps} steps: need 0 <= start < end <= {steps} and an interval >= 1"
+        )
+
+
 def schedule(settings: CacheSettings, experts: list[int], expert_names, branches) -> list[tuple[bool, ...]]:
     """For each step, per branch: does it reuse the cache? `experts[i]` is step i's transformer."""
     steps = len(experts)
     if settings.calibrate or settings.kind == "none":
         return [(False,) * len(branches) for _ in experts]
     if settings.kind == "interval":
+        check_window(settings, steps)
         start, end, interval = settings.start_step, settings.end_step, settings.step_interval
-        if interval < 1 or not 0 <= start < end <= steps:
-            raise UserError(
-                f"--cache_start_step {start}, --cache_end_step {end} and --cache_step_interval {interval} do not "
-                f"fit {steps} steps: need 0 <= start < end <= {steps} and an interval >= 1"
-            )
         seen, plan = set(), []
         for i, expert in enumerate(experts):
             full = i < start or i >= end or (i - start) % interval == 0 or expert not in seen  # no residual yet

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 from sharding import Layout
-from tpu_video.cli import log, logging_enabled
+from tpu_video.cli import UserError, log, logging_enabled
 from tpu_video.engine import scanned_blocks
 from tpu_video.engine.cache_schedule import CacheSettings
 from tpu_video.engine.direct_load import load_direct
 from tpu_video.engine.guard import DenoiseGuard
+from tpu_video.engine.passes import started
 from tpu_video.engine.quantize import Quantization, quantize
 from tpu_video.engine.step_cache import StepCache, cached_rules
 from tpu_video.runtime.interface import Runtime, Timer
@@ -53,13 +54,26 @@ def load_transformers(family, source, dtype: torch.dtype, options: DenoiseOption
         transformers = {}
         for name in family.transformer_components(source):
             module = load_direct(source, name, dtype) if direct else None
-            transformers[name] = module if module is not None else source.load(name, dtype=dtype).eval()
+            transformers[name] = module if module is not None else _loaded_whole(source, name, dtype)
         if options.on_loaded is not None:
             options.on_loaded(transformers)
     if options.quantization.enabled:
         with timer.phase("quantize"):
             quantize(transformers, options.quantization)
     return transformers
+
+
+def _loaded_whole(source, component: str, dtype: torch.dtype) -> torch.nn.Module:
+    """`from_pretrained`'s module, every weight read: it leaves the weights a checkpoint lacks on the meta device
+    (a key missing, a config with more layers than the weights), which only placement would find."""
+    module = source.load(component, dtype=dtype).eval()
+    empty = [name for name, tensor in module.state_dict().items() if tensor.is_meta]
+    if empty:
+        raise UserError(
+            f"{component} of {source.ref!r}: the checkpoint has no values for {', '.join(empty[:3])}"
+            f"{f' and {len(empty) - 3} more' if len(empty) > 3 else ''}: it is incomplete or of another configuration"
+        )
+    return module
 
 
 @dataclass
@@ -186,14 +200,24 @@ def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options:
 
 
 def denoise(
-    family, source, request, embeds, dtype: torch.dtype, runtime: Runtime, timer: Timer, options: DenoiseOptions
+    family,
+    source,
+    request,
+    embeds,
+    dtype: torch.dtype,
+    runtime: Runtime,
+    timer: Timer,
+    options: DenoiseOptions,
+    start_latents: torch.Tensor | None = None,
 ):
-    """Stage 2 for any family: load the transformer(s), run the family's loop; returns (stage 2's tensors by
-    name, `latents` first; the record; the run's StepCache or None)."""
+    """Stage 2 for any family: load the transformer(s), run the family's loop (from `start_latents`, a later
+    pass's, where given: engine/passes.py); returns (stage 2's tensors by name, `latents` first; the record;
+    the run's StepCache or None)."""
     transformers = load_transformers(family, source, dtype, options, timer)
     loop, finish = family.denoise_loop(
         source, request, embeds, dtype, transformers, runtime, options.tp_mode, planning=False
     )
+    loop = started(loop, start_latents)
     latents, cache = run_denoise_loop(loop, runtime, timer, options)
     tensors, record = finish(latents)
     return tensors, {**record, **scanned_blocks.record(loop, options.scan_blocks)}, cache

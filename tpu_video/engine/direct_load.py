@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpu_video.cli import log
+from tpu_video.cli import UserError, log
 
 SAFETENSORS_NAME = "diffusion_pytorch_model.safetensors"
 
@@ -30,9 +30,16 @@ class CheckpointFiles:
     slice is asked for)."""
 
     def __init__(self, paths: list[str]) -> None:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        self.handles = {path: safe_open(path, framework="pt") for path in paths}
+        self.handles = {}
+        for path in paths:
+            try:
+                self.handles[path] = safe_open(path, framework="pt")
+            except SafetensorError as error:  # empty, truncated, a header that is not JSON
+                raise UserError(
+                    f"{path} is not a readable safetensors file ({error}); the checkpoint is damaged"
+                ) from None
 
     def entries(self) -> dict[str, tuple[str, list[int], str]]:
         """Every tensor's name -> (file, shape, dtype as the file names it)."""
@@ -167,6 +174,7 @@ def _mismatch(module: torch.nn.Module, entries: dict) -> str | None:
     if len(list(module.named_parameters(remove_duplicate=False))) != len(list(module.named_parameters())):
         return "the module ties weights"
     expected = {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+    expected_floating = {name: tensor.is_floating_point() for name, tensor in module.state_dict().items()}
     missing, unexpected = expected.keys() - entries.keys(), entries.keys() - expected.keys()
     if missing or unexpected:
         return f"{len(missing)} tensor(s) missing from the checkpoint, {len(unexpected)} not in the module"
@@ -175,4 +183,9 @@ def _mismatch(module: torch.nn.Module, entries: dict) -> str | None:
             return f"{name} is {tuple(shape)} in the checkpoint, {expected[name]} in the module"
         if stored not in _SAFETENSORS_DTYPES:
             return f"{name} is stored as {stored}"
+        if expected_floating[name] and not _SAFETENSORS_DTYPES[stored].is_floating_point:
+            raise UserError(
+                f"{name} is stored as {stored} in the checkpoint, where the module holds floating-point values; "
+                "the checkpoint is damaged or of another model"
+            )
     return None

@@ -68,10 +68,11 @@ class DenoiseGuard:
             tensors = load(data)
         except Exception as err:  # safetensors raises several types for a damaged file
             raise UserError(f"--resume: {self.path} cannot be read ({err})") from None
-        if metadata.get("fingerprint") != self.fingerprint:
+        differ = fingerprint_differences(metadata.get("fingerprint"), self.fingerprint)
+        if differ:
             raise UserError(
-                f"--resume: {self.path} belongs to a different request or stage-1 file; "
-                "rerun without --resume to start over"
+                f"--resume: {self.path} belongs to a different request or stage-1 file ({', '.join(differ)} "
+                f"{'differs' if len(differ) == 1 else 'differ'}); rerun without --resume to start over"
             )
         self.resumed_batch_size = int(metadata.get("batch_size", 1))
         return int(metadata["next_step"]), tensors
@@ -135,3 +136,18 @@ def sigterm_sets_stop(target) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def fingerprint_differences(saved: str | None, ours: str) -> list[str]:
+    """The keys in which a checkpoint's fingerprint differs from this run's (empty: it is this run's). A key
+    that is null in one and absent from the other counts as equal: a stage 2 before the families' options
+    left utils.Request wrote every family's keys, null where unset, and its checkpoints still resume."""
+    try:
+        theirs = json.loads(saved) if saved is not None else None
+    except ValueError:
+        theirs = None
+    if not isinstance(theirs, dict):
+        return ["the fingerprint (unreadable)"]
+    mine = json.loads(ours)
+    keys = sorted(set(theirs) | set(mine))
+    return [key for key in keys if theirs.get(key) != mine.get(key)]

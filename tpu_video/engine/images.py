@@ -1,6 +1,6 @@
-"""Stage 1's image inputs for image-to-video: each file read and checked before any weights load, and
-what stage 1 records about it (file name, sha256, original size; the family adds the processed size), and
-stage 2's check that the size the image was encoded for is kept.
+"""The image reader of stage 1's image inputs (inputs.py): a file read as diffusers' load_image reads it,
+checked before any weights load, with what the record notes about it (the EXIF orientation applied, the
+pixel mode converted from).
 """
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tpu_video.cli import UserError
-from utils import sha256_file
 
-IMAGE_FLAGS = ("image", "last_image")  # stage 1's flags, in the order the pipelines take them
 EXIF_ORIENTATION = 0x0112  # the EXIF tag cameras set instead of rotating the pixels
 
 
@@ -85,40 +83,3 @@ def _upright_rgb(image, flag: str, path: str):
     elif image.mode == "P" and "transparency" in image.info:
         image = image.convert("RGBA")  # Pillow warns about the direct conversion; the colours are the same
     return image.convert("RGB"), notes
-
-
-def read_images(paths: dict[str, str | None]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """The given images by flag name, and their records for the stage-1 section (`size`: the one used,
-    after the EXIF orientation)."""
-    images, records = {}, {}
-    for flag, path in paths.items():
-        if path is None:
-            continue
-        images[flag], notes = read_image(path, flag)
-        width, height = images[flag].size
-        record = {"file": Path(path).name, "sha256": sha256_file(Path(path)), "size": [height, width]}
-        records[flag] = {**record, **notes}
-    return images, records
-
-
-def check_image_flags(family, source, given: dict[str, str | None]) -> None:
-    """Before any weights load: the images this model takes (family.image_inputs: the flags it accepts and
-    whether `image` is required) against the ones given."""
-    accepted, required = family.image_inputs(source)
-    for flag in IMAGE_FLAGS:
-        if given.get(flag) is not None and flag not in accepted:
-            what = "takes no image (a text-to-video model)" if not accepted else f"takes no --{flag}"
-            raise UserError(f"--{flag}: --model {source.ref!r} {what}")
-    if required and given.get("image") is None:
-        raise UserError(f"--model {source.ref!r} is an image-to-video model: give the first frame with --image PATH")
-
-
-def check_image_size_kept(config: dict[str, Any], overrides: dict[str, Any]) -> None:
-    """Stage 2 of image-to-video: stage 1 encoded the image at the request's size and frame count; later
-    stages cannot change them."""
-    changed = [key for key in ("height", "width", "num_frames") if key in overrides]
-    if config["stage1"].get("task") == "i2v" and changed:
-        raise UserError(
-            f"--{changed[0]}: stage 1 encoded the image for {config['height']}x{config['width']}, "
-            f"{config['num_frames']} frames; rerun stage 1 to change the size or frame count"
-        )

@@ -2,11 +2,13 @@
 
 A family (e.g. the package ``tpu_video/models/cogvideox/``) provides the names of ``family.Family``: request
 defaults and validation, prompt encoding, the stage-2 denoiser, the stage-3 decoder, its rule table, tiny
-presets and published configs. A family package holds all of its parts; adding one is a new package, its
-import below and its entry in ``FAMILIES`` (docs/architecture.md shows how). ``PRESETS`` and ``PUBLISHED`` are
-gathered from the families; ``FAMILY_FLAGS`` (the request flags only some families act on) is still listed here.
+presets, published configs and its own request options (``OPTIONS``). A family package holds all of its
+parts; a built-in one is a package here and its import below; a family from another package registers an
+entry point in ``ENTRY_POINT_GROUP`` (docs/architecture.md shows how). ``FAMILIES``, ``PRESETS``,
+``PUBLISHED``, ``FAMILY_OPTIONS`` and ``MEDIA_INPUTS`` are gathered from them.
 
-Beside the families (`cogvideox`, `hunyuanvideo15`, `wan`, `ltx2`): `family` (the interface), `common` (what
+Beside the families (`cogvideox`, `hunyuanvideo15`, `wan`, `ltx2`): `registry` (the families gathered),
+`family` (the interface), `common` (what
 several families share), `tiny` (the tiny presets' T5 tokenizer and encoder) and `adapter_origin` (which
 published model an adapter that does not fit was made for).
 """
@@ -28,18 +30,14 @@ from typing import Any
 
 from tpu_video.cli import UserError
 from tpu_video.runtime.interface import cache_root
-from utils import LTX2_GUIDANCE_KEYS
 
-from . import cogvideox, hunyuanvideo15, ltx2, wan
-from .family import Family, Preset
-
-FAMILIES: dict[str, Family] = {family.NAME: family for family in (cogvideox, hunyuanvideo15, wan, ltx2)}
-
-PRESETS: dict[str, Preset] = {name: preset for family in FAMILIES.values() for name, preset in family.PRESETS.items()}
-# Published hub ids by their components' configs (each family's `PUBLISHED`), to plan offline.
-PUBLISHED: dict[str, dict[str, Any]] = {
-    hub_id: pipeline for family in FAMILIES.values() for hub_id, pipeline in family.PUBLISHED.items()
-}
+from .family import Family
+from .family import Preset as Preset  # re-exported: the families' presets and the tests name it here
+from .registry import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
+from .registry import FAMILIES, PRESETS, PUBLISHED, check_options
+from .registry import FAMILY_OPTIONS as FAMILY_OPTIONS
+from .registry import MEDIA_INPUTS as MEDIA_INPUTS
+from .registry import stage1_only as stage1_only
 
 
 @dataclass(frozen=True)
@@ -81,8 +79,8 @@ class ModelSource:
         kwargs = {} if dtype is None else {"dtype": dtype}  # diffusers 0.42 and transformers 5 both say dtype
         try:
             return cls.from_pretrained(self.location, subfolder=component, **kwargs)
-        except OSError as err:
-            raise UserError(f"cannot load {component!r} of {self.ref!r}: {err}") from None
+        except (OSError, ValueError) as err:  # ValueError: a weight's shape, a shard index that is not JSON
+            raise UserError(f"cannot load {component!r} of {self.ref!r} ({type(err).__name__}: {err})") from None
 
 
 @functools.lru_cache(maxsize=32)
@@ -103,9 +101,11 @@ def component_class(source: ModelSource, component: str):
 def library_class(library: str, class_name: str):
     """The class a model_index.json entry names: diffusers', transformers', or a pipeline's own module's
     (LTX-2's connectors and vocoder say "ltx2": diffusers.pipelines.ltx2)."""
-    if library not in ("diffusers", "transformers"):
-        library = f"diffusers.pipelines.{library}"
-    return getattr(importlib.import_module(library), class_name)
+    module = library if library in ("diffusers", "transformers") else f"diffusers.pipelines.{library}"
+    try:
+        return getattr(importlib.import_module(module), class_name)
+    except (ImportError, AttributeError):
+        raise UserError(f"model_index.json names {library}.{class_name}, which this {module} does not have") from None
 
 
 def resolve_model(model: str, configs_only: bool = False) -> tuple[ModelSource, Family]:
@@ -130,7 +130,7 @@ def resolve_model(model: str, configs_only: bool = False) -> tuple[ModelSource, 
     else:
         location, defaults = model, {}
     index = _read_model_index(model, location)
-    family = detect_family(index, model)
+    family = FAMILIES[PRESETS[model].family] if model in PRESETS else detect_family(index, model)
     source = ModelSource(
         model, location, index, preset_defaults=defaults, pipeline_attributes=attributes, configs_only=configs
     )
@@ -141,22 +141,17 @@ def resolve_model_for_request(
     request, model_override: str | None = None, configs_only: bool = False
 ) -> tuple[ModelSource, Family]:
     """The model a later stage uses: the request's `model_id` unless overridden, and of the request's family."""
+    if request.model_family not in FAMILIES:
+        raise UserError(
+            f"the stage files are from the model family {request.model_family!r}, which is not installed here "
+            f"(installed: {', '.join(FAMILIES)}; a family from another package registers in {ENTRY_POINT_GROUP})"
+        )
     source, family = resolve_model(model_override or request.model_id, configs_only)
     if family.NAME != request.model_family:
         raise UserError(
             f"--model {source.ref!r} is a {family.NAME} model but the stage files are from {request.model_family}"
         )
     return source, family
-
-
-# Request flags only some families act on (their `REQUEST_FLAGS`); any other family refuses them, saying
-# this, rather than leave them silently unused.
-FAMILY_FLAGS = {
-    "guidance_scale_2": "applies to two-expert Wan 2.2 models, not {family}",
-    "scheduler": "applies to Wan models; {family} runs its folder's scheduler",
-    **{key: "is an LTX-2 guidance flag; {family} has no such term" for key in LTX2_GUIDANCE_KEYS},
-    "image_crf": "re-encodes LTX-2's conditioning image; {family} takes the image as it is",
-}
 
 
 def validate_request(family: Family, source: ModelSource, request) -> None:
@@ -169,9 +164,7 @@ def validate_request(family: Family, source: ModelSource, request) -> None:
             f"--num_inference_steps {request.num_inference_steps} is more than the scheduler's {train_steps} "
             "training timesteps"
         )
-    for flag, words in FAMILY_FLAGS.items():
-        if flag not in family.REQUEST_FLAGS and getattr(request, flag) is not None:
-            raise UserError(f"--{flag} {words.format(family=request.model_family)}")
+    check_options(family, request)
     family.validate_request(source, request)
     frames = request.num_frames * request.height * request.width * 3 * 4  # what stage 3 holds as float32
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

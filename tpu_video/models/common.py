@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tpu_video.cli import UserError
+from tpu_video.engine.inputs import image_input
 from tpu_video.runtime.mesh import Activations
 
 # Stage 2's initial noise is drawn in fp32 on the CPU and then cast to the run's dtype, so a seed gives
@@ -77,13 +78,34 @@ def flow_scheduler(source, shift: float, name: str | None = None):
     return getattr(diffusers, class_name).from_config(config, **extra, **{_shift_key(class_name, source): shift})
 
 
+# The image inputs of the image-to-video pipelines (a family's MEDIA_INPUTS), in the order they take them.
+IMAGE = image_input(
+    "image",
+    "image-to-video: the first frame (any still image Pillow reads), required by i2v models",
+    missing="is an image-to-video model: give the first frame with --image PATH",
+)
+LAST_IMAGE = image_input("last_image", "image-to-video: the last frame, where the model takes one (Wan 2.2 A14B)")
+
+
+def no_start_from(family: str):
+    """`start_from` of a family whose denoise starts from noise only (its pipeline's `latents=` path is not
+    reproduced yet)."""
+
+    def start_from(source, request, tensors):
+        raise UserError(
+            f"--start_latents: {family} denoises from noise only; a pass from given latents is not supported"
+        )
+
+    return start_from
+
+
 def size_from_request(source, images) -> None:
-    """`image_size` of a family whose pipelines resize the image to the requested size (None: keep it)."""
+    """`size_from_inputs` of a family whose pipelines resize the image to the requested size (None: keep it)."""
     return None
 
 
 def no_image_checks(source, request, images) -> None:
-    """`check_images` of a family whose image conditioning needs nothing beyond its weights."""
+    """`check_inputs` of a family whose image conditioning needs nothing beyond its weights."""
 
 
 def activations(source, tokens: int, dtype: torch.dtype, copies: tuple[float, float], fp32: float = 0.0):

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:  # annotations only
+    from tpu_video.cli.options import Option
     from tpu_video.engine.denoise import DenoiseLoop
+    from tpu_video.engine.inputs import MediaInput
     from tpu_video.runtime.interface import Runtime
     from utils import Request
 
@@ -46,7 +48,12 @@ class Family(Protocol):
     PRESETS: dict[str, Preset]  # tiny presets by `--model` name
     PUBLISHED: dict[str, dict[str, Any]]  # published hub ids: components' (library, class, config) for --plan
     SPLASH_BLOCK_SIZES: dict[str, int]  # default Splash tiles (block_q, block_kv, block_kv_compute)
-    REQUEST_FLAGS: tuple[str, ...]  # the family-specific request flags it acts on (models.FAMILY_FLAGS)
+    # Every media input it may take (tpu_video.engine.inputs.MediaInput): stage 1's input flags; which of
+    # them a checkpoint takes is media_inputs(source).
+    MEDIA_INPUTS: tuple[MediaInput, ...]
+    # Its own request options (tpu_video.cli.options.Option): stage 1's flags, later stages' overrides,
+    # stored beside the shared request keys; `Request.option(name)` reads one. Other families refuse them.
+    OPTIONS: tuple[Option, ...]
     LORA_LOADER: (
         str | None
     )  # the diffusers.loaders class whose lora_state_dict reads adapters (tpu_video/engine/lora.py)
@@ -100,25 +107,26 @@ class Family(Protocol):
         """Stage 1: the text encoders loaded once; a function of a request giving the pipeline's own prompt
         encoding, tensors named as the pipeline's arguments."""
 
-    def image_inputs(self, source: ModelSource) -> tuple[tuple[str, ...], bool]:
-        """The image flags this model takes ("image", "last_image"; none for text-to-video) and whether
-        "image" is required (an image-to-video pipeline)."""
+    def media_inputs(self, source: ModelSource) -> tuple[MediaInput, ...]:
+        """Those of MEDIA_INPUTS this model takes (none for text-to-video), the ones it requires marked
+        (`MediaInput.required_here`: an image-to-video pipeline's first frame)."""
 
-    def image_size(self, source: ModelSource, images: dict[str, Any]) -> tuple[int, int] | None:
+    def size_from_inputs(self, source: ModelSource, inputs: dict[str, Any]) -> tuple[int, int] | None:
         """The (height, width) an image-to-video pipeline derives from the image, or None where it resizes the
         image to the requested size (stage 1 then refuses --height/--width and records the derived size)."""
 
-    def check_images(self, source: ModelSource, request: Request, images: dict[str, Any]) -> None:
-        """Stage 1, with images given and before any weights load: refuse what encode_images would refuse
+    def check_inputs(self, source: ModelSource, request: Request, inputs: dict[str, Any]) -> None:
+        """Stage 1, with inputs given and before any weights load: refuse what encode_inputs would refuse
         only after the text encoders ran (a host tool the image conditioning needs, an image it cannot
         take); UserError."""
 
-    def encode_images(self, source: ModelSource, request: Request, images: dict[str, Any], runtime: Runtime) -> dict:
-        """Stage 1 for image-to-video: the pipeline's image conditioning (image embeddings, VAE latents of the
-        conditioning frames), computed as the pipeline computes it; tensors named as stage 2 reads them."""
+    def encode_inputs(self, source: ModelSource, request: Request, inputs: dict[str, Any], runtime: Runtime) -> dict:
+        """Stage 1 with media inputs (by name, as their readers gave them): the pipeline's conditioning (image
+        embeddings, VAE latents of the conditioning frames), computed as the pipeline computes it; tensors
+        named as stage 2 reads them."""
 
-    def images_on_runtime(self, source: ModelSource) -> bool:
-        """Whether encode_images runs every model it uses on the runtime (stage 1's `--plan` compiles them);
+    def inputs_on_runtime(self, source: ModelSource) -> bool:
+        """Whether encode_inputs runs every model it uses on the runtime (stage 1's `--plan` compiles them);
         False where part of it runs on the host CPU, which a plan without weights cannot run."""
 
     def denoise_loop(
@@ -138,6 +146,11 @@ class Family(Protocol):
         W); LTX-2 adds `audio_latents`) and the facts stage 3 needs. `planning` (True for --plan, where only
         shapes count and no checkpoint value may be read; False for a run) is always given, never inferred
         from the modules."""
+
+    def start_from(self, source: ModelSource, request: Request, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A later pass (stage 2's `--start_latents`): the loop's first latents from an earlier pass's stage-2
+        tensors, as the pipeline takes them when called with `latents=`; UserError where the family cannot
+        (checked before any weights load)."""
 
     def planning_embeds(self, source: ModelSource, request: Request, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Zero stage-1 tensors of the shapes stage 1 would write (to plan before encoding)."""

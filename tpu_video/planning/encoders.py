@@ -158,21 +158,21 @@ class _Refused(Exception):
         self.program = program
 
 
-def plan_stage1(family, source, request, images: dict, dtype: torch.dtype, target: Target, store=None):
-    """Compile stage 1's device programs for `request` (and `images`, for image-to-video, where the family
+def plan_stage1(family, source, request, inputs: dict, dtype: torch.dtype, target: Target, store=None):
+    """Compile stage 1's device programs for `request` (and its media `inputs`, where the family
     encodes them wholly on the runtime) on `target`, every device on `tp` as `--backend torchax` puts them;
     the report as a dict. Every encoder's weights stay
     on the devices while each program runs (a run loads them all first), so a program's HBM counts them all."""
     mesh = topology_mesh(target, MeshShape(tp=target.devices))
     runtime = PlanningRuntime(mesh, store)
     planning = MetaSource(source, family)
-    images_planned = bool(images) and family.images_on_runtime(source)
+    images_planned = bool(inputs) and family.inputs_on_runtime(source)
     try:
         with runtime.precision(dtype):
             family.prompt_encoder(planning, dtype, runtime)(request)
         if images_planned:
             with torch.no_grad(), runtime.precision(torch.float32):
-                family.encode_images(planning, request, images, runtime)
+                family.encode_inputs(planning, request, inputs, runtime)
     except _Refused:
         pass  # reported below, with what was compiled before it
     programs = runtime.programs
@@ -188,7 +188,7 @@ def plan_stage1(family, source, request, images: dict, dtype: torch.dtype, targe
     fields = {"programs": [program["name"] for program in programs], "largest_program": largest["name"]}
     if planning.stand_ins:
         fields["stand_ins"] = {component: f"{preset}'s tokenizer" for component, preset in planning.stand_ins.items()}
-    if images and not images_planned:  # a run's image encoder and VAE encode then run on the host's CPU too
+    if inputs and not images_planned:  # a run's image encoder and VAE encode then run on the host's CPU too
         fields["images"] = "not planned: this model encodes its images partly on the host CPU"
     report = base_report(1, target, mesh, request, dtype, largest["compiled"], **fields)
     report["compile_seconds"] = round(sum(program["compiled"].seconds for program in programs), 1)

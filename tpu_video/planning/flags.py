@@ -8,7 +8,7 @@ from typing import Any
 
 from tpu_video.cli import UserError, parse_dtype
 from tpu_video.planning.tpus import Target, parse_target, topology_devices
-from utils import CONFIG_FILE, Request, read_config, read_tensors
+from utils import CONFIG_FILE, DEFAULT_OUTPUT_DIR, Request, read_config, read_tensors
 
 
 def target_from_flag(name: str) -> Target:
@@ -37,13 +37,21 @@ def executables_to_save(folder: str | None, target):
     return ExecutableStore("folder", Path(folder).expanduser())
 
 
-def request_to_plan(input_dir: Path, model: str | None, flags: dict[str, Any], dtype: str | None):
+def plan_folder(input_dirs: list[str] | None, model: str | None) -> Path | None:
+    """The stage folder a plan reads: the given --input_dir; none when only --model is given (a plan from the
+    model alone must not pick up whatever run the default folder holds); else the default folder."""
+    if input_dirs:
+        return Path(input_dirs[0])
+    return None if model else Path(DEFAULT_OUTPUT_DIR)
+
+
+def request_to_plan(input_dir: Path | None, model: str | None, flags: dict[str, Any], dtype: str | None):
     """The request, model and stage-1 tensors a plan compiles for: from the stage folder if it has a
     config (as a real run reads it; `flags` override), else from `model` with its defaults, the given
     request flags and zero tensors of the shapes stage 1 writes. Published hub ids need no network."""
     from tpu_video import models
 
-    if (input_dir / CONFIG_FILE).is_file():
+    if input_dir is not None and (input_dir / CONFIG_FILE).is_file():
         config = read_config(input_dir, needs="stage1")
         request, _ = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides({**flags, "model_id": model})
         source, family = models.resolve_model_for_request(request, configs_only=True)
@@ -63,8 +71,9 @@ def default_request(model: str, flags: dict[str, Any], dtype: str | None = None)
     source, family = models.resolve_model(model, configs_only=True)
     given = {key: value for key, value in flags.items() if value is not None}
     values = {**family.request_defaults(source), "seed": 0, **given}
-    request = Request(
-        model_family=family.NAME, model_id=model, prompt="", negative_prompt="", dtype=dtype or "bf16", **values
+    request = Request.from_values(
+        {"model_family": family.NAME, "model_id": model, "prompt": "", "negative_prompt": "", "dtype": dtype or "bf16"}
+        | values
     )
     models.validate_request(family, source, request)
     return request, source, family

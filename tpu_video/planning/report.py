@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tpu_video.cli import UserError
 from tpu_video.planning.tpus import GIB
 from utils import atomic_write, strict_json
 
@@ -16,12 +17,17 @@ STAGE_WORK = {1: "encode", 2: "step", 3: "decode"}  # what each stage's plan bou
 
 def finish(report: dict[str, Any], json_path: str | None, store=None) -> None:
     """Record what `store` (the plan's --save_executables, or None) saved, print the report, save it as JSON if
-    asked, and exit 3 when it does not fit."""
+    asked, and exit 3 when it does not fit; a save that was asked for and failed is an error (exit 2)."""
     if store is not None:
         report["executables"] = {"folder": str(store.directory), **store.counts}
     print_report(report)
     if json_path:
         atomic_write(Path(json_path), lambda tmp: tmp.write_text(strict_json(report, indent=2) + "\n"))
+    if store is not None and store.counts["failed"]:
+        raise UserError(
+            f"--save_executables {store.directory}: {store.counts['failed']} program(s) could not be saved (see the "
+            "lines above: a full disk?); the plan is above, the folder is incomplete"
+        )
     if not report["fits"]:
         sys.exit(DOES_NOT_FIT_EXIT_STATUS)
 

@@ -10,11 +10,13 @@ store: a store can cost a compile, never a wrong result."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import pickle
+import time
 from pathlib import Path
 
 from tpu_video.cli import UserError, log
@@ -23,6 +25,7 @@ from tpu_video.runtime.program_key import digest
 
 ENTRY_FORMAT = 1
 SUFFIX = ".executable"
+ABANDONED_SECONDS = 3600  # a temporary this old belongs to no running save
 
 
 AUTO_LIMIT_VARIABLE = "TPU_VIDEO_EXECUTABLES_GIB"
@@ -62,7 +65,7 @@ class ExecutableStore:
         self.mode = mode
         self.directory = directory
         self.limit_bytes = limit_bytes
-        self.counts = {"hits": 0, "misses": 0, "saved": 0, "unusable": 0, "unsaveable": 0}
+        self.counts = {"hits": 0, "misses": 0, "saved": 0, "unusable": 0, "unsaveable": 0, "failed": 0}
 
     @property
     def enabled(self) -> bool:
@@ -129,6 +132,7 @@ class ExecutableStore:
             _write_atomically(self.directory / f"{key}{SUFFIX}", pickle.dumps(entry))
             _write_atomically(self.directory / f"{key}.json", json.dumps(summary, indent=1).encode())
         except OSError as error:
+            self.counts["failed"] += 1
             log(f"executables: could not save {name} in {self.directory} ({error})")
             return
         self.counts["saved"] += 1
@@ -137,7 +141,12 @@ class ExecutableStore:
             self._prune(keep=key)
 
     def _prune(self, keep: str) -> None:
-        """Drop the least recently used entries (and their summaries) until the entries fit `limit_bytes`."""
+        """Drop the least recently used entries (and their summaries) until the entries fit `limit_bytes`, and
+        temporaries a killed process left (an hour old)."""
+        for temporary in self.directory.glob(".*.tmp"):  # an entry's or its summary's
+            with contextlib.suppress(OSError):  # removed meanwhile, or not ours to remove
+                if time.time() - temporary.stat().st_mtime > ABANDONED_SECONDS:
+                    temporary.unlink()
         entries = []
         for path in self.directory.glob(f"*{SUFFIX}"):
             try:
@@ -191,6 +200,11 @@ def _touch(path: Path) -> None:
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
+    """Write through a temporary beside `path`, removed when the write fails (a full disk would otherwise
+    keep it, and stay full)."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_bytes(data)
-    os.replace(temporary, path)
+    try:
+        temporary.write_bytes(data)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

@@ -8,15 +8,24 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from tpu_video import models
 from tpu_video.cli import UserError, log, parse_dtype
-from tpu_video.engine import batch_folders, lora
-from tpu_video.engine.cache_schedule import CacheSettings, check_family_runs, kind_from_flags, settings_from_flags
+from tpu_video.engine import batch_folders, lora, passes
+from tpu_video.engine.cache_schedule import (
+    CacheSettings,
+    check_family_runs,
+    check_window,
+    kind_from_flags,
+    settings_from_flags,
+)
 from tpu_video.engine.guard import DenoiseGuard
-from tpu_video.engine.images import check_image_size_kept
+from tpu_video.engine.inputs import check_geometry_kept
 from tpu_video.engine.quantize import Quantization
 from tpu_video.models.adapter_origin import likely_model
 from tpu_video.runtime.interface import Timer
+from tpu_video.stages.request import request_flags
 from utils import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
@@ -24,10 +33,11 @@ from utils import (
     Request,
     check_output_dir,
     check_stage1_fresh,
+    describe_folder,
+    earlier_overrides,
     ensure_writable_dir,
     read_config,
     read_tensors,
-    request_flags,
 )
 
 
@@ -51,6 +61,11 @@ class ValidatedRun:
     guard: DenoiseGuard
     trace_dir: str | None
     timer: Timer
+    # A later pass's first latents (the family's loop layout) and what the section records of them
+    # (tpu_video/engine/passes.py); None: the denoise starts from noise.
+    start_latents: torch.Tensor | None = None
+    start_record: dict | None = None
+    earlier: dict = dataclasses.field(default_factory=dict)  # utils.earlier_overrides
 
 
 def validated_run(
@@ -63,30 +78,39 @@ def validated_run(
         raise UserError(f"--warmup_steps {args.warmup_steps} must be >= 0")
     with timer.phase("read"):  # stage 1's files, the model folder's configs (a tiny preset: built), adapters
         config = read_config(input_dir, needs="stage1")
+        log(describe_folder(input_dir, config))
         request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides(
             {**request_flags(args), "model_id": args.model}
         )
         check_stage1_fresh(input_dir, config, request)
-        check_image_size_kept(config, overrides)
+        check_geometry_kept(config, overrides)
         source, family = models.resolve_model_for_request(request)
         dtype_name = args.dtype or request.dtype
         dtype = parse_dtype(dtype_name)
         models.validate_request(family, source, request)
         embeddings = read_tensors(input_dir, config["stage1"])
         check_output_dir(output_dir, input_dir, config)
+        start = None
+        if args.start_latents:
+            start = passes.read_start(Path(args.start_latents), request, output_dir, models.stage1_only(family))
+        start_latents = family.start_from(source, request, start.tensors) if start else None
         stage1 = config["stage1"].get("adapters", [])
         adapters = lora.read_adapters(args, family, source, dtype, stage1, likely_model=likely_model)
     quantization = Quantization.from_args(args)
     calibrated = (request.model_id, lora.identity(adapters), quantization.calibration_key())
     check_family_runs(family, args)
     cache = settings_from_flags(args, input_dir, *calibrated)
+    check_window(cache, request.num_inference_steps)  # the steps the schedule will have, before weights load
     quantization.check_supported()
     if processes.is_main:
         ensure_writable_dir(output_dir, (STAGE2_FILE,))
-    fingerprint = {**request.fingerprint(), "dtype": dtype_name, "stage1_sha256": config["stage1"]["sha256"]}
+    fingerprint = {**request.fingerprint(models.stage1_only(family)), "dtype": dtype_name}
+    fingerprint["stage1_sha256"] = config["stage1"]["sha256"]
     fingerprint.update({"cache": cache.record(), **({"adapters": lora.identity(adapters)} if adapters else {})})
     if quantization.enabled:  # a checkpoint of another scheme or layer set cannot be resumed
         fingerprint["quantize"] = quantization.record()
+    if start is not None:  # a checkpoint of a pass from other latents cannot be resumed
+        fingerprint["start_latents"] = start.record["sha256"]
     guard = DenoiseGuard(
         output_dir,
         fingerprint,
@@ -111,6 +135,9 @@ def validated_run(
         guard,
         trace_dir,
         timer,
+        start_latents,
+        start.record if start else None,
+        earlier_overrides(config, request, overrides),
     )
 
 
@@ -118,6 +145,8 @@ def check_batch_flags(args, folders: list[Path]) -> None:
     """Flags that cannot apply to several folders, or to a batch of several videos, refused up front."""
     if len(folders) > 1 and args.output_dir:
         raise UserError("--output_dir names one folder; with several input folders each writes into its own")
+    if len(folders) > 1 and args.start_latents:
+        raise UserError("--start_latents names one folder's latents: give one --input_dir (a pass per video)")
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError(f"--batch_size {args.batch_size} must be >= 1")
     if (args.batch_size or 1) > 1 and kind_from_flags(args) == "magcache":

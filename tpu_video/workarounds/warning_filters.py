@@ -1,5 +1,6 @@
-"""Library warnings known to be harmless here, hidden by exact message start; nothing else is hidden.
-The stages call `filter_harmless_warnings` first thing (and the tests, for library code called directly).
+"""Library warnings known to be harmless here, hidden by exact message start (Python warnings) or pattern (log
+records of one named library logger); nothing else is hidden. The stages call `filter_harmless_warnings`
+first thing (and the tests, for library code called directly).
 """
 
 from __future__ import annotations
@@ -19,10 +20,40 @@ HARMLESS_WARNINGS = (
 )
 
 
+HARMLESS_LOG_RECORDS = (
+    # transformers 5 without torchvision (not a dependency) takes the PIL image processors, which the
+    # diffusers pipelines we compare with take too; it says so once per class.
+    (
+        "transformers.utils.import_utils",
+        r"`\w+ImageProcessor` requires torchvision \(not installed\); falling back to `\w+ImageProcessorPil`",
+    ),
+    # diffusers 0.42 says this each time a guider is built (HunyuanVideo-1.5's pipelines build them).
+    ("diffusers.guiders.guider_utils", r"Guiders are currently an experimental feature"),
+)
+
+
 def filter_harmless_warnings() -> None:
-    """Hide exactly the HARMLESS_WARNINGS (the stages call this first thing)."""
+    """Hide exactly the HARMLESS_WARNINGS and HARMLESS_LOG_RECORDS (the stages call this first thing)."""
+    import logging
     import re
     import warnings
 
     for category, message in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(message), category=category)
+    for name, pattern in HARMLESS_LOG_RECORDS:
+        logger = logging.getLogger(name)
+        if not any(getattr(existing, "pattern", None) == pattern for existing in logger.filters):
+            logger.addFilter(_HiddenRecords(pattern))
+
+
+class _HiddenRecords:
+    """A logging filter dropping the records whose message matches `pattern` at its start."""
+
+    def __init__(self, pattern: str) -> None:
+        import re
+
+        self.pattern = pattern
+        self._compiled = re.compile(pattern)
+
+    def filter(self, record) -> bool:
+        return self._compiled.match(record.getMessage()) is None

@@ -20,7 +20,7 @@ NAME = "cogvideox"
 PIPELINE_CLASSES = ("CogVideoXPipeline", i2v.PIPELINE_CLASS)
 LORA_LOADER = "CogVideoXLoraLoaderMixin"  # reads adapters; load_lora_adapter converts older diffusers keys
 STEP_CACHES = ("magcache", "interval")  # the --cache kinds it runs (docs/caching.md)
-REQUEST_FLAGS = ()  # takes none of the family-specific flags (models.FAMILY_FLAGS)
+OPTIONS = ()  # no options of its own (family.Family.OPTIONS)
 
 # Documented per-variant defaults (model cards). The pipeline's own fallback (transformer
 # sample_height x 8) would give 2400x2400 for CogVideoX1.5, whose config says sample_height=300.
@@ -41,7 +41,7 @@ def variant(transformer_config: dict[str, Any]) -> str:
 
 def request_defaults(source) -> dict[str, Any]:
     version = variant(source.load_config("transformer"))
-    return {**VARIANT_DEFAULTS[version], **COMMON_DEFAULTS, **source.preset_defaults, "variant": version}
+    return {**VARIANT_DEFAULTS[version], **COMMON_DEFAULTS, **source.preset_defaults}
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,10 @@ import torch
 
 from tpu_video.cli import parse_dtype
 from tpu_video.engine.encoders import DeviceVAEEncoder
+from tpu_video.engine.inputs import MediaInput
 from utils import Request
+
+from ..common import IMAGE
 
 PIPELINE_CLASS = "CogVideoXImageToVideoPipeline"
 OFS = 2.0  # the pipeline's `ofs` value for transformers with an ofs embedding (CogVideoX 1.5 I2V)
@@ -26,9 +29,12 @@ def image_to_video(source) -> bool:
     return source.index.get("_class_name") == PIPELINE_CLASS
 
 
-def image_inputs(source) -> tuple[tuple[str, ...], bool]:
+MEDIA_INPUTS = (IMAGE,)
+
+
+def media_inputs(source) -> tuple[MediaInput, ...]:
     """The image-to-video pipeline takes a first frame (no last frame)."""
-    return (("image",), True) if image_to_video(source) else ((), False)
+    return (IMAGE.required_here(),) if image_to_video(source) else ()
 
 
 def _pipeline(source, **components):
@@ -46,7 +52,7 @@ def _pipeline(source, **components):
     return pipe
 
 
-def encode_images(source, request: Request, images: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
+def encode_inputs(source, request: Request, images: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
     """The VAE posterior of the first frame, resized as the pipeline resizes it, in the request's dtype (the
     pipeline runs its VAE in the pipeline's dtype): the encoder's moments, which stage 2 samples from."""
     dtype = parse_dtype(request.dtype)
@@ -99,6 +105,6 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
     return {"image_latent_parameters": torch.zeros(shape, dtype=dtype)}
 
 
-def images_on_runtime(source) -> bool:
-    """Every model of encode_images runs on the runtime."""
+def inputs_on_runtime(source) -> bool:
+    """Every model of encode_inputs runs on the runtime."""
     return True

@@ -10,22 +10,23 @@
 - `presets`: the tiny random presets; `published`: the published checkpoints' configs for `--plan`.
 """
 
-from ..common import no_image_checks as check_images
+from ..common import no_image_checks as check_inputs
+from ..common import no_start_from
 from ..common import one_transformer as transformer_components
 from ..common import stage2_as_written as upgrade_stage2
 from ..common import vae_scaling_factor as latents_normalization
 from .config import (
     LORA_LOADER,
     NAME,
+    OPTIONS,
     PIPELINE_CLASSES,
-    REQUEST_FLAGS,
     STEP_CACHES,
     activations,
     guidance_branches,
     request_defaults,
     validate_request,
 )
-from .i2v import encode_images, image_inputs, image_size, images_on_runtime
+from .i2v import MEDIA_INPUTS, encode_inputs, inputs_on_runtime, media_inputs, size_from_inputs
 from .pipeline import denoise_loop, planning_embeds, prompt_encoder
 from .presets import PRESETS
 from .published import PUBLISHED
@@ -33,3 +34,4 @@ from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
 from .vae import CHUNK_FRAMES, Decoder, frame_plan, frame_programs, video_processor
 
 Soundtrack = None  # no soundtrack
+start_from = no_start_from(NAME)  # --start_latents: not yet

@@ -19,7 +19,7 @@ NAME = "hunyuanvideo15"
 PIPELINE_CLASSES = ("HunyuanVideo15Pipeline", i2v.PIPELINE_CLASS)
 LORA_LOADER = None  # diffusers 0.42.1 has no loader for 1.5: files must hold diffusers/PEFT keys
 STEP_CACHES = ("magcache", "interval")  # the --cache kinds it runs (docs/caching.md)
-REQUEST_FLAGS = ()  # takes none of the family-specific flags (models.FAMILY_FLAGS)
+OPTIONS = ()  # no options of its own (family.Family.OPTIONS)
 
 # The pipeline's documented text-to-video defaults; the transformer's `target_size` says 480p or 720p.
 RESOLUTION_DEFAULTS = {

@@ -1,7 +1,7 @@
 """HunyuanVideo-1.5 image-to-video (diffusers `HunyuanVideo15ImageToVideoPipeline`).
 
 The pipeline takes its video size from the image: the size bucket nearest the image's aspect ratio around the
-transformer's `target_size`, the image centre-cropped to it (`image_size`; stage 1 refuses `--height` and
+transformer's `target_size`, the image centre-cropped to it (`size_from_inputs`; stage 1 refuses `--height` and
 `--width` for these models). Stage 1 runs its SigLIP image encoder (`image_embeds`) and its VAE on the cropped
 image (`image_latents`, the posterior's mode times the scaling factor, no sampling); stage 2 builds the
 pipeline's condition channels from them (`prepare_cond_latents_and_mask`: the image latents in the first
@@ -16,8 +16,10 @@ import torch
 
 from tpu_video.cli import parse_dtype
 from tpu_video.engine.encoders import DeviceImageEncoder, DeviceVAEEncoder
+from tpu_video.engine.inputs import MediaInput
 from utils import Request
 
+from ..common import IMAGE
 from .vae import make_vae_jit_safe
 
 PIPELINE_CLASS = "HunyuanVideo15ImageToVideoPipeline"
@@ -27,9 +29,12 @@ def image_to_video(source) -> bool:
     return source.index.get("_class_name") == PIPELINE_CLASS
 
 
-def image_inputs(source) -> tuple[tuple[str, ...], bool]:
+MEDIA_INPUTS = (IMAGE,)
+
+
+def media_inputs(source) -> tuple[MediaInput, ...]:
     """The image-to-video pipeline takes a first frame (no last frame)."""
-    return (("image",), True) if image_to_video(source) else ((), False)
+    return (IMAGE.required_here(),) if image_to_video(source) else ()
 
 
 def _processor(source):
@@ -39,7 +44,7 @@ def _processor(source):
     return HunyuanVideo15ImageProcessor(vae_scale_factor=spatial, do_resize=False, do_convert_rgb=True)
 
 
-def image_size(source, images: dict[str, Any]) -> tuple[int, int] | None:
+def size_from_inputs(source, images: dict[str, Any]) -> tuple[int, int] | None:
     """(height, width) the pipeline derives from the image (its size bucket), or None for text-to-video."""
     if not image_to_video(source):
         return None
@@ -48,7 +53,7 @@ def image_size(source, images: dict[str, Any]) -> tuple[int, int] | None:
     return tuple(_processor(source).calculate_default_height_width(height=height, width=width, target_size=target))
 
 
-def encode_images(source, request: Request, images: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
+def encode_inputs(source, request: Request, images: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
     """The pipeline's image conditioning in the request's dtype (it runs its image encoder and VAE in the
     pipeline's dtype): the image centre-cropped to the request's size bucket, its SigLIP tokens and its
     scaled VAE latents."""
@@ -102,6 +107,6 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
     }
 
 
-def images_on_runtime(source) -> bool:
-    """Every model of encode_images runs on the runtime."""
+def inputs_on_runtime(source) -> bool:
+    """Every model of encode_inputs runs on the runtime."""
     return True

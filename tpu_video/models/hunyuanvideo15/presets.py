@@ -148,7 +148,7 @@ TINY_DEFAULTS = {"height": 32, "width": 48, "num_frames": 5, "fps": 24, "num_inf
 TINY_LENGTHS = {"tokenizer_max_length": 512, "tokenizer_2_max_length": 32, "vision_num_semantic_tokens": 16}
 PRESETS = {
     "tiny-hunyuanvideo15": Preset(NAME, tiny_pipeline, TINY_DEFAULTS, TINY_LENGTHS),
-    # image-to-video: the size comes from the image (i2v.image_size)
+    # image-to-video: the size comes from the image (i2v.size_from_inputs)
     "tiny-hunyuanvideo15-i2v": Preset(
         NAME, functools.partial(tiny_pipeline, image_to_video=True), TINY_DEFAULTS, TINY_LENGTHS
     ),

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from tpu_video.cli import UserError
+from tpu_video.cli.options import Option
 from utils import Request
 
 from .. import common
@@ -23,17 +24,40 @@ LORA_LOADER = "LTX2LoraLoaderMixin"  # its lora_state_dict converts the original
 # the cache hooks' registry), so there is no reference to be exact to, and a MagCache skip would pass the
 # audio stream through its skipped blocks unchanged, as it passes text tokens.
 STEP_CACHES = ("interval",)
-REQUEST_FLAGS = (
-    "stg_scale",
-    "stg_blocks",
-    "modality_scale",
-    "guidance_rescale",
-    "audio_guidance_scale",
-    "audio_stg_scale",
-    "audio_modality_scale",
-    "audio_guidance_rescale",
-    "motion_speed",
-    "image_crf",
+# LTX-2's guidance terms and motion speed, named as LTX2Pipeline's arguments (docs/ltx2.md). Unset, a term
+# takes the pipeline's default (guidance.DEFAULTS) and is skipped where it cannot act; a value given that
+# cannot act is an error.
+OPTIONS = (
+    *(
+        Option(name, "float", words)
+        for name, words in (
+            ("stg_scale", "spatio-temporal guidance scale (default 1.0; acts on models with perturbed attention)"),
+            (
+                "modality_scale",
+                "modality guidance scale (default 3.0; > 1 runs the pass without audio<->video attention)",
+            ),
+            ("guidance_rescale", "rescale of the guided prediction toward the conditional one's std (default 0.7)"),
+            ("audio_guidance_scale", "the audio stream's --guidance_scale (default 7.0; 0 means 0)"),
+            ("audio_stg_scale", "the audio stream's --stg_scale (default 1.0)"),
+            ("audio_modality_scale", "the audio stream's --modality_scale (default 3.0)"),
+            ("audio_guidance_rescale", "the audio stream's --guidance_rescale (default 0.7)"),
+            ("motion_speed", "motion relative to real time: RoPE sees fps / motion_speed (default 1.0)"),
+        )
+    ),
+    Option(
+        "stg_blocks",
+        "str",
+        "comma-separated transformer blocks whose self-attention the STG pass perturbs (default: 28)",
+    ),
+    Option(
+        "image_crf",
+        "int",
+        "image-to-video: the H.264 quality the image is re-encoded at before the VAE, as the model was trained "
+        "(0: not re-encoded; default 33, LTX2ImageToVideoPipeline's; needs the `crf` extra, PyAV)",
+        later=False,  # stage 1 encodes the image
+        splits_batch=False,
+        metavar="CRF",
+    ),
 )
 
 # LTX2Pipeline.__call__'s defaults (num_frames: its fixed default for checkpoints without a duration head).
@@ -85,10 +109,11 @@ def validate_request(source, request: Request) -> None:
     temporal = vae_ratios(source)[1]
     if request.num_frames < 1 or (request.num_frames - 1) % temporal:
         raise UserError(f"--num_frames {request.num_frames} must be {temporal}n+1 (e.g. 121)")
-    if request.image_crf is not None and not image_to_video(source):
+    crf = request.option("image_crf")
+    if crf is not None and not image_to_video(source):
         raise UserError(f"--image_crf: --model {source.ref!r} is text-to-video; there is no image to re-encode")
-    if request.image_crf is not None and not 0 <= request.image_crf <= 51:
-        raise UserError(f"--image_crf {request.image_crf} must be from 0 (no re-encode) to 51 (H.264's range)")
+    if crf is not None and not 0 <= crf <= 51:
+        raise UserError(f"--image_crf {crf} must be from 0 (no re-encode) to 51 (H.264's range)")
     if request.flow_shift is not None:
         raise UserError("--flow_shift: LTX-2's scheduler shifts by the video's token count (dynamic shifting)")
     resolve_guidance(request, source.load_config("transformer"))

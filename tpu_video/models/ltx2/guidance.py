@@ -78,7 +78,7 @@ def parse_blocks(text: str) -> tuple[int, ...]:
 
 def resolve_guidance(request, transformer_config: dict[str, Any]) -> Guidance:
     """The run's guidance from the request (None: the pipeline's default) and the transformer's config."""
-    value = {key: getattr(request, key) if getattr(request, key) is not None else DEFAULTS[key] for key in DEFAULTS}
+    value = {key: request.option(key) if request.option(key) is not None else DEFAULTS[key] for key in DEFAULTS}
     video = StreamScales(request.guidance_scale, value["stg_scale"], value["modality_scale"], value["guidance_rescale"])
     audio = StreamScales(
         value["audio_guidance_scale"],
@@ -91,14 +91,16 @@ def resolve_guidance(request, transformer_config: dict[str, Any]) -> Guidance:
     for name, scale in (("guidance_rescale", video.rescale), ("audio_guidance_rescale", audio.rescale)):
         if not 0 <= scale <= 1:
             raise UserError(f"--{name} {scale} must be from 0 to 1")
-    given_blocks = request.stg_blocks is not None
-    blocks = parse_blocks(request.stg_blocks) if given_blocks else DEFAULT_STG_BLOCKS
+    given_blocks = request.option("stg_blocks") is not None
+    blocks = parse_blocks(request.option("stg_blocks")) if given_blocks else DEFAULT_STG_BLOCKS
     depth = transformer_config["num_layers"]
     skipped: dict[str, str] = {}
     branches = ["uncond"] if video.cfg > 1.0 or audio.cfg > 1.0 else []
     branches.append("cond")
     if video.stg > 0.0 or audio.stg > 0.0:
-        stg_given = given_blocks or request.stg_scale is not None or request.audio_stg_scale is not None
+        stg_given = (
+            given_blocks or request.option("stg_scale") is not None or request.option("audio_stg_scale") is not None
+        )
         beyond = [block for block in blocks if block >= depth]
         if not blocks:
             raise UserError(
@@ -110,13 +112,17 @@ def resolve_guidance(request, transformer_config: dict[str, Any]) -> Guidance:
                 raise UserError(f"spatio-temporal guidance cannot act: {why}; pass --stg_scale 0 --audio_stg_scale 0")
             skipped["stg"] = why
         elif beyond and given_blocks:
-            raise UserError(f"--stg_blocks {request.stg_blocks}: the transformer has {depth} blocks (0 to {depth - 1})")
+            raise UserError(
+                f"--stg_blocks {request.option('stg_blocks')}: the transformer has {depth} blocks (0 to {depth - 1})"
+            )
         elif len(beyond) == len(blocks):
             skipped["stg"] = f"the default STG blocks {list(blocks)} lie beyond the transformer's {depth} blocks"
         else:
             branches.append("stg")
     elif given_blocks:
-        raise UserError(f"--stg_blocks {request.stg_blocks}: spatio-temporal guidance is off (both STG scales are 0)")
+        raise UserError(
+            f"--stg_blocks {request.option('stg_blocks')}: spatio-temporal guidance is off (both STG scales are 0)"
+        )
     if video.modality > 1.0 or audio.modality > 1.0:
         branches.append("isolated")
     stg_blocks = tuple(block for block in blocks if block < depth) if "stg" in branches else ()

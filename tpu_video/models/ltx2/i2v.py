@@ -12,31 +12,37 @@ import torch
 
 from tpu_video.cli import UserError
 from tpu_video.engine.encoders import DeviceVAEEncoder
+from tpu_video.engine.inputs import MediaInput
 from utils import Request
 
+from ..common import IMAGE
 from .config import image_to_video, vae_ratios
 
 IMAGE_LATENTS = "image_latents"  # (1, C, 1, H/32, W/32): the first frame's normalised VAE latents
 
 
-def image_inputs(source) -> tuple[tuple[str, ...], bool]:
-    return (("image",), True) if image_to_video(source) else ((), False)
+MEDIA_INPUTS = (IMAGE,)
 
 
-def images_on_runtime(source) -> bool:
+def media_inputs(source) -> tuple[MediaInput, ...]:
+    return (IMAGE.required_here(),) if image_to_video(source) else ()
+
+
+def inputs_on_runtime(source) -> bool:
     return True  # the re-encode is a host step before the model; the VAE encode runs on the runtime
 
 
-def check_images(source, request: Request, images: dict[str, Any]) -> None:
+def check_inputs(source, request: Request, images: dict[str, Any]) -> None:
     """Stage 1, before Gemma 3 loads: the re-encode's PyAV is installed (without this check a missing
     extra stopped the run only after the text encode), and the image has the 2 x 2 pixels H.264 needs (its
     helper crops to even sides: a side of 1 became 0 and an IndexError)."""
-    if image_to_video(source) and request.image_crf:
-        require_pyav(request.image_crf)
+    crf = request.option("image_crf")
+    if image_to_video(source) and crf:
+        require_pyav(crf)
         width, height = images["image"].size
         if min(width, height) < 2:
             raise UserError(
-                f"--image is {width}x{height} pixels: H.264 (--image_crf {request.image_crf}) needs at least 2 "
+                f"--image is {width}x{height} pixels: H.264 (--image_crf {crf}) needs at least 2 "
                 "on each side; pass --image_crf 0 to condition on the image as it is"
             )
 
@@ -64,7 +70,7 @@ def recompress(image, crf: int):
     return Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), crf))
 
 
-def encode_images(source, request: Request, images: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
+def encode_inputs(source, request: Request, images: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
     """The pipeline's first-frame conditioning: the H.264 round trip, its bilinear resize to the request's
     size, the float32 VAE's posterior mode, normalised by the VAE's statistics (`prepare_latents`; the noise
     it blends with is drawn in stage 2)."""
@@ -73,7 +79,7 @@ def encode_images(source, request: Request, images: dict[str, Any], runtime) -> 
 
     vae = source.load("vae", dtype=torch.float32).eval()
     processor = VideoProcessor(vae_scale_factor=vae_ratios(source)[0], resample="bilinear")
-    image = recompress(images["image"], request.image_crf)
+    image = recompress(images["image"], request.option("image_crf"))
     pixels = processor.preprocess(image, height=request.height, width=request.width).float()
     # Read before the runtime places the VAE: placed (torchax) buffers cannot be used on the host.
     mean, std = vae.latents_mean.clone(), vae.latents_std.clone()

@@ -11,14 +11,14 @@ the family's `models.family.Family` members, gathered from its parts.
 - `presets`: the tiny random presets; `published`: the published checkpoints' configs for `--plan`.
 """
 
-from ..common import no_image_checks as check_images
-from ..common import size_from_request as image_size  # the pipeline resizes the image to the request's size
+from ..common import no_image_checks as check_inputs
+from ..common import size_from_request as size_from_inputs  # the pipeline resizes the image to the request's size
 from ..common import stage2_as_written as upgrade_stage2
 from .config import (
     LORA_LOADER,
     NAME,
+    OPTIONS,
     PIPELINE_CLASSES,
-    REQUEST_FLAGS,
     STEP_CACHES,
     activations,
     guidance_branches,
@@ -26,8 +26,16 @@ from .config import (
     transformer_components,
     validate_request,
 )
-from .i2v import encode_images, image_inputs, images_on_runtime
-from .pipeline import Decoder, denoise_loop, latents_normalization, planning_embeds, prompt_encoder, video_processor
+from .i2v import MEDIA_INPUTS, encode_inputs, inputs_on_runtime, media_inputs
+from .pipeline import (
+    Decoder,
+    denoise_loop,
+    latents_normalization,
+    planning_embeds,
+    prompt_encoder,
+    start_from,
+    video_processor,
+)
 from .presets import PRESETS
 from .published import PUBLISHED
 from .transformer import SPLASH_BLOCK_SIZES, transformer_rules

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from tpu_video.cli import UserError
+from tpu_video.cli.options import Option
 from utils import Request
 
 from .. import common
@@ -19,7 +20,22 @@ NAME = "wan"
 PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
 LORA_LOADER = "WanLoraLoaderMixin"  # reads adapter files and converts the original Wan and musubi formats
 STEP_CACHES = ("magcache", "interval")  # the --cache kinds it runs (docs/caching.md)
-REQUEST_FLAGS = ("guidance_scale_2", "scheduler")  # Wan 2.2's second expert's scale; the sampler
+# --scheduler's names for the flow-matching samplers a Wan folder's scheduler config can build.
+SCHEDULERS = ("unipc", "euler")
+OPTIONS = (
+    Option(
+        "guidance_scale_2",
+        "float",
+        "Wan 2.2 A14B: guidance scale of the low-noise expert (default: --guidance_scale)",
+    ),
+    Option(
+        "scheduler",
+        "str",
+        "the sampler, built from the model folder's scheduler config (default: the folder's, UniPC in the "
+        "published ones; the 4-step distillation LoRAs expect euler, docs/lora.md)",
+        choices=SCHEDULERS,
+    ),
+)
 
 # WanPipeline.__call__'s defaults (480p; the 14B models also run 720p: --height 720 --width 1280).
 DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "fps": 16, "num_inference_steps": 50, "guidance_scale": 5.0}
@@ -46,7 +62,7 @@ def validate_request(source, request: Request) -> None:
     two_experts = source.index.get("boundary_ratio") is not None
     if two_experts and not isinstance(source.index.get("transformer_2"), list):
         raise UserError(f"--model {source.ref!r} sets boundary_ratio but has no transformer_2")
-    if request.guidance_scale_2 is not None and not two_experts:
+    if request.option("guidance_scale_2") is not None and not two_experts:
         raise UserError("--guidance_scale_2 applies to two-expert models (Wan 2.2 A14B); this one has one transformer")
     vae = source.load_config("vae")
     patch = source.load_config("transformer")["patch_size"]

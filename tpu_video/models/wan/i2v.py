@@ -11,26 +11,30 @@ import torch
 
 from tpu_video.cli import UserError, log
 from tpu_video.engine.encoders import DeviceImageEncoder, DeviceVAEEncoder
+from tpu_video.engine.inputs import MediaInput
 from utils import Request
 
+from ..common import IMAGE, LAST_IMAGE
 from . import ti2v
 from .config import image_to_video, stock_pipeline
 
+MEDIA_INPUTS = (IMAGE, LAST_IMAGE)
 
-def image_inputs(source) -> tuple[tuple[str, ...], bool]:
+
+def media_inputs(source) -> tuple[MediaInput, ...]:
     """WanImageToVideoPipeline takes a first frame, and a last one where its transformer can use two: Wan
     2.2 A14B (no image embedder) or one with a position embedding for two images (FLF2V). Wan 2.1 I2V's
     embedder takes one image; diffusers 0.42.1 fails on a last frame there (image batch 2, text batch 1)."""
     if ti2v.expand_timesteps(source):  # TI2V-5B: text-to-video, or image-to-video with --image
-        return ("image",), False
+        return (IMAGE,)
     if not image_to_video(source):
-        return (), False
+        return ()
     config = source.load_config("transformer")
     two = config.get("image_dim") is None or config.get("pos_embed_seq_len") is not None
-    return (("image", "last_image") if two else ("image",)), True
+    return (IMAGE.required_here(), LAST_IMAGE) if two else (IMAGE.required_here(),)
 
 
-def encode_images(source, request: Request, images: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
+def encode_inputs(source, request: Request, images: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
     """The pipeline's image conditioning, computed by its own methods in float32 on the host (its example
     loads the VAE and image encoder in float32): the CLIP embeddings of the image(s) where the transformer
     has an image embedder (`image_embeds`), and `condition`: the first-frame mask and the normalised VAE
@@ -48,10 +52,6 @@ def encode_images(source, request: Request, images: dict[str, Any], runtime) -> 
         components["image_processor"] = source.load("image_processor")
     pipe = stock_pipeline(source, **components)
     first, last = images["image"], images.get("last_image")
-    for name, image in images.items():
-        if abs(image.width / image.height - request.width / request.height) > 0.01:
-            size = f"{request.width}x{request.height}"
-            log(f"--{name}: {image.width}x{image.height} is resized to {size} as the pipeline does (new aspect ratio)")
     tensors = {}
     height, width, frames = request.height, request.width, request.num_frames
     with torch.no_grad():
@@ -91,6 +91,6 @@ def image_conditioning(source, embeds, dtype) -> list[tuple[torch.Tensor, tuple]
     return inputs
 
 
-def images_on_runtime(source) -> bool:
+def inputs_on_runtime(source) -> bool:
     """Only TI2V-5B's image conditioning runs wholly on the runtime (the I2V models VAE-encode on the host)."""
     return ti2v.expand_timesteps(source)

@@ -77,11 +77,11 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     giving stage 2's latents and record. Latents stay float32 between steps, as in the pipeline."""
     from diffusers import WanPipeline
 
-    scheduler = flow_scheduler(source, request.flow_shift, request.scheduler)
+    scheduler = flow_scheduler(source, request.flow_shift, request.option("scheduler"))
     do_cfg = cfg_enabled(request.guidance_scale)
     scales = (
         request.guidance_scale,
-        request.guidance_scale if request.guidance_scale_2 is None else request.guidance_scale_2,
+        request.guidance_scale if request.option("guidance_scale_2") is None else request.option("guidance_scale_2"),
     )
     names = transformer_components(source)
     per_token = ti2v.expand_timesteps(source)
@@ -149,6 +149,15 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         return {"latents": latents}, latents_record(scheduler, do_cfg, latents_normalization(source), **extra)
 
     return loop, finish
+
+
+def start_from(source, request: Request, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """WanPipeline's `prepare_latents` with `latents=` given: those latents, in the loop's float32 (stage 2
+    writes the loop's latents as they are). TI2V-5B blends its first frame into the noise (ti2v.loop_parts):
+    not yet."""
+    if ti2v.expand_timesteps(source):
+        raise UserError("--start_latents: Wan TI2V-5B denoises from noise only (its first frame joins the noise)")
+    return tensors["latents"].to(NOISE_DTYPE)
 
 
 # Stage 3 -------------------------------------------------------------------------------------------

@@ -1,0 +1,59 @@
+"""Request options as data: each one a name, a JSON type, a help line and where it may be set. The shared
+request (utils.REQUEST_OPTIONS) and every family (its `OPTIONS`) declare theirs with `Option`; the stages
+build their flags from the declarations (`add_options`) and the request checks stored values against them
+(`Option.check`), so a family adds an option without editing a shared module."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from . import UserError, finite_float, flag_names
+
+# What each kind accepts in generation_config.json (bool is not a number here, though Python's int says so).
+KIND_TYPES = {"str": (str,), "int": (int,), "float": (int, float)}
+KIND_WORDS = {"str": "a string", "int": "an integer", "float": "a number"}
+FLAG_TYPES = {"str": str, "int": int, "float": finite_float}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One request option: `--name` in stage 1 (omitted: the family's default, else unset), stored as a
+    top-level key of generation_config.json. `later`: stages 2 and 3 may override it (recorded as an
+    override); False for what only stage 1 acts on. `splits_batch`: videos that differ in it cannot share a
+    stage-2 batch (it changes the compiled program or the schedule)."""
+
+    name: str
+    kind: str  # a KIND_TYPES key
+    help: str
+    choices: tuple[str, ...] = ()
+    later: bool = True
+    splits_batch: bool = True
+    metavar: str | None = None
+
+    def check(self, value: Any) -> None:
+        """Refuse a stored value of the wrong JSON type or outside the choices (a hand-edited config)."""
+        if value is None:
+            return
+        if type(value) not in KIND_TYPES[self.kind]:
+            raise UserError(f"{self.name} is {json.dumps(value)} in the request; it must be {KIND_WORDS[self.kind]}")
+        if self.choices and value not in self.choices:
+            raise UserError(f"--{self.name} {value!r} is not one of {', '.join(self.choices)}")
+
+
+def add_options(group: argparse._ActionsContainer, options: tuple[Option, ...], *, for_later_stage: bool) -> None:
+    """Each option as a flag of `group` (a later stage gets only those it may override); unset flags are
+    None, so what was not given is told apart from a default."""
+    for option in options:
+        if for_later_stage and not option.later:
+            continue
+        group.add_argument(
+            *flag_names(f"--{option.name}"),
+            dest=option.name,
+            type=FLAG_TYPES[option.kind],
+            choices=option.choices or None,
+            metavar=option.metavar,
+            help=option.help,
+        )

@@ -1,0 +1,68 @@
+"""The generation request's flags and stage 1's media-input flags, built from the declarations: the shared
+options (utils.REQUEST_OPTIONS) in one group, every registered family's own (its `OPTIONS`) in a group
+named for the family, and every family's media inputs (its `MEDIA_INPUTS`). In stage 1 an omitted request
+flag takes the family's default; in a later stage it keeps the value from generation_config.json, and a
+given one is recorded as an override."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any
+
+from tpu_video import models
+from tpu_video.cli import log
+from tpu_video.cli.options import add_options
+from utils import REQUEST_KEYS, REQUEST_OPTIONS, Request
+
+
+def add_request_arguments(parser, *, for_later_stage: bool) -> None:
+    where = "default: from generation_config.json" if for_later_stage else "default: the model family's"
+    add_options(
+        parser.add_argument_group("generation request", f"({where})"), REQUEST_OPTIONS, for_later_stage=for_later_stage
+    )
+    shown: set[str] = set()
+    for family in models.FAMILIES.values():
+        own = tuple(option for option in family.OPTIONS if option.name not in shown)
+        shown.update(option.name for option in own)
+        if any(option.later or not for_later_stage for option in own):
+            group = parser.add_argument_group(f"{family.NAME} options", f"({where}; other families refuse them)")
+            for option in own:
+                add = functools.partial(add_options, group, (option,), for_later_stage=for_later_stage)
+                _unless_taken(family, option.name, add)
+
+
+def _unless_taken(family, name: str, add) -> None:
+    """Add a family's flag; one a stage already has is left out with a warning (the other flags still work:
+    a family from another package must not break the stages)."""
+    try:
+        add()
+    except argparse.ArgumentError:
+        log(f"warning: --{name} of the model family {family.NAME} is left out: this stage has a flag of that name")
+
+
+def request_flags(args) -> dict[str, Any]:
+    """The request flags a later stage's command line may give (None where omitted): the shared ones and
+    every family's options that later stages may override."""
+    names = (*REQUEST_KEYS, *(name for name, option in models.FAMILY_OPTIONS.items() if option.later))
+    return {name: getattr(args, name, None) for name in names}
+
+
+def request_from_flags(args, family, model_id: str, defaults: dict[str, Any]) -> Request:
+    """Stage 1: the family's defaults, then every request flag given on the command line (shared or any
+    family's option: models.validate_request refuses another family's)."""
+    given = {name: getattr(args, name, None) for name in (*REQUEST_KEYS, *models.FAMILY_OPTIONS)}
+    values = {**defaults, "model_family": family.NAME, "model_id": model_id}
+    values.update(prompt=args.prompt, negative_prompt=args.negative_prompt, dtype=args.dtype)
+    return Request.from_values({**values, **{key: value for key, value in given.items() if value is not None}})
+
+
+def add_media_arguments(parser) -> None:
+    """Stage 1's media-input flags: every family's (models.MEDIA_INPUTS); which of them a model takes is its
+    family's media_inputs(source), checked before anything loads."""
+    group = parser.add_argument_group("media inputs", "(what the model conditions on besides the prompt)")
+    for family in models.FAMILIES.values():
+        for media in family.MEDIA_INPUTS:
+            if models.MEDIA_INPUTS[media.name] is media:  # each name once, as its first family declares it
+                add = functools.partial(group.add_argument, f"--{media.name}", metavar="PATH", help=media.help)
+                _unless_taken(family, media.name, add)

@@ -140,7 +140,7 @@ LAYERS = [
     ("tpu_video.engine",),
     ("tpu_video.models",),
     ("tpu_video.planning",),
-    ("tpu_video.stages",),
+    ("tpu_video.stages", "tpu_video.api"),
     ("stage1_text_encoder", "stage2_transformer", "stage3_vae_decoder"),
 ]
 

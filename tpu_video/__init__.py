@@ -9,11 +9,12 @@ Subpackages, from the bottom layer up (docs/architecture.md draws them):
   and saved executables, multi-host);
 - `attention`: the attention plan, its backends and the sequence-parallel schemes;
 - `engine`: what every family runs (the denoise loop with its guard and guidance, batching, step caching,
-  the block scan, quantization, LoRA fusion, direct loading, meta facts, the encoders, decode, images);
+  the block scan, quantization, LoRA fusion, direct loading, meta facts, the encoders, decode, media inputs, passes);
 - `models`: the families (the registry and `--model` resolution, the `Family` interface, one subpackage
   per family with its presets and published configs);
 - `planning`: `--plan`, the programs compiled for a TPU topology by libtpu;
-- `stages`: the stages' checked inputs.
+- `stages`: what the stage scripts call (their parsers, checked inputs and runs);
+- `api`: the three stages from Python, in one process (encode, denoise, decode).
 
 It imports nothing itself, so importing one subpackage loads only what that one needs.
 """

@@ -61,8 +61,10 @@ def add_media_arguments(parser) -> None:
     """Stage 1's media-input flags: every family's (models.MEDIA_INPUTS); which of them a model takes is its
     family's media_inputs(source), checked before anything loads."""
     group = parser.add_argument_group("media inputs", "(what the model conditions on besides the prompt)")
+    added: set[str] = set()
     for family in models.FAMILIES.values():
         for media in family.MEDIA_INPUTS:
-            if models.MEDIA_INPUTS[media.name] is media:  # each name once, as its first family declares it
+            if media.name not in added:  # each name once, as its first family declares it
+                added.add(media.name)
                 add = functools.partial(group.add_argument, f"--{media.name}", metavar="PATH", help=media.help)
                 _unless_taken(family, media.name, add)

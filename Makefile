@@ -53,5 +53,8 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# What the stages write in $(OUT): stage files, configs, batch indexes, videos, previews, WAVs, ratios, the
+# demo's image, temporaries a killed run left, and a batch's per-video folders (each holds a config).
 clean:
-	rm -rf $(OUT)/*.safetensors $(OUT)/*.json $(OUT)/*.mp4
+	rm -rf $(OUT)/*.safetensors $(OUT)/*.json $(OUT)/*.mp4 $(OUT)/*.png $(OUT)/*.wav $(OUT)/.*.tmp*
+	for folder in $(OUT)/*/; do [ -f "$$folder/generation_config.json" ] && rm -rf "$$folder"; done; true

@@ -113,7 +113,8 @@ def test_scan_blocks_on_is_refused_where_there_is_nothing_to_scan(capsys, tmp_pa
     pipeline.transformer = type(pipeline.transformer).from_config({**config, "num_layers": 3})
     pipeline.save_pretrained(folder)
     out = stage1(tmp_path / "stage1", str(folder))
-    flags = ["--input_dir", out, "--cache", "interval", "--scan_blocks", "on", "--executables", "off"]
+    window = ["--cache_start_step", "0", "--cache_end_step", "2"]  # within the 2 steps (checked first)
+    flags = ["--input_dir", out, "--cache", "interval", *window, "--scan_blocks", "on", "--executables", "off"]
     expect_user_error(capsys, stage2_transformer, flags, "--scan_blocks on: WanTransformer3DModel: only 1 block(s)")
 
 

@@ -19,7 +19,9 @@ def build_parser(script: str, description: str | None):
         *flag_names("--model"),
         dest="model",
         default=DEFAULT_MODEL,
-        help=f"hub id, local diffusers folder, or preset ({', '.join(models.PRESETS)}); default: %(default)s",
+        help=f"hub id, local diffusers folder, or preset ({', '.join(models.PRESETS)}); default: %(default)s (a hub "
+        "id downloads the whole model into the Hugging Face cache on first use: tens of GB for the published ones; "
+        "make demo runs a tiny preset)",
     )
     parser.add_argument("--prompt", help="what the video should show (or --prompts FILE)")
     parser.add_argument(

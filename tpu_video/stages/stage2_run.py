@@ -153,8 +153,9 @@ def write_section(args, run: ValidatedRun, saved: dict, tensors, info, timer, re
         **run_record(runtime, run.dtype_name, timer.seconds, ("diffusers",)),
     }
     write_stage_config(run.output_dir, run.request, stage_sections(run.config), "stage2", section)
-    shapes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in tensors.items())
-    log(f"wrote {run.output_dir / STAGE2_FILE}: {shapes} ({info['latents_layout']})")
+    layouts = {name: info.get(f"{name}_layout", "") for name in tensors}  # latents_layout, audio_latents_layout
+    shapes = ", ".join(f"{name} {tuple(tensor.shape)} {layouts[name]}".rstrip() for name, tensor in tensors.items())
+    log(f"wrote {run.output_dir / STAGE2_FILE}: {shapes}")
 
 
 def plan_main(args) -> None:

@@ -53,8 +53,10 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# What the stages write in $(OUT): stage files, configs, batch indexes, videos, previews, WAVs, ratios, the
-# demo's image, temporaries a killed run left, and a batch's per-video folders (each holds a config).
+# What the stages write in $(OUT): stage files, the config, batch index and MagCache ratios, videos, previews,
+# WAVs, the demo's image, temporaries a killed run left, and a batch's per-video folders (each holds a config);
+# nothing else (a user's own images stay).
 clean:
-	rm -rf $(OUT)/*.safetensors $(OUT)/*.json $(OUT)/*.mp4 $(OUT)/*.png $(OUT)/*.wav $(OUT)/.*.tmp*
+	rm -rf $(OUT)/*.safetensors $(OUT)/generation_config.json $(OUT)/batch.json $(OUT)/mag_ratios.json
+	rm -rf $(OUT)/*.mp4 $(OUT)/*_preview.png $(OUT)/*.wav $(DEMO_IMAGE) $(OUT)/.*.tmp*
 	for folder in $(OUT)/*/; do [ -f "$$folder/generation_config.json" ] && rm -rf "$$folder"; done; true

@@ -18,7 +18,9 @@ REQUEST = {"height": 32, "width": 48, "num_frames": 5, "num_inference_steps": 2,
 
 
 def test_three_stages_in_one_process_write_what_the_command_lines_write(tmp_path):
-    folder = api.encode(model="tiny-wan2.1", prompt="a cat", output_dir=tmp_path / "api", **REQUEST)
+    folder = api.encode(
+        model="tiny-wan2.1", prompt="a cat", negative_prompt="-blurry", output_dir=tmp_path / "api", **REQUEST
+    )
     assert api.denoise(folder, attention="xla") == folder
     video = api.decode(folder, backend="torch", device="cpu", save_frames=True, preview_frames=0)
     assert video == folder / "output_video.mp4" and len(read_mp4(video)[1]) == 5
@@ -26,7 +28,8 @@ def test_three_stages_in_one_process_write_what_the_command_lines_write(tmp_path
 
     shell = tmp_path / "shell"
     flags = [item for key, value in REQUEST.items() for item in (f"--{key}", value)]
-    run_stage(stage1_text_encoder, ["--model", "tiny-wan2.1", "--prompt", "a cat", "--output_dir", shell, *flags])
+    argv = ["--model", "tiny-wan2.1", "--prompt", "a cat", "--negative_prompt=-blurry", "--output_dir", shell, *flags]
+    run_stage(stage1_text_encoder, argv)
     run_stage(stage2_transformer, ["--input_dir", shell, "--attention", "xla"])
     latents = [read_tensors(path, read_config(path)["stage2"])["latents"] for path in (folder, shell)]
     assert torch.equal(*latents)
@@ -35,6 +38,10 @@ def test_three_stages_in_one_process_write_what_the_command_lines_write(tmp_path
 def test_what_a_stage_refuses_raises_instead_of_exiting(tmp_path):
     with pytest.raises(UserError, match="--num_frames 6 must be 4n\\+1"):
         api.encode(model="tiny-wan2.1", prompt="a cat", output_dir=tmp_path, num_frames=6)
-    with pytest.raises(UserError, match="unrecognized arguments: --shoe_size 3"):
-        api.encode(model="tiny-wan2.1", prompt="a cat", output_dir=tmp_path, shoe_size=3)
+    with pytest.raises(UserError, match="shoe_size: not a flag of this stage"):
+        api.encode(model="tiny-wan2.1", prompt="a cat", output_dir=tmp_path, shoe_size=None)
+    with pytest.raises(UserError, match="num_frame: not a flag"):  # no abbreviations, as argparse would take
+        api.encode(model="tiny-wan2.1", prompt="a cat", output_dir=tmp_path, num_frame=9)
+    with pytest.raises(UserError, match="run --plan from the command line"):
+        api.denoise(tmp_path, plan="v6e-8")
     assert not any(tmp_path.iterdir())

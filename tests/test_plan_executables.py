@@ -44,7 +44,7 @@ def latents(folder) -> np.ndarray:
 
 
 def plan_on_this_host(monkeypatch, folder, store, argv: list[str]) -> dict:
-    """stage2_transformer's plan_main, as `--plan v6e-8 --save_executables store` builds it, but compiled for
+    """stage2_run.plan_main, as `--plan v6e-8 --save_executables store` builds it, but compiled for
     this host's devices (with the attention plan a run here takes) instead of the TPU topology's."""
     monkeypatch.setattr(plan, "topology_mesh", lambda target, shape: placement.make_mesh(shape))
     args = stage2_transformer.parse_args(["--input_dir", str(folder), *argv])

@@ -118,4 +118,6 @@ def test_a_family_flag_a_stage_already_has_is_left_out_with_a_warning(monkeypatc
     parser.add_argument("--lora")
     request.add_request_arguments(parser, for_later_stage=False)
     assert "warning: --lora of the model family fake is left out" in capsys.readouterr().out
-    assert parser.parse_args(["--gain", "2"]).gain == 2.0
+    args = parser.parse_args(["--gain", "2", "--lora", "x.safetensors"])
+    assert request.request_flags(args)["gain"] == 2.0
+    assert "lora" not in request.request_flags(args)  # the stage's own --lora is not read as the family's

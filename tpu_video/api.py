@@ -7,73 +7,105 @@ instead of a command line (docs/python-api.md).
     api.denoise(folder)
     video = api.decode(folder)  # run/output_video.mp4
 
-Each keyword is the stage's flag without its dashes (`num_inference_steps=30`); True gives a switch
-(`save_frames=True`), None and False leave a flag out, a list gives a repeatable flag's values
-(`lora=["a.safetensors:0.8", "b.safetensors"]`) or a flag's several values (`input_dir=["run1", "run2"]`). The
-stage checks them exactly as its command line does; what it refuses raises `tpu_video.cli.UserError` (a Python
-exception here, not an exit), and a requested stop `tpu_video.cli.Stopped`. The files are the stage scripts'
-own, written where asked, so a folder made here continues from the shell and back.
+Each keyword is one of the stage's flags without its dashes (`num_inference_steps=30`); an unknown one is
+refused. True gives a switch (`save_frames=True`; False gives `--no-k_smoothing` where the flag has that form),
+None and False leave a flag out, a list gives a repeatable flag's values (`lora=["a.safetensors:0.8"]`) or a
+flag's several values (`input_dir=["run1", "run2"]`). The stage checks them exactly as its command line does;
+what it refuses raises `tpu_video.cli.UserError` (a Python exception here, not an exit), and SIGTERM
+`tpu_video.cli.Stopped`. The files are the stage scripts' own, written where asked, so a folder made here
+continues from the shell and back. `--plan` and `--help` are the command line's.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
-from tpu_video.cli import UserError
+from tpu_video.cli import UserError, terminated
+from tpu_video.engine.batch_folders import expand_folders
 from tpu_video.stages import stage1_flags, stage1_run, stage2_flags, stage2_run, stage3_flags, stage3_run
 from tpu_video.workarounds.warning_filters import filter_harmless_warnings
-from utils import CONFIG_FILE, VIDEO_FILE, read_config
+from utils import read_config
+
+Folders = str | Path | list[str | Path]
 
 
-def encode(*, model: str, prompt: str, output_dir: str | Path, **flags: Any) -> Path:
-    """Stage 1 (stage1_text_encoder.py): the prompt's embeddings and the request in `output_dir`."""
+def encode(*, model: str, prompt: str | None = None, output_dir: str | Path, **flags: Any) -> Path:
+    """Stage 1 (stage1_text_encoder.py): the prompt's embeddings and the request in `output_dir` (with
+    `prompts=FILE` or `seeds=...`: a batch folder of them)."""
     _run("stage1_text_encoder.py", stage1_flags, stage1_run, model=model, prompt=prompt, output_dir=output_dir, **flags)
     return Path(output_dir)
 
 
-def denoise(input_dir: str | Path, **flags: Any) -> Path:
-    """Stage 2 (stage2_transformer.py): the latents of `input_dir`'s request, written to `output_dir` if given,
-    else beside the embeddings; the folder written."""
+def denoise(input_dir: Folders, **flags: Any) -> Path | list[Path]:
+    """Stage 2 (stage2_transformer.py): the latents of each input folder's request (several folders, or a batch
+    folder, as the command line takes them); the folder written, or one per video."""
     _run("stage2_transformer.py", stage2_flags, stage2_run, input_dir=input_dir, **flags)
-    return Path(flags.get("output_dir") or input_dir)
+    if flags.get("output_dir"):
+        return Path(flags["output_dir"])
+    return _one_or_all(_folders(input_dir))
 
 
-def decode(input_dir: str | Path, **flags: Any) -> Path:
-    """Stage 3 (stage3_vae_decoder.py): the mp4 of `input_dir`'s latents; its path."""
+def decode(input_dir: Folders, **flags: Any) -> Path | list[Path]:
+    """Stage 3 (stage3_vae_decoder.py): the mp4 of each input folder's latents; its path, or one per video."""
     _run("stage3_vae_decoder.py", stage3_flags, stage3_run, input_dir=input_dir, **flags)
-    folder = Path(flags.get("output_dir") or input_dir)
     if flags.get("output_video"):
         return Path(flags["output_video"])
-    written = read_config(folder, needs="stage3") if (folder / CONFIG_FILE).is_file() else {}
-    return folder / written.get("stage3", {}).get("file", flags.get("output_name") or VIDEO_FILE)
+    written = [Path(flags.get("output_dir") or folder) for folder in _folders(input_dir)]
+    return _one_or_all([folder / read_config(folder, needs="stage3")["stage3"]["file"] for folder in written])
+
+
+def _folders(input_dir: Folders) -> list[Path]:
+    """The stage folders an --input_dir names (a batch folder stands for those its batch.json lists)."""
+    return expand_folders([str(path) for path in (input_dir if isinstance(input_dir, list) else [input_dir])])
+
+
+def _one_or_all(paths: list[Path]) -> Path | list[Path]:
+    return paths[0] if len(paths) == 1 else paths
 
 
 def _run(script: str, flags_module, run_module, **flags: Any) -> None:
+    refused = [name for name in ("plan", "help") if flags.get(name)]
+    if refused:
+        raise UserError(f"{refused[0]}=: run --{refused[0]} from the command line ({script} --{refused[0]} ...)")
     parser = flags_module.build_parser(script, None)
 
     def refuse(message: str):  # argparse's own errors as the exception the stages raise, not an exit
         raise UserError(message)
 
     parser.error = refuse
+    args = parser.parse_args(_argv(parser, flags))
     filter_harmless_warnings()
-    run_module.run(parser.parse_args(_argv(parser, flags)))
+    on_main_thread = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+    previous = signal.signal(signal.SIGTERM, terminated) if on_main_thread else None
+    try:
+        run_module.run(args)
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _argv(parser, flags: dict[str, Any]) -> list[str]:
-    """Keywords as the stage's flags: True a switch, None and False left out, a list the values of a
-    repeatable flag (each with its flag) or of a flag taking several."""
+    """Keywords as the stage's flags (each checked to be one): True a switch, False its `--no-` form or left
+    out, None left out, a list the values of a repeatable flag (each with its flag) or of a flag taking
+    several; a single value as `--name=value`, so one starting with a dash is a value."""
+    actions = parser._option_string_actions
+    unknown = [name for name in flags if f"--{name}" not in actions]
+    if unknown:
+        raise UserError(f"{', '.join(unknown)}: not a flag of this stage (see its --help)")
     argv: list[str] = []
     for name, value in flags.items():
-        if value is None or value is False:
+        action = actions[f"--{name}"]
+        if value is None or (value is False and not isinstance(action, argparse.BooleanOptionalAction)):
             continue
-        if value is True:
-            argv.append(f"--{name}")
+        if value is True or value is False:
+            argv.append(f"--{name}" if value else f"--no-{name}")
         elif isinstance(value, list | tuple):
-            repeated = isinstance(parser._option_string_actions.get(f"--{name}"), argparse._AppendAction)
-            pairs = [part for item in value for part in (f"--{name}", str(item))]
-            argv.extend(pairs if repeated else [f"--{name}", *map(str, value)])
+            repeated = isinstance(action, argparse._AppendAction)
+            argv.extend([f"--{name}={item}" for item in value] if repeated else [f"--{name}", *map(str, value)])
         else:
-            argv.extend((f"--{name}", str(value)))
+            argv.append(f"--{name}={value}")
     return argv

@@ -162,7 +162,8 @@ def refuse_planning_flags(args, names=("plan_json", "save_executables"), why: st
         raise UserError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --plan{why}")
 
 
-def _terminated(signum, frame):
+def terminated(signum, frame):
+    """The SIGTERM handler of a stage run outside stage 2's loop: stop where it is (writes are atomic)."""
     raise Stopped("terminated (SIGTERM); no partial file was written")
 
 
@@ -171,7 +172,7 @@ def run_cli(main: Callable[[], None]) -> None:
     `stopped:` line and status 143 (130 after Ctrl-C); bugs keep their traceback. SIGTERM stops the stage
     where it is, as Ctrl-C does (writes are atomic: their temporaries are removed on the way out); stage 2's
     loop replaces this with a stop after the current step and a checkpoint."""
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         main()
     except UserError as err:

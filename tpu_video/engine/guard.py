@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,9 @@ def sigterm_sets_stop(target) -> Iterator[None]:
     def request_stop(signum, frame):
         target.stop_requested = True
 
+    if threading.current_thread() is not threading.main_thread():  # e.g. the Python API in a server's thread
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, request_stop)
     try:
         yield

@@ -74,8 +74,9 @@ class CompileCache:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
             jax.monitoring.register_event_listener(self._count)
         self.listening = enabled
-        if not enabled:
-            jax.config.update("jax_enable_compilation_cache", False)
+        # Set both ways: in one process (the Python API) a run with --no_compile_cache must not turn it off for
+        # the runs after it.
+        jax.config.update("jax_enable_compilation_cache", enabled)
         # JAX settles its cache state at the first compile, and `import torchax` (above) already
         # compiles (with $JAX_COMPILATION_CACHE_DIR if set): start over so the settings above take effect.
         compilation_cache.reset_cache()

@@ -22,36 +22,52 @@ def add_request_arguments(parser, *, for_later_stage: bool) -> None:
         parser.add_argument_group("generation request", f"({where})"), REQUEST_OPTIONS, for_later_stage=for_later_stage
     )
     shown: set[str] = set()
+    added: list[str] = []
     for family in models.FAMILIES.values():
         own = tuple(option for option in family.OPTIONS if option.name not in shown)
         shown.update(option.name for option in own)
         if any(option.later or not for_later_stage for option in own):
             group = parser.add_argument_group(f"{family.NAME} options", f"({where}; other families refuse them)")
             for option in own:
+                if for_later_stage and not option.later:
+                    continue
                 add = functools.partial(add_options, group, (option,), for_later_stage=for_later_stage)
-                _unless_taken(family, option.name, add)
+                if _unless_taken(family, option.name, add):
+                    added.append(option.name)
+    parser.set_defaults(**{OPTION_NAMES: tuple(added)})
 
 
-def _unless_taken(family, name: str, add) -> None:
+# Where a parser keeps the names of the family flags it holds: a flag left out (its name taken by a stage
+# flag) must not be read, or the stage's own flag's value would pass for the family's.
+OPTION_NAMES, INPUT_NAMES = "_family_option_flags", "_media_input_flags"
+
+
+def _unless_taken(family, name: str, add) -> bool:
     """Add a family's flag; one a stage already has is left out with a warning (the other flags still work:
-    a family from another package must not break the stages)."""
+    a family from another package must not break the stages). Whether it was added."""
     try:
         add()
     except argparse.ArgumentError:
         log(f"warning: --{name} of the model family {family.NAME} is left out: this stage has a flag of that name")
+        return False
+    return True
 
 
 def request_flags(args) -> dict[str, Any]:
-    """The request flags a later stage's command line may give (None where omitted): the shared ones and
-    every family's options that later stages may override."""
-    names = (*REQUEST_KEYS, *(name for name, option in models.FAMILY_OPTIONS.items() if option.later))
-    return {name: getattr(args, name, None) for name in names}
+    """The request flags a later stage's command line gave (None where omitted): the shared ones and the
+    family options the parser holds."""
+    return {name: getattr(args, name, None) for name in (*REQUEST_KEYS, *getattr(args, OPTION_NAMES, ()))}
+
+
+def media_flags(args) -> dict[str, str | None]:
+    """Stage 1's media-input flags as given (None where omitted), those the parser holds."""
+    return {name: getattr(args, name, None) for name in getattr(args, INPUT_NAMES, ())}
 
 
 def request_from_flags(args, family, model_id: str, defaults: dict[str, Any]) -> Request:
     """Stage 1: the family's defaults, then every request flag given on the command line (shared or any
     family's option: models.validate_request refuses another family's)."""
-    given = {name: getattr(args, name, None) for name in (*REQUEST_KEYS, *models.FAMILY_OPTIONS)}
+    given = request_flags(args)
     values = {**defaults, "model_family": family.NAME, "model_id": model_id}
     values.update(prompt=args.prompt, negative_prompt=args.negative_prompt, dtype=args.dtype)
     return Request.from_values({**values, **{key: value for key, value in given.items() if value is not None}})
@@ -61,10 +77,13 @@ def add_media_arguments(parser) -> None:
     """Stage 1's media-input flags: every family's (models.MEDIA_INPUTS); which of them a model takes is its
     family's media_inputs(source), checked before anything loads."""
     group = parser.add_argument_group("media inputs", "(what the model conditions on besides the prompt)")
-    added: set[str] = set()
+    seen: set[str] = set()
+    added: list[str] = []
     for family in models.FAMILIES.values():
         for media in family.MEDIA_INPUTS:
-            if media.name not in added:  # each name once, as its first family declares it
-                added.add(media.name)
+            if media.name not in seen:  # each name once, as its first family declares it
+                seen.add(media.name)
                 add = functools.partial(group.add_argument, f"--{media.name}", metavar="PATH", help=media.help)
-                _unless_taken(family, media.name, add)
+                if _unless_taken(family, media.name, add):
+                    added.append(media.name)
+    parser.set_defaults(**{INPUT_NAMES: tuple(added)})

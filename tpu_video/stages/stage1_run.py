@@ -17,7 +17,7 @@ from tpu_video.cli import UserError, log, parse_dtype, refuse_planning_flags
 from tpu_video.engine import batch_folders, inputs, lora_stage1
 from tpu_video.runtime.backend import check_backend_flags, open_runtime
 from tpu_video.runtime.interface import Timer, run_record
-from tpu_video.stages.request import request_from_flags
+from tpu_video.stages.request import media_flags, request_from_flags
 from utils import (
     STAGE1_FILE,
     Request,
@@ -57,7 +57,7 @@ def checked_video(args, source, family, output_dir: Path, where: str = "") -> Vi
     """The request and media inputs `args` ask for (a list entry's flags merged in), checked before any
     weights load; `where` names the entry in errors."""
     defaults = {**family.request_defaults(source), "seed": DEFAULT_SEED}
-    given = {name: getattr(args, name, None) for name in models.MEDIA_INPUTS}
+    given = media_flags(args)
     accepted = family.media_inputs(source)
     try:
         inputs.check_given(args.model, accepted, given, models.MEDIA_INPUTS)
@@ -139,7 +139,7 @@ def run(args) -> None:
     check_backend_flags(args.backend, args.device, args.executables)
     dtype = parse_dtype(args.dtype)
     output_dir = Path(args.output_dir)
-    entries = batch_folders.entries_from_flags(args, tuple(models.MEDIA_INPUTS))
+    entries = batch_folders.entries_from_flags(args, tuple(media_flags(args)))
 
     source, family = models.resolve_model(args.model)
     log(f"stage 1 for {family.NAME}, model {args.model}")

@@ -1,6 +1,6 @@
 """Stage 2's inputs for one folder, read and checked before JAX does any work: the request with the flags'
 overrides, the model, the stage-1 tensors, the LoRA adapters, the step-cache settings and the checkpoint
-guard (with its fingerprint). stage2_transformer.py builds one per input folder, after checking the flags
+guard (with its fingerprint). stage2_run.run builds one per input folder, after checking the flags
 that concern several folders (`check_batch_flags`, `batch_resume`)."""
 
 from __future__ import annotations

@@ -19,12 +19,10 @@ continues from the shell and back. `--plan` and `--help` are the command line's.
 from __future__ import annotations
 
 import argparse
-import signal
-import threading
 from pathlib import Path
 from typing import Any
 
-from tpu_video.cli import UserError, terminated
+from tpu_video.cli import UserError, sigterm_stops
 from tpu_video.engine.batch_folders import expand_folders
 from tpu_video.stages import stage1_flags, stage1_run, stage2_flags, stage2_run, stage3_flags, stage3_run
 from tpu_video.workarounds.warning_filters import filter_harmless_warnings
@@ -79,13 +77,8 @@ def _run(script: str, flags_module, run_module, **flags: Any) -> None:
     parser.error = refuse
     args = parser.parse_args(_argv(parser, flags))
     filter_harmless_warnings()
-    on_main_thread = threading.current_thread() is threading.main_thread()  # only there can a handler be set
-    previous = signal.signal(signal.SIGTERM, terminated) if on_main_thread else None
-    try:
+    with sigterm_stops():
         run_module.run(args)
-    finally:
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _argv(parser, flags: dict[str, Any]) -> list[str]:

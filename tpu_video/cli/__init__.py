@@ -7,12 +7,14 @@ build their flags. It imports nothing of the project, so everything may use it."
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -162,9 +164,23 @@ def refuse_planning_flags(args, names=("plan_json", "save_executables"), why: st
         raise UserError(f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} --plan{why}")
 
 
-def terminated(signum, frame):
-    """The SIGTERM handler of a stage run outside stage 2's loop: stop where it is (writes are atomic)."""
+def _terminated(signum, frame):
     raise Stopped("terminated (SIGTERM); no partial file was written")
+
+
+@contextlib.contextmanager
+def sigterm_stops() -> Iterator[None]:
+    """Within the block SIGTERM raises Stopped where the run is, as Ctrl-C does (writes are atomic: their
+    temporaries are removed on the way out); stage 2's loop replaces it with a stop after the current step.
+    Off the main thread (the Python API in a server's thread) no handler can be set, and none is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_cli(main: Callable[[], None]) -> None:
@@ -172,9 +188,9 @@ def run_cli(main: Callable[[], None]) -> None:
     `stopped:` line and status 143 (130 after Ctrl-C); bugs keep their traceback. SIGTERM stops the stage
     where it is, as Ctrl-C does (writes are atomic: their temporaries are removed on the way out); stage 2's
     loop replaces this with a stop after the current step and a checkpoint."""
-    previous = signal.signal(signal.SIGTERM, terminated)
     try:
-        main()
+        with sigterm_stops():
+            main()
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -184,8 +200,6 @@ def run_cli(main: Callable[[], None]) -> None:
     except KeyboardInterrupt:  # writes are atomic, so nothing partial is left
         print("\nstopped: interrupted (Ctrl-C); no partial file was written", file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED_EXIT_STATUS)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 _LOGGING = {"enabled": True}

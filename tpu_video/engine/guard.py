@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from tpu_video.cli import Stopped, UserError
 from tpu_video.runtime.distributed import Processes
-from utils import CHECKPOINT_FILE, atomic_write
+from utils import CHECKPOINT_FILE, atomic_write, fingerprint_changes
 
 
 class DenoiseGuard:
@@ -143,15 +143,13 @@ def sigterm_sets_stop(target) -> Iterator[None]:
 
 
 def fingerprint_differences(saved: str | None, ours: str) -> list[str]:
-    """The keys in which a checkpoint's fingerprint differs from this run's (empty: it is this run's). A key
-    that is null in one and absent from the other counts as equal: a stage 2 before the families' options
-    left utils.Request wrote every family's keys, null where unset, and its checkpoints still resume."""
+    """The keys in which a checkpoint's fingerprint differs from this run's (empty: it is this run's), compared
+    as utils.fingerprint_changes compares a stage-2 section's (null and absent equal: a stage 2 before the
+    families' options left utils.Request wrote every family's keys, null where unset)."""
     try:
         theirs = json.loads(saved) if saved is not None else None
     except ValueError:
         theirs = None
     if not isinstance(theirs, dict):
         return ["the fingerprint (unreadable)"]
-    mine = json.loads(ours)
-    keys = sorted(set(theirs) | set(mine))
-    return [key for key in keys if theirs.get(key) != mine.get(key)]
+    return sorted(fingerprint_changes(theirs, json.loads(ours)))

@@ -22,8 +22,7 @@ from tpu_video.cli import UserError
 from utils import CONFIG_FILE, Request, check_stage2_fresh, read_config, read_tensors
 
 from .batch_folders import BATCH_FILE
-
-GEOMETRY = ("height", "width", "num_frames")
+from .inputs import GEOMETRY
 
 
 @dataclass(frozen=True)

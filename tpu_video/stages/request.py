@@ -24,16 +24,14 @@ def add_request_arguments(parser, *, for_later_stage: bool) -> None:
     shown: set[str] = set()
     added: list[str] = []
     for family in models.FAMILIES.values():
-        own = tuple(option for option in family.OPTIONS if option.name not in shown)
-        shown.update(option.name for option in own)
-        if any(option.later or not for_later_stage for option in own):
+        own = [o for o in family.OPTIONS if o.name not in shown and (o.later or not for_later_stage)]
+        shown.update(option.name for option in family.OPTIONS)
+        if own:
             group = parser.add_argument_group(f"{family.NAME} options", f"({where}; other families refuse them)")
-            for option in own:
-                if for_later_stage and not option.later:
-                    continue
-                add = functools.partial(add_options, group, (option,), for_later_stage=for_later_stage)
-                if _unless_taken(family, option.name, add):
-                    added.append(option.name)
+        for option in own:
+            add = functools.partial(add_options, group, (option,), for_later_stage=for_later_stage)
+            if _unless_taken(family, option.name, add):
+                added.append(option.name)
     parser.set_defaults(**{OPTION_NAMES: tuple(added)})
 
 

@@ -318,3 +318,24 @@ def dequantized(linear: torch.nn.Linear, scheme: str) -> torch.nn.Linear:
     with torch.no_grad():
         linear.weight.copy_(values.to(torch.float32) * scale)
     return linear
+
+
+def ltx2_reference(model, config: dict, output_type: str, adapters=(), **arguments):
+    """LTX-2's pipeline's (video, audio) for the folder's request (prompts, seed, size), with LoRA `adapters`
+    ((file, scale), ...) loaded its own way (load_lora_weights, set_adapters). `model`: a preset's name, or
+    the pipeline itself."""
+    pipe = pipeline(model) if isinstance(model, str) else model
+    for index, (file, _) in enumerate(adapters):
+        pipe.load_lora_weights(file, adapter_name=f"adapter_{index}")
+    if adapters:
+        pipe.set_adapters([f"adapter_{index}" for index in range(len(adapters))], [s for _, s in adapters])
+    output = pipe(
+        prompt=config["prompt"],
+        negative_prompt=config["negative_prompt"],
+        generator=torch.Generator("cpu").manual_seed(config["seed"]),
+        frame_rate=float(config["fps"]),
+        output_type=output_type,
+        **{key: config[key] for key in ("height", "width", "num_frames", "num_inference_steps")},
+        **arguments,
+    )
+    return output.frames, output.audio

@@ -19,7 +19,6 @@ import math
 import re
 import shutil
 import subprocess
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -37,12 +36,13 @@ from helpers import (
     relative_error,
     run_script,
     run_stage,
-    write_image,
+)
+from helpers import (
+    ltx2_reference as reference,
 )
 from tpu_video import models
 from tpu_video.cli import UserError
 from tpu_video.models.ltx2 import guidance as ltx2_guidance
-from tpu_video.models.ltx2 import i2v as ltx2_i2v
 from tpu_video.models.ltx2 import transformer as ltx2_transformer
 from tpu_video.models.ltx2.presets import tiny_transformer
 from utils import Request, read_config, read_tensors
@@ -101,27 +101,6 @@ def stage1_folders(tmp_path_factory):
         run_stage(stage1_text_encoder, [*argv, "--seed", SEED, "--num_inference_steps", STEPS, "--output_dir", out])
         folders[preset] = out
     return folders
-
-
-def reference(model, config: dict, output_type: str, adapters=(), **arguments):
-    """The pipeline's (video, audio) for the folder's request (prompts, seed, size), with LoRA `adapters`
-    ((file, scale), ...) loaded its own way (load_lora_weights, set_adapters). `model`: a preset's name, or
-    the pipeline itself."""
-    pipe = pipeline(model) if isinstance(model, str) else model
-    for index, (file, _) in enumerate(adapters):
-        pipe.load_lora_weights(file, adapter_name=f"adapter_{index}")
-    if adapters:
-        pipe.set_adapters([f"adapter_{index}" for index in range(len(adapters))], [s for _, s in adapters])
-    output = pipe(
-        prompt=config["prompt"],
-        negative_prompt=config["negative_prompt"],
-        generator=torch.Generator("cpu").manual_seed(config["seed"]),
-        frame_rate=float(config["fps"]),
-        output_type=output_type,
-        **{key: config[key] for key in ("height", "width", "num_frames", "num_inference_steps")},
-        **arguments,
-    )
-    return output.frames, output.audio
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -585,73 +564,6 @@ def test_a_prompt_list_batches_each_video_as_the_pipeline_runs_it(tmp_path):
     frames, waveform = reference("tiny-ltx2.3", config, "np", spatio_temporal_guidance_blocks=[1])
     assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
     assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
-
-
-@pytest.fixture(scope="module")
-def image_file(tmp_path_factory):
-    """An odd-sized random image: the H.264 round trip crops it to even sides, the pipeline resizes it."""
-    return write_image(tmp_path_factory.mktemp("ltx2-image") / "first.png", 45, 61)
-
-
-@pytest.mark.parametrize(
-    "crf, stage1_flags, stage2_flags",
-    [(None, [], []), (0, ["--backend", "torchax"], ["--attention", "splash", "--sp", "2", "--tp", "4"])],
-    ids=["crf33-8-devices-and-decode", "no-recompress-torchax-stage1-splash"],
-)
-def test_image_to_video_matches_the_pipeline(tmp_path, image_file, crf, stage1_flags, stage2_flags):
-    """LTX2ImageToVideoPipeline: stage 1's H.264 round trip (the default CRF 33, through PyAV) or none, and
-    the VAE latents of the image (on torch, or on torchax, whose placed VAE's statistics are read before
-    placing); stage 2's first frame held at timestep zero and never stepped; stage 3's decode of the whole
-    video."""
-    from PIL import Image
-
-    out = tmp_path / "run"
-    argv = ["--model", "tiny-ltx2-i2v", "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
-    argv += ["--seed", SEED, "--num_inference_steps", STEPS, "--image", image_file, "--output_dir", out]
-    run_stage(stage1_text_encoder, [*argv, *stage1_flags, *([] if crf is None else ["--image_crf", crf])])
-    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", *stage2_flags])
-    config = read_config(out, needs="stage2")
-    assert config["image_crf"] == (33 if crf is None else crf) and config["stage1"]["task"] == "i2v"
-    tensors = read_tensors(out, config["stage2"])
-    image = Image.open(image_file).convert("RGB")
-    arguments = {"image": image, "image_crf": crf}
-    video, audio = reference("tiny-ltx2-i2v", config, "latent", **arguments)
-    assert relative_error(tensors["latents"], video) <= TOLERANCE
-    assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
-    if crf is None:
-        run_stage(stage3_vae_decoder, ["--input_dir", out, "--backend", "torch", "--save_frames"])
-        config = read_config(out, needs="stage3")
-        saved = read_tensors(out, config["stage3"]["frames_file"])
-        frames, waveform = reference("tiny-ltx2-i2v", config, "np", **arguments)
-        assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
-        assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
-
-
-def test_without_pyav_stage1_stops_before_loading_and_names_the_extra(monkeypatch, capsys, tmp_path, image_file):
-    """The re-encode's PyAV is checked before Gemma 3 loads (it used to be found missing after the text
-    encode); --image_crf 0 needs none."""
-    find_spec = ltx2_i2v.importlib.util.find_spec
-    monkeypatch.setattr(
-        ltx2_i2v.importlib.util, "find_spec", lambda name, *rest: None if name == "av" else find_spec(name, *rest)
-    )
-    with pytest.raises(UserError, match=r"needs PyAV \(pip install"):
-        ltx2_i2v.recompress(None, 33)
-    argv = ["--model", "tiny-ltx2-i2v", "--prompt", PROMPT, "--image", image_file, "--output_dir", tmp_path]
-    with monkeypatch.context() as patched:
-        patched.setattr(models.ModelSource, "load", lambda *args, **kwargs: pytest.fail("weights loaded"))
-        expect_user_error(capsys, stage1_text_encoder, argv, "--image_crf 33: re-encoding the image needs PyAV")
-    source, family = models.resolve_model("tiny-ltx2-i2v")
-    family.check_inputs(source, SimpleNamespace(option={"image_crf": 0}.get), {})  # no re-encode: nothing to check
-
-
-def test_an_image_h264_cannot_encode_is_refused_before_loading(monkeypatch, capsys, tmp_path):
-    """A side of 1 pixel: the H.264 helper crops it to 0 (an IndexError after the text encode, an empty folder
-    left); now one error line before any weights load. --image_crf 0 takes such an image as it is."""
-    thin = write_image(tmp_path / "thin.png", 1, 40)
-    argv = ["--model", "tiny-ltx2-i2v", "--prompt", PROMPT, "--image", thin, "--output_dir", tmp_path / "out"]
-    with monkeypatch.context() as patched:
-        patched.setattr(models.ModelSource, "load", lambda *args, **kwargs: pytest.fail("weights loaded"))
-        expect_user_error(capsys, stage1_text_encoder, argv, "--image is 40x1 pixels: H.264 (--image_crf 33) needs")
 
 
 def test_the_plan_compiles_all_four_passes_on_dp_for_v6e_with_the_real_splash_kernel(tmp_path, four_blocks):

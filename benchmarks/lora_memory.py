@@ -67,7 +67,6 @@ def build(folder: Path, layers: int, rank: int) -> Path:
 
 def measure(folder: str, adapter: str | None) -> dict:
     """In a fresh process: load the transformer as stage 2 does, fuse the adapter if given."""
-    import types
 
     import torch
 
@@ -78,7 +77,7 @@ def measure(folder: str, adapter: str | None) -> dict:
     start = time.perf_counter()
     adapters = []
     if adapter:
-        adapters = lora.read_adapters(types.SimpleNamespace(lora=[adapter], lora_2=[]), family, source, torch.bfloat16)
+        adapters = lora.read_adapters([("--lora", adapter)], family, source, torch.bfloat16)
     transformers = {"transformer": source.load("transformer", dtype=torch.bfloat16).eval()}
     loaded = time.perf_counter()
     if adapters:

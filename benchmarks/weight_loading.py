@@ -63,7 +63,6 @@ def child(folder: str, mode: str, adapter: str) -> dict:
     import resource
     import threading
     import time
-    import types
 
     def anon() -> int:
         fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
@@ -107,8 +106,7 @@ def child(folder: str, mode: str, adapter: str) -> dict:
         kind = mode.split(",")[0]
         options = DenoiseOptions()
         if kind == "LoRA":
-            flags = types.SimpleNamespace(lora=[adapter], lora_2=[])
-            adapters = lora.read_adapters(flags, family, source, torch.bfloat16)
+            adapters = lora.read_adapters([("--lora", adapter)], family, source, torch.bfloat16)
             options = DenoiseOptions(on_loaded=lambda found: lora.fuse(found, adapters, family))
         elif kind == "int8_weight":
             options = DenoiseOptions(quantization=Quantization("int8_weight"))

@@ -176,6 +176,28 @@ def test_library_modules_do_not_import_the_cli_contract():
         )
 
 
+# Where flags are built and parsed namespaces read: the CLI conventions and the stages (and the scripts).
+FLAG_LAYERS = ("tpu_video.cli", "tpu_video.stages", "tpu_video.api", "stage1_text_encoder", "stage2_transformer")
+
+
+def test_no_flags_below_the_cli_layer():
+    """The engine, families, runtime, attention and planning take settings, not flags: none of them imports
+    argparse or adds an argument (tpu_video/stages/feature_flags.py builds the engine features' flags)."""
+    found = []
+    for name, path in project_modules().items():
+        if name.startswith(FLAG_LAYERS) or name == "stage3_vae_decoder":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            imported = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                imported = [node.module or ""]
+            attribute = node.func.attr if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else ""
+            if "argparse" in imported or attribute in ("add_argument", "add_argument_group"):
+                found.append(f"{name}:{node.lineno}")
+    assert not found, found
+
+
 @pytest.mark.parametrize("name", sorted(project_modules()))
 def test_module_size(name):
     """450 lines at most; 300 in the families and the engine (tpu_video/models/, tpu_video/engine/), where new

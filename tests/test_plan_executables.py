@@ -27,12 +27,12 @@ from helpers import expect_user_error, run_stage, write_image
 from sharding import MeshShape
 from tpu_video import models
 from tpu_video.cli import parse_dtype
-from tpu_video.engine.cache_schedule import kind_from_flags
 from tpu_video.engine.meta import meta_pretrained
 from tpu_video.planning import encoders, flags, plan, tpus
 from tpu_video.runtime import executables, placement, program_key
 from tpu_video.runtime.executables import SUFFIX, ExecutableStore
 from tpu_video.stages import stage2_attention
+from tpu_video.stages.feature_flags import cache_kind
 
 
 def keys(store) -> list[str]:
@@ -52,7 +52,7 @@ def plan_on_this_host(monkeypatch, folder, store, argv: list[str]) -> dict:
     dtype = parse_dtype(request.dtype)
     run_model = (family, source, request, dtype)
     attention = stage2_attention.attention_plan(args, run_model, "cpu", jax.device_count())
-    cache = kind_from_flags(args)
+    cache = cache_kind(args)
     target = tpus.parse_target("v6e-8")  # names the report; the devices are this host's
     saving = ExecutableStore("folder", store)
     plan.plan_stage2(family, source, request, embeddings, dtype, target, attention, cache, 1, args.scan_blocks, saving)

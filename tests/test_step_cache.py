@@ -28,6 +28,7 @@ from tpu_video.cli import Stopped
 from tpu_video.engine import cache_schedule, cached_blocks
 from tpu_video.engine.cache_schedule import CacheSettings, schedule
 from tpu_video.engine.guard import DenoiseGuard
+from tpu_video.engine.mag_ratios import MAG_RATIOS_FILE
 from utils import CHECKPOINT_FILE, read_config, read_tensors
 
 TOLERANCE = 1e-4
@@ -162,7 +163,7 @@ def test_cogvideox_calibration_equals_diffusers_and_is_used_by_the_next_run(tmp_
     request = stage1(tmp_path, "tiny-cogvideox1.0", 4, **COGVIDEOX)
     uncached, _ = stage2(tmp_path)
     calibrated, _ = stage2(tmp_path, "--cache_calibrate")
-    written = json.loads((tmp_path / cache_schedule.MAG_RATIOS_FILE).read_text())
+    written = json.loads((tmp_path / MAG_RATIOS_FILE).read_text())
     assert written["model"] == "tiny-cogvideox1.0" and list(written["mag_ratios"]) == ["transformer.cond_uncond"]
     assert relative_error(calibrated, uncached) <= 1e-6  # calibration computes every step
 
@@ -187,7 +188,7 @@ def test_wan22_calibration_and_per_branch_magcache_equal_diffusers(tmp_path, cap
 
     request = stage1(tmp_path, "tiny-wan2.2", 6, guidance_scale=5.0)
     stage2(tmp_path, "--cache_calibrate")
-    ours = json.loads((tmp_path / cache_schedule.MAG_RATIOS_FILE).read_text())["mag_ratios"]
+    ours = json.loads((tmp_path / MAG_RATIOS_FILE).read_text())["mag_ratios"]
     pipe = WanPipeline.from_pretrained(models.materialize_preset("tiny-wan2.2"), dtype=torch.float32)
     for transformer, calls in ((pipe.transformer, 2), (pipe.transformer_2, 4)):
         transformer.enable_cache(mag_config([], calls, calibrate=True))

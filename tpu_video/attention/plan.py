@@ -79,10 +79,6 @@ class AttentionFlags:
     local_window: int | None = None
     k_smoothing: bool = False
 
-    @classmethod
-    def from_args(cls, args) -> AttentionFlags:
-        return cls(**{field.name: getattr(args, field.name) for field in dataclasses.fields(cls)})
-
     def splash_only_given(self) -> list[str]:
         """The Splash-only flags the user gave (k_smoothing counts when on)."""
         return [name for name in SPLASH_ONLY_FLAGS if getattr(self, name) not in (None, False)]

@@ -112,22 +112,24 @@ def read_prompt_list(path: Path, input_names: tuple[str, ...] = ()) -> list[Entr
     return entries
 
 
-def entries_from_flags(args, input_names: tuple[str, ...]) -> list[Entry] | None:
-    """The videos `--prompts`/`--seeds` ask for, checked (a list entry may set the media inputs
-    `input_names`); None for a single run (`--prompt` alone)."""
-    if args.prompts is not None and args.prompt is not None:
+def entries_from_flags(
+    prompt: str | None, prompts: str | None, seed: int | None, seeds: str | None, input_names: tuple[str, ...]
+) -> list[Entry] | None:
+    """The videos `--prompts`/`--seeds` ask for (the four flags' values), checked (a list entry may set the
+    media inputs `input_names`); None for a single run (`--prompt` alone)."""
+    if prompts is not None and prompt is not None:
         raise UserError("--prompt and --prompts: give one prompt or a list, not both")
-    if args.prompts is None and args.prompt is None:
+    if prompts is None and prompt is None:
         raise UserError("the prompt is missing: give --prompt TEXT, or --prompts FILE for a list")
-    if args.seeds is not None and args.seed is not None:
+    if seeds is not None and seed is not None:
         raise UserError("--seed and --seeds: give one seed or a sweep, not both")
-    if args.prompts is None:
-        if args.seeds is None:
+    if prompts is None:
+        if seeds is None:
             return None
-        return [Entry(f"--seeds {args.seeds}", args.prompt, seed=seed) for seed in parse_seeds(args.seeds)]
-    if args.seeds is not None:
+        return [Entry(f"--seeds {seeds}", prompt, seed=number) for number in parse_seeds(seeds)]
+    if seeds is not None:
         raise UserError("--seeds sweeps one --prompt; in a --prompts list give each entry its own seed (JSON Lines)")
-    entries = read_prompt_list(Path(args.prompts), input_names)
+    entries = read_prompt_list(Path(prompts), input_names)
     for entry in entries:
         if not entry.prompt.strip():
             raise UserError(f"{entry.where}: the prompt is empty")

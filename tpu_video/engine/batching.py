@@ -51,9 +51,10 @@ def group_key(request, options, task: str, cache_record: dict) -> tuple:
     return (*fields, ("task", task), ("cache", tuple(sorted(cache_record.items()))))
 
 
-def default_batch_size(args, run, videos: int, devices: int, per_host: int | None, memory: int | None) -> int:
+def default_batch_size(run, flags, videos: int, devices: int, per_host: int | None, memory: int | None) -> int:
     """--batch_size unset: runtime.mesh.default_batch for the group's `videos` (one with MagCache, which
-    decides from each video's own data), logged with its reason."""
+    decides from each video's own data) on the mesh `flags` ask for (attention.plan.AttentionFlags), logged
+    with its reason."""
     from tpu_video.runtime.mesh import default_batch
 
     from .meta import model_facts
@@ -65,10 +66,10 @@ def default_batch_size(args, run, videos: int, devices: int, per_host: int | Non
             videos,
             devices,
             branches=run.family.guidance_branches(run.source, run.request),
-            model=model_facts(run.family, run.source, run.dtype, args.tp_mode, run.request),
-            dp=args.dp,
-            sp=args.sp,
-            tp=args.tp,
+            model=model_facts(run.family, run.source, run.dtype, flags.tp_mode, run.request),
+            dp=flags.dp,
+            sp=flags.sp,
+            tp=flags.tp,
             devices_per_host=per_host,
             device_memory=memory,
         )

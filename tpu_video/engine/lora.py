@@ -42,25 +42,6 @@ PLAN_EFFECT = (
 )
 
 
-def add_arguments(parser) -> None:
-    group = parser.add_argument_group("LoRA adapters (fused into the weights before placement; docs/lora.md)")
-    group.add_argument(
-        "--lora",
-        action="append",
-        default=[],
-        metavar="PATH[:SCALE]",
-        help="a LoRA adapter for the transformer (Wan 2.2: the high-noise expert): a .safetensors file, a folder "
-        "holding one, or a hub id org/name[/file.safetensors]; SCALE any finite number (default 1.0); repeatable",
-    )
-    group.add_argument(
-        "--lora_2",
-        action="append",
-        default=[],
-        metavar="PATH[:SCALE]",
-        help="Wan 2.2 A14B: a LoRA adapter for transformer_2, the low-noise expert; repeatable",
-    )
-
-
 @dataclass(frozen=True)
 class Adapter:
     """One adapter as stage 2 fuses it: the transformer's LoRA weights, in diffusers' layout."""
@@ -150,21 +131,25 @@ def lora_ranks(weights: dict[str, torch.Tensor]) -> dict[str, int]:
 
 
 def read_adapters(
-    args, family, source, dtype: torch.dtype, stage1: list[dict] | None = None, likely_model=None
+    wanted: list[tuple[str, str]],
+    family,
+    source,
+    dtype: torch.dtype,
+    stage1: list[dict] | None = None,
+    likely_model=None,
 ) -> list[Adapter]:
-    """Every `--lora`/`--lora_2` flag, read and checked against the transformers' modules on the meta
-    device (no weights): all errors come before anything is loaded or placed. `stage1`: the adapters stage 1
-    fused into the text connectors (its record; None under --plan), which must match stage 2's.
-    `likely_model(file)`: the published model an adapter that does not fit was made for, or None
-    (tpu_video.models.adapter_origin; the engine knows no registry)."""
+    """The adapters `wanted` (`(flag, PATH[:SCALE])` pairs: stages.feature_flags.lora_flags), read and
+    checked against the transformers' modules on the meta device (no weights): all errors come before
+    anything is loaded or placed. `stage1`: the adapters stage 1 fused into the text connectors (its record;
+    None under --plan), which must match stage 2's. `likely_model(file)`: the published model an adapter
+    that does not fit was made for, or None (tpu_video.models.adapter_origin; the engine knows no registry)."""
     from tpu_video.engine.meta import meta_transformers
 
-    wanted = [(flag, text) for flag in FLAGS for text in getattr(args, flag.lstrip("-"))]
     if not wanted:
         check_stage2_share(stage1 or [], [])
         return []
     components = family.transformer_components(source)
-    if args.lora_2 and "transformer_2" not in components:
+    if any(flag == "--lora_2" for flag, _ in wanted) and "transformer_2" not in components:
         raise UserError(f"--lora_2 adapts Wan 2.2's transformer_2; {source.ref!r} has one transformer (use --lora)")
     loader, in_stage1 = family_loader(family), stage1_component(family)
     transformers = meta_transformers(family, source, dtype)

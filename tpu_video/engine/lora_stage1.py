@@ -23,18 +23,6 @@ from .lora_files import (
 )
 
 
-def add_argument(parser) -> None:
-    group = parser.add_argument_group("LoRA adapters (LTX-2's text connectors; docs/lora.md)")
-    group.add_argument(
-        "--lora",
-        action="append",
-        default=[],
-        metavar="PATH[:SCALE]",
-        help="LTX-2: a LoRA adapter whose weights also change the text connectors (stage 1 fuses those; give stage 2 "
-        "the same --lora for the transformer's): as stage 2's --lora; repeatable",
-    )
-
-
 def read_adapters(texts: list[str], family, source, dtype: torch.dtype) -> list[Adapter]:
     """Stage 1's `--lora` flags: each file's weights for the stage-1 component its family's loader adapts
     (LTX-2's text connectors), checked against that module on the meta device before any weights load. A file

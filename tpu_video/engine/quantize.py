@@ -42,37 +42,12 @@ FP8 = torch.float8_e4m3fn
 ACTIVATION_LEVELS = 127.0
 
 
-def add_arguments(parser) -> None:
-    group = parser.add_argument_group("quantized weights (docs/quantization.md)")
-    group.add_argument(
-        "--quantize",
-        choices=SCHEMES,
-        default="none",
-        help="the transformer blocks' linear weights in int8 (int8_weight: weights only; int8: and each token's "
-        "activations, int8 x int8 matmuls) or fp8 e4m3 (fp8_weight), one scale per output channel, as torchao "
-        "0.18 quantizes them (default: %(default)s)",
-    )
-    group.add_argument(
-        "--quantize_layers",
-        choices=LAYER_SETS,
-        help="which linears of the blocks --quantize applies to: all (attention, feed-forward and the norms' "
-        "modulation linears), ffn or attention (default: all)",
-    )
-
-
 @dataclass(frozen=True)
 class Quantization:
     """`--quantize` and `--quantize_layers` as a run applies them."""
 
     scheme: str = "none"
     layers: str = "all"
-
-    @classmethod
-    def from_args(cls, args) -> Quantization:
-        if args.quantize == "none" and args.quantize_layers is not None:
-            schemes = ", ".join(scheme for scheme in SCHEMES if scheme != "none")
-            raise UserError(f"--quantize_layers {args.quantize_layers} acts only with --quantize ({schemes})")
-        return cls(args.quantize, args.quantize_layers or "all")
 
     @property
     def enabled(self) -> bool:

@@ -31,16 +31,6 @@ from tpu_video.workarounds.diffusers import register_hunyuanvideo15_block
 SCAN_CHOICES = ("auto", "on", "off")
 
 
-def add_scan_argument(parser) -> None:
-    parser.add_argument(
-        "--scan_blocks",
-        choices=SCAN_CHOICES,
-        default="auto",
-        help="run the transformer's identical blocks as one scan over stacked weights, so trace and compile "
-        "time do not grow with depth (auto: wherever the blocks are identical) (default: %(default)s)",
-    )
-
-
 def _description(block: torch.nn.Module) -> str:
     """What a program reads of a block apart from its weights' values (the executable key's description)."""
     from tpu_video.runtime import program_key

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 
-from tpu_video.cli import Stopped, UserError, finite_float
+from tpu_video.cli import Stopped, UserError
 from tpu_video.workarounds.jax import coordination_client
 
 NAMESPACE = "tpu_video_stage2"
@@ -37,25 +37,6 @@ HEARTBEAT_SECONDS = 1.0
 BARRIER_TIMEOUT_MS = 30 * 60 * 1000  # agreements wait for the slowest host (reading, hashing, compiling)
 DEFAULT_PEER_TIMEOUT = 60  # seconds without a peer's heartbeat before this process gives up
 PEER_FAILED_EXIT_STATUS = 2  # the `error:` status (cli.run_cli)
-
-
-def add_arguments(parser) -> None:
-    """Stage 2's flags for running as several processes."""
-    group = parser.add_argument_group(
-        "several hosts (one process per host; a Cloud TPU slice of several hosts needs none of these)"
-    )
-    group.add_argument(
-        "--coordinator_address", metavar="HOST:PORT", help="process 0's address (or JAX_COORDINATOR_ADDRESS)"
-    )
-    group.add_argument("--num_processes", type=int, help="how many processes run this stage")
-    group.add_argument("--process_id", type=int, help="this process's number, 0 to --num_processes - 1")
-    group.add_argument(
-        "--peer_timeout",
-        type=finite_float,
-        default=DEFAULT_PEER_TIMEOUT,
-        help="seconds without a heartbeat from another process before this one stops with an error "
-        "(default: %(default)s)",
-    )
 
 
 def launch_settings(

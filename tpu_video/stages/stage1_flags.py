@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from tpu_video import models
 from tpu_video.cli import add_executables_argument, add_plan_arguments, dtype_flag, flag_names, stage_parser
-from tpu_video.engine import lora_stage1
 from tpu_video.stages.request import add_media_arguments, add_request_arguments
 from utils import DEFAULT_OUTPUT_DIR
 
@@ -44,7 +43,15 @@ def build_parser(script: str, description: str | None):
         "--no_compile_cache", action="store_true", help="torchax: do not use the persistent JAX compilation cache"
     )
     add_executables_argument(parser)
-    lora_stage1.add_argument(parser)
+    lora = parser.add_argument_group("LoRA adapters (LTX-2's text connectors; docs/lora.md)")
+    lora.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:SCALE]",
+        help="LTX-2: a LoRA adapter whose weights also change the text connectors (stage 1 fuses those; give stage 2 "
+        "the same --lora for the transformer's): as stage 2's --lora; repeatable",
+    )
     add_plan_arguments(parser, "the text encoders (and image encoders) as --backend torchax runs them for this request")
     add_request_arguments(parser, for_later_stage=False)
     return parser

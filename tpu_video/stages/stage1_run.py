@@ -139,7 +139,9 @@ def run(args) -> None:
     check_backend_flags(args.backend, args.device, args.executables)
     dtype = parse_dtype(args.dtype)
     output_dir = Path(args.output_dir)
-    entries = batch_folders.entries_from_flags(args, tuple(media_flags(args)))
+    entries = batch_folders.entries_from_flags(
+        args.prompt, args.prompts, args.seed, args.seeds, tuple(media_flags(args))
+    )
 
     source, family = models.resolve_model(args.model)
     log(f"stage 1 for {family.NAME}, model {args.model}")

@@ -3,20 +3,28 @@ fit, where it would (a mesh of these devices, or the smallest TPU slices)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+from tpu_video.attention.plan import AttentionFlags
 from tpu_video.cli import UserError, log
-from tpu_video.engine import quantize
 from tpu_video.engine.meta import attention_heads, model_facts
+from tpu_video.stages.feature_flags import quantization
+
+
+def attention_flags(args) -> AttentionFlags:
+    """The attention and mesh flags as given (None: not given)."""
+    return AttentionFlags(**{field.name: getattr(args, field.name) for field in dataclasses.fields(AttentionFlags)})
 
 
 def attention_plan(args, run_model, platform: str, devices: int, per_host=None, memory=None, generation=None, videos=1):
     """The run's AttentionPlan (tpu_video/attention/plan.py), as --plan and a run both build it: `run_model` is the
     (family, source, request, dtype) denoised; the mesh for a batch of `videos` (runtime.mesh.default_mesh
     for the axes not given); `generation` the TPU's (None: not a TPU). Logged with its reasons."""
-    from tpu_video.attention.plan import AttentionFlags, build_plan
+    from tpu_video.attention.plan import build_plan
     from tpu_video.runtime.mesh import MEMORY_SHARE, default_mesh
 
     family, source, request, dtype = run_model
-    facts = model_facts(family, source, dtype, args.tp_mode, request, quantize.Quantization.from_args(args))
+    facts = model_facts(family, source, dtype, args.tp_mode, request, quantization(args))
     branches = family.guidance_branches(source, request)
 
     def choose_mesh(dp, sp, tp, sequence_split):
@@ -25,7 +33,7 @@ def attention_plan(args, run_model, platform: str, devices: int, per_host=None, 
 
     try:
         plan = build_plan(
-            AttentionFlags.from_args(args),
+            attention_flags(args),
             platform=platform,
             dtype=dtype,
             heads=attention_heads(source),

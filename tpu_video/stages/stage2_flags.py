@@ -8,10 +8,13 @@ import argparse
 
 from tpu_video.attention.plan import SP_MODES
 from tpu_video.cli import add_executables_argument, add_plan_arguments, dtype_flag, flag_names, stage_parser
-from tpu_video.engine import lora, quantize
-from tpu_video.engine.cache_schedule import add_cache_arguments
-from tpu_video.engine.scanned_blocks import add_scan_argument
-from tpu_video.runtime import distributed
+from tpu_video.stages.feature_flags import (
+    add_cache_flags,
+    add_lora_flags,
+    add_multihost_flags,
+    add_quantize_flags,
+    add_scan_flag,
+)
 from tpu_video.stages.request import add_request_arguments
 from tpu_video.stages.stage2_inputs import PROFILE_DIR
 from utils import CHECKPOINT_FILE, DEFAULT_OUTPUT_DIR
@@ -81,7 +84,7 @@ def build_parser(script: str, description: str | None):
         "else ~/.cache/tpu-video/jax-compilation-cache)",
     )
     add_executables_argument(runtime)
-    add_scan_argument(runtime)
+    add_scan_flag(runtime)
     runtime.add_argument(
         "--checkpoint_every",
         type=int,
@@ -99,9 +102,9 @@ def build_parser(script: str, description: str | None):
         help=f"the reference scripts' spelling of --profile: trace into --profiler_output_dir (default: {PROFILE_DIR})",
     )
     runtime.add_argument("--profiler_output_dir", metavar="DIR", help="with --enable_profiler: where the trace goes")
-    add_cache_arguments(parser)
-    lora.add_arguments(parser)
-    quantize.add_arguments(parser)
+    add_cache_flags(parser)
+    add_lora_flags(parser)
+    add_quantize_flags(parser)
     mesh = parser.add_argument_group(
         "device mesh (product must equal the device count; unset axes are chosen and logged, docs/sharding.md)"
     )
@@ -133,7 +136,7 @@ def build_parser(script: str, description: str | None):
         help="megatron: attention-out and MLP-out row-parallel; replicated_out: those stay replicated "
         "(more memory; see docs/sharding.md) (default: %(default)s)",
     )
-    distributed.add_arguments(parser)
+    add_multihost_flags(parser)
     compiles = "this run's denoiser (its collectives, FLOPs and Splash padding reported too)"
     add_plan_arguments(parser, compiles, ". Without stage-1 files, plans from --model and the request flags")
     add_request_arguments(parser, for_later_stage=True)

@@ -13,18 +13,12 @@ import torch
 from tpu_video import models
 from tpu_video.cli import UserError, log, parse_dtype
 from tpu_video.engine import batch_folders, lora, passes
-from tpu_video.engine.cache_schedule import (
-    CacheSettings,
-    check_family_runs,
-    check_window,
-    kind_from_flags,
-    settings_from_flags,
-)
+from tpu_video.engine.cache_schedule import CacheSettings, check_family_runs, check_window
 from tpu_video.engine.guard import DenoiseGuard
 from tpu_video.engine.inputs import check_geometry_kept
-from tpu_video.engine.quantize import Quantization
 from tpu_video.models.adapter_origin import likely_model
 from tpu_video.runtime.interface import Timer
+from tpu_video.stages.feature_flags import cache_settings, lora_flags, quantization, with_mag_ratios
 from tpu_video.stages.request import request_flags
 from utils import (
     CHECKPOINT_FILE,
@@ -95,20 +89,21 @@ def validated_run(
             start = passes.read_start(Path(args.start_latents), request, output_dir, models.stage1_only(family))
         start_latents = family.start_from(source, request, start.tensors) if start else None
         stage1 = config["stage1"].get("adapters", [])
-        adapters = lora.read_adapters(args, family, source, dtype, stage1, likely_model=likely_model)
-    quantization = Quantization.from_args(args)
-    calibrated = (request.model_id, lora.identity(adapters), quantization.calibration_key())
-    check_family_runs(family, args)
-    cache = settings_from_flags(args, input_dir, *calibrated)
+        adapters = lora.read_adapters(lora_flags(args), family, source, dtype, stage1, likely_model=likely_model)
+    quantize = quantization(args)
+    calibrated = (request.model_id, lora.identity(adapters), quantize.calibration_key())
+    cache = cache_settings(args)
+    check_family_runs(family, cache)
+    cache = with_mag_ratios(cache, args, input_dir, *calibrated)
     check_window(cache, request.num_inference_steps)  # the steps the schedule will have, before weights load
-    quantization.check_supported()
+    quantize.check_supported()
     if processes.is_main:
         ensure_writable_dir(output_dir, (STAGE2_FILE,))
     fingerprint = {**request.fingerprint(models.stage1_only(family)), "dtype": dtype_name}
     fingerprint["stage1_sha256"] = config["stage1"]["sha256"]
     fingerprint.update({"cache": cache.record(), **({"adapters": lora.identity(adapters)} if adapters else {})})
-    if quantization.enabled:  # a checkpoint of another scheme or layer set cannot be resumed
-        fingerprint["quantize"] = quantization.record()
+    if quantize.enabled:  # a checkpoint of another scheme or layer set cannot be resumed
+        fingerprint["quantize"] = quantize.record()
     if start is not None:  # a checkpoint of a pass from other latents cannot be resumed
         fingerprint["start_latents"] = start.record["sha256"]
     guard = DenoiseGuard(
@@ -149,7 +144,7 @@ def check_batch_flags(args, folders: list[Path]) -> None:
         raise UserError("--start_latents names one folder's latents: give one --input_dir (a pass per video)")
     if args.batch_size is not None and args.batch_size < 1:
         raise UserError(f"--batch_size {args.batch_size} must be >= 1")
-    if (args.batch_size or 1) > 1 and kind_from_flags(args) == "magcache":
+    if (args.batch_size or 1) > 1 and cache_settings(args).kind == "magcache":
         what = "--cache_calibrate" if args.cache_calibrate else "--cache magcache"
         raise UserError(
             f"{what} with --batch_size {args.batch_size}: MagCache decides from each video's own data, so it "

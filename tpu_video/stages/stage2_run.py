@@ -11,17 +11,18 @@ from pathlib import Path
 
 from tpu_video import models
 from tpu_video.cli import UserError, log, parse_dtype, refuse_planning_flags, set_logging
-from tpu_video.engine import batch_folders, lora, quantize
+from tpu_video.engine import batch_folders, lora
 from tpu_video.engine.batching import default_batch_size, denoise_group, group_key
-from tpu_video.engine.cache_schedule import check_family_runs, kind_from_flags
+from tpu_video.engine.cache_schedule import check_family_runs
 from tpu_video.engine.denoise import DenoiseOptions, denoise
 from tpu_video.engine.guard import sigterm_sets_stop
 from tpu_video.engine.meta import model_facts
 from tpu_video.models.adapter_origin import likely_model
 from tpu_video.runtime import distributed
 from tpu_video.runtime.interface import run_record
+from tpu_video.stages.feature_flags import cache_settings, lora_flags, quantization
 from tpu_video.stages.request import request_flags
-from tpu_video.stages.stage2_attention import attention_plan, where_it_fits
+from tpu_video.stages.stage2_attention import attention_flags, attention_plan, where_it_fits
 from tpu_video.stages.stage2_inputs import ValidatedRun, batch_resume, check_batch_flags, profile_dir, validated_run
 from utils import DEFAULT_OUTPUT_DIR, STAGE2_FILE, stage_sections, write_stage_config, write_tensors
 
@@ -49,11 +50,11 @@ def runtime_for(args, run, processes, videos: int = 1):
     described = f"{runtime.describe()}{hosts}, {run.dtype_name}, attention {plan.backend} ({plan.backend_why})"
     log(f"{run.family.NAME} transformer, {described}")
     fuse = functools.partial(lora.fuse, adapters=run.adapters, family=run.family) if run.adapters else None
-    quantization = quantize.Quantization.from_args(args)
+    quantize = quantization(args)
     loop_flags = (plan.tp_mode, args.warmup_steps, run.guard, run.cache, args.scan_blocks)
-    options = DenoiseOptions(*loop_flags, on_loaded=fuse, quantization=quantization)
+    options = DenoiseOptions(*loop_flags, on_loaded=fuse, quantization=quantize)
     backend = runtime.attention(plan)
-    return runtime, backend, options, {**plan.record(), "processes": processes.count, "quantize": quantization.record()}
+    return runtime, backend, options, {**plan.record(), "processes": processes.count, "quantize": quantize.record()}
 
 
 def denoise_and_write(args, run: ValidatedRun, processes) -> None:
@@ -107,7 +108,10 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
     for number, members in enumerate(groups.values(), 1):
         first = members[0]
         log(f"group {number} of {len(groups)}: {len(members)} video(s)")
-        size = args.batch_size or default_batch_size(args, first, len(members), jax.device_count(), per_host, memory)
+        mesh_flags = attention_flags(args)
+        size = args.batch_size or default_batch_size(
+            first, mesh_flags, len(members), jax.device_count(), per_host, memory
+        )
         stopped_in = {run.guard.resumed_batch_size for run in members if run.guard.restored is not None}
         if len(stopped_in) == 1 and stopped_in != {size}:  # the same program, so the same latents to the bit
             (size,) = stopped_in
@@ -171,8 +175,9 @@ def plan_main(args) -> None:
         flags.plan_folder(args.input_dir, args.model), args.model, request_flags(args), args.dtype
     )
     dtype = parse_dtype(args.dtype or request.dtype)
-    check_family_runs(family, args)
-    adapters = lora.read_adapters(args, family, source, dtype, likely_model=likely_model)
+    cache = cache_settings(args)
+    check_family_runs(family, cache)
+    adapters = lora.read_adapters(lora_flags(args), family, source, dtype, likely_model=likely_model)
     target_devices = (target.devices, target.devices_per_host, target.hbm_per_device)
     attention = attention_plan(
         args, (family, source, request, dtype), "tpu", *target_devices, target.generation, args.batch_size or 1
@@ -187,11 +192,11 @@ def plan_main(args) -> None:
             dtype,
             target,
             attention,
-            kind_from_flags(args),
+            cache.kind,
             args.batch_size or 1,
             args.scan_blocks,
             store,
-            quantize.Quantization.from_args(args),
+            quantization(args),
         )
     except plan.KernelDoesNotFit as err:
         splash = attention.splash
@@ -202,7 +207,7 @@ def plan_main(args) -> None:
         ) from None
     report["mesh_choice"] = attention.mesh.record()
     if not report["fits"]:
-        facts = model_facts(family, source, dtype, args.tp_mode, request, quantize.Quantization.from_args(args))
+        facts = model_facts(family, source, dtype, args.tp_mode, request, quantization(args))
         branches = family.guidance_branches(source, request)
         videos, mesh = args.batch_size or 1, attention.mesh.shape
         report["where_it_fits"] = where_it_fits(facts, branches, videos, *target_devices, target.generation, mesh)

@@ -126,6 +126,26 @@ def test_stage2_matches_the_pipeline(tmp_path, stage1_folders, case):
         assert "perturbed attention" in record["skipped"]["stg"]
 
 
+def test_distilled_sigmas_match_the_pipeline_with_one_pass_per_step(tmp_path):
+    """Stage 1's `--sigmas distilled` alone: 8 steps of diffusers' DISTILLED_SIGMA_VALUES (through the dynamic
+    shift of the scheduler's config, as the pipeline's own call), guidance off, one pass per step; the same as
+    LTX2Pipeline called with `sigmas=DISTILLED_SIGMA_VALUES` and every guidance term off."""
+    from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES
+
+    out = tmp_path / "run"
+    argv = ["--model", "tiny-ltx2.3", "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
+    run_stage(stage1_text_encoder, [*argv, "--seed", SEED, "--sigmas", "distilled", "--output_dir", out])
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off"])
+    config = read_config(out, needs="stage2")
+    assert config["num_inference_steps"] == len(DISTILLED_SIGMA_VALUES) == 8 and config["sigmas"] == "distilled"
+    assert config["stage2"]["guidance"]["branches"] == ["cond"] and config["stage2"]["mesh"]["dp"] == 1
+    tensors = read_tensors(out, config["stage2"])
+    off = {**NO_CFG, **OFF, **NO_MODALITY}
+    video, audio = reference("tiny-ltx2.3", config, "latent", sigmas=DISTILLED_SIGMA_VALUES, **off)
+    assert relative_error(tensors["latents"], video) <= TOLERANCE
+    assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
+
+
 def test_one_device_and_the_decode_match_the_pipeline(tmp_path, stage1_folders):
     """Stage 2 in a process of one CPU device, then stage 3 (torch) against the pipeline's decode; the mp4
     holds one H.264 stream and one AAC stereo stream of the video's length, whose samples follow the

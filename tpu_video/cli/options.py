@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import UserError, finite_float, flag_names
@@ -23,7 +23,8 @@ class Option:
     """One request option: `--name` in stage 1 (omitted: the family's default, else unset), stored as a
     top-level key of generation_config.json. `later`: stages 2 and 3 may override it (recorded as an
     override); False for what only stage 1 acts on. `splits_batch`: videos that differ in it cannot share a
-    stage-2 batch (it changes the compiled program or the schedule)."""
+    stage-2 batch (it changes the compiled program or the schedule). `implies`: per value, the defaults it
+    brings (e.g. a step schedule's step count), under what the command line gives."""
 
     name: str
     kind: str  # a KIND_TYPES key
@@ -32,6 +33,7 @@ class Option:
     later: bool = True
     splits_batch: bool = True
     metavar: str | None = None
+    implies: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False, compare=False)
 
     def check(self, value: Any) -> None:
         """Refuse a stored value of the wrong JSON type or outside the choices (a hand-edited config)."""
@@ -41,6 +43,15 @@ class Option:
             raise UserError(f"{self.name} is {json.dumps(value)} in the request; it must be {KIND_WORDS[self.kind]}")
         if self.choices and value not in self.choices:
             raise UserError(f"--{self.name} {value!r} is not one of {', '.join(self.choices)}")
+
+
+def implied_defaults(options: tuple[Option, ...], given: dict[str, Any]) -> dict[str, Any]:
+    """The defaults the `given` values of `options` bring (Option.implies), to go between the family's
+    defaults and the given flags."""
+    implied: dict[str, Any] = {}
+    for option in options:
+        implied.update(option.implies.get(given.get(option.name), {}))
+    return implied
 
 
 def add_options(group: argparse._ActionsContainer, options: tuple[Option, ...], *, for_later_stage: bool) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from tpu_video import models
 from tpu_video.cli import log
-from tpu_video.cli.options import add_options
+from tpu_video.cli.options import add_options, implied_defaults
 from utils import REQUEST_KEYS, REQUEST_OPTIONS, Request
 
 
@@ -65,10 +65,10 @@ def media_flags(args) -> dict[str, str | None]:
 def request_from_flags(args, family, model_id: str, defaults: dict[str, Any]) -> Request:
     """Stage 1: the family's defaults, then every request flag given on the command line (shared or any
     family's option: models.validate_request refuses another family's)."""
-    given = request_flags(args)
-    values = {**defaults, "model_family": family.NAME, "model_id": model_id}
+    given = {key: value for key, value in request_flags(args).items() if value is not None}
+    values = {**defaults, **implied_defaults(family.OPTIONS, given), "model_family": family.NAME, "model_id": model_id}
     values.update(prompt=args.prompt, negative_prompt=args.negative_prompt, dtype=args.dtype)
-    return Request.from_values({**values, **{key: value for key, value in given.items() if value is not None}})
+    return Request.from_values({**values, **given})
 
 
 def add_media_arguments(parser) -> None:

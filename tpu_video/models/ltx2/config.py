@@ -24,6 +24,17 @@ LORA_LOADER = "LTX2LoraLoaderMixin"  # its lora_state_dict converts the original
 # the cache hooks' registry), so there is no reference to be exact to, and a MagCache skip would pass the
 # audio stream through its skipped blocks unchanged, as it passes text tokens.
 STEP_CACHES = ("interval",)
+# The distilled step schedule (diffusers' pipelines/ltx2/utils.py: DISTILLED_SIGMA_VALUES, 8 sigmas): the
+# distilled weights, or the dev weights with the distilled LoRA, run it with one pass per step, guidance off.
+DISTILLED_STEPS = 8
+GUIDANCE_OFF = {
+    "guidance_scale": 1.0,
+    "audio_guidance_scale": 1.0,
+    "stg_scale": 0.0,
+    "audio_stg_scale": 0.0,
+    "modality_scale": 1.0,
+    "audio_modality_scale": 1.0,
+}
 # LTX-2's guidance terms and motion speed, named as LTX2Pipeline's arguments (docs/ltx2.md). Unset, a term
 # takes the pipeline's default (guidance.DEFAULTS) and is skipped where it cannot act; a value given that
 # cannot act is an error.
@@ -48,6 +59,15 @@ OPTIONS = (
         "stg_blocks",
         "str",
         "comma-separated transformer blocks whose self-attention the STG pass perturbs (default: 28)",
+    ),
+    Option(
+        "sigmas",
+        "str",
+        f"distilled: the {DISTILLED_STEPS} sigmas of the distilled weights (or the dev weights with the distilled "
+        "LoRA), one pass per step with guidance off; sets --num_inference_steps and the guidance scales (default: "
+        "the pipeline's, --num_inference_steps evenly spaced)",
+        choices=("distilled",),
+        implies={"distilled": {"num_inference_steps": DISTILLED_STEPS, **GUIDANCE_OFF}},
     ),
     Option(
         "image_crf",
@@ -116,7 +136,36 @@ def validate_request(source, request: Request) -> None:
         raise UserError(f"--image_crf {crf} must be from 0 (no re-encode) to 51 (H.264's range)")
     if request.flow_shift is not None:
         raise UserError("--flow_shift: LTX-2's scheduler shifts by the video's token count (dynamic shifting)")
+    check_schedule(request)
     resolve_guidance(request, source.load_config("transformer"))
+
+
+def schedule_sigmas(request: Request) -> list[float] | None:
+    """The sigmas `--sigmas` names (diffusers' own list), or None for the pipeline's evenly spaced ones."""
+    if request.option("sigmas") is None:
+        return None
+    from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES
+
+    return list(DISTILLED_SIGMA_VALUES)
+
+
+def check_schedule(request: Request) -> None:
+    """A named schedule fixes the step count, and the distilled one runs without guidance."""
+    name, sigmas = request.option("sigmas"), schedule_sigmas(request)
+    if sigmas is None:
+        return
+    if request.num_inference_steps != len(sigmas):
+        raise UserError(
+            f"--sigmas {name} is {len(sigmas)} steps; --num_inference_steps {request.num_inference_steps} differs "
+            "(leave it out: stage 1's --sigmas sets it)"
+        )
+    values = {key: request.guidance_scale if key == "guidance_scale" else request.option(key) for key in GUIDANCE_OFF}
+    on = [f"--{key} {value:g}" for key, value in values.items() if value is not None and value != GUIDANCE_OFF[key]]
+    if on:
+        raise UserError(
+            f"--sigmas {name} runs one pass per step with guidance off, as the distilled weights were trained; "
+            f"{', '.join(on)} would add a pass (leave it out: stage 1's --sigmas sets the scales)"
+        )
 
 
 def vae_ratios(source) -> tuple[int, int]:

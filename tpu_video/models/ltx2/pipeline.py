@@ -25,6 +25,7 @@ from .config import (
     audio_temporal_ratio,
     image_to_video,
     latent_grid,
+    schedule_sigmas,
     stock_pipeline,
 )
 from .connectors import DeviceConnectors
@@ -134,7 +135,8 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         scheduler.config.get("base_shift", 0.95),
         scheduler.config.get("max_shift", 2.05),
     )
-    timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", None, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    sigmas = schedule_sigmas(request) or np.linspace(1.0, 1 / steps, steps)  # the pipeline's rule
+    timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", None, sigmas=sigmas, mu=mu)
 
     fps = conditioning_frame_rate(float(request.fps), guidance.motion_speed)
     video_coords = transformer.rope.prepare_video_coords(1, frames, height, width, "cpu", fps=fps)

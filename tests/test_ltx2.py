@@ -126,24 +126,47 @@ def test_stage2_matches_the_pipeline(tmp_path, stage1_folders, case):
         assert "perturbed attention" in record["skipped"]["stg"]
 
 
-def test_distilled_sigmas_match_the_pipeline_with_one_pass_per_step(tmp_path):
+def test_distilled_run_then_its_refine_match_the_pipeline_called_twice(tmp_path):
     """Stage 1's `--sigmas distilled` alone: 8 steps of diffusers' DISTILLED_SIGMA_VALUES (through the dynamic
-    shift of the scheduler's config, as the pipeline's own call), guidance off, one pass per step; the same as
-    LTX2Pipeline called with `sigmas=DISTILLED_SIGMA_VALUES` and every guidance term off."""
-    from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES
+    shift of the scheduler's config, as the pipeline's own call), guidance off, one pass per step. Then the
+    two-stage pipeline's refine as a second pass: stage 2 `--start_latents` from the first with `--sigmas
+    distilled_refine` (3 sigmas as given, renoised by 0.909375 from its own seed). References: LTX2Pipeline
+    called with `sigmas=DISTILLED_SIGMA_VALUES` and every guidance term off, then called again as diffusers'
+    two-stage example calls it (scheduler rebuilt with use_dynamic_shifting=False, shift_terminal=None;
+    `latents=` and `audio_latents=` the first call's, `noise_scale=STAGE_2_DISTILLED_SIGMA_VALUES[0]`)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES, STAGE_2_DISTILLED_SIGMA_VALUES
 
-    out = tmp_path / "run"
+    first, second = tmp_path / "first", tmp_path / "second"
     argv = ["--model", "tiny-ltx2.3", "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
-    run_stage(stage1_text_encoder, [*argv, "--seed", SEED, "--sigmas", "distilled", "--output_dir", out])
-    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off"])
-    config = read_config(out, needs="stage2")
+    run_stage(stage1_text_encoder, [*argv, "--seed", SEED, "--sigmas", "distilled", "--output_dir", first])
+    run_stage(stage2_transformer, ["--input_dir", first, "--executables", "off"])
+    config = read_config(first, needs="stage2")
     assert config["num_inference_steps"] == len(DISTILLED_SIGMA_VALUES) == 8 and config["sigmas"] == "distilled"
     assert config["stage2"]["guidance"]["branches"] == ["cond"] and config["stage2"]["mesh"]["dp"] == 1
-    tensors = read_tensors(out, config["stage2"])
+    tensors = read_tensors(first, config["stage2"])
     off = {**NO_CFG, **OFF, **NO_MODALITY}
-    video, audio = reference("tiny-ltx2.3", config, "latent", sigmas=DISTILLED_SIGMA_VALUES, **off)
+    pipe = pipeline("tiny-ltx2.3")
+    video, audio = reference(pipe, config, "latent", sigmas=DISTILLED_SIGMA_VALUES, **off)
     assert relative_error(tensors["latents"], video) <= TOLERANCE
     assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
+
+    refine = ["--input_dir", first, "--start_latents", first, "--output_dir", second, "--executables", "off"]
+    run_stage(stage2_transformer, [*refine, "--sigmas", "distilled_refine", "--seed", 11])
+    refined = read_config(second, needs="stage2")
+    overrides = refined["stage2"]["overrides"]
+    assert overrides["num_inference_steps"] == [8, 3] and overrides["noise_scale"] == [None, 0.909375]
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        pipe.scheduler.config, use_dynamic_shifting=False, shift_terminal=None
+    )
+    again = {**config, "num_inference_steps": 3, "seed": 11}
+    noise_scale = STAGE_2_DISTILLED_SIGMA_VALUES[0]
+    extra = {"sigmas": STAGE_2_DISTILLED_SIGMA_VALUES, "noise_scale": noise_scale, "audio_latents": audio, **off}
+    video_2, audio_2 = reference(pipe, again, "latent", latents=video, **extra)
+    assert relative_error(video_2, video) > 1e-2  # the refine did change them
+    ours = read_tensors(second, refined["stage2"])
+    assert relative_error(ours["latents"], video_2) <= TOLERANCE
+    assert relative_error(ours["audio_latents"], audio_2) <= TOLERANCE
 
 
 def test_one_device_and_the_decode_match_the_pipeline(tmp_path, stage1_folders):
@@ -533,6 +556,8 @@ def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_
     expect_user_error(capsys, stage3_vae_decoder, argv, "the ltx2 decode runs as one program (give 0 or leave it out)")
     argv = ["--input_dir", folder, "--cache", "magcache"]
     expect_user_error(capsys, stage2_transformer, argv, "--cache magcache: ltx2 runs --cache interval only")
+    argv = ["--input_dir", folder, "--sigmas", "distilled_refine"]  # brings --noise_scale 0.909375
+    expect_user_error(capsys, stage2_transformer, argv, "acts only on a pass that starts from given latents")
     window = ["--cache_start_step", 1, "--cache_end_step", 4, "--cache_step_interval", 2]
     argv = ["--input_dir", folder, "--cache", "interval", *window]  # the tiny preset's 2 blocks
     expect_user_error(capsys, stage2_transformer, argv, "needs at least 3 transformer blocks")

@@ -36,7 +36,7 @@ def image_file(tmp_path_factory):
     [(None, [], []), (0, ["--backend", "torchax"], ["--attention", "splash", "--sp", "2", "--tp", "4"])],
     ids=["crf33-8-devices-and-decode", "no-recompress-torchax-stage1-splash"],
 )
-def test_image_to_video_matches_the_pipeline(tmp_path, image_file, crf, stage1_flags, stage2_flags):
+def test_image_to_video_matches_the_pipeline(capsys, tmp_path, image_file, crf, stage1_flags, stage2_flags):
     """LTX2ImageToVideoPipeline: stage 1's H.264 round trip (the default CRF 33, through PyAV) or none, and
     the VAE latents of the image (on torch, or on torchax, whose placed VAE's statistics are read before
     placing); stage 2's first frame held at timestep zero and never stepped; stage 3's decode of the whole
@@ -63,6 +63,8 @@ def test_image_to_video_matches_the_pipeline(tmp_path, image_file, crf, stage1_f
         frames, waveform = reference("tiny-ltx2-i2v", config, "np", **arguments)
         assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
         assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
+        argv = ["--input_dir", out, "--start_latents", out, "--output_dir", tmp_path / "again"]
+        expect_user_error(capsys, stage2_transformer, argv, "LTX-2 image-to-video denoises from noise only")
 
 
 def test_without_pyav_stage1_stops_before_loading_and_names_the_extra(monkeypatch, capsys, tmp_path, image_file):

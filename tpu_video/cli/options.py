@@ -24,7 +24,8 @@ class Option:
     top-level key of generation_config.json. `later`: stages 2 and 3 may override it (recorded as an
     override); False for what only stage 1 acts on. `splits_batch`: videos that differ in it cannot share a
     stage-2 batch (it changes the compiled program or the schedule). `implies`: per value, the defaults it
-    brings (e.g. a step schedule's step count), under what the command line gives."""
+    brings (e.g. a step schedule's step count), under what the command line gives. `start_only`: it acts only
+    on a pass that starts from given latents (stage 2's --start_latents)."""
 
     name: str
     kind: str  # a KIND_TYPES key
@@ -34,6 +35,7 @@ class Option:
     splits_batch: bool = True
     metavar: str | None = None
     implies: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False, compare=False)
+    start_only: bool = False
 
     def check(self, value: Any) -> None:
         """Refuse a stored value of the wrong JSON type or outside the choices (a hand-edited config)."""

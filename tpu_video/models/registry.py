@@ -113,3 +113,15 @@ def check_options(family: Family, request) -> None:
 def stage1_only(family: Family) -> tuple[str, ...]:
     """The family's options only stage 1 acts on (a request fingerprint leaves them out)."""
     return tuple(option.name for option in family.OPTIONS if not option.later)
+
+
+def check_started(family: Family, request, started: bool) -> None:
+    """An option that acts only on a pass from given latents (Option.start_only), set in a pass from noise, is
+    refused: it would change nothing."""
+    for option in family.OPTIONS:
+        value = request.option(option.name)
+        if option.start_only and value and not started:
+            raise UserError(
+                f"--{option.name} {value} acts only on a pass that starts from given latents: give stage 2 "
+                "--start_latents FOLDER (or leave it out)"
+            )

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from tpu_video.cli import UserError, parse_dtype
-from tpu_video.cli.options import implied_defaults
 from tpu_video.planning.tpus import Target, parse_target, topology_devices
 from utils import CONFIG_FILE, DEFAULT_OUTPUT_DIR, Request, read_config, read_tensors
 
@@ -71,7 +70,7 @@ def default_request(model: str, flags: dict[str, Any], dtype: str | None = None)
 
     source, family = models.resolve_model(model, configs_only=True)
     given = {key: value for key, value in flags.items() if value is not None}
-    values = {**family.request_defaults(source), **implied_defaults(family.OPTIONS, given), "seed": 0, **given}
+    values = {**family.request_defaults(source), "seed": 0, **given}
     request = Request.from_values(
         {"model_family": family.NAME, "model_id": model, "prompt": "", "negative_prompt": "", "dtype": dtype or "bf16"}
         | values

@@ -52,9 +52,12 @@ def _unless_taken(family, name: str, add) -> bool:
 
 
 def request_flags(args) -> dict[str, Any]:
-    """The request flags a later stage's command line gave (None where omitted): the shared ones and the
-    family options the parser holds."""
-    return {name: getattr(args, name, None) for name in (*REQUEST_KEYS, *getattr(args, OPTION_NAMES, ()))}
+    """The request flags the command line gave (None where omitted): the shared ones and the family options
+    the parser holds, with the defaults a given option's value brings where their own flag is omitted
+    (Option.implies: `--sigmas distilled` brings its step count)."""
+    given = {name: getattr(args, name, None) for name in (*REQUEST_KEYS, *getattr(args, OPTION_NAMES, ()))}
+    implied = implied_defaults(tuple(models.FAMILY_OPTIONS.values()), given)
+    return {**given, **{name: value for name, value in implied.items() if given.get(name) is None}}
 
 
 def media_flags(args) -> dict[str, str | None]:
@@ -66,7 +69,7 @@ def request_from_flags(args, family, model_id: str, defaults: dict[str, Any]) ->
     """Stage 1: the family's defaults, then every request flag given on the command line (shared or any
     family's option: models.validate_request refuses another family's)."""
     given = {key: value for key, value in request_flags(args).items() if value is not None}
-    values = {**defaults, **implied_defaults(family.OPTIONS, given), "model_family": family.NAME, "model_id": model_id}
+    values = {**defaults, "model_family": family.NAME, "model_id": model_id}
     values.update(prompt=args.prompt, negative_prompt=args.negative_prompt, dtype=args.dtype)
     return Request.from_values({**values, **given})
 

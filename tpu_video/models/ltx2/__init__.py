@@ -14,7 +14,6 @@ the family's `models.family.Family` members, gathered from its parts.
 - `published`: Lightricks/LTX-2's configs, for --plan.
 """
 
-from ..common import no_start_from
 from ..common import size_from_request as size_from_inputs
 from .audio import Soundtrack
 from .config import (
@@ -31,7 +30,7 @@ from .config import (
 )
 from .i2v import MEDIA_INPUTS, check_inputs, encode_inputs, inputs_on_runtime, media_inputs
 from .latents import Decoder, latents_normalization, upgrade_stage2, video_processor
-from .pipeline import denoise_loop, planning_embeds, prompt_encoder
+from .pipeline import denoise_loop, planning_embeds, prompt_encoder, start_from
 from .presets import PRESETS
 from .published import PUBLISHED
 from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
@@ -41,4 +40,3 @@ from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
 # each frame depends on the latent frames after it and no state can be carried from one chunk to the next.
 CHUNK_FRAMES: tuple[int, ...] = ()
 frame_programs = frame_plan = None
-start_from = no_start_from(NAME)  # --start_latents: LTX-2's refine pass is still to come

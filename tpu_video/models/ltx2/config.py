@@ -29,6 +29,10 @@ STEP_CACHES = ("interval",)
 # Lightricks' distilled pipeline does; diffusers' own example sets guidance_scale 1 alone, which leaves the audio
 # CFG and the modality pass on: given as flags, they run).
 DISTILLED_STEPS = 8
+# The refine after the x2 latent upsampler (STAGE_2_DISTILLED_SIGMA_VALUES, 3 sigmas): it starts from given
+# latents renoised with its first sigma and takes the sigmas as they are (diffusers' two-stage example rebuilds
+# the scheduler with use_dynamic_shifting=False and shift_terminal=None for it).
+REFINE_STEPS, REFINE_NOISE_SCALE = 3, 0.909375
 GUIDANCE_OFF = {
     "guidance_scale": 1.0,
     "audio_guidance_scale": 1.0,
@@ -66,10 +70,34 @@ OPTIONS = (
         "sigmas",
         "str",
         f"distilled: the {DISTILLED_STEPS} sigmas of the distilled weights (or the dev weights with the distilled "
-        "LoRA); sets --num_inference_steps and turns every guidance scale not given off (one pass per step) "
+        "LoRA); sets --num_inference_steps and turns every guidance scale not given off (one pass per step); "
+        f"distilled_refine: the {REFINE_STEPS} sigmas of the two-stage pipeline's refine, a pass from given latents "
+        f"(--start_latents), as distilled and with --noise_scale {REFINE_NOISE_SCALE} --sigma_shift none "
         "(default: the pipeline's, --num_inference_steps evenly spaced)",
-        choices=("distilled",),
-        implies={"distilled": {"num_inference_steps": DISTILLED_STEPS, **GUIDANCE_OFF}},
+        choices=("distilled", "distilled_refine"),
+        implies={
+            "distilled": {"num_inference_steps": DISTILLED_STEPS, **GUIDANCE_OFF},
+            "distilled_refine": {
+                "num_inference_steps": REFINE_STEPS,
+                **GUIDANCE_OFF,
+                "noise_scale": REFINE_NOISE_SCALE,
+                "sigma_shift": "none",
+            },
+        },
+    ),
+    Option(
+        "sigma_shift",
+        "str",
+        "none: the sigmas as given, the scheduler's dynamic shift and terminal stretch off (diffusers' two-stage "
+        "refine) (default: the scheduler config's)",
+        choices=("none",),
+    ),
+    Option(
+        "noise_scale",
+        "float",
+        "a pass from given latents (--start_latents) starts from noise_scale x noise + (1 - noise_scale) x latents, "
+        "as the pipeline's noise_scale (default 0)",
+        start_only=True,
     ),
     Option(
         "image_crf",
@@ -143,16 +171,29 @@ def validate_request(source, request: Request) -> None:
 
 
 def schedule_sigmas(request: Request) -> list[float] | None:
-    """The sigmas `--sigmas` names (diffusers' own list), or None for the pipeline's evenly spaced ones."""
-    if request.option("sigmas") is None:
+    """The sigmas `--sigmas` names (diffusers' own lists), or None for the pipeline's evenly spaced ones."""
+    name = request.option("sigmas")
+    if name is None:
         return None
-    from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES
+    from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES, STAGE_2_DISTILLED_SIGMA_VALUES
 
-    return list(DISTILLED_SIGMA_VALUES)
+    return list({"distilled": DISTILLED_SIGMA_VALUES, "distilled_refine": STAGE_2_DISTILLED_SIGMA_VALUES}[name])
+
+
+def scheduler_config(source, request: Request) -> dict[str, Any]:
+    """The scheduler's config for this request: the folder's, or with `--sigma_shift none` its dynamic shift
+    and terminal stretch off (the sigmas then run as given, the scheduler's `shift` aside)."""
+    config = dict(source.load_config("scheduler"))
+    if request.option("sigma_shift") == "none":
+        config.update(use_dynamic_shifting=False, shift_terminal=None)
+    return config
 
 
 def check_schedule(request: Request) -> None:
-    """A named schedule fixes the step count."""
+    """A named schedule fixes the step count; the noise scale is a fraction."""
+    noise_scale = request.option("noise_scale")
+    if noise_scale is not None and not 0 <= noise_scale <= 1:
+        raise UserError(f"--noise_scale {noise_scale} must be from 0 (the latents as given) to 1 (pure noise)")
     name, sigmas = request.option("sigmas"), schedule_sigmas(request)
     if sigmas is not None and request.num_inference_steps != len(sigmas):
         raise UserError(

@@ -1,6 +1,6 @@
 """LTX-2's latent spaces: both VAEs' statistics read from the checkpoint, the de-normalisation stage 2 applies
 after its loop (as LTX2Pipeline does), what stage 2 records about it, the upgrade of folders written before
-2026-11-27, and stage 3's video decode."""
+2026-11-27, the normalisation of a later pass's given latents, and stage 3's video decode."""
 
 from __future__ import annotations
 
@@ -83,6 +83,19 @@ def denormalized(tensors: dict[str, torch.Tensor], statistics: VaeStatistics) ->
     packed = LTX2Pipeline._denormalize_audio_latents(LTX2Pipeline._pack_audio_latents(audio), s.audio_mean, s.audio_std)
     audio = LTX2Pipeline._unpack_audio_latents(packed, audio.shape[2], num_mel_bins=audio.shape[3])
     return {**tensors, "latents": video, "audio_latents": audio}
+
+
+def normalized_packed(tensors: dict[str, torch.Tensor], statistics: VaeStatistics, patch: int, patch_t: int):
+    """The inverse of `denormalized`, packed: stage-2 `latents` and `audio_latents` as LTX2Pipeline's
+    prepare_latents and prepare_audio_latents take given ones (video normalised then packed, audio packed then
+    normalised), in float32: (video (1, tokens, features), audio (1, length, features))."""
+    from diffusers import LTX2Pipeline
+
+    s = statistics
+    video = LTX2Pipeline._normalize_latents(tensors["latents"].float(), s.video_mean, s.video_std, s.scaling_factor)
+    video = LTX2Pipeline._pack_latents(video, patch, patch_t)
+    audio = LTX2Pipeline._pack_audio_latents(tensors["audio_latents"].float())
+    return video, LTX2Pipeline._normalize_audio_latents(audio, s.audio_mean, s.audio_std)
 
 
 # Marks a stage-2 section whose latents stage 2 de-normalised itself. Sections without it (written before

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tpu_video.cli import log
+from tpu_video.cli import UserError, log
 from tpu_video.engine.denoise import DenoiseLoop, latents_record
 from tpu_video.engine.encoders import DeviceTextEncoder
 from tpu_video.engine.guidance import BATCH
@@ -26,12 +26,13 @@ from .config import (
     image_to_video,
     latent_grid,
     schedule_sigmas,
+    scheduler_config,
     stock_pipeline,
 )
 from .connectors import DeviceConnectors
 from .guidance import resolve_guidance
 from .i2v import IMAGE_LATENTS, conditioning_mask
-from .latents import denormalized, latents_normalization, vae_statistics
+from .latents import denormalized, latents_normalization, normalized_packed, vae_statistics
 from .transformer import ROPES, GuidedTransformer, rope_tables, transformer_rules
 
 STAGE1_TENSORS = ("connector_prompt_embeds", "connector_audio_prompt_embeds", "connector_attention_mask")
@@ -126,7 +127,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     audio = LTX2Pipeline._pack_audio_latents(audio)
     shapes = (tuple(video.shape[1:]), tuple(audio.shape[1:]))
 
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(source.load_config("scheduler"))
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config(source, request))
     steps = request.num_inference_steps
     mu = calculate_shift(
         video.shape[1],
@@ -193,3 +194,23 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         return tensors, latents_record(scheduler, guidance.cfg, latents_normalization(source), **extra)
 
     return loop, finish
+
+
+def start_from(source, request: Request, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A pass from an earlier one's stage-2 latents (both streams), as LTX2Pipeline called with `latents=` and
+    `audio_latents=` starts: each normalised and packed, then `noise_scale * noise + (1 - noise_scale) *
+    latents` with the noise drawn from the request's seed, the video's first (_create_noised_state)."""
+    from diffusers import LTX2Pipeline
+
+    if image_to_video(source):
+        raise UserError("--start_latents: LTX-2 image-to-video denoises from noise only (its first frame joins it)")
+    config = source.load_config("transformer")
+    statistics = vae_statistics(source, planning=False)
+    streams = normalized_packed(tensors, statistics, config["patch_size"], config["patch_size_t"])
+    noise_scale = request.option("noise_scale") or 0.0
+    generator = torch.Generator("cpu").manual_seed(request.seed)
+    noised = [
+        LTX2Pipeline._create_noised_state(stream, noise_scale, generator) if noise_scale else stream
+        for stream in streams
+    ]
+    return torch.cat([stream.flatten(1) for stream in noised], dim=1)

@@ -126,18 +126,33 @@ def test_stage2_matches_the_pipeline(tmp_path, stage1_folders, case):
         assert "perturbed attention" in record["skipped"]["stg"]
 
 
-def test_distilled_run_then_its_refine_match_the_pipeline_called_twice(tmp_path):
-    """Stage 1's `--sigmas distilled` alone: 8 steps of diffusers' DISTILLED_SIGMA_VALUES (through the dynamic
-    shift of the scheduler's config, as the pipeline's own call), guidance off, one pass per step. Then the
-    two-stage pipeline's refine as a second pass: stage 2 `--start_latents` from the first with `--sigmas
-    distilled_refine` (3 sigmas as given, renoised by 0.909375 from its own seed). References: LTX2Pipeline
-    called with `sigmas=DISTILLED_SIGMA_VALUES` and every guidance term off, then called again as diffusers'
-    two-stage example calls it (scheduler rebuilt with use_dynamic_shifting=False, shift_terminal=None;
-    `latents=` and `audio_latents=` the first call's, `noise_scale=STAGE_2_DISTILLED_SIGMA_VALUES[0]`)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
+def tiny_upsampler(folder, seed: int = 5):
+    """A random x2 latent upsampler for the tiny VAE's 8 latent channels, saved as the published one is."""
+    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
+
+    torch.manual_seed(seed)
+    model = LTX2LatentUpsamplerModel(in_channels=8, mid_channels=32, num_blocks_per_stage=1)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+def test_the_two_stage_pipeline_matches_diffusers_pass_by_pass(tmp_path):
+    """Diffusers' two-stage example through the CLIs, on tiny LTX-2.3 in fp32, compared after every step:
+
+    1. stage 1 `--sigmas distilled` alone, stage 2: 8 steps of DISTILLED_SIGMA_VALUES (through the scheduler
+       config's dynamic shift, as the pipeline's own call), guidance off, one pass per step; the reference is
+       LTX2Pipeline called with `sigmas=DISTILLED_SIGMA_VALUES` and every guidance term off;
+    2. stage 2 `--upsample` with a tiny x2 upsampler saved to a folder: LTX2LatentUpsamplePipeline with
+       `latents=` the first call's, AdaIN 0.5 and tone map 0.3;
+    3. stage 2 `--start_latents` from the upsampled folder at twice the size, `--sigmas distilled_refine` (3
+       sigmas as given, renoised by 0.909375 from seed 11): LTX2Pipeline with its scheduler rebuilt
+       (use_dynamic_shifting=False, shift_terminal=None), `latents=` the upsampled, `audio_latents=` the first
+       call's, `noise_scale=STAGE_2_DISTILLED_SIGMA_VALUES[0]`;
+    4. stage 3 (torch) of the refined folder: frames and waveform against that call's output_type="np"."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2LatentUpsamplePipeline
     from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES, STAGE_2_DISTILLED_SIGMA_VALUES
 
-    first, second = tmp_path / "first", tmp_path / "second"
+    first, up, second = tmp_path / "first", tmp_path / "up", tmp_path / "second"
     argv = ["--model", "tiny-ltx2.3", "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
     run_stage(stage1_text_encoder, [*argv, "--seed", SEED, "--sigmas", "distilled", "--output_dir", first])
     run_stage(stage2_transformer, ["--input_dir", first, "--executables", "off"])
@@ -151,22 +166,42 @@ def test_distilled_run_then_its_refine_match_the_pipeline_called_twice(tmp_path)
     assert relative_error(tensors["latents"], video) <= TOLERANCE
     assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
 
-    refine = ["--input_dir", first, "--start_latents", first, "--output_dir", second, "--executables", "off"]
+    upsampler = tiny_upsampler(tmp_path / "upsampler")
+    filters = {"adain_factor": 0.5, "tone_map_compression_ratio": 0.3}
+    step = ["--input_dir", first, "--upsample", "--latent_upsampler", tmp_path / "upsampler", "--output_dir", up]
+    run_stage(stage2_transformer, [*step, "--adain_factor", 0.5, "--tone_map_compression_ratio", 0.3])
+    upsampled = read_config(up, needs="stage2")
+    height, width = 2 * config["height"], 2 * config["width"]
+    assert (upsampled["height"], upsampled["width"]) == (height, width)
+    assert upsampled["stage2"]["upsampled"]["sha256"] == config["stage2"]["sha256"]
+    upsample_pipe = LTX2LatentUpsamplePipeline(vae=pipe.vae, latent_upsampler=upsampler)
+    larger = upsample_pipe(latents=video, output_type="latent", return_dict=False, **filters)[0]
+    ours = read_tensors(up, upsampled["stage2"])
+    assert ours["latents"].shape == larger.shape and larger.shape[-2:] == (2 * video.shape[-2], 2 * video.shape[-1])
+    assert relative_error(ours["latents"], larger) <= TOLERANCE
+    assert torch.equal(ours["audio_latents"], tensors["audio_latents"])  # passed through
+
+    refine = ["--input_dir", first, "--start_latents", up, "--output_dir", second, "--executables", "off"]
     run_stage(stage2_transformer, [*refine, "--sigmas", "distilled_refine", "--seed", 11])
-    refined = read_config(second, needs="stage2")
+    run_stage(stage3_vae_decoder, ["--input_dir", second, "--backend", "torch", "--save_frames"])
+    refined = read_config(second, needs="stage3")
+    assert (refined["height"], refined["width"]) == (height, width)
     overrides = refined["stage2"]["overrides"]
     assert overrides["num_inference_steps"] == [8, 3] and overrides["noise_scale"] == [None, 0.909375]
     pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
         pipe.scheduler.config, use_dynamic_shifting=False, shift_terminal=None
     )
-    again = {**config, "num_inference_steps": 3, "seed": 11}
+    again = {**config, "num_inference_steps": 3, "seed": 11, "height": height, "width": width}
     noise_scale = STAGE_2_DISTILLED_SIGMA_VALUES[0]
     extra = {"sigmas": STAGE_2_DISTILLED_SIGMA_VALUES, "noise_scale": noise_scale, "audio_latents": audio, **off}
-    video_2, audio_2 = reference(pipe, again, "latent", latents=video, **extra)
-    assert relative_error(video_2, video) > 1e-2  # the refine did change them
+    video_2, audio_2 = reference(pipe, again, "latent", latents=larger, **extra)
     ours = read_tensors(second, refined["stage2"])
     assert relative_error(ours["latents"], video_2) <= TOLERANCE
     assert relative_error(ours["audio_latents"], audio_2) <= TOLERANCE
+    frames, waveform = reference(pipe, again, "np", latents=larger, **extra)
+    saved = read_tensors(second, refined["stage3"]["frames_file"])
+    assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
+    assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
 
 
 def test_one_device_and_the_decode_match_the_pipeline(tmp_path, stage1_folders):
@@ -558,6 +593,22 @@ def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_
     expect_user_error(capsys, stage2_transformer, argv, "--cache magcache: ltx2 runs --cache interval only")
     argv = ["--input_dir", folder, "--sigmas", "distilled_refine"]  # brings --noise_scale 0.909375
     expect_user_error(capsys, stage2_transformer, argv, "acts only on a pass that starts from given latents")
+    # The step between passes (--upsample): its flags alone, its output folder, a wrong upsampler folder; the
+    # checks come before any upsampler weights load, and nothing is written.
+    up = tmp_path / "up"
+    expect_user_error(capsys, stage2_transformer, ["--input_dir", folder, "--upsample"], "give --output_dir")
+    argv = ["--input_dir", folder, "--adain_factor", "0.5"]
+    expect_user_error(capsys, stage2_transformer, argv, "--adain_factor acts only with --upsample")
+    argv = ["--input_dir", folder, "--upsample", "--output_dir", up, "--lora", "x.safetensors"]
+    expect_user_error(capsys, stage2_transformer, argv, "--lora belongs to a denoise")
+    argv = ["--input_dir", folder, "--upsample", "--output_dir", up]  # the preset has no latent_upsampler folder
+    expect_user_error(capsys, stage2_transformer, argv, "no LTX-2 latent upsampler in")
+    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
+
+    LTX2LatentUpsamplerModel(in_channels=4, mid_channels=32, num_blocks_per_stage=1).save_pretrained(tmp_path / "u4")
+    argv = ["--input_dir", folder, "--upsample", "--latent_upsampler", tmp_path / "u4", "--output_dir", up]
+    expect_user_error(capsys, stage2_transformer, argv, "takes 4 latent channels; this model's VAE makes 8")
+    assert not up.exists()
     window = ["--cache_start_step", 1, "--cache_end_step", 4, "--cache_step_interval", 2]
     argv = ["--input_dir", folder, "--cache", "interval", *window]  # the tiny preset's 2 blocks
     expect_user_error(capsys, stage2_transformer, argv, "needs at least 3 transformer blocks")

@@ -116,7 +116,10 @@ def test_bad_passes_are_refused_before_loading(passes, capsys, tmp_path, extra, 
     expect_user_error(capsys, stage2_transformer, argv, message)
 
 
-def test_families_without_a_given_latents_path_say_so():
-    for name in ("cogvideox", "hunyuanvideo15", "ltx2"):
+def test_families_without_a_given_latents_path_or_an_upsampler_say_so():
+    for name in ("cogvideox", "hunyuanvideo15"):
         with pytest.raises(UserError, match=f"--start_latents: {name} denoises from noise only"):
             models.FAMILIES[name].start_from(None, None, {})
+    for name in ("cogvideox", "hunyuanvideo15", "wan"):
+        with pytest.raises(UserError, match=f"--upsample: {name} has no latent upsampler"):
+            models.FAMILIES[name].upsample(None, None, {}, None, None)

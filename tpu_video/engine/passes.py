@@ -6,7 +6,8 @@ Each pass is a stage folder, so each is recorded, resumable and rerunnable alone
 `--start_latents FOLDER` reads that folder's stage-2 latents (checked: same family, the size and frame count
 this run asks for, the recorded sha256), records which file it started from in its section and its checkpoint
 fingerprint, and the family turns them into its loop's first latents as its pipeline does when called with
-`latents=` (`Family.start_from`).
+`latents=` (`Family.start_from`). A folder the step between passes wrote (stage 2's `--upsample`) holds latents
+at a new size, which the pass from it takes unless `--height`/`--width` are given.
 """
 
 from __future__ import annotations
@@ -59,6 +60,19 @@ def read_start(folder: Path, request, output_dir: Path, stage1_only: tuple[str, 
     made = stage2.get("request", {})  # what that stage 2 ran
     record = {"file": stage2["file"], "sha256": stage2["sha256"], "model_id": made.get("model_id")}
     return StartLatents(tensors, {**record, "seed": made.get("seed"), "steps": made.get("num_inference_steps")})
+
+
+def upsampled_size(folder: Path) -> dict[str, int]:
+    """The height and width of a folder written by the step between passes (stage 2's `--upsample`), which a
+    pass from it runs at unless told otherwise; {} for any other folder (or one that cannot be read: read_start
+    then says why)."""
+    try:
+        config = read_config(folder, needs="stage2")
+    except UserError:
+        return {}
+    if "upsampled" not in config["stage2"]:
+        return {}
+    return {"height": config["height"], "width": config["width"]}
 
 
 def started(loop, start: torch.Tensor | None):

@@ -132,3 +132,12 @@ def constrain_block_inputs(blocks, constrain, specs: dict[str | int, tuple], bar
 
     for block in blocks:
         block.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def no_upsample(family: str):
+    """`upsample` of a family without a latent upsampler between passes."""
+
+    def upsample(source, location, tensors, runtime, timer, *filters):
+        raise UserError(f"--upsample: {family} has no latent upsampler (LTX-2's two-stage pipeline has one)")
+
+    return upsample

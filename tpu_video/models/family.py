@@ -152,6 +152,13 @@ class Family(Protocol):
         tensors, as the pipeline takes them when called with `latents=`; UserError where the family cannot
         (checked before any weights load)."""
 
+    def upsample(
+        self, source: ModelSource, location: str | None, tensors: dict[str, torch.Tensor], runtime, timer, *filters
+    ) -> tuple[dict[str, torch.Tensor], int, dict[str, Any]]:
+        """The step between two passes (stage 2's `--upsample`): the family's latent upsampler (from `location`,
+        else the model's own) on stage-2 tensors: (the tensors, the spatial scale, the record); `filters`: the
+        pipeline's AdaIN factor and tone-map ratio. UserError where the family has none."""
+
     def planning_embeds(self, source: ModelSource, request: Request, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Zero stage-1 tensors of the shapes stage 1 would write (to plan before encoding)."""
 

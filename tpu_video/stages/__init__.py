@@ -5,5 +5,6 @@
 no code reads parsed flags); stage 1: `stage1_flags` (its parser) and `stage1_run` (one video checked,
 encoded and written); stage 2: `stage2_flags` (its parser), `stage2_inputs` (each folder's inputs read and
 checked, before anything loads), `stage2_attention` (the attention plan from its flags, and where a model
-that does not fit would fit) and `stage2_run` (the runtime, one folder's or a group's denoise, the section
-written); stage 3: `stage3_flags` (its parser) and `stage3_run` (one folder checked, decoded and written)."""
+that does not fit would fit), `stage2_upsample` (`--upsample`: the step between two passes, a folder of its
+own) and `stage2_run` (the runtime, one folder's or a group's denoise, the section written); stage 3:
+`stage3_flags` (its parser) and `stage3_run` (one folder checked, decoded and written)."""

@@ -7,7 +7,14 @@ from __future__ import annotations
 import argparse
 
 from tpu_video.attention.plan import SP_MODES
-from tpu_video.cli import add_executables_argument, add_plan_arguments, dtype_flag, flag_names, stage_parser
+from tpu_video.cli import (
+    add_executables_argument,
+    add_plan_arguments,
+    dtype_flag,
+    finite_float,
+    flag_names,
+    stage_parser,
+)
 from tpu_video.stages.feature_flags import (
     add_cache_flags,
     add_lora_flags,
@@ -43,6 +50,33 @@ def build_parser(script: str, description: str | None):
         help="a later pass: start from FOLDER's stage-2 latents where the denoise would draw its initial noise, as "
         "the pipeline called with latents= (same model family, size and frame count; write it to its own "
         "--output_dir; Wan, LTX-2 text-to-video; docs/usage.md#a-second-pass)",
+    )
+    between = parser.add_argument_group(
+        "between two passes (LTX-2's two-stage pipeline; docs/ltx2.md#the-two-stage-pipeline)"
+    )
+    between.add_argument(
+        "--upsample",
+        action="store_true",
+        help="instead of a denoise: run the model's x2 latent upsampler on --input_dir's stage-2 latents and write "
+        "them, at twice the height and width, to --output_dir (the next pass's --start_latents)",
+    )
+    between.add_argument(
+        "--latent_upsampler",
+        metavar="PATH",
+        help="with --upsample: a folder holding the upsampler's config.json, or a model folder or hub id holding a "
+        "latent_upsampler subfolder (default: the model's own)",
+    )
+    between.add_argument(
+        "--adain_factor",
+        type=finite_float,
+        default=0.0,
+        help="with --upsample: AdaIN toward the input's per-channel statistics, -10 to 10 (default: %(default)s: off)",
+    )
+    between.add_argument(
+        "--tone_map_compression_ratio",
+        type=finite_float,
+        default=0.0,
+        help="with --upsample: compress the latents' dynamic range, 0 (off) to 1 (default: %(default)s)",
     )
     parser.add_argument(
         *flag_names("--model"), dest="model", help="override the model recorded by stage 1 (same family only)"

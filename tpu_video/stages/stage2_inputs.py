@@ -73,9 +73,11 @@ def validated_run(
     with timer.phase("read"):  # stage 1's files, the model folder's configs (a tiny preset: built), adapters
         config = read_config(input_dir, needs="stage1")
         log(describe_folder(input_dir, config))
-        request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides(
-            {**request_flags(args), "model_id": args.model}
-        )
+        flags = {**request_flags(args), "model_id": args.model}
+        if args.start_latents:  # a pass from upsampled latents runs at their size
+            size = passes.upsampled_size(Path(args.start_latents))
+            flags.update({key: value for key, value in size.items() if flags.get(key) is None})
+        request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides(flags)
         check_stage1_fresh(input_dir, config, request)
         check_geometry_kept(config, overrides)
         source, family = models.resolve_model_for_request(request)

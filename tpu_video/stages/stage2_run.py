@@ -24,6 +24,7 @@ from tpu_video.stages.feature_flags import cache_settings, lora_flags, quantizat
 from tpu_video.stages.request import request_flags
 from tpu_video.stages.stage2_attention import attention_flags, attention_plan, where_it_fits
 from tpu_video.stages.stage2_inputs import ValidatedRun, batch_resume, check_batch_flags, profile_dir, validated_run
+from tpu_video.stages.stage2_upsample import given_upsample_flags, upsample_main
 from utils import DEFAULT_OUTPUT_DIR, STAGE2_FILE, stage_sections, write_stage_config, write_tensors
 
 
@@ -218,6 +219,10 @@ def plan_main(args) -> None:
 
 def run(args) -> None:
     """Stage 2 for parsed flags (stage2_flags.build_parser): the script's main and the Python API call it."""
+    if args.upsample:
+        return upsample_main(args)
+    if given_upsample_flags(args):
+        raise UserError(f"{given_upsample_flags(args)[0]} acts only with --upsample")
     if args.plan:
         if args.resume:
             raise UserError("--resume continues a denoise from its checkpoint; --plan runs none (give one of them)")

@@ -10,7 +10,7 @@
 """
 
 from ..common import no_image_checks as check_inputs
-from ..common import no_start_from
+from ..common import no_start_from, no_upsample
 from ..common import one_transformer as transformer_components
 from ..common import size_from_request as size_from_inputs  # the pipeline resizes the image to the request's size
 from ..common import stage2_as_written as upgrade_stage2
@@ -35,3 +35,4 @@ from .vae import CHUNK_FRAMES, frame_plan, frame_programs
 
 Soundtrack = None  # no soundtrack
 start_from = no_start_from(NAME)  # --start_latents: not yet
+upsample = no_upsample(NAME)

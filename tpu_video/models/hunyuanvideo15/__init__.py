@@ -11,7 +11,7 @@
 """
 
 from ..common import no_image_checks as check_inputs
-from ..common import no_start_from
+from ..common import no_start_from, no_upsample
 from ..common import one_transformer as transformer_components
 from ..common import stage2_as_written as upgrade_stage2
 from ..common import vae_scaling_factor as latents_normalization
@@ -35,3 +35,4 @@ from .vae import CHUNK_FRAMES, Decoder, frame_plan, frame_programs, video_proces
 
 Soundtrack = None  # no soundtrack
 start_from = no_start_from(NAME)  # --start_latents: not yet
+upsample = no_upsample(NAME)

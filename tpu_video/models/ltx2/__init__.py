@@ -11,6 +11,7 @@ the family's `models.family.Family` members, gathered from its parts.
 - `connectors`: stage 1's text connectors on the runtime (their float64 rotary tables from the host);
 - `audio`: stage 3's soundtrack (audio VAE and vocoder, one module);
 - `presets`: the tiny random presets;
+- `upsampler`: the x2 latent upsampler between the two-stage pipeline's passes (stage 2's `--upsample`);
 - `published`: Lightricks/LTX-2's configs, for --plan.
 """
 
@@ -34,6 +35,7 @@ from .pipeline import denoise_loop, planning_embeds, prompt_encoder, start_from
 from .presets import PRESETS
 from .published import PUBLISHED
 from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
+from .upsampler import upsample
 
 # Stage 3 on torchax decodes the video as one program: LTX-2's decoder is not causal in time (both published
 # VAEs set decoder_causal False: every temporal conv pads with the first and the last frame on both sides), so

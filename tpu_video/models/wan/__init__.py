@@ -12,6 +12,7 @@ the family's `models.family.Family` members, gathered from its parts.
 """
 
 from ..common import no_image_checks as check_inputs
+from ..common import no_upsample
 from ..common import size_from_request as size_from_inputs  # the pipeline resizes the image to the request's size
 from ..common import stage2_as_written as upgrade_stage2
 from .config import (
@@ -42,3 +43,4 @@ from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
 from .vae import CHUNK_FRAMES, frame_plan, frame_programs
 
 Soundtrack = None  # no soundtrack
+upsample = no_upsample(NAME)

@@ -1,0 +1,98 @@
+"""LTX-2's x2 latent upsampler, the step between the two-stage pipeline's passes: stage 2's de-normalised video
+latents through `LTX2LatentUpsamplerModel`, then the pipeline's optional AdaIN filter and tone map, as
+`LTX2LatentUpsamplePipeline` called with `latents=` and `output_type="latent"` does; the audio latents pass
+through unchanged (the refine takes the first pass's, as diffusers' two-stage example passes them)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tpu_video.cli import UserError
+
+SUBFOLDER = "latent_upsampler"  # where the published LTX-2 repositories keep it
+
+
+def load_upsampler(source, location: str | None, dtype: torch.dtype):
+    """The upsampler: `location` a folder holding its config.json, or a model folder or hub id holding a
+    `latent_upsampler` subfolder (default: the model's own), checked against the model's VAE before use.
+    The refine runs at twice the size: only a x2 spatial upsampler is taken."""
+    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
+
+    where = location or source.location
+    subfolder = None if location and (Path(location) / "config.json").is_file() else SUBFOLDER
+    named = f"{where}/{subfolder}" if subfolder else where
+    try:  # its config first: a wrong folder is refused before any weights load
+        config = {**LTX2LatentUpsamplerModel.load_config(where, subfolder=subfolder)}
+    except (OSError, ValueError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(f"--latent_upsampler: no LTX-2 latent upsampler in {named} ({first})") from None
+    kind = config.get("_class_name")
+    if kind != LTX2LatentUpsamplerModel.__name__:
+        raise UserError(f"--latent_upsampler {named} holds a {kind}, not an LTX-2 latent upsampler")
+    parameters = inspect.signature(LTX2LatentUpsamplerModel.__init__).parameters.values()
+    config = {**{p.name: p.default for p in parameters if p.default is not p.empty}, **config}  # defaults filled
+    channels = source.load_config("vae")["latent_channels"]
+    if config["in_channels"] != channels:
+        raise UserError(
+            f"--latent_upsampler {named} takes {config['in_channels']} latent channels; this model's VAE makes "
+            f"{channels}: it is another model's upsampler"
+        )
+    scale = config["rational_spatial_scale"] if config["use_rational_resampler"] else 2.0
+    if not config["spatial_upsample"] or config["temporal_upsample"] or scale != 2.0:
+        raise UserError(f"--latent_upsampler {named}: not a x2 spatial upsampler (the refine runs at twice the size)")
+    try:
+        return LTX2LatentUpsamplerModel.from_pretrained(where, subfolder=subfolder, torch_dtype=dtype).eval()
+    except (OSError, ValueError) as err:
+        raise UserError(f"--latent_upsampler {named}: its weights cannot be read ({type(err).__name__})") from None
+
+
+class Upsample(torch.nn.Module):
+    """The upsample pipeline's steps after it has the latents, as one program (its own methods)."""
+
+    def __init__(self, upsampler: torch.nn.Module, adain_factor: float, tone_map_compression_ratio: float) -> None:
+        super().__init__()
+        self.upsampler = upsampler
+        self.adain_factor, self.tone_map = adain_factor, tone_map_compression_ratio
+
+    def forward(self, latents):
+        from diffusers import LTX2LatentUpsamplePipeline as Pipeline
+
+        latents = latents.to(next(self.upsampler.parameters()).dtype)
+        upsampled = self.upsampler(latents)
+        # The pipeline's filters read nothing of the pipeline object: called unbound.
+        if self.adain_factor > 0.0:
+            upsampled = Pipeline.adain_filter_latent(None, upsampled, latents, self.adain_factor)
+        if self.tone_map > 0.0:
+            upsampled = Pipeline.tone_map_latents(None, upsampled, self.tone_map)
+        return upsampled
+
+
+def named_default(source) -> str:
+    return f"{source.ref}/{SUBFOLDER}"
+
+
+def upsample(source, location, tensors, runtime, timer, adain_factor=0.0, tone_map_compression_ratio=0.0):
+    """Stage 2's tensors upsampled on `runtime` (one program, the weights replicated): (the new tensors, the
+    spatial scale, what the section records)."""
+    if not -10.0 <= adain_factor <= 10.0:
+        raise UserError(f"--adain_factor {adain_factor} must be from -10 to 10 (the pipeline's range; 0: off)")
+    if not 0.0 <= tone_map_compression_ratio <= 1.0:
+        raise UserError(f"--tone_map_compression_ratio {tone_map_compression_ratio} must be from 0 (off) to 1")
+    with timer.phase("load"):
+        model = load_upsampler(source, location, torch.float32)
+    with timer.phase("place"):
+        program = runtime.compile(Upsample(model, adain_factor, tone_map_compression_ratio))
+    with timer.phase("upsample"), torch.no_grad():
+        video = runtime.to_host(program(runtime.to_device(tensors["latents"].float()))).float()
+    named = (Path(location).name if Path(location).exists() else location) if location else named_default(source)
+    record: dict[str, Any] = {
+        "upsampler": named,  # a local folder by its name (no host paths in a config)
+        "mid_channels": model.config.mid_channels,
+        "adain_factor": adain_factor,
+        "tone_map_compression_ratio": tone_map_compression_ratio,
+    }
+    return {**tensors, "latents": video}, 2, record

@@ -1,0 +1,98 @@
+"""Stage 2's `--upsample`: the step between two passes (LTX-2's x2 latent upsampler) as a stage folder of its own.
+The input folder's stage-2 latents are read and checked, the family's upsampler runs on every device (weights
+replicated, one program), and the output folder gets the upsampled latents with the request at the new size:
+the next pass takes it as `--start_latents`, stage 3 can decode it, and rerunning the step redoes nothing else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sharding import SP
+from tpu_video import models
+from tpu_video.cli import UserError, log
+from tpu_video.engine import batch_folders
+from tpu_video.runtime.interface import Timer, run_record
+from utils import (
+    CONFIG_FILE,
+    DEFAULT_OUTPUT_DIR,
+    STAGE2_FILE,
+    Request,
+    check_output_dir,
+    check_stage2_fresh,
+    describe_folder,
+    ensure_writable_dir,
+    read_config,
+    read_tensors,
+    stage_sections,
+    write_stage_config,
+    write_tensors,
+)
+
+UPSAMPLE_ONLY = ("--latent_upsampler", "--adain_factor", "--tone_map_compression_ratio")
+
+
+def given_upsample_flags(args) -> list[str]:
+    values = (args.latent_upsampler, args.adain_factor, args.tone_map_compression_ratio)
+    return [flag for flag, value in zip(UPSAMPLE_ONLY, values, strict=True) if value]
+
+
+def check_flags(args, folders: list[Path]) -> None:
+    """What a denoise takes and the step does not, refused up front."""
+    denoise_only = {
+        "--start_latents": args.start_latents,
+        "--resume": args.resume,
+        "--lora": args.lora or args.lora_2,
+        "--cache": args.cache != "none" or args.enable_cache or args.cache_calibrate,
+        "--quantize": args.quantize != "none",
+        "--batch_size": args.batch_size,
+        "--plan": args.plan,
+        "--num_processes": args.num_processes,
+    }
+    given = [flag for flag, value in denoise_only.items() if value]
+    if given:
+        raise UserError(f"--upsample runs the latent upsampler alone; {given[0]} belongs to a denoise")
+    if len(folders) != 1:
+        raise UserError("--upsample: give one --input_dir (the pass whose latents it upsamples)")
+    if not args.output_dir or Path(args.output_dir).resolve() == folders[0].resolve():
+        raise UserError(
+            "--upsample writes a folder of its own (the input's latents stay, for a rerun): give --output_dir"
+        )
+
+
+def upsample_main(args) -> None:
+    from tpu_video.runtime.torchax_runtime import TorchaxRuntime
+
+    folders = batch_folders.expand_folders(args.input_dir or [DEFAULT_OUTPUT_DIR])
+    check_flags(args, folders)
+    input_dir, output_dir = folders[0], Path(args.output_dir)
+    config = read_config(input_dir, needs="stage2")
+    log(describe_folder(input_dir, config))
+    request = Request.from_config(config, input_dir / CONFIG_FILE)
+    source, family = models.resolve_model_for_request(request)
+    check_stage2_fresh(input_dir, config, request, models.stage1_only(family))
+    tensors = read_tensors(input_dir, config["stage2"])
+    check_output_dir(output_dir, input_dir, config)
+    timer = Timer()
+    runtime = TorchaxRuntime.on_all_devices(SP, compile_cache=not args.no_compile_cache, executables=args.executables)
+    filters = (args.adain_factor, args.tone_map_compression_ratio)
+    upsampled, scale, record = family.upsample(source, args.latent_upsampler, tensors, runtime, timer, *filters)
+    larger, overrides = request.with_overrides({"height": request.height * scale, "width": request.width * scale})
+    models.validate_request(family, source, larger)
+    ensure_writable_dir(output_dir, (STAGE2_FILE,))
+    with timer.phase("save"):
+        saved = write_tensors(output_dir / STAGE2_FILE, upsampled)
+    timer.finish()
+    earlier = config["stage2"]
+    kept = {key: value for key, value in earlier.items() if key == "latents_normalization" or key.endswith("_layout")}
+    section = {
+        **saved,
+        "stage1_sha256": config["stage1"]["sha256"],
+        "request": larger.fingerprint(models.stage1_only(family)),
+        **kept,
+        "upsampled": {"file": earlier["file"], "sha256": earlier["sha256"], "scale": scale, **record},
+        "overrides": overrides,
+        **run_record(runtime, "fp32", timer.seconds, ("diffusers",)),
+    }
+    write_stage_config(output_dir, larger, stage_sections(config), "stage2", section)
+    shapes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in upsampled.items())
+    log(f"wrote {output_dir / STAGE2_FILE}: {shapes} ({larger.height}x{larger.width})")

@@ -25,7 +25,8 @@ class Option:
     override); False for what only stage 1 acts on. `splits_batch`: videos that differ in it cannot share a
     stage-2 batch (it changes the compiled program or the schedule). `implies`: per value, the defaults it
     brings (e.g. a step schedule's step count), under what the command line gives. `start_only`: it acts only
-    on a pass that starts from given latents (stage 2's --start_latents)."""
+    on a pass that starts from given latents (stage 2's --start_latents). `with_input`: it acts only with that
+    media input given (stage 1's --video for --strength)."""
 
     name: str
     kind: str  # a KIND_TYPES key
@@ -36,6 +37,7 @@ class Option:
     metavar: str | None = None
     implies: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False, compare=False)
     start_only: bool = False
+    with_input: str | None = None
 
     def check(self, value: Any) -> None:
         """Refuse a stored value of the wrong JSON type or outside the choices (a hand-edited config)."""

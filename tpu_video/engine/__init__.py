@@ -1,5 +1,5 @@
-"""What every family runs, once; nothing here names a family or reads the registry (tpu_video.models calls
-it with each family's own pieces).
+"""What every family runs, once; nothing here names a family, reads the registry or reads parsed flags
+(tpu_video.models calls it with each family's own pieces; tpu_video.stages with the settings).
 
 Stage 2: `denoise` (the loop: load, place, compile, step), `guard` (its NaN checks, checkpoints and
 `--resume`), `guidance` (the CFG batch), `batching` (several videos as one batch) and `batch_folders` (many
@@ -9,6 +9,7 @@ scan), `quantize` (int8 and fp8 weights), `lora` and `lora_files` (adapters fuse
 `direct_load` (weights read from their files straight to the devices) and `meta` (models on the meta device
 and the facts the mesh choice needs). Stage 1: `encoders` (text, image and
 VAE encoders on a runtime), `inputs` (the media inputs families declare: checked, read, recorded),
-`images` (the image inputs' reader) and `lora_stage1` (an adapter's text-connector share).
+`images` and `videos` (the image and video inputs' readers) and `lora_stage1` (an adapter's text-connector
+share).
 Stage 3: `decode`, and `media` (the mp4 with its soundtrack, the WAV, the preview PNG).
 """

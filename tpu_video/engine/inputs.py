@@ -15,6 +15,7 @@ from tpu_video.cli import UserError, log
 from utils import sha256_file
 
 from .images import read_image
+from .videos import read_video
 
 GEOMETRY = ("height", "width", "num_frames")  # what stage 1 encodes an input for
 
@@ -51,15 +52,38 @@ def image_input(name: str, help: str, missing: str = "") -> MediaInput:
     return MediaInput(name, help, read_image_input, missing=missing)
 
 
+def read_video_input(path: str, flag: str) -> tuple[Any, dict[str, Any]]:
+    """The video reader of a video input: its frames (PIL images) and {frames, size, fps} among the notes."""
+    return read_video(path, flag)
+
+
+def video_input(name: str, help: str, task: str = "v2v") -> MediaInput:
+    return MediaInput(name, help, read_video_input, kind="video", task=task)
+
+
+def frames_from_inputs(records: Mapping[str, dict[str, Any]], given: int | None) -> int | None:
+    """The frame count a video input sets where --num_frames is not given (the pipeline makes as many as the
+    video has); a given one longer than the video is refused (a shorter one takes its first frames)."""
+    counts = [(name, record["frames"]) for name, record in records.items() if record["kind"] == "video"]
+    if not counts:
+        return None
+    name, frames = counts[0]
+    if given is not None and given > frames:
+        raise UserError(f"--num_frames {given}: --{name} has {frames} frames")
+    return frames if given is None else None
+
+
 def check_given(
     model: str, accepted: tuple[MediaInput, ...], given: Mapping[str, str | None], declared: Mapping[str, MediaInput]
 ) -> None:
     """Before any weights load: the inputs given (by name; `declared`: every family's declaration of each) against
     those `model` takes (`accepted`, required ones marked)."""
     names = {media.name for media in accepted}
+    text_only = not [media for media in accepted if media.task == "i2v"]
     for name, path in given.items():
         if path is not None and name not in names:
-            what = f"takes no {declared[name].kind} (a text-to-video model)" if not accepted else f"takes no --{name}"
+            kind = declared[name].kind
+            what = f"takes no {kind} (a text-to-video model)" if text_only and kind == "image" else f"takes no --{name}"
             raise UserError(f"--{name}: --model {model!r} {what}")
     for media in accepted:
         if media.required and given.get(media.name) is None:
@@ -84,14 +108,14 @@ def record_processed_size(records: dict[str, dict[str, Any]], height: int, width
     """Add the size the images were encoded at to their records, and say where that changed their shape (the
     config alone said it)."""
     for name, record in records.items():
-        if record["kind"] != "image" or "size" not in record:  # a reader of another kind may give no size
+        if record["kind"] not in ("image", "video") or "size" not in record:  # another kind may give no size
             continue
         record["processed_size"] = [height, width]
         (from_height, from_width) = record["size"]
         theirs, ours = from_width / from_height, width / height
         if abs(theirs - ours) > 0.01 * ours:
             log(
-                f"--{name}: the {from_height}x{from_width} image (height x width) is fitted to the video's "
+                f"--{name}: the {from_height}x{from_width} {record['kind']} (height x width) is fitted to the video's "
                 f"{height}x{width}, another aspect ratio ({theirs:.2f} against {ours:.2f}): the pipeline's "
                 "processor stretches or crops it"
             )

@@ -37,6 +37,7 @@ from .registry import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
 from .registry import FAMILIES, PRESETS, PUBLISHED, check_options
 from .registry import FAMILY_OPTIONS as FAMILY_OPTIONS
 from .registry import MEDIA_INPUTS as MEDIA_INPUTS
+from .registry import check_option_inputs as check_option_inputs
 from .registry import check_started as check_started
 from .registry import stage1_only as stage1_only
 

@@ -125,3 +125,12 @@ def check_started(family: Family, request, started: bool) -> None:
                 f"--{option.name} {value} acts only on a pass that starts from given latents: give stage 2 "
                 "--start_latents FOLDER (or leave it out)"
             )
+
+
+def check_option_inputs(family: Family, request, inputs) -> None:
+    """An option that acts only with a media input (Option.with_input), set without it, is refused: it would
+    change nothing. `inputs`: the names stage 1 was given (or recorded)."""
+    for option in family.OPTIONS:
+        value = request.option(option.name)
+        if option.with_input and value is not None and option.with_input not in inputs:
+            raise UserError(f"--{option.name} {value} acts only with stage 1's --{option.with_input}")

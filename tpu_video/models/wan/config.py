@@ -35,6 +35,13 @@ OPTIONS = (
         "published ones; the 4-step distillation LoRAs expect euler, docs/lora.md)",
         choices=SCHEDULERS,
     ),
+    Option(
+        "strength",
+        "float",
+        "video-to-video (--video): how much of the schedule runs from the video's noised latents, above 0 to 1 "
+        "(default 0.8, the pipeline's)",
+        with_input="video",
+    ),
 )
 
 # WanPipeline.__call__'s defaults (480p; the 14B models also run 720p: --height 720 --width 1280).

@@ -15,10 +15,10 @@ from tpu_video.engine.inputs import MediaInput
 from utils import Request
 
 from ..common import IMAGE, LAST_IMAGE
-from . import ti2v
+from . import ti2v, v2v
 from .config import image_to_video, stock_pipeline
 
-MEDIA_INPUTS = (IMAGE, LAST_IMAGE)
+MEDIA_INPUTS = (IMAGE, LAST_IMAGE, v2v.VIDEO)
 
 
 def media_inputs(source) -> tuple[MediaInput, ...]:
@@ -28,7 +28,7 @@ def media_inputs(source) -> tuple[MediaInput, ...]:
     if ti2v.expand_timesteps(source):  # TI2V-5B: text-to-video, or image-to-video with --image
         return (IMAGE,)
     if not image_to_video(source):
-        return ()
+        return v2v.media_video(source)  # video-to-video on a one-transformer text-to-video folder
     config = source.load_config("transformer")
     two = config.get("image_dim") is None or config.get("pos_embed_seq_len") is not None
     return (IMAGE.required_here(), LAST_IMAGE) if two else (IMAGE.required_here(),)
@@ -39,7 +39,9 @@ def encode_inputs(source, request: Request, images: dict[str, Any], runtime) -> 
     loads the VAE and image encoder in float32): the CLIP embeddings of the image(s) where the transformer
     has an image embedder (`image_embeds`), and `condition`: the first-frame mask and the normalised VAE
     latents of [image, zeros..., last image] (`prepare_latents`; its noise is drawn in stage 2). TI2V-5B:
-    tpu_video/models/ti2v.py."""
+    tpu_video/models/ti2v.py. Video-to-video: v2v.py."""
+    if "video" in images:
+        return v2v.encode_video(source, request, images["video"])
     if ti2v.expand_timesteps(source):
         vae = DeviceVAEEncoder(source.load("vae", dtype=torch.float32).eval(), runtime)
         return ti2v.encode_image(source, request, images["image"], vae)
@@ -94,3 +96,9 @@ def image_conditioning(source, embeds, dtype) -> list[tuple[torch.Tensor, tuple]
 def inputs_on_runtime(source) -> bool:
     """Only TI2V-5B's image conditioning runs wholly on the runtime (the I2V models VAE-encode on the host)."""
     return ti2v.expand_timesteps(source)
+
+
+def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
+    """Before any weights load: video-to-video's strength and frame count (v2v.py); images need nothing more."""
+    if "video" in inputs:
+        v2v.check_video(source, request, inputs["video"])

@@ -30,7 +30,7 @@ from tpu_video.engine.guidance import BATCH
 from utils import Request
 
 from ..common import NOISE_DTYPE, flow_scheduler
-from . import ti2v
+from . import ti2v, v2v
 from .config import MAX_SEQUENCE_LENGTH, cfg_enabled, image_to_video, stock_pipeline, transformer_components
 from .i2v import image_conditioning
 from .transformer import GuidedTransformer, transformer_rules
@@ -110,6 +110,9 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         "cpu",
         generator,
     )
+    first = 0  # video-to-video starts part way through the schedule, from the video's noised latents
+    if v2v.VIDEO_LATENTS in embeds:
+        timesteps, latents, first = v2v.loop_start(scheduler, request, embeds, latents)
     boundary = boundary_timestep(source, scheduler)
     ti2v_parts = ti2v.loop_parts(source, embeds, latents) if per_token else {}
 
@@ -121,7 +124,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         return latents, multistep_state(scheduler)
 
     def on_start(start, carry):
-        scheduler.set_begin_index(start)  # the pipeline sets 0; --resume continues at `start`
+        scheduler.set_begin_index(first + start)  # the pipeline sets 0; --resume continues at `start`
         restore_multistep_state(scheduler, carry)
 
     loop = DenoiseLoop(

@@ -1,0 +1,141 @@
+"""Wan video-to-video (tpu_video/models/wan/v2v.py): `--video` on a text-to-video Wan folder against diffusers'
+WanVideoToVideoPipeline run eagerly on the same tiny components, loaded from the same folder, given the same
+frames (decoded from the same mp4 by imageio-ffmpeg).
+
+Tolerance, fp32, relative: 1e-4 for the latents and the decoded frames, as tests/test_wan.py (the staged run
+batches [cond, uncond] where the pipeline makes two calls). The video is 9 frames of 40x56 pixels, resized to the
+request's 32x48 by the pipeline's processor; strength 0.6 of 5 steps runs the last 3.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import stage1_text_encoder
+import stage2_transformer
+import stage3_vae_decoder
+from helpers import expect_user_error, relative_error, run_stage
+from tpu_video import models
+from tpu_video.cli import UserError
+from tpu_video.engine.videos import read_video
+from utils import read_config, read_tensors
+
+TOLERANCE = 1e-4
+PROMPT, NEGATIVE, SEED = "a cat playing guitar", "blurry", 3
+REQUEST = {"height": 32, "width": 48, "num_inference_steps": 5, "guidance_scale": 4.0}
+
+
+def write_video(path, frames: int = 9, height: int = 40, width: int = 56) -> None:
+    """A smooth moving pattern as an H.264 mp4 (lossy: both sides read the same decoded frames)."""
+    import imageio_ffmpeg
+
+    y, x = np.mgrid[0:height, 0:width]
+    writer = imageio_ffmpeg.write_frames(str(path), (width, height), fps=8, macro_block_size=8)
+    writer.send(None)
+    for t in range(frames):
+        red = 127 + 120 * np.sin((x + 3 * t) / 6.0)
+        green = 127 + 120 * np.cos((y - 2 * t) / 5.0)
+        blue = 127 + 100 * np.sin((x + y + t) / 9.0)
+        writer.send(np.stack([red, green, blue], axis=-1).astype(np.uint8).tobytes())
+    writer.close()
+
+
+def decoded_frames(path):
+    """The mp4's frames as PIL images, decoded here with imageio-ffmpeg (as the pipeline's users load them)."""
+    import imageio_ffmpeg
+    from PIL import Image
+
+    reader = imageio_ffmpeg.read_frames(str(path), pix_fmt="rgb24")
+    width, height = next(reader)["size"]
+    return [Image.frombytes("RGB", (width, height), bytes(chunk)) for chunk in reader]
+
+
+def flags(values: dict) -> list[str]:
+    return [f"--{key}={value}" for key, value in values.items()]
+
+
+@pytest.fixture(scope="module")
+def video_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v2v") / "clip.mp4"
+    write_video(path)
+    return path
+
+
+def test_video_to_video_matches_the_pipeline(tmp_path, video_file):
+    """Stage 1 reads and VAE-encodes the video (its 9 frames set --num_frames), stage 2 runs the last
+    int(5 x 0.6) = 3 steps with Splash on a dp 2 x sp 2 x tp 2 mesh, stage 3 decodes (torch)."""
+    from diffusers import WanVideoToVideoPipeline
+
+    out = tmp_path / "run"
+    argv = ["--model", "tiny-wan2.1", "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
+    argv += ["--seed", SEED, "--video", video_file, "--strength", 0.6, "--output_dir", out, *flags(REQUEST)]
+    run_stage(stage1_text_encoder, argv)
+    mesh = ["--attention", "splash", "--dp", 2, "--sp", 2, "--tp", 2]
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", *mesh])
+    run_stage(stage3_vae_decoder, ["--input_dir", out, "--backend", "torch", "--save_frames"])
+    config = read_config(out, needs="stage3")
+    assert config["num_frames"] == 9 and config["strength"] == 0.6 and config["stage1"]["task"] == "v2v"
+    record = config["stage1"]["inputs"]["video"]
+    assert record["kind"] == "video" and record["frames"] == 9 and record["size"] == [40, 56]
+    assert record["processed_size"] == [32, 48]
+
+    pipe = WanVideoToVideoPipeline.from_pretrained(models.materialize_preset("tiny-wan2.1"), torch_dtype=torch.float32)
+
+    def call(output_type):
+        generator = torch.Generator("cpu").manual_seed(SEED)
+        frames = decoded_frames(video_file)
+        return pipe(
+            video=frames, prompt=PROMPT, negative_prompt=NEGATIVE, strength=0.6, generator=generator,
+            output_type=output_type, **REQUEST,
+        ).frames  # fmt: skip
+
+    latents = read_tensors(out, config["stage2"])["latents"]
+    expected = call("latent")
+    assert latents.shape == expected.shape == (1, 16, 3, 4, 6)
+    assert relative_error(latents, expected) <= TOLERANCE
+    frames = read_tensors(out, config["stage3"]["frames_file"])["frames_float"]
+    expected_frames = torch.from_numpy(call("np")[0])
+    assert frames.shape == expected_frames.shape == (9, 32, 48, 3)
+    assert relative_error(frames, expected_frames) <= TOLERANCE
+
+
+def test_a_folder_of_frames_reads_in_name_order_and_bad_videos_are_refused(tmp_path, video_file):
+    frames, notes = read_video(str(video_file), "video")
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for index, frame in enumerate(frames):
+        frame.save(folder / f"{index:03d}.png")
+    again, folder_notes = read_video(str(folder), "video")
+    assert [np.asarray(a).tolist() for a in again] == [np.asarray(b).tolist() for b in frames]
+    assert folder_notes == {"frames": 9, "size": [40, 56], "fps": None} and notes["frames"] == 9
+    frames[0].resize((20, 20)).save(folder / "999.png")
+    with pytest.raises(UserError, match="the frames differ in size"):
+        read_video(str(folder), "video")
+    (tmp_path / "not.mp4").write_text("no video here")
+    with pytest.raises(UserError, match="is not a readable video"):
+        read_video(str(tmp_path / "not.mp4"), "video")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="without frame images"):
+        read_video(str(tmp_path / "empty"), "video")
+
+
+@pytest.mark.parametrize(
+    "model, extra, message",
+    [
+        ("tiny-wan2.1", ["--strength", "0"], "--strength 0.0 must be above 0 and at most 1"),
+        ("tiny-wan2.1", ["--strength", "0.1"], "runs none (int(steps x strength) is 0)"),
+        ("tiny-wan2.1", ["--num_frames", "13"], "--num_frames 13: --video has 9 frames"),
+        ("tiny-wan2.1", ["NO_VIDEO", "--strength", "0.5"], "--strength 0.5 acts only with stage 1's --video"),
+        ("tiny-wan2.2", [], "takes no --video"),
+        ("tiny-wan2.1-i2v", ["--image", "VIDEO"], "takes no --video"),
+    ],
+    ids=["strength-0", "strength-too-small", "more-frames", "strength-without-video", "two-experts", "i2v"],
+)
+def test_bad_video_requests_are_refused_before_loading(capsys, tmp_path, video_file, model, extra, message):
+    argv = ["--model", model, "--prompt", PROMPT, "--output_dir", tmp_path / "out", "--num_inference_steps", "5"]
+    video = [] if "NO_VIDEO" in extra else ["--video", str(video_file)]
+    extra = [str(video_file) if item == "VIDEO" else item for item in extra if item != "NO_VIDEO"]
+    expect_user_error(capsys, stage1_text_encoder, [*argv, *video, *extra], message)
+    assert not (tmp_path / "out").exists()

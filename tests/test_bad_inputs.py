@@ -361,6 +361,7 @@ CASES = [
     ltx2("s1-ltx2-i2v-crf-52", "tiny-ltx2-i2v", ["--image", "IMAGE", "--image_crf", "52"], "H.264's range"),
     ltx2("s1-ltx2-distilled-30", "tiny-ltx2", ["--sigmas", "distilled", "--num_inference_steps", "30"], "8 steps"),
     ltx2("s1-ltx2-sigmas-unknown", "tiny-ltx2", ["--sigmas", "dev"], "invalid choice: 'dev'"),
+    ltx2("s1-sigmas-on-wan", "tiny-wan2.1", ["--sigmas", "distilled"], "--sigmas is an option of ltx2"),
     ltx2("s1-ltx2-noise-scale-2", "tiny-ltx2", ["--noise_scale", "2"], "must be from 0 (the latents as given) to 1"),
     s2("s2-missing-stage1", "held", [], f"{STAGE1_FILE} is missing", lambda root: (root / "D" / STAGE1_FILE).unlink()),
     s2("s2-changed-embeddings", "held", [], "does not match the sha256", changed_embeddings),

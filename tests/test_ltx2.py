@@ -180,6 +180,8 @@ def test_the_two_stage_pipeline_matches_diffusers_pass_by_pass(tmp_path):
     assert ours["latents"].shape == larger.shape and larger.shape[-2:] == (2 * video.shape[-2], 2 * video.shape[-1])
     assert relative_error(ours["latents"], larger) <= TOLERANCE
     assert torch.equal(ours["audio_latents"], tensors["audio_latents"])  # passed through
+    run_stage(stage3_vae_decoder, ["--input_dir", up, "--backend", "torch", "--preview_frames", 0])  # a preview
+    assert read_config(up, needs="stage3")["stage3"]["height"] == height
 
     refine = ["--input_dir", first, "--start_latents", up, "--output_dir", second, "--executables", "off"]
     run_stage(stage2_transformer, [*refine, "--sigmas", "distilled_refine", "--seed", 11])
@@ -562,6 +564,22 @@ def test_the_jit_safe_transformer_is_the_stock_one_in_eager(version):
         assert relative_error(actual[1], wanted[1]) <= 3e-5
 
 
+def test_a_schedule_brings_its_defaults_once():
+    """`--sigmas distilled` brings its step count and turns the guidance off where not given; a later stage that
+    repeats the stored value brings nothing again (stage 1's given scales stay)."""
+    from tpu_video.cli.options import with_implied
+
+    options = models.ltx2.OPTIONS
+    brought = with_implied(options, {"sigmas": "distilled", "audio_guidance_scale": 7.0})
+    assert brought["num_inference_steps"] == 8 and brought["guidance_scale"] == 1.0
+    assert brought["audio_guidance_scale"] == 7.0 and brought["stg_scale"] == 0.0
+    base = {"model_family": "ltx2", "model_id": "tiny-ltx2.3", "prompt": "p", "negative_prompt": "", "dtype": "fp32"}
+    base |= {"height": 64, "width": 64, "num_frames": 9, "fps": 24, "num_inference_steps": 8, "guidance_scale": 1.0}
+    stored = Request(**base, seed=0, options={"sigmas": "distilled", "audio_guidance_scale": 7.0})
+    assert with_implied(options, {"sigmas": "distilled"}, stored) == {"sigmas": "distilled"}
+    assert with_implied(options, {"sigmas": "distilled_refine"}, stored)["noise_scale"] == 0.909375
+
+
 def test_guidance_follows_the_pipeline_and_states_its_departures():
     config = dict(tiny_transformer(0, "2.3").config)
     base = {"model_family": "ltx2", "model_id": "tiny-ltx2.3", "prompt": "p", "negative_prompt": "", "dtype": "fp32"}
@@ -601,6 +619,8 @@ def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_
     expect_user_error(capsys, stage2_transformer, argv, "--adain_factor acts only with --upsample")
     argv = ["--input_dir", folder, "--upsample", "--output_dir", up, "--lora", "x.safetensors"]
     expect_user_error(capsys, stage2_transformer, argv, "--lora belongs to a denoise")
+    argv = ["--input_dir", folder, "--upsample", "--output_dir", up, "--seed", "3"]  # the refine's flag
+    expect_user_error(capsys, stage2_transformer, argv, "--seed belongs to a denoise (give it to the pass after it)")
     argv = ["--input_dir", folder, "--upsample", "--output_dir", up]  # the preset has no latent_upsampler folder
     expect_user_error(capsys, stage2_transformer, argv, "no LTX-2 latent upsampler in")
     from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel

@@ -63,7 +63,7 @@ def video_file(tmp_path_factory):
     return path
 
 
-def test_video_to_video_matches_the_pipeline(tmp_path, video_file):
+def test_video_to_video_matches_the_pipeline(capsys, tmp_path, video_file):
     """Stage 1 reads and VAE-encodes the video (its 9 frames set --num_frames), stage 2 runs the last
     int(5 x 0.6) = 3 steps with Splash on a dp 2 x sp 2 x tp 2 mesh, stage 3 decodes (torch)."""
     from diffusers import WanVideoToVideoPipeline
@@ -99,6 +99,28 @@ def test_video_to_video_matches_the_pipeline(tmp_path, video_file):
     expected_frames = torch.from_numpy(call("np")[0])
     assert frames.shape == expected_frames.shape == (9, 32, 48, 3)
     assert relative_error(frames, expected_frames) <= TOLERANCE
+
+    # The same frames as a folder of PNGs: the same stage-1 latents, to the bit (the same computation).
+    folder = tmp_path / "frames"
+    folder.mkdir()
+    for index, frame in enumerate(decoded_frames(video_file)):
+        frame.save(folder / f"{index:03d}.png")
+    again = [*argv[: argv.index("--video")], "--video", folder, *argv[argv.index("--video") + 2 :]]
+    again[again.index("--output_dir") + 1] = tmp_path / "from-frames"
+    run_stage(stage1_text_encoder, again)
+    from_frames = read_config(tmp_path / "from-frames", needs="stage1")
+    assert len(from_frames["stage1"]["inputs"]["video"]["sha256"]) == 64
+    latents_of = {
+        name: read_tensors(name, read_config(name)["stage1"])["video_latents"]
+        for name in (out, tmp_path / "from-frames")
+    }
+    assert torch.equal(*latents_of.values())
+    # A later stage checks an overridden strength as stage 1 does, before any weights load.
+    expect_user_error(
+        capsys, stage2_transformer, ["--input_dir", out, "--strength", "1.5"], "must be above 0 and at most 1"
+    )
+    window = ["--cache", "interval", "--cache_start_step", 1, "--cache_end_step", 3, "--cache_step_interval", 2]
+    expect_user_error(capsys, stage2_transformer, ["--input_dir", out, *window], "the step caches do not take it")
 
 
 def test_a_folder_of_frames_reads_in_name_order_and_bad_videos_are_refused(tmp_path, video_file):
@@ -139,3 +161,15 @@ def test_bad_video_requests_are_refused_before_loading(capsys, tmp_path, video_f
     extra = [str(video_file) if item == "VIDEO" else item for item in extra if item != "NO_VIDEO"]
     expect_user_error(capsys, stage1_text_encoder, [*argv, *video, *extra], message)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_video_of_11_frames_gives_the_9_the_vae_encodes(tmp_path, capsys):
+    """Wan's VAE encodes 4n+1 frames (11 frames and their first 9 give the same latents), so stage 1 takes 9."""
+    path = tmp_path / "eleven.mp4"
+    write_video(path, frames=11)
+    argv = ["--model", "tiny-wan2.1", "--prompt", PROMPT, "--video", path, "--output_dir", tmp_path / "out"]
+    run_stage(stage1_text_encoder, [*argv, "--height", 32, "--width", 48, "--dtype", "fp32"])
+    config = read_config(tmp_path / "out", needs="stage1")
+    assert config["num_frames"] == 9 and config["stage1"]["inputs"]["video"]["frames"] == 11
+    assert config["strength"] == 0.8  # the pipeline's default, stored: every stage checks what runs
+    assert "--video: 11 frames; the model takes 4n+1, so its first 9" in capsys.readouterr().out

@@ -26,7 +26,8 @@ class Option:
     stage-2 batch (it changes the compiled program or the schedule). `implies`: per value, the defaults it
     brings (e.g. a step schedule's step count), under what the command line gives. `start_only`: it acts only
     on a pass that starts from given latents (stage 2's --start_latents). `with_input`: it acts only with that
-    media input given (stage 1's --video for --strength)."""
+    media input given (stage 1's --video for --strength), and takes `input_default` then (stored, so every
+    stage checks the value that runs)."""
 
     name: str
     kind: str  # a KIND_TYPES key
@@ -35,9 +36,10 @@ class Option:
     later: bool = True
     splits_batch: bool = True
     metavar: str | None = None
-    implies: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False, compare=False)
+    implies: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
     start_only: bool = False
     with_input: str | None = None
+    input_default: Any = None
 
     def check(self, value: Any) -> None:
         """Refuse a stored value of the wrong JSON type or outside the choices (a hand-edited config)."""
@@ -49,13 +51,16 @@ class Option:
             raise UserError(f"--{self.name} {value!r} is not one of {', '.join(self.choices)}")
 
 
-def implied_defaults(options: tuple[Option, ...], given: dict[str, Any]) -> dict[str, Any]:
-    """The defaults the `given` values of `options` bring (Option.implies), to go between the family's
-    defaults and the given flags."""
+def with_implied(options: tuple[Option, ...], given: dict[str, Any], stored=None) -> dict[str, Any]:
+    """The `given` request flags (None: not given) with the defaults their values of `options` (one family's)
+    bring (Option.implies) where those flags are not given. `stored`: a later stage's request, whose own value
+    of an option brings nothing again (its scales stay as stage 1 set them)."""
     implied: dict[str, Any] = {}
     for option in options:
-        implied.update(option.implies.get(given.get(option.name), {}))
-    return implied
+        value = given.get(option.name)
+        if value is not None and (stored is None or stored.option(option.name) != value):
+            implied.update(option.implies.get(value, {}))
+    return {**given, **{name: value for name, value in implied.items() if given.get(name) is None}}
 
 
 def add_options(group: argparse._ActionsContainer, options: tuple[Option, ...], *, for_later_stage: bool) -> None:

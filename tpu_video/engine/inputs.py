@@ -15,7 +15,7 @@ from tpu_video.cli import UserError, log
 from utils import sha256_file
 
 from .images import read_image
-from .videos import read_video
+from .videos import read_video, video_digest
 
 GEOMETRY = ("height", "width", "num_frames")  # what stage 1 encodes an input for
 
@@ -34,6 +34,7 @@ class MediaInput:
     task: str = "i2v"
     required: bool = False
     missing: str = ""
+    frame_step: int = 1  # a video input: the model takes frame_step x n + 1 of its frames (the VAE's rule)
 
     def required_here(self) -> MediaInput:
         """This input as one a model requires (a family's media_inputs(source) for an i2v checkpoint)."""
@@ -52,25 +53,31 @@ def image_input(name: str, help: str, missing: str = "") -> MediaInput:
     return MediaInput(name, help, read_image_input, missing=missing)
 
 
-def read_video_input(path: str, flag: str) -> tuple[Any, dict[str, Any]]:
-    """The video reader of a video input: its frames (PIL images) and {frames, size, fps} among the notes."""
-    return read_video(path, flag)
+def video_input(name: str, help: str, task: str = "v2v", frame_step: int = 1) -> MediaInput:
+    """A video input: its frames (PIL images) and {frames, size, fps} among the notes (videos.read_video)."""
+    return MediaInput(name, help, read_video, kind="video", task=task, frame_step=frame_step)
 
 
-def video_input(name: str, help: str, task: str = "v2v") -> MediaInput:
-    return MediaInput(name, help, read_video_input, kind="video", task=task)
-
-
-def frames_from_inputs(records: Mapping[str, dict[str, Any]], given: int | None) -> int | None:
-    """The frame count a video input sets where --num_frames is not given (the pipeline makes as many as the
-    video has); a given one longer than the video is refused (a shorter one takes its first frames)."""
+def frames_from_inputs(
+    accepted: tuple[MediaInput, ...], records: Mapping[str, dict[str, Any]], given: int | None
+) -> int | None:
+    """The frame count a video input sets where --num_frames is not given: as many as the model takes of it
+    (frame_step x n + 1: the VAE encodes those and no more, so the pipeline's video makes the same; the rest
+    is said). A given count longer than the video is refused (a shorter one takes its first frames)."""
+    steps = {media.name: media.frame_step for media in accepted}
     counts = [(name, record["frames"]) for name, record in records.items() if record["kind"] == "video"]
     if not counts:
         return None
     name, frames = counts[0]
     if given is not None and given > frames:
         raise UserError(f"--num_frames {given}: --{name} has {frames} frames")
-    return frames if given is None else None
+    if given is not None:
+        return None
+    step = steps.get(name, 1)
+    usable = (frames - 1) // step * step + 1
+    if usable != frames:
+        log(f"--{name}: {frames} frames; the model takes {step}n+1, so its first {usable} (--num_frames {usable})")
+    return usable
 
 
 def check_given(
@@ -100,7 +107,8 @@ def read_inputs(
         if path is None:
             continue
         values[media.name], notes = media.read(path, media.name)
-        records[media.name] = {"kind": media.kind, "file": Path(path).name, "sha256": sha256_file(Path(path)), **notes}
+        digest = video_digest(Path(path)) if Path(path).is_dir() else sha256_file(Path(path))
+        records[media.name] = {"kind": media.kind, "file": Path(path).name, "sha256": digest, **notes}
     return values, records
 
 

@@ -5,10 +5,12 @@ before any weights load."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
 from tpu_video.cli import UserError
+from utils import sha256_file
 
 from .images import read_image
 
@@ -29,6 +31,18 @@ def read_video(path: str, flag: str) -> tuple[list, dict[str, Any]]:
     return _read_video_file(file, flag)
 
 
+def video_digest(folder: Path) -> str:
+    """A folder of frames' sha256: over each frame file's name and bytes, in the order they are read."""
+    digest = hashlib.sha256()
+    for path in _frame_files(folder):
+        digest.update(f"{path.name}:{sha256_file(path)}\n".encode())
+    return digest.hexdigest()
+
+
+def _frame_files(folder: Path) -> list[Path]:
+    return sorted(path for path in folder.iterdir() if path.suffix.lower() in FRAME_SUFFIXES)
+
+
 def _read_video_file(file: Path, flag: str) -> tuple[list, dict[str, Any]]:
     import imageio_ffmpeg
     from PIL import Image
@@ -47,7 +61,7 @@ def _read_video_file(file: Path, flag: str) -> tuple[list, dict[str, Any]]:
 
 
 def _read_frame_folder(folder: Path, flag: str) -> tuple[list, dict[str, Any]]:
-    files = sorted(path for path in folder.iterdir() if path.suffix.lower() in FRAME_SUFFIXES)
+    files = _frame_files(folder)
     if not files:
         raise UserError(f"--{flag} {folder} is a folder without frame images ({', '.join(FRAME_SUFFIXES)})")
     frames = [read_image(str(path), flag)[0] for path in files]

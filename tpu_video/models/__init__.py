@@ -39,6 +39,8 @@ from .registry import FAMILY_OPTIONS as FAMILY_OPTIONS
 from .registry import MEDIA_INPUTS as MEDIA_INPUTS
 from .registry import check_option_inputs as check_option_inputs
 from .registry import check_started as check_started
+from .registry import input_defaults as input_defaults
+from .registry import options_of as options_of
 from .registry import stage1_only as stage1_only
 
 

@@ -122,9 +122,18 @@ def check_started(family: Family, request, started: bool) -> None:
         value = request.option(option.name)
         if option.start_only and value and not started:
             raise UserError(
-                f"--{option.name} {value} acts only on a pass that starts from given latents: give stage 2 "
-                "--start_latents FOLDER (or leave it out)"
+                f"--{option.name} {value} (given, or brought by another option such as --sigmas) acts only on a "
+                "pass that starts from given latents: give stage 2 --start_latents FOLDER"
             )
+
+
+def input_defaults(family: Family, inputs) -> dict[str, Any]:
+    """The values the family's options take with the media inputs given (Option.input_default)."""
+    return {
+        option.name: option.input_default
+        for option in family.OPTIONS
+        if option.with_input in inputs and option.input_default is not None
+    }
 
 
 def check_option_inputs(family: Family, request, inputs) -> None:
@@ -134,3 +143,9 @@ def check_option_inputs(family: Family, request, inputs) -> None:
         value = request.option(option.name)
         if option.with_input and value is not None and option.with_input not in inputs:
             raise UserError(f"--{option.name} {value} acts only with stage 1's --{option.with_input}")
+
+
+def options_of(family_name: str | None) -> tuple[Option, ...]:
+    """A family's request options by its name (none for a name no family has: the request check says so)."""
+    family = FAMILIES.get(family_name)
+    return family.OPTIONS if family is not None else ()

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tpu_video.cli import UserError, parse_dtype
+from tpu_video.cli.options import with_implied
 from tpu_video.planning.tpus import Target, parse_target, topology_devices
 from utils import CONFIG_FILE, DEFAULT_OUTPUT_DIR, Request, read_config, read_tensors
 
@@ -53,7 +54,9 @@ def request_to_plan(input_dir: Path | None, model: str | None, flags: dict[str, 
 
     if input_dir is not None and (input_dir / CONFIG_FILE).is_file():
         config = read_config(input_dir, needs="stage1")
-        request, _ = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides({**flags, "model_id": model})
+        stored = Request.from_config(config, input_dir / CONFIG_FILE)
+        given = with_implied(models.options_of(stored.model_family), flags, stored)
+        request, _ = stored.with_overrides({**given, "model_id": model})
         source, family = models.resolve_model_for_request(request, configs_only=True)
         models.validate_request(family, source, request)
         return request, source, family, read_tensors(input_dir, config["stage1"])
@@ -69,7 +72,7 @@ def default_request(model: str, flags: dict[str, Any], dtype: str | None = None)
     from tpu_video import models
 
     source, family = models.resolve_model(model, configs_only=True)
-    given = {key: value for key, value in flags.items() if value is not None}
+    given = {key: value for key, value in with_implied(family.OPTIONS, flags).items() if value is not None}
     values = {**family.request_defaults(source), "seed": 0, **given}
     request = Request.from_values(
         {"model_family": family.NAME, "model_id": model, "prompt": "", "negative_prompt": "", "dtype": dtype or "bf16"}

@@ -17,8 +17,6 @@ from tpu_video.engine.quantize import LAYER_SETS, SCHEMES, Quantization
 from tpu_video.engine.scanned_blocks import SCAN_CHOICES
 from tpu_video.runtime.distributed import DEFAULT_PEER_TIMEOUT
 
-# The step cache ------------------------------------------------------------------------------------
-
 CACHE_DEFAULTS = CacheSettings()  # the cache flags' defaults, stated once (diffusers' for MagCache)
 MAGCACHE_FLAGS = {
     "threshold": "cache_threshold",
@@ -152,8 +150,6 @@ def with_mag_ratios(
     return dataclasses.replace(settings, mag_ratios=ratios)
 
 
-# LoRA ----------------------------------------------------------------------------------------------
-
 LORA_VALUE = "PATH[:SCALE]"
 
 
@@ -182,9 +178,6 @@ def lora_flags(args) -> list[tuple[str, str]]:
     return [(flag, text) for flag in LORA_FLAGS for text in getattr(args, flag.lstrip("-"))]
 
 
-# Quantization --------------------------------------------------------------------------------------
-
-
 def add_quantize_flags(parser) -> None:
     """`--quantize` and `--quantize_layers` (read back by quantization)."""
     group = parser.add_argument_group("quantized weights (docs/quantization.md)")
@@ -210,9 +203,6 @@ def quantization(args) -> Quantization:
         schemes = ", ".join(scheme for scheme in SCHEMES if scheme != "none")
         raise UserError(f"--quantize_layers {args.quantize_layers} acts only with --quantize ({schemes})")
     return Quantization(args.quantize, args.quantize_layers or "all")
-
-
-# The block scan and several hosts ------------------------------------------------------------------
 
 
 def add_scan_flag(group) -> None:

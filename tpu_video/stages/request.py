@@ -12,7 +12,7 @@ from typing import Any
 
 from tpu_video import models
 from tpu_video.cli import log
-from tpu_video.cli.options import add_options, implied_defaults
+from tpu_video.cli.options import add_options, with_implied
 from utils import REQUEST_KEYS, REQUEST_OPTIONS, Request
 
 
@@ -53,11 +53,9 @@ def _unless_taken(family, name: str, add) -> bool:
 
 def request_flags(args) -> dict[str, Any]:
     """The request flags the command line gave (None where omitted): the shared ones and the family options
-    the parser holds, with the defaults a given option's value brings where their own flag is omitted
-    (Option.implies: `--sigmas distilled` brings its step count)."""
-    given = {name: getattr(args, name, None) for name in (*REQUEST_KEYS, *getattr(args, OPTION_NAMES, ()))}
-    implied = implied_defaults(tuple(models.FAMILY_OPTIONS.values()), given)
-    return {**given, **{name: value for name, value in implied.items() if given.get(name) is None}}
+    the parser holds (cli.options.with_implied adds what a given option's value brings, once the family is
+    known)."""
+    return {name: getattr(args, name, None) for name in (*REQUEST_KEYS, *getattr(args, OPTION_NAMES, ()))}
 
 
 def media_flags(args) -> dict[str, str | None]:
@@ -68,7 +66,8 @@ def media_flags(args) -> dict[str, str | None]:
 def request_from_flags(args, family, model_id: str, defaults: dict[str, Any]) -> Request:
     """Stage 1: the family's defaults, then every request flag given on the command line (shared or any
     family's option: models.validate_request refuses another family's)."""
-    given = {key: value for key, value in request_flags(args).items() if value is not None}
+    given = with_implied(family.OPTIONS, request_flags(args))
+    given = {key: value for key, value in given.items() if value is not None}
     values = {**defaults, "model_family": family.NAME, "model_id": model_id}
     values.update(prompt=args.prompt, negative_prompt=args.negative_prompt, dtype=args.dtype)
     return Request.from_values({**values, **given})

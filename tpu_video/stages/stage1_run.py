@@ -70,9 +70,10 @@ def checked_video(args, source, family, output_dir: Path, where: str = "") -> Vi
                     f"({size[0]}x{size[1]} for this one, height x width); leave them out"
                 )
             defaults.update(height=size[0], width=size[1])
-        frames = inputs.frames_from_inputs(records, args.num_frames)
+        frames = inputs.frames_from_inputs(accepted, records, args.num_frames)
         if frames is not None:  # the pipeline makes as many frames as the video has
             defaults["num_frames"] = frames
+        defaults.update(models.input_defaults(family, values))
         request = request_from_flags(args, family, args.model, defaults)
         models.check_option_inputs(family, request, values)
         models.validate_request(family, source, request)

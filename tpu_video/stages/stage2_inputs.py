@@ -12,6 +12,7 @@ import torch
 
 from tpu_video import models
 from tpu_video.cli import UserError, log, parse_dtype
+from tpu_video.cli.options import with_implied
 from tpu_video.engine import batch_folders, lora, passes
 from tpu_video.engine.cache_schedule import CacheSettings, check_family_runs, check_window
 from tpu_video.engine.guard import DenoiseGuard
@@ -73,11 +74,15 @@ def validated_run(
     with timer.phase("read"):  # stage 1's files, the model folder's configs (a tiny preset: built), adapters
         config = read_config(input_dir, needs="stage1")
         log(describe_folder(input_dir, config))
-        flags = {**request_flags(args), "model_id": args.model}
+        stored = Request.from_config(config, input_dir / CONFIG_FILE)
+        flags = {
+            **with_implied(models.options_of(stored.model_family), request_flags(args), stored),
+            "model_id": args.model,
+        }
         if args.start_latents:  # a pass from upsampled latents runs at their size
             size = passes.upsampled_size(Path(args.start_latents))
             flags.update({key: value for key, value in size.items() if flags.get(key) is None})
-        request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides(flags)
+        request, overrides = stored.with_overrides(flags)
         check_stage1_fresh(input_dir, config, request)
         check_geometry_kept(config, overrides)
         source, family = models.resolve_model_for_request(request)
@@ -100,6 +105,8 @@ def validated_run(
     check_family_runs(family, cache)
     cache = with_mag_ratios(cache, args, input_dir, *calibrated)
     check_window(cache, request.num_inference_steps)  # the steps the schedule will have, before weights load
+    if cache.enabled and config["stage1"].get("task") == "v2v":
+        raise UserError("--cache: video-to-video runs the end of the schedule; the step caches do not take it yet")
     quantize.check_supported()
     if processes.is_main:
         ensure_writable_dir(output_dir, (STAGE2_FILE,))

@@ -106,10 +106,10 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
         ).append(run)
     stop = types.SimpleNamespace(stop_requested=False)
     per_host, memory = jax.local_device_count() if processes.count > 1 else None, device_memory()
+    mesh_flags = attention_flags(args)
     for number, members in enumerate(groups.values(), 1):
         first = members[0]
         log(f"group {number} of {len(groups)}: {len(members)} video(s)")
-        mesh_flags = attention_flags(args)
         size = args.batch_size or default_batch_size(
             first, mesh_flags, len(members), jax.device_count(), per_host, memory
         )

@@ -9,9 +9,10 @@ from pathlib import Path
 
 from sharding import SP
 from tpu_video import models
-from tpu_video.cli import UserError, log
+from tpu_video.cli import UserError, log, refuse_planning_flags
 from tpu_video.engine import batch_folders
 from tpu_video.runtime.interface import Timer, run_record
+from tpu_video.stages.request import request_flags
 from utils import (
     CONFIG_FILE,
     DEFAULT_OUTPUT_DIR,
@@ -37,20 +38,36 @@ def given_upsample_flags(args) -> list[str]:
 
 
 def check_flags(args, folders: list[Path]) -> None:
-    """What a denoise takes and the step does not, refused up front."""
+    """What a denoise takes and the step does not, refused up front (the request's flags belong to the pass
+    after it), and the filters' ranges."""
     denoise_only = {
         "--start_latents": args.start_latents,
         "--resume": args.resume,
+        "--checkpoint_every": args.checkpoint_every,
         "--lora": args.lora or args.lora_2,
         "--cache": args.cache != "none" or args.enable_cache or args.cache_calibrate,
         "--quantize": args.quantize != "none",
         "--batch_size": args.batch_size,
         "--plan": args.plan,
+        "--model": args.model,
+        "--dtype": args.dtype,
+        "--attention": args.attention != "auto",
+        "--dp/--sp/--tp": args.dp or args.sp or args.tp,
+        "--profile": args.profile or args.enable_profiler,
         "--num_processes": args.num_processes,
     }
-    given = [flag for flag, value in denoise_only.items() if value]
+    given = [flag for flag, value in denoise_only.items() if value]  # each one's default is falsy
+    given += [f"--{name}" for name, value in request_flags(args).items() if value is not None]
     if given:
-        raise UserError(f"--upsample runs the latent upsampler alone; {given[0]} belongs to a denoise")
+        raise UserError(
+            f"--upsample runs the latent upsampler alone; {given[0]} belongs to a denoise (give it to the pass "
+            "after it)"
+        )
+    refuse_planning_flags(args)
+    if not -10.0 <= args.adain_factor <= 10.0:
+        raise UserError(f"--adain_factor {args.adain_factor} must be from -10 to 10 (the pipeline's range; 0: off)")
+    if not 0.0 <= args.tone_map_compression_ratio <= 1.0:
+        raise UserError(f"--tone_map_compression_ratio {args.tone_map_compression_ratio} must be from 0 (off) to 1")
     if len(folders) != 1:
         raise UserError("--upsample: give one --input_dir (the pass whose latents it upsamples)")
     if not args.output_dir or Path(args.output_dir).resolve() == folders[0].resolve():
@@ -72,12 +89,13 @@ def upsample_main(args) -> None:
     check_stage2_fresh(input_dir, config, request, models.stage1_only(family))
     tensors = read_tensors(input_dir, config["stage2"])
     check_output_dir(output_dir, input_dir, config)
+    scale = 2  # the x2 upsampler (the family's checks refuse any other)
+    larger, overrides = request.with_overrides({"height": request.height * scale, "width": request.width * scale})
+    models.validate_request(family, source, larger)
     timer = Timer()
     runtime = TorchaxRuntime.on_all_devices(SP, compile_cache=not args.no_compile_cache, executables=args.executables)
     filters = (args.adain_factor, args.tone_map_compression_ratio)
     upsampled, scale, record = family.upsample(source, args.latent_upsampler, tensors, runtime, timer, *filters)
-    larger, overrides = request.with_overrides({"height": request.height * scale, "width": request.width * scale})
-    models.validate_request(family, source, larger)
     ensure_writable_dir(output_dir, (STAGE2_FILE,))
     with timer.phase("save"):
         saved = write_tensors(output_dir / STAGE2_FILE, upsampled)

@@ -11,6 +11,7 @@ the family's `models.family.Family` members, gathered from its parts.
 - `presets`: the tiny random presets; `published`: the published checkpoints' configs for `--plan`.
 """
 
+from ..common import no_image_checks as check_inputs
 from ..common import no_upsample
 from ..common import size_from_request as size_from_inputs  # the pipeline resizes the image to the request's size
 from ..common import stage2_as_written as upgrade_stage2
@@ -26,7 +27,7 @@ from .config import (
     transformer_components,
     validate_request,
 )
-from .i2v import MEDIA_INPUTS, check_inputs, encode_inputs, inputs_on_runtime, media_inputs
+from .i2v import MEDIA_INPUTS, encode_inputs, inputs_on_runtime, media_inputs
 from .pipeline import (
     Decoder,
     denoise_loop,

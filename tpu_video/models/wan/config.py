@@ -22,6 +22,7 @@ LORA_LOADER = "WanLoraLoaderMixin"  # reads adapter files and converts the origi
 STEP_CACHES = ("magcache", "interval")  # the --cache kinds it runs (docs/caching.md)
 # --scheduler's names for the flow-matching samplers a Wan folder's scheduler config can build.
 SCHEDULERS = ("unipc", "euler")
+DEFAULT_STRENGTH = 0.8  # WanVideoToVideoPipeline.__call__'s
 OPTIONS = (
     Option(
         "guidance_scale_2",
@@ -39,8 +40,9 @@ OPTIONS = (
         "strength",
         "float",
         "video-to-video (--video): how much of the schedule runs from the video's noised latents, above 0 to 1 "
-        "(default 0.8, the pipeline's)",
+        f"(default {DEFAULT_STRENGTH}, the pipeline's)",
         with_input="video",
+        input_default=DEFAULT_STRENGTH,
     ),
 )
 
@@ -90,6 +92,23 @@ def validate_request(source, request: Request) -> None:
             )
     if request.flow_shift is None or request.flow_shift <= 0:
         raise UserError(f"--flow_shift {request.flow_shift} must be positive")
+    strength = request.option("strength")  # stored whenever stage 1 had --video: checked in every stage
+    if strength is not None and not 0 < strength <= 1:
+        raise UserError(f"--strength {strength} must be above 0 and at most 1 (1: every step, from pure noise)")
+    if strength is not None and strength_steps(request)[1] < 1:
+        raise UserError(
+            f"--strength {strength} of {request.num_inference_steps} steps runs none (int(steps x strength) is "
+            "0); give a larger --strength or more --num_inference_steps"
+        )
+
+
+def strength_steps(request: Request) -> tuple[int, int]:
+    """Video-to-video: (the first step of the schedule the run starts at, how many it runs), as the pipeline's
+    get_timesteps computes them."""
+    steps = request.num_inference_steps
+    strength = DEFAULT_STRENGTH if request.option("strength") is None else request.option("strength")
+    init = min(int(steps * strength), steps)
+    return max(steps - init, 0), init
 
 
 def token_grid(source, request: Request) -> tuple[int, int, int]:

@@ -96,9 +96,3 @@ def image_conditioning(source, embeds, dtype) -> list[tuple[torch.Tensor, tuple]
 def inputs_on_runtime(source) -> bool:
     """Only TI2V-5B's image conditioning runs wholly on the runtime (the I2V models VAE-encode on the host)."""
     return ti2v.expand_timesteps(source)
-
-
-def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
-    """Before any weights load: video-to-video's strength and frame count (v2v.py); images need nothing more."""
-    if "video" in inputs:
-        v2v.check_video(source, request, inputs["video"])

@@ -124,7 +124,9 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         return latents, multistep_state(scheduler)
 
     def on_start(start, carry):
-        scheduler.set_begin_index(first + start)  # the pipeline sets 0; --resume continues at `start`
+        # WanPipeline sets 0; the video-to-video pipeline sets none, so its scheduler finds the truncated
+        # schedule's first timestep at `first`; --resume continues `start` steps later.
+        scheduler.set_begin_index(first + start)
         restore_multistep_state(scheduler, carry)
 
     loop = DenoiseLoop(

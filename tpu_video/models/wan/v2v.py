@@ -16,43 +16,21 @@ from tpu_video.engine.inputs import MediaInput, video_input
 from utils import Request
 
 from . import ti2v
-from .config import image_to_video, stock_pipeline
+from .config import image_to_video, stock_pipeline, strength_steps
 
 VIDEO = video_input(
     "video",
     "video-to-video: the video to restyle (a video file ffmpeg reads, or a folder of frame images), on Wan "
     "text-to-video models; --strength says how much is redrawn",
+    frame_step=4,  # the Wan VAE encodes 4n+1 frames
 )
 VIDEO_LATENTS = "video_latents"
-DEFAULT_STRENGTH = 0.8  # WanVideoToVideoPipeline.__call__'s
 
 
 def takes_video(source) -> bool:
     """A one-transformer text-to-video Wan folder (what WanVideoToVideoPipeline loads)."""
     one = source.index.get("boundary_ratio") is None
     return one and not image_to_video(source) and not ti2v.expand_timesteps(source)
-
-
-def strength_steps(request: Request) -> tuple[int, int]:
-    """(the first step of the schedule the run starts at, how many it runs): the pipeline's get_timesteps."""
-    steps = request.num_inference_steps
-    strength = DEFAULT_STRENGTH if request.option("strength") is None else request.option("strength")
-    init = min(int(steps * strength), steps)
-    return max(steps - init, 0), init
-
-
-def check_video(source, request: Request, frames: list) -> None:
-    """Before any weights load: a strength that runs at least one step, and a frame count the VAE takes."""
-    strength = request.option("strength")
-    if strength is not None and not 0 < strength <= 1:
-        raise UserError(f"--strength {strength} must be above 0 and at most 1 (1: every step, from pure noise)")
-    if strength_steps(request)[1] < 1:
-        raise UserError(
-            f"--strength {strength} of {request.num_inference_steps} steps runs none (int(steps x strength) is 0); "
-            "give a larger --strength or more --num_inference_steps"
-        )
-    if request.num_frames > len(frames):
-        raise UserError(f"--num_frames {request.num_frames}: --video has {len(frames)} frames")
 
 
 def encode_video(source, request: Request, frames: list) -> dict[str, torch.Tensor]:
@@ -77,8 +55,8 @@ def encode_video(source, request: Request, frames: list) -> dict[str, torch.Tens
 def loop_start(scheduler, request: Request, embeds: dict, noise: torch.Tensor) -> tuple[Any, torch.Tensor, int]:
     """The truncated schedule, the first latents (the video's, noised to its first timestep as the pipeline's
     prepare_latents does, before any step sets the scheduler's index) and the schedule index it starts at."""
-    first, _ = strength_steps(request)
-    timesteps = scheduler.timesteps[first * scheduler.order :]
+    first = strength_steps(request)[0] * scheduler.order  # where the pipeline's truncated schedule starts
+    timesteps = scheduler.timesteps[first:]
     start = timesteps[:1]
     video = embeds[VIDEO_LATENTS].float()
     if video.shape != noise.shape:
@@ -87,7 +65,8 @@ def loop_start(scheduler, request: Request, embeds: dict, noise: torch.Tensor) -
         latents = scheduler.add_noise(video, noise, start)
     else:
         latents = scheduler.scale_noise(video, start, noise)
-    log(f"video-to-video: steps {first + 1} to {request.num_inference_steps} of {request.num_inference_steps}")
+    steps = len(scheduler.timesteps)
+    log(f"video-to-video: steps {first + 1} to {steps} of {steps} (--strength {request.option('strength')})")
     return timesteps, latents, first
 
 

@@ -150,6 +150,6 @@ def test_an_image_fitted_to_another_aspect_ratio_is_said(capsys):
     inputs.record_processed_size(records, 64, 64)
     assert records["image"]["processed_size"] == [64, 64]
     out = capsys.readouterr().out
-    assert "--image: the 240x360 image (height x width) is fitted to the video's 64x64" in out
+    assert "--image: the 240x360 image (height x width) is fitted to the requested 64x64" in out
     inputs.record_processed_size({"image": {"kind": "image", "size": [40, 60]}}, 32, 48)  # the same shape, smaller
     assert capsys.readouterr().out == ""

@@ -190,6 +190,8 @@ def test_the_two_stage_pipeline_matches_diffusers_pass_by_pass(tmp_path):
     assert (refined["height"], refined["width"]) == (height, width)
     overrides = refined["stage2"]["overrides"]
     assert overrides["num_inference_steps"] == [8, 3] and overrides["noise_scale"] == [None, 0.909375]
+    start = refined["stage2"]["start_latents"]
+    assert start["folder"] == "up" and start["upsampled"] == {"from_sha256": config["stage2"]["sha256"], "scale": 2}
     pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
         pipe.scheduler.config, use_dynamic_shifting=False, shift_terminal=None
     )
@@ -610,7 +612,8 @@ def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_
     argv = ["--input_dir", folder, "--cache", "magcache"]
     expect_user_error(capsys, stage2_transformer, argv, "--cache magcache: ltx2 runs --cache interval only")
     argv = ["--input_dir", folder, "--sigmas", "distilled_refine"]  # brings --noise_scale 0.909375
-    expect_user_error(capsys, stage2_transformer, argv, "acts only on a pass that starts from given latents")
+    message = "--sigmas distilled_refine (it sets --noise_scale 0.909375) acts only on a pass from given latents"
+    expect_user_error(capsys, stage2_transformer, argv, message)
     # The step between passes (--upsample): its flags alone, its output folder, a wrong upsampler folder; the
     # checks come before any upsampler weights load, and nothing is written.
     up = tmp_path / "up"

@@ -123,9 +123,9 @@ def record_processed_size(records: dict[str, dict[str, Any]], height: int, width
         theirs, ours = from_width / from_height, width / height
         if abs(theirs - ours) > 0.01 * ours:
             log(
-                f"--{name}: the {from_height}x{from_width} {record['kind']} (height x width) is fitted to the video's "
-                f"{height}x{width}, another aspect ratio ({theirs:.2f} against {ours:.2f}): the pipeline's "
-                "processor stretches or crops it"
+                f"--{name}: the {from_height}x{from_width} {record['kind']} (height x width) is fitted to the "
+                f"requested {height}x{width} (--height x --width), another aspect ratio ({theirs:.2f} against "
+                f"{ours:.2f}): the pipeline's processor stretches or crops it"
             )
 
 

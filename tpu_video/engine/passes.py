@@ -58,7 +58,14 @@ def read_start(folder: Path, request, output_dir: Path, stage1_only: tuple[str, 
     stage2 = config["stage2"]
     tensors = read_tensors(folder, stage2)
     made = stage2.get("request", {})  # what that stage 2 ran
-    record = {"file": stage2["file"], "sha256": stage2["sha256"], "model_id": made.get("model_id")}
+    record = {
+        "folder": folder.name,
+        "file": stage2["file"],
+        "sha256": stage2["sha256"],
+        "model_id": made.get("model_id"),
+    }
+    if "upsampled" in stage2:  # the step between passes: the latents it upsampled were made by the pass before
+        record["upsampled"] = {"from_sha256": stage2["upsampled"]["sha256"], "scale": stage2["upsampled"]["scale"]}
     return StartLatents(tensors, {**record, "seed": made.get("seed"), "steps": made.get("num_inference_steps")})
 
 

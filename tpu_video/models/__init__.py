@@ -36,12 +36,14 @@ from .family import Preset as Preset  # re-exported: the families' presets and t
 from .registry import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
 from .registry import FAMILIES, PRESETS, PUBLISHED, check_options
 from .registry import FAMILY_OPTIONS as FAMILY_OPTIONS
+from .registry import LATER_PASS as LATER_PASS
 from .registry import MEDIA_INPUTS as MEDIA_INPUTS
 from .registry import check_option_inputs as check_option_inputs
 from .registry import check_started as check_started
 from .registry import input_defaults as input_defaults
 from .registry import options_of as options_of
 from .registry import stage1_only as stage1_only
+from .registry import start_only_flag as start_only_flag
 
 
 @dataclass(frozen=True)

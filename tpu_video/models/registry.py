@@ -115,16 +115,25 @@ def stage1_only(family: Family) -> tuple[str, ...]:
     return tuple(option.name for option in family.OPTIONS if not option.later)
 
 
+LATER_PASS = "pass from given latents: give stage 2 --start_latents FOLDER (an --upsample folder or an earlier pass)"
+
+
+def start_only_flag(family: Family, request, option: Option) -> str:
+    """How a start-only option got its value: the option whose value brought it (Option.implies), else itself."""
+    for other in family.OPTIONS:
+        chosen = request.option(other.name)
+        if option.name in other.implies.get(chosen, {}):
+            return f"--{other.name} {chosen} (it sets --{option.name} {request.option(option.name)})"
+    return f"--{option.name} {request.option(option.name)}"
+
+
 def check_started(family: Family, request, started: bool) -> None:
     """An option that acts only on a pass from given latents (Option.start_only), set in a pass from noise, is
     refused: it would change nothing."""
     for option in family.OPTIONS:
         value = request.option(option.name)
         if option.start_only and value and not started:
-            raise UserError(
-                f"--{option.name} {value} (given, or brought by another option such as --sigmas) acts only on a "
-                "pass that starts from given latents: give stage 2 --start_latents FOLDER"
-            )
+            raise UserError(f"{start_only_flag(family, request, option)} acts only on a {LATER_PASS}")
 
 
 def input_defaults(family: Family, inputs) -> dict[str, Any]:

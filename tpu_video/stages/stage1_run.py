@@ -76,6 +76,9 @@ def checked_video(args, source, family, output_dir: Path, where: str = "") -> Vi
         defaults.update(models.input_defaults(family, values))
         request = request_from_flags(args, family, args.model, defaults)
         models.check_option_inputs(family, request, values)
+        for option in family.OPTIONS:  # a later pass's option is stored for stage 2, which refuses it from noise
+            if option.start_only and request.option(option.name):
+                log(f"note: {models.start_only_flag(family, request, option)} acts only on a {models.LATER_PASS}")
         models.validate_request(family, source, request)
         if values:
             family.check_inputs(source, request, values)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tpu_video.cli import UserError
+from tpu_video.cli import UserError, log
 
 SUBFOLDER = "latent_upsampler"  # where the published LTX-2 repositories keep it
 
@@ -84,6 +84,10 @@ def upsample(source, location, tensors, runtime, timer, adain_factor=0.0, tone_m
         raise UserError("--upsample: an LTX-2 image-to-video pass cannot be refined yet (its refine starts from noise)")
     with timer.phase("load"):
         model = load_upsampler(source, location, torch.float32)
+    log(
+        f"the x2 latent upsampler from {location or named_default(source)}, in float32 (its filters: AdaIN "
+        f"{adain_factor:g}, tone map {tone_map_compression_ratio:g})"
+    )
     with timer.phase("place"):
         program = runtime.compile(Upsample(model, adain_factor, tone_map_compression_ratio))
     with timer.phase("upsample"), torch.no_grad():

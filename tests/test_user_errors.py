@@ -50,6 +50,19 @@ def test_family_specific_request_errors(capsys, tmp_path, model, flags, message)
     expect_user_error(capsys, stage1_text_encoder, argv, message)
 
 
+def test_a_hub_id_the_host_cannot_reach_fails_at_once(capsys, tmp_path, monkeypatch):
+    """Not in the Hugging Face cache and the hub's name does not resolve (offline): one line, no retries."""
+    import socket
+
+    def unresolved(*args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unresolved)
+    argv = ["--model", "someone/not-a-model", "--prompt", "x", "--output_dir", tmp_path / "out"]
+    err = expect_user_error(capsys, stage1_text_encoder, argv, "huggingface.co cannot be reached from this host")
+    assert "not in the Hugging Face cache" in err and not (tmp_path / "out").exists()
+
+
 def test_stage1_rejects_a_folder_of_another_pipeline(capsys, tmp_path):
     other = tmp_path / "other-model"
     other.mkdir()

@@ -164,3 +164,17 @@ def test_flags_that_cannot_act_are_refused(capsys, tmp_path):
     expect_user_error(capsys, stage3_vae_decoder, ["--input_dir", tmp_path, *store], "--backend torch compiles none")
     argv = ["--model", "tiny-wan2.1", "--prompt", "a cat", "--output_dir", tmp_path, *store]
     expect_user_error(capsys, stage1_text_encoder, argv, "--backend torch compiles none")
+
+
+def test_a_long_quiet_call_says_it_is_still_working(capsys):
+    """A compile (minutes on a TPU for a published model) logs a line every so often; a quick one none."""
+    import time
+
+    from tpu_video.cli import still_working
+
+    with still_working("compiling x", every=0.02):
+        time.sleep(0.2)
+    assert "compiling x: still working (" in capsys.readouterr().out  # how many lines depends on the host's load
+    with still_working("quick", every=10.0):
+        pass
+    assert "quick" not in capsys.readouterr().out

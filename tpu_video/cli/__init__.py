@@ -221,6 +221,28 @@ def log(message: str) -> None:
         print(f"[{time.monotonic() - _START:7.1f}s] {message}", flush=True)
 
 
+STILL_WORKING_SECONDS = 30.0
+
+
+@contextlib.contextmanager
+def still_working(what: str, every: float = STILL_WORKING_SECONDS) -> Iterator[None]:
+    """Around a long call that prints nothing (a compile: the TPU compiler took minutes on published models): a
+    log line every `every` seconds naming it and the time it has taken, so a quiet run is not taken for a hung one."""
+    done, start = threading.Event(), time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every):
+            log(f"{what}: still working ({time.monotonic() - start:.0f} s)")
+
+    thread = threading.Thread(target=beat, name="still-working", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def parse_dtype(name: str) -> torch.dtype:
     """`--dtype` as a torch dtype."""
     if name not in DTYPES:

@@ -16,6 +16,7 @@ import time
 import jax
 import torch
 
+from tpu_video.cli import still_working
 from tpu_video.runtime import program_checks, program_key
 from tpu_video.runtime.interface import PROGRAM_TIMES
 from tpu_video.workarounds.jax import without_compilation_cache
@@ -131,7 +132,7 @@ class Programs(interop.JittableModule):
     def _compile_and_save(self, method: str, inputs, parts: dict | None):
         jitted, traced_messages = self._builders[method]
         with without_compilation_cache() if parts else contextlib.nullcontext():
-            executable = self._build(jitted, self._state, inputs)
+            executable = self._build(jitted, self._state, inputs, self._name(method))
         messages = traced_messages[-1]
         if parts:
             start = time.perf_counter()
@@ -145,12 +146,14 @@ class Programs(interop.JittableModule):
         context = program_key.environment_parts(self._mesh, self._process)
         return program_key.program_parts(self._model, method, self._state, inputs, context, attention)
 
-    def _build(self, jitted, state, inputs):
+    def _build(self, jitted, state, inputs, name: str):
         args, kwargs = inputs
         start = time.perf_counter()
-        lowered = jitted.lower(*state, *args, **kwargs)
+        with still_working(f"tracing {name}"):
+            lowered = jitted.lower(*state, *args, **kwargs)
         traced = time.perf_counter()
-        executable = lowered.compile()
+        with still_working(f"compiling {name}"):
+            executable = lowered.compile()
         PROGRAM_TIMES.trace += traced - start
         PROGRAM_TIMES.compile += time.perf_counter() - traced
         PROGRAM_TIMES.programs += 1

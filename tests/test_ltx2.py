@@ -145,9 +145,9 @@ def test_the_two_stage_pipeline_matches_diffusers_pass_by_pass(tmp_path):
     2. stage 2 `--upsample` with a tiny x2 upsampler saved to a folder: LTX2LatentUpsamplePipeline with
        `latents=` the first call's, AdaIN 0.5 and tone map 0.3;
     3. stage 2 `--start_latents` from the upsampled folder at twice the size, `--sigmas distilled_refine` (3
-       sigmas as given, renoised by 0.909375 from seed 11): LTX2Pipeline with its scheduler rebuilt
-       (use_dynamic_shifting=False, shift_terminal=None), `latents=` the upsampled, `audio_latents=` the first
-       call's, `noise_scale=STAGE_2_DISTILLED_SIGMA_VALUES[0]`;
+       sigmas as given, renoised by 0.909375 from seed 11), Splash on sp 2 x tp 4: LTX2Pipeline with its
+       scheduler rebuilt (use_dynamic_shifting=False, shift_terminal=None), `latents=` the upsampled,
+       `audio_latents=` the first call's, `noise_scale=STAGE_2_DISTILLED_SIGMA_VALUES[0]`;
     4. stage 3 (torch) of the refined folder: frames and waveform against that call's output_type="np"."""
     from diffusers import FlowMatchEulerDiscreteScheduler, LTX2LatentUpsamplePipeline
     from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES, STAGE_2_DISTILLED_SIGMA_VALUES
@@ -184,6 +184,7 @@ def test_the_two_stage_pipeline_matches_diffusers_pass_by_pass(tmp_path):
     assert read_config(up, needs="stage3")["stage3"]["height"] == height
 
     refine = ["--input_dir", first, "--start_latents", up, "--output_dir", second, "--executables", "off"]
+    refine += ["--attention", "splash", "--sp", 2, "--tp", 4]  # the refine with the Splash kernel on a mesh
     run_stage(stage2_transformer, [*refine, "--sigmas", "distilled_refine", "--seed", 11])
     run_stage(stage3_vae_decoder, ["--input_dir", second, "--backend", "torch", "--save_frames"])
     refined = read_config(second, needs="stage3")

@@ -16,13 +16,14 @@ import torch
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
-from helpers import expect_user_error, relative_error, run_stage
+from helpers import expect_user_error, relative_error, run_script, run_stage
 from tpu_video import models
 from tpu_video.cli import UserError
 from tpu_video.engine.videos import read_video
 from utils import read_config, read_tensors
 
 TOLERANCE = 1e-4
+ONE_DEVICE = "--xla_force_host_platform_device_count=1"
 PROMPT, NEGATIVE, SEED = "a cat playing guitar", "blurry", 3
 REQUEST = {"height": 32, "width": 48, "num_inference_steps": 5, "guidance_scale": 4.0}
 
@@ -65,7 +66,8 @@ def video_file(tmp_path_factory):
 
 def test_video_to_video_matches_the_pipeline(capsys, tmp_path, video_file):
     """Stage 1 reads and VAE-encodes the video (its 9 frames set --num_frames), stage 2 runs the last
-    int(5 x 0.6) = 3 steps with Splash on a dp 2 x sp 2 x tp 2 mesh, stage 3 decodes (torch)."""
+    int(5 x 0.6) = 3 steps with Splash on a dp 2 x sp 2 x tp 2 mesh (and again on one device), stage 3
+    decodes (torch)."""
     from diffusers import WanVideoToVideoPipeline
 
     out = tmp_path / "run"
@@ -95,6 +97,12 @@ def test_video_to_video_matches_the_pipeline(capsys, tmp_path, video_file):
     expected = call("latent")
     assert latents.shape == expected.shape == (1, 16, 3, 4, 6)
     assert relative_error(latents, expected) <= TOLERANCE
+    # Stage 2 again in a process of one CPU device (the same stage-1 files, its own output folder).
+    one = tmp_path / "one-device"
+    argv_one = ["--input_dir", out, "--output_dir", one, "--executables", "off"]
+    done = run_script("stage2_transformer.py", argv_one, env_overrides={"XLA_FLAGS": ONE_DEVICE})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert relative_error(read_tensors(one, read_config(one)["stage2"])["latents"], expected) <= TOLERANCE
     frames = read_tensors(out, config["stage3"]["frames_file"])["frames_float"]
     expected_frames = torch.from_numpy(call("np")[0])
     assert frames.shape == expected_frames.shape == (9, 32, 48, 3)

@@ -8,9 +8,9 @@ entry point in ``ENTRY_POINT_GROUP`` (docs/architecture.md shows how). ``FAMILIE
 ``PUBLISHED``, ``FAMILY_OPTIONS`` and ``MEDIA_INPUTS`` are gathered from them.
 
 Beside the families (`cogvideox`, `hunyuanvideo15`, `wan`, `ltx2`): `registry` (the families gathered),
-`family` (the interface), `common` (what
-several families share), `tiny` (the tiny presets' T5 tokenizer and encoder) and `adapter_origin` (which
-published model an adapter that does not fit was made for).
+`family` (the interface), `model_index` (reading a model's model_index.json: a folder's, the Hugging Face
+cache's or the hub's), `common` (what several families share), `tiny` (the tiny presets' T5 tokenizer and
+encoder) and `adapter_origin` (which published model an adapter that does not fit was made for).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from tpu_video.runtime.interface import cache_root
 
 from .family import Family
 from .family import Preset as Preset  # re-exported: the families' presets and the tests name it here
+from .model_index import read_model_index
 from .registry import ENTRY_POINT_GROUP as ENTRY_POINT_GROUP
 from .registry import FAMILIES, PRESETS, PUBLISHED, check_options
 from .registry import FAMILY_OPTIONS as FAMILY_OPTIONS
@@ -135,7 +136,7 @@ def resolve_model(model: str, configs_only: bool = False) -> tuple[ModelSource, 
         raise UserError(f"--model {model!r} is not a preset, a local folder or a hub id (owner/name){hint}")
     else:
         location, defaults = model, {}
-    index = _read_model_index(model, location)
+    index = read_model_index(model, location)
     family = FAMILIES[PRESETS[model].family] if model in PRESETS else detect_family(index, model)
     source = ModelSource(
         model, location, index, preset_defaults=defaults, pipeline_attributes=attributes, configs_only=configs
@@ -180,47 +181,6 @@ def validate_request(family: Family, source: ModelSource, request) -> None:
             f"video alone is {frames / 2**30:.3g} GiB of float32 frames, more than this host's {memory / 2**30:.0f} "
             "GiB of memory"
         )
-
-
-def _read_model_index(model: str, location: str) -> dict[str, Any]:
-    if os.path.isdir(location):
-        path = Path(location) / "model_index.json"
-        if not path.is_file():
-            raise UserError(f"--model {model!r}: {path} is missing (not a diffusers pipeline folder)")
-        return json.loads(path.read_text())
-    from diffusers import DiffusionPipeline
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = try_to_load_from_cache(location, "model_index.json")
-    if isinstance(cached, str):  # downloaded before: read it without asking the hub
-        return json.loads(Path(cached).read_text())
-    check_hub_reachable(model)
-    try:
-        return DiffusionPipeline.load_config(location)
-    except Exception as err:  # the hub client raises many types; any of them means "cannot fetch"
-        raise UserError(
-            f"--model {model!r}: cannot read model_index.json from the hub ({type(err).__name__})"
-        ) from None
-
-
-def check_hub_reachable(model: str) -> None:
-    """A hub id not in the Hugging Face cache, on a host that cannot resolve the hub's name (offline, or no
-    DNS): one line now, instead of the hub client's retries (about 30 s of them) and then the same error."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        raise UserError(f"--model {model!r} is not in the Hugging Face cache, and HF_HUB_OFFLINE is set")
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    try:
-        socket.getaddrinfo(host, 443)
-    except OSError:
-        raise UserError(
-            f"--model {model!r}: not a preset or a local folder, not in the Hugging Face cache, and {host} cannot "
-            "be reached from this host (offline?); give a local diffusers folder or a preset"
-        ) from None
 
 
 def detect_family(index: dict[str, Any], model: str) -> Family:

@@ -226,6 +226,16 @@ def staged(out, preset, stage1_flags=(), stage2_flags=(), guidance_scale=5.0):
     return read_tensors(out, config["stage2"])["latents"], config
 
 
+def tiny_upsampler(folder, seed: int = 5):
+    """A random x2 latent upsampler for the tiny VAE's 8 latent channels, saved as the published one is."""
+    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
+
+    torch.manual_seed(seed)
+    model = LTX2LatentUpsamplerModel(in_channels=8, mid_channels=32, num_blocks_per_stage=1)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
 def pipeline(preset: str):
     """The preset's diffusers pipeline, loaded from its materialized folder in fp32, with the preset's
     pipeline attributes (the padded lengths of models.family.Preset) as the stages use them."""

@@ -36,6 +36,7 @@ from helpers import (
     relative_error,
     run_script,
     run_stage,
+    tiny_upsampler,
 )
 from helpers import (
     ltx2_reference as reference,
@@ -124,16 +125,6 @@ def test_stage2_matches_the_pipeline(tmp_path, stage1_folders, case):
     assert config["stage2"]["scan_blocks"]["scanned"]["transformer"] == [0, 2]
     if preset == "tiny-ltx2" and not stage2_flags:  # LTX-2.0 has no perturbed attention: skipped, and said so
         assert "perturbed attention" in record["skipped"]["stg"]
-
-
-def tiny_upsampler(folder, seed: int = 5):
-    """A random x2 latent upsampler for the tiny VAE's 8 latent channels, saved as the published one is."""
-    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
-
-    torch.manual_seed(seed)
-    model = LTX2LatentUpsamplerModel(in_channels=8, mid_channels=32, num_blocks_per_stage=1)
-    model.save_pretrained(folder)
-    return model.eval()
 
 
 def test_the_two_stage_pipeline_matches_diffusers_pass_by_pass(tmp_path):

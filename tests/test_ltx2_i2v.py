@@ -14,7 +14,7 @@ import torch
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
-from helpers import expect_user_error, relative_error, run_stage, write_image
+from helpers import expect_user_error, pipeline, relative_error, run_stage, tiny_upsampler, write_image
 from helpers import ltx2_reference as reference
 from tpu_video import models
 from tpu_video.cli import UserError
@@ -36,7 +36,7 @@ def image_file(tmp_path_factory):
     [(None, [], []), (0, ["--backend", "torchax"], ["--attention", "splash", "--sp", "2", "--tp", "4"])],
     ids=["crf33-8-devices-and-decode", "no-recompress-torchax-stage1-splash"],
 )
-def test_image_to_video_matches_the_pipeline(capsys, tmp_path, image_file, crf, stage1_flags, stage2_flags):
+def test_image_to_video_matches_the_pipeline(tmp_path, image_file, crf, stage1_flags, stage2_flags):
     """LTX2ImageToVideoPipeline: stage 1's H.264 round trip (the default CRF 33, through PyAV) or none, and
     the VAE latents of the image (on torch, or on torchax, whose placed VAE's statistics are read before
     placing); stage 2's first frame held at timestep zero and never stepped; stage 3's decode of the whole
@@ -63,8 +63,58 @@ def test_image_to_video_matches_the_pipeline(capsys, tmp_path, image_file, crf, 
         frames, waveform = reference("tiny-ltx2-i2v", config, "np", **arguments)
         assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
         assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
-        argv = ["--input_dir", out, "--start_latents", out, "--output_dir", tmp_path / "again"]
-        expect_user_error(capsys, stage2_transformer, argv, "LTX-2 image-to-video denoises from noise only")
+
+
+def test_the_two_stage_image_to_video_pipeline_matches_diffusers(tmp_path, image_file):
+    """The two-stage pipeline from an image (no H.264 step), each pass against diffusers' own call: the distilled
+    pass (LTX2ImageToVideoPipeline, sigmas=DISTILLED_SIGMA_VALUES, guidance off), the x2 upsampler
+    (LTX2LatentUpsamplePipeline), then the refine at twice the size (the same pipeline with its scheduler rebuilt,
+    `latents=` the upsampled, `audio_latents=` the first call's, `noise_scale=STAGE_2_DISTILLED_SIGMA_VALUES[0]`,
+    `image=` given again and unused: the first latent frame is the given one, never renoised nor stepped)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2LatentUpsamplePipeline
+    from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES, STAGE_2_DISTILLED_SIGMA_VALUES
+    from PIL import Image
+
+    first, up, second = tmp_path / "first", tmp_path / "up", tmp_path / "second"
+    argv = ["--model", "tiny-ltx2-i2v", "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
+    argv += ["--seed", SEED, "--image", image_file, "--image_crf", 0, "--sigmas", "distilled", "--output_dir", first]
+    run_stage(stage1_text_encoder, argv)
+    run_stage(stage2_transformer, ["--input_dir", first, "--executables", "off"])
+    config = read_config(first, needs="stage2")
+    off = {"guidance_scale": 1.0, "audio_guidance_scale": 1.0, "stg_scale": 0.0, "audio_stg_scale": 0.0}
+    off |= {"modality_scale": 1.0, "audio_modality_scale": 1.0}
+    image = Image.open(image_file).convert("RGB")
+    pipe = pipeline("tiny-ltx2-i2v")
+    common = {"image": image, "image_crf": 0, **off}
+    video, audio = reference(pipe, config, "latent", sigmas=DISTILLED_SIGMA_VALUES, **common)
+    tensors = read_tensors(first, config["stage2"])
+    assert relative_error(tensors["latents"], video) <= TOLERANCE
+    assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
+
+    upsampler = tiny_upsampler(tmp_path / "upsampler")
+    step = ["--input_dir", first, "--upsample", "--latent_upsampler", tmp_path / "upsampler", "--output_dir", up]
+    run_stage(stage2_transformer, step)
+    larger = LTX2LatentUpsamplePipeline(vae=pipe.vae, latent_upsampler=upsampler)(
+        latents=video, output_type="latent", return_dict=False
+    )[0]
+    assert relative_error(read_tensors(up, read_config(up, needs="stage2")["stage2"])["latents"], larger) <= TOLERANCE
+
+    refine = ["--input_dir", first, "--start_latents", up, "--output_dir", second, "--executables", "off"]
+    run_stage(stage2_transformer, [*refine, "--sigmas", "distilled_refine", "--seed", 11])
+    refined = read_config(second, needs="stage2")
+    height, width = 2 * config["height"], 2 * config["width"]
+    assert (refined["height"], refined["width"]) == (height, width)
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        pipe.scheduler.config, use_dynamic_shifting=False, shift_terminal=None
+    )
+    again = {**config, "num_inference_steps": 3, "seed": 11, "height": height, "width": width}
+    noise_scale = STAGE_2_DISTILLED_SIGMA_VALUES[0]
+    extra = {"sigmas": STAGE_2_DISTILLED_SIGMA_VALUES, "noise_scale": noise_scale, "audio_latents": audio}
+    video_2, audio_2 = reference(pipe, again, "latent", latents=larger, **common, **extra)
+    ours = read_tensors(second, refined["stage2"])
+    assert relative_error(video_2, larger) > 1e-2  # the refine changed them
+    assert relative_error(ours["latents"], video_2) <= TOLERANCE
+    assert relative_error(ours["audio_latents"], audio_2) <= TOLERANCE
 
 
 def test_without_pyav_stage1_stops_before_loading_and_names_the_extra(monkeypatch, capsys, tmp_path, image_file):

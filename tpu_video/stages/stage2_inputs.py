@@ -79,12 +79,12 @@ def validated_run(
             **with_implied(models.options_of(stored.model_family), request_flags(args), stored),
             "model_id": args.model,
         }
-        if args.start_latents:  # a pass from upsampled latents runs at their size
-            size = passes.upsampled_size(Path(args.start_latents))
-            flags.update({key: value for key, value in size.items() if flags.get(key) is None})
+        size = passes.upsampled_size(Path(args.start_latents)) if args.start_latents else {}
+        flags.update({key: value for key, value in size.items() if flags.get(key) is None})  # at their size
         request, overrides = stored.with_overrides(flags)
         check_stage1_fresh(input_dir, config, request)
-        check_geometry_kept(config, overrides)
+        if not size:  # a refine from upsampled latents starts from them, not from stage 1's image at its size
+            check_geometry_kept(config, overrides)
         source, family = models.resolve_model_for_request(request)
         dtype_name = args.dtype or request.dtype
         dtype = parse_dtype(dtype_name)

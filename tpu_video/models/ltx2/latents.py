@@ -85,15 +85,14 @@ def denormalized(tensors: dict[str, torch.Tensor], statistics: VaeStatistics) ->
     return {**tensors, "latents": video, "audio_latents": audio}
 
 
-def normalized_packed(tensors: dict[str, torch.Tensor], statistics: VaeStatistics, patch: int, patch_t: int):
-    """The inverse of `denormalized`, packed: stage-2 `latents` and `audio_latents` as LTX2Pipeline's
-    prepare_latents and prepare_audio_latents take given ones (video normalised then packed, audio packed then
-    normalised), in float32: (video (1, tokens, features), audio (1, length, features))."""
+def normalized(tensors: dict[str, torch.Tensor], statistics: VaeStatistics):
+    """The inverse of `denormalized`: stage-2 `latents` and `audio_latents` as the pipelines' prepare_latents
+    and prepare_audio_latents take given ones, in float32: the video normalised, still (B, C, F, H, W); the
+    audio packed, then normalised (1, length, features)."""
     from diffusers import LTX2Pipeline
 
     s = statistics
     video = LTX2Pipeline._normalize_latents(tensors["latents"].float(), s.video_mean, s.video_std, s.scaling_factor)
-    video = LTX2Pipeline._pack_latents(video, patch, patch_t)
     audio = LTX2Pipeline._pack_audio_latents(tensors["audio_latents"].float())
     return video, LTX2Pipeline._normalize_audio_latents(audio, s.audio_mean, s.audio_std)
 

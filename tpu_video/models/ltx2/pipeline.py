@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tpu_video.cli import UserError, log
+from tpu_video.cli import log
 from tpu_video.engine.denoise import DenoiseLoop, latents_record
 from tpu_video.engine.encoders import DeviceTextEncoder
 from tpu_video.engine.guidance import BATCH
@@ -32,7 +32,7 @@ from .config import (
 from .connectors import DeviceConnectors
 from .guidance import resolve_guidance
 from .i2v import IMAGE_LATENTS, conditioning_mask
-from .latents import denormalized, latents_normalization, normalized_packed, vae_statistics
+from .latents import denormalized, latents_normalization, normalized, vae_statistics
 from .transformer import ROPES, GuidedTransformer, rope_tables, transformer_rules
 
 STAGE1_TENSORS = ("connector_prompt_embeds", "connector_audio_prompt_embeds", "connector_attention_mask")
@@ -118,7 +118,9 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     generator = torch.Generator("cpu").manual_seed(request.seed)
     video = randn_tensor((1, config["in_channels"], frames, height, width), generator=generator, dtype=NOISE_DTYPE)
     image = embeds.get(IMAGE_LATENTS)
-    if image is not None:  # image-to-video: the first latent frame starts from the image (prepare_latents)
+    # Image-to-video: the first latent frame starts from the image (prepare_latents). A pass from given latents
+    # (start_from replaces these) may run at another size than the image was encoded for: not combined then.
+    if image is not None and image.shape[-2:] == video.shape[-2:]:
         mask = torch.zeros(1, 1, frames, height, width)
         mask[:, :, 0] = 1.0
         video = image.float().repeat(1, 1, frames, 1, 1) * mask + video * (1 - mask)
@@ -197,20 +199,25 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
 
 
 def start_from(source, request: Request, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A pass from an earlier one's stage-2 latents (both streams), as LTX2Pipeline called with `latents=` and
-    `audio_latents=` starts: each normalised and packed, then `noise_scale * noise + (1 - noise_scale) *
-    latents` with the noise drawn from the request's seed, the video's first (_create_noised_state)."""
+    """A pass from an earlier one's stage-2 latents (both streams), as the pipeline called with `latents=` and
+    `audio_latents=` starts: each normalised, then `noise_scale * noise + (1 - noise_scale) * latents`
+    (_create_noised_state) with the noise drawn from the request's seed, the video's first. LTX2Pipeline
+    renoises the packed video; LTX2ImageToVideoPipeline the unpacked one, with no noise on the first frame (its
+    conditioning mask), which the loop then keeps. A noise scale of 0 leaves both exactly as given."""
     from diffusers import LTX2Pipeline
 
-    if image_to_video(source):
-        raise UserError("--start_latents: LTX-2 image-to-video denoises from noise only (its first frame joins it)")
     config = source.load_config("transformer")
-    statistics = vae_statistics(source, planning=False)
-    streams = normalized_packed(tensors, statistics, config["patch_size"], config["patch_size_t"])
+    patch = (config["patch_size"], config["patch_size_t"])
+    video, audio = normalized(tensors, vae_statistics(source, planning=False))
     noise_scale = request.option("noise_scale") or 0.0
     generator = torch.Generator("cpu").manual_seed(request.seed)
-    noised = [
-        LTX2Pipeline._create_noised_state(stream, noise_scale, generator) if noise_scale else stream
-        for stream in streams
-    ]
-    return torch.cat([stream.flatten(1) for stream in noised], dim=1)
+    if noise_scale and image_to_video(source):
+        kept = torch.zeros_like(video[:, :1])
+        kept[:, :, 0] = 1.0
+        video = LTX2Pipeline._create_noised_state(video, noise_scale * (1 - kept), generator)
+    video = LTX2Pipeline._pack_latents(video, *patch)
+    if noise_scale and not image_to_video(source):
+        video = LTX2Pipeline._create_noised_state(video, noise_scale, generator)
+    if noise_scale:
+        audio = LTX2Pipeline._create_noised_state(audio, noise_scale, generator)
+    return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)

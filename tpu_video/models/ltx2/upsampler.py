@@ -78,10 +78,6 @@ def named_default(source) -> str:
 def upsample(source, location, tensors, runtime, timer, adain_factor=0.0, tone_map_compression_ratio=0.0):
     """Stage 2's tensors upsampled on `runtime` (one program, the weights replicated): (the new tensors, the
     spatial scale, what the section records)."""
-    from .config import image_to_video
-
-    if image_to_video(source):
-        raise UserError("--upsample: an LTX-2 image-to-video pass cannot be refined yet (its refine starts from noise)")
     with timer.phase("load"):
         model = load_upsampler(source, location, torch.float32)
     log(

@@ -169,18 +169,23 @@ def _terminated(signum, frame):
 
 
 @contextlib.contextmanager
-def sigterm_stops() -> Iterator[None]:
-    """Within the block SIGTERM raises Stopped where the run is, as Ctrl-C does (writes are atomic: their
-    temporaries are removed on the way out); stage 2's loop replaces it with a stop after the current step.
-    Off the main thread (the Python API in a server's thread) no handler can be set, and none is."""
+def sigterm_handled(handler: Callable) -> Iterator[None]:
+    """Within the block SIGTERM calls `handler(signum, frame)`; the previous handler comes back after. Off the
+    main thread (the Python API in a server's thread) no handler can be set, and none is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _terminated)
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def sigterm_stops() -> contextlib.AbstractContextManager:
+    """Within the block SIGTERM raises Stopped where the run is, as Ctrl-C does (writes are atomic: their
+    temporaries are removed on the way out); stage 2's loop replaces it with a stop after the current step."""
+    return sigterm_handled(_terminated)
 
 
 def run_cli(main: Callable[[], None]) -> None:

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from tpu_video.cli import Stopped, UserError
+from tpu_video.cli import Stopped, UserError, sigterm_handled
 from tpu_video.runtime.distributed import Processes
 from utils import CHECKPOINT_FILE, atomic_write, fingerprint_changes
 
@@ -125,21 +122,13 @@ class DenoiseGuard:
             self.path.unlink(missing_ok=True)
 
 
-@contextlib.contextmanager
-def sigterm_sets_stop(target) -> Iterator[None]:
+def sigterm_sets_stop(target) -> contextlib.AbstractContextManager:
     """Within the block SIGTERM sets `target.stop_requested` (a guard, or a whole run of batches)."""
 
     def request_stop(signum, frame):
         target.stop_requested = True
 
-    if threading.current_thread() is not threading.main_thread():  # e.g. the Python API in a server's thread
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, request_stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return sigterm_handled(request_stop)
 
 
 def fingerprint_differences(saved: str | None, ours: str) -> list[str]:

@@ -13,9 +13,10 @@ from typing import Any
 from . import UserError, finite_float, flag_names
 
 # What each kind accepts in generation_config.json (bool is not a number here, though Python's int says so).
-KIND_TYPES = {"str": (str,), "int": (int,), "float": (int, float)}
-KIND_WORDS = {"str": "a string", "int": "an integer", "float": "a number"}
-FLAG_TYPES = {"str": str, "int": int, "float": finite_float}
+# "floats": one number or several (a flag taking one or more; stored as a list).
+KIND_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "floats": (list,)}
+KIND_WORDS = {"str": "a string", "int": "an integer", "float": "a number", "floats": "a list of numbers"}
+FLAG_TYPES = {"str": str, "int": int, "float": finite_float, "floats": finite_float}
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class Option:
         """Refuse a stored value of the wrong JSON type or outside the choices (a hand-edited config)."""
         if value is None:
             return
-        if type(value) not in KIND_TYPES[self.kind]:
+        numbers = self.kind != "floats" or all(type(item) in KIND_TYPES["float"] for item in value or [None])
+        if type(value) not in KIND_TYPES[self.kind] or not numbers:
             raise UserError(f"{self.name} is {json.dumps(value)} in the request; it must be {KIND_WORDS[self.kind]}")
         if self.choices and value not in self.choices:
             raise UserError(f"--{self.name} {value!r} is not one of {', '.join(self.choices)}")
@@ -58,7 +60,7 @@ def with_implied(options: tuple[Option, ...], given: dict[str, Any], stored=None
     implied: dict[str, Any] = {}
     for option in options:
         value = given.get(option.name)
-        if value is not None and (stored is None or stored.option(option.name) != value):
+        if value is not None and option.implies and (stored is None or stored.option(option.name) != value):
             implied.update(option.implies.get(value, {}))
     return {**given, **{name: value for name, value in implied.items() if given.get(name) is None}}
 
@@ -73,6 +75,7 @@ def add_options(group: argparse._ActionsContainer, options: tuple[Option, ...], 
             *flag_names(f"--{option.name}"),
             dest=option.name,
             type=FLAG_TYPES[option.kind],
+            nargs="+" if option.kind == "floats" else None,
             choices=option.choices or None,
             metavar=option.metavar,
             help=option.help,

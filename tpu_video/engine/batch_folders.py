@@ -34,7 +34,7 @@ class Entry:
     negative_prompt: str | None = None
     seed: int | None = None
     name: str | None = None
-    inputs: dict[str, str] = dataclasses.field(default_factory=dict)  # media inputs' paths by name
+    inputs: dict[str, str | list[str]] = dataclasses.field(default_factory=dict)  # media inputs' paths by name
 
     def flags(self) -> dict[str, Any]:
         """The stage-1 flags this entry sets."""
@@ -77,13 +77,21 @@ def _json_entry(text: str, where: str, base: Path, input_names: tuple[str, ...])
     unknown = sorted(set(value) - set(known))
     if unknown:
         raise UserError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(known)})")
-    for key in ("prompt", "negative_prompt", "name", *input_names):
+    for key in ("prompt", "negative_prompt", "name"):
         if key in value and not isinstance(value[key], str):
             raise UserError(f"{where}: {key!r} must be a string")
+    for key in input_names:  # a path, or a list of them (an input taking several files)
+        paths = value.get(key, "")
+        if not isinstance(paths, str) and not (isinstance(paths, list) and all(isinstance(p, str) for p in paths)):
+            raise UserError(f"{where}: {key!r} must be a path (a string) or a list of paths")
     seed = value.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise UserError(f"{where}: 'seed' must be an integer, not {seed!r}")
-    inputs = {key: str(base / value[key]) for key in input_names if key in value}
+    inputs = {
+        key: str(base / value[key]) if isinstance(value[key], str) else [str(base / path) for path in value[key]]
+        for key in input_names
+        if key in value
+    }
     return Entry(where, value.get("prompt", ""), value.get("negative_prompt"), seed, value.get("name"), inputs)
 
 
@@ -133,9 +141,10 @@ def entries_from_flags(
     for entry in entries:
         if not entry.prompt.strip():
             raise UserError(f"{entry.where}: the prompt is empty")
-        for key, path in entry.inputs.items():
-            if not Path(path).is_file():
-                raise UserError(f"{entry.where}: {key} {path} is not a file")
+        for key, paths in entry.inputs.items():
+            for path in [paths] if isinstance(paths, str) else paths:
+                if not Path(path).is_file():
+                    raise UserError(f"{entry.where}: {key} {path} is not a file")
     return entries
 
 

@@ -43,12 +43,18 @@ GROUP_FIELDS = (
 )
 
 
-def group_key(request, options, task: str, cache_record: dict) -> tuple:
+def group_key(request, options, task: str, cache_record: dict, embeddings: dict) -> tuple:
     """What must be equal for two videos to share a batch: the request's schedule and shape fields, the family
-    `options` (its declarations) that split batches, the task (t2v or i2v) and the step-cache settings."""
+    `options` (its declarations) that split batches, the task (t2v, i2v, ...), the step-cache settings and
+    the stage-1 tensors' shapes (joined along the batch: a VACE run's reference frames lengthen its own)."""
     fields = tuple((name, getattr(request, name)) for name in GROUP_FIELDS)
-    fields += tuple((option.name, request.option(option.name)) for option in options if option.splits_batch)
-    return (*fields, ("task", task), ("cache", tuple(sorted(cache_record.items()))))
+    fields += tuple((option.name, _hashable(request.option(option.name))) for option in options if option.splits_batch)
+    shapes = tuple(sorted((name, tuple(tensor.shape)) for name, tensor in embeddings.items()))
+    return (*fields, ("task", task), ("cache", tuple(sorted(cache_record.items()))), ("shapes", shapes))
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value
 
 
 def default_batch_size(run, flags, videos: int, devices: int, per_host: int | None, memory: int | None) -> int:

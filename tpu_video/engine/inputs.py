@@ -35,6 +35,7 @@ class MediaInput:
     required: bool = False
     missing: str = ""
     frame_step: int = 1  # a video input: the model takes frame_step x n + 1 of its frames (the VAE's rule)
+    many: bool = False  # one or more files (`--NAME PATH [PATH ...]`): read one by one, given as a list
 
     def required_here(self) -> MediaInput:
         """This input as one a model requires (a family's media_inputs(source) for an i2v checkpoint)."""
@@ -49,8 +50,8 @@ def read_image_input(path: str, flag: str) -> tuple[Any, dict[str, Any]]:
     return image, {"size": [height, width], **notes}
 
 
-def image_input(name: str, help: str, missing: str = "") -> MediaInput:
-    return MediaInput(name, help, read_image_input, missing=missing)
+def image_input(name: str, help: str, missing: str = "", task: str = "i2v", many: bool = False) -> MediaInput:
+    return MediaInput(name, help, read_image_input, missing=missing, task=task, many=many)
 
 
 def video_input(name: str, help: str, task: str = "v2v", frame_step: int = 1) -> MediaInput:
@@ -106,10 +107,21 @@ def read_inputs(
         path = given.get(media.name)
         if path is None:
             continue
-        values[media.name], notes = media.read(path, media.name)
-        digest = video_digest(Path(path)) if Path(path).is_dir() else sha256_file(Path(path))
-        records[media.name] = {"kind": media.kind, "file": Path(path).name, "sha256": digest, **notes}
+        if not media.many:
+            if not isinstance(path, str):
+                raise UserError(f"--{media.name} takes one path, not {len(path)}")
+            values[media.name], records[media.name] = _read_one(media, path)
+            continue
+        read = [_read_one(media, one) for one in ([path] if isinstance(path, str) else path)]
+        values[media.name] = [value for value, _ in read]
+        records[media.name] = {"kind": media.kind, "items": [record for _, record in read]}
     return values, records
+
+
+def _read_one(media: MediaInput, path: str) -> tuple[Any, dict[str, Any]]:
+    value, notes = media.read(path, media.name)
+    digest = video_digest(Path(path)) if Path(path).is_dir() else sha256_file(Path(path))
+    return value, {"kind": media.kind, "file": Path(path).name, "sha256": digest, **notes}
 
 
 def record_processed_size(records: dict[str, dict[str, Any]], height: int, width: int) -> None:

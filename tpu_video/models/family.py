@@ -116,9 +116,9 @@ class Family(Protocol):
         image to the requested size (stage 1 then refuses --height/--width and records the derived size)."""
 
     def check_inputs(self, source: ModelSource, request: Request, inputs: dict[str, Any]) -> None:
-        """Stage 1, with inputs given and before any weights load: refuse what encode_inputs would refuse
-        only after the text encoders ran (a host tool the image conditioning needs, an image it cannot
-        take); UserError."""
+        """Stage 1, before any weights load, with the inputs given (perhaps none): refuse what encode_inputs
+        would refuse only after the text encoders ran (a host tool the image conditioning needs, an image it
+        cannot take, inputs that do not fit together, a model that needs some); UserError."""
 
     def encode_inputs(self, source: ModelSource, request: Request, inputs: dict[str, Any], runtime: Runtime) -> dict:
         """Stage 1 with media inputs (by name, as their readers gave them): the pipeline's conditioning (image

@@ -83,7 +83,8 @@ def add_media_arguments(parser) -> None:
         for media in family.MEDIA_INPUTS:
             if media.name not in seen:  # each name once, as its first family declares it
                 seen.add(media.name)
-                add = functools.partial(group.add_argument, f"--{media.name}", metavar="PATH", help=media.help)
+                many = {"nargs": "+"} if media.many else {}
+                add = functools.partial(group.add_argument, f"--{media.name}", metavar="PATH", help=media.help, **many)
                 if _unless_taken(family, media.name, add):
                     added.append(media.name)
     parser.set_defaults(**{INPUT_NAMES: tuple(added)})

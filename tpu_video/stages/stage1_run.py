@@ -80,8 +80,7 @@ def checked_video(args, source, family, output_dir: Path, where: str = "") -> Vi
             if option.start_only and request.option(option.name):
                 log(f"note: {models.start_only_flag(family, request, option)} acts only on a {models.LATER_PASS}")
         models.validate_request(family, source, request)
-        if values:
-            family.check_inputs(source, request, values)
+        family.check_inputs(source, request, values)
     except UserError as err:
         raise UserError(f"{where}: {err}" if where else str(err)) from None
     return Video(output_dir, request, values, records, inputs.task_of(accepted, values))

@@ -102,7 +102,7 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
     for run in runs:
         task = run.config["stage1"].get("task", "t2v")
         groups.setdefault(
-            (group_key(run.request, run.family.OPTIONS, task, run.cache.record()), run.dtype_name), []
+            (group_key(run.request, run.family.OPTIONS, task, run.cache.record(), run.embeddings), run.dtype_name), []
         ).append(run)
     stop = types.SimpleNamespace(stop_requested=False)
     per_host, memory = jax.local_device_count() if processes.count > 1 else None, device_memory()

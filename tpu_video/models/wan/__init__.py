@@ -1,17 +1,18 @@
-"""Wan 2.1 and 2.2, text- and image-to-video (diffusers `WanPipeline`, `WanImageToVideoPipeline`; TI2V-5B):
-the family's `models.family.Family` members, gathered from its parts.
+"""Wan 2.1 and 2.2, text- and image-to-video (diffusers `WanPipeline`, `WanImageToVideoPipeline`; TI2V-5B),
+video-to-video and VACE (`WanVACEPipeline`): the family's `models.family.Family` members, gathered from its
+parts.
 
 - `config`: which pipelines are this family, the pipeline's defaults, one transformer or two experts,
   request checks, the stock pipeline object its stages call;
 - `transformer`: the weight rule table, block input layouts, Splash tiles, one expert's guided call;
 - `pipeline`: stage 1's prompt encoding (UMT5) and stage 2's loop over one or two experts;
 - `i2v`: image-to-video (CLIP tokens, the first and last frames' VAE latents); `ti2v`: TI2V-5B's
-  per-token timesteps and image latents; `v2v`: video-to-video (`--video`, `--strength`);
+  per-token timesteps and image latents; `v2v`: video-to-video (`--video`, `--strength`); `vace`: VACE
+  (`--control_video`, `--mask`, `--reference_images`, `--conditioning_scale`);
 - `vae`: stage 3's frame programs (one latent frame per call, the stock decode's cache carried);
 - `presets`: the tiny random presets; `published`: the published checkpoints' configs for `--plan`.
 """
 
-from ..common import no_image_checks as check_inputs
 from ..common import no_upsample
 from ..common import size_from_request as size_from_inputs  # the pipeline resizes the image to the request's size
 from ..common import stage2_as_written as upgrade_stage2
@@ -27,7 +28,7 @@ from .config import (
     transformer_components,
     validate_request,
 )
-from .i2v import MEDIA_INPUTS, encode_inputs, inputs_on_runtime, media_inputs
+from .i2v import MEDIA_INPUTS, check_inputs, encode_inputs, inputs_on_runtime, media_inputs
 from .pipeline import (
     Decoder,
     denoise_loop,

@@ -14,10 +14,10 @@ from utils import Request
 
 from .. import common
 from ..common import folder_flow_shift
-from . import ti2v
+from . import ti2v, vace
 
 NAME = "wan"
-PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
+PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline")
 LORA_LOADER = "WanLoraLoaderMixin"  # reads adapter files and converts the original Wan and musubi formats
 STEP_CACHES = ("magcache", "interval")  # the --cache kinds it runs (docs/caching.md)
 # --scheduler's names for the flow-matching samplers a Wan folder's scheduler config can build.
@@ -43,6 +43,12 @@ OPTIONS = (
         f"(default {DEFAULT_STRENGTH}, the pipeline's)",
         with_input="video",
         input_default=DEFAULT_STRENGTH,
+    ),
+    Option(
+        "conditioning_scale",
+        "floats",
+        "Wan VACE: how strongly the control steers, one number or one per VACE layer (default 1.0, the pipeline's)",
+        metavar="SCALE",
     ),
 )
 
@@ -90,6 +96,7 @@ def validate_request(source, request: Request) -> None:
                 f"--{key} {getattr(request, key)} makes {count} token positions along it, more than the "
                 f"{positions} the transformer's rotary embedding holds (rope_max_seq_len)"
             )
+    vace.check_request(source, request)
     if request.flow_shift is None or request.flow_shift <= 0:
         raise UserError(f"--flow_shift {request.flow_shift} must be positive")
     strength = request.option("strength")  # stored whenever stage 1 had --video: checked in every stage
@@ -142,16 +149,16 @@ def image_to_video(source) -> bool:
 
 
 def stock_pipeline(source, **components):
-    """The source's pipeline (WanPipeline or WanImageToVideoPipeline) holding only the given components,
-    with the source's VAE geometry."""
-    from diffusers import WanImageToVideoPipeline, WanPipeline
+    """The source's pipeline (WanPipeline, WanImageToVideoPipeline or WanVACEPipeline) holding only the given
+    components, with the source's VAE geometry."""
+    import diffusers
 
     names = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer", "transformer_2")
     if image_to_video(source):
         names += ("image_encoder", "image_processor")
-    pipe = (WanImageToVideoPipeline if image_to_video(source) else WanPipeline)(
-        **{**dict.fromkeys(names), **components}
-    )
+    known = source.index.get("_class_name")
+    cls = getattr(diffusers, known if known in PIPELINE_CLASSES else "WanPipeline")
+    pipe = cls(**{**dict.fromkeys(names), **components})
     vae = source.load_config("vae")
     pipe.vae_scale_factor_spatial, pipe.vae_scale_factor_temporal = (
         vae["scale_factor_spatial"],

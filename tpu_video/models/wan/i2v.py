@@ -15,16 +15,18 @@ from tpu_video.engine.inputs import MediaInput
 from utils import Request
 
 from ..common import IMAGE, LAST_IMAGE
-from . import ti2v, v2v
+from . import ti2v, v2v, vace
 from .config import image_to_video, stock_pipeline
 
-MEDIA_INPUTS = (IMAGE, LAST_IMAGE, v2v.VIDEO)
+MEDIA_INPUTS = (IMAGE, LAST_IMAGE, v2v.VIDEO, *vace.MEDIA_INPUTS)
 
 
 def media_inputs(source) -> tuple[MediaInput, ...]:
     """WanImageToVideoPipeline takes a first frame, and a last one where its transformer can use two: Wan
     2.2 A14B (no image embedder) or one with a position embedding for two images (FLF2V). Wan 2.1 I2V's
     embedder takes one image; diffusers 0.42.1 fails on a last frame there (image batch 2, text batch 1)."""
+    if vace.is_vace(source):
+        return vace.MEDIA_INPUTS
     if ti2v.expand_timesteps(source):  # TI2V-5B: text-to-video, or image-to-video with --image
         return (IMAGE,)
     if not image_to_video(source):
@@ -39,7 +41,9 @@ def encode_inputs(source, request: Request, images: dict[str, Any], runtime) -> 
     loads the VAE and image encoder in float32): the CLIP embeddings of the image(s) where the transformer
     has an image embedder (`image_embeds`), and `condition`: the first-frame mask and the normalised VAE
     latents of [image, zeros..., last image] (`prepare_latents`; its noise is drawn in stage 2). TI2V-5B:
-    tpu_video/models/ti2v.py. Video-to-video: v2v.py."""
+    tpu_video/models/ti2v.py. Video-to-video: v2v.py. VACE: vace.py."""
+    if vace.is_vace(source):
+        return vace.encode(source, request, images)
     if "video" in images:
         return v2v.encode_video(source, request, images["video"])
     if ti2v.expand_timesteps(source):
@@ -96,3 +100,9 @@ def image_conditioning(source, embeds, dtype) -> list[tuple[torch.Tensor, tuple]
 def inputs_on_runtime(source) -> bool:
     """Only TI2V-5B's image conditioning runs wholly on the runtime (the I2V models VAE-encode on the host)."""
     return ti2v.expand_timesteps(source)
+
+
+def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
+    """Stage 1, before any weights load: VACE's inputs (vace.check_inputs); the others need no more checks."""
+    if vace.is_vace(source):
+        vace.check_inputs(source, request, inputs)

@@ -30,7 +30,7 @@ from tpu_video.engine.guidance import BATCH
 from utils import Request
 
 from ..common import NOISE_DTYPE, flow_scheduler
-from . import ti2v, v2v
+from . import ti2v, v2v, vace
 from .config import MAX_SEQUENCE_LENGTH, cfg_enabled, image_to_video, stock_pipeline, transformer_components
 from .i2v import image_conditioning
 from .transformer import GuidedTransformer, transformer_rules
@@ -54,6 +54,8 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
     transformer = source.load_config("transformer")
     shape = (1, MAX_SEQUENCE_LENGTH, transformer["text_dim"])
     embeds = {name: torch.zeros(shape, dtype=dtype) for name in ("prompt_embeds", "negative_prompt_embeds")}
+    if vace.is_vace(source):
+        embeds[vace.CONTROL] = vace.planning_control(source, request)
     if image_to_video(source):
         vae = source.load_config("vae")
         spatial, temporal = vae["scale_factor_spatial"], vae["scale_factor_temporal"]
@@ -85,8 +87,11 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     )
     names = transformer_components(source)
     per_token = ti2v.expand_timesteps(source)
+    control = vace.is_vace(source)
     guided = tuple(
-        GuidedTransformer(transformers[name], dtype, do_cfg, scale, runtime.constrain, per_token, runtime.barrier)
+        (vace.GuidedVACE if control else GuidedTransformer)(
+            transformers[name], dtype, do_cfg, scale, runtime.constrain, per_token, runtime.barrier
+        )
         for name, scale in zip(names, scales, strict=False)
     )
     prompt_embeds = embeds["prompt_embeds"].to(dtype)
@@ -97,15 +102,19 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     timesteps = scheduler.timesteps
     conditioning = image_conditioning(source, embeds, dtype)
     # WanPipeline's noise draw; the image-to-video pipeline draws the same, with the VAE's channel count
-    # (its transformer's input adds the condition's channels).
+    # (its transformer's input adds the condition's channels); VACE's adds a latent frame per reference image.
     channels = source.load_config("vae")["z_dim"] if conditioning else transformers["transformer"].config.in_channels
+    references = vace.reference_frames(source, request, embeds) if control else 0
+    if control:
+        scales_per_layer = torch.tensor(vace.layer_scales(source, request)).to(dtype)
+        conditioning = [(embeds[vace.CONTROL].to(dtype), ()), (scales_per_layer, ())]
     latents = WanPipeline.prepare_latents(
         stock_pipeline(source),
         1,
         channels,
         request.height,
         request.width,
-        request.num_frames,
+        request.num_frames + references * source.load_config("vae")["scale_factor_temporal"],
         NOISE_DTYPE,
         "cpu",
         generator,
@@ -151,6 +160,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
 
     def finish(latents):
         latents = ti2v_parts["finish"](latents) if ti2v_parts else latents
+        latents = latents[:, :, references:]  # VACE: the reference frames dropped, as before the pipeline's decode
         return {"latents": latents}, latents_record(scheduler, do_cfg, latents_normalization(source), **extra)
 
     return loop, finish

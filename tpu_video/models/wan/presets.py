@@ -12,13 +12,14 @@ from ..tiny import t5_encoder_kwargs, t5_tokenizer
 from .config import NAME
 
 
-def tiny_transformer(seed: int = 0, **image_to_video) -> torch.nn.Module:
-    """A random tiny WanTransformer3DModel: 8 heads x 16 (divisible by every tp of 8 devices), 2 blocks.
-    `image_to_video`: in_channels 36 (noise, mask, image latents), and for Wan 2.1 the image embedder."""
-    from diffusers import WanTransformer3DModel
+def tiny_transformer(seed: int = 0, cls: str = "WanTransformer3DModel", **image_to_video) -> torch.nn.Module:
+    """A random tiny WanTransformer3DModel (or `cls`, e.g. the VACE one): 8 heads x 16 (divisible by every tp
+    of 8 devices), 2 blocks. `image_to_video`: in_channels 36 (noise, mask, image latents), and for Wan 2.1
+    the image embedder; or the VACE layers."""
+    import diffusers
 
     torch.manual_seed(seed)
-    return WanTransformer3DModel(
+    return getattr(diffusers, cls)(
         patch_size=(1, 2, 2),
         num_attention_heads=8,
         attention_head_dim=16,
@@ -128,12 +129,30 @@ def tiny_i2v_pipeline(version: str, seed: int = 0):
     )
 
 
+# VACE's control channels: the kept and redrawn parts' latents (16 each) and the 8 x 8 mask pixels per latent.
+WAN_VACE_CHANNELS = 16 + 16 + 8 * 8
+
+
+def tiny_vace_pipeline(seed: int = 0):
+    """WanVACEPipeline with the tiny Wan components and a VACE transformer whose 2 VACE blocks feed both main
+    blocks (vace_layers [0, 1]; the 1.3B has 15 of 30)."""
+    from diffusers import WanVACEPipeline
+
+    base = tiny_pipeline("2.1", seed)
+    transformer = tiny_transformer(
+        seed + 6, "WanVACETransformer3DModel", vace_layers=[0, 1], vace_in_channels=WAN_VACE_CHANNELS
+    )
+    components = {key: getattr(base, key) for key in ("tokenizer", "text_encoder", "vae", "scheduler")}
+    return WanVACEPipeline(**components, transformer=transformer)
+
+
 TINY_DEFAULTS = {"height": 32, "width": 48, "num_frames": 5, "fps": 16, "num_inference_steps": 6}
 PRESETS = {
     "tiny-wan2.1": Preset(NAME, functools.partial(tiny_pipeline, "2.1"), TINY_DEFAULTS),
     "tiny-wan2.2": Preset(NAME, functools.partial(tiny_pipeline, "2.2"), TINY_DEFAULTS),
     "tiny-wan2.1-i2v": Preset(NAME, functools.partial(tiny_i2v_pipeline, "2.1"), TINY_DEFAULTS),
     "tiny-wan2.2-i2v": Preset(NAME, functools.partial(tiny_i2v_pipeline, "2.2"), TINY_DEFAULTS),
+    "tiny-wan2.1-vace": Preset(NAME, tiny_vace_pipeline, TINY_DEFAULTS),
     # TI2V-5B's layout; sizes are multiples of 32 (16x VAE, 2x2 patches)
     "tiny-wan2.2-ti2v": Preset(NAME, tiny_ti2v_pipeline, {**TINY_DEFAULTS, "height": 64, "width": 96}),
 }

@@ -35,13 +35,18 @@ def transformer_rules(tp_mode: str = "megatron") -> RuleTable:
     stay replicated (6 x width each, fp32) so no block needs a collective for its modulation.
     Image-to-video (Wan 2.1 I2V, optional rules): the cross-attention's image keys and values are split
     like its text ones, their RMS norm like norm_k; the image embedder (CLIP width -> width, once per
-    run's tokens) stays replicated. Replicated: the patch, time and text embedders and the output layers."""
-    block = r"blocks\.\d+\."
-    image = (
+    run's tokens) stays replicated. Replicated: the patch, time and text embedders and the output layers.
+    VACE (WanVACETransformer3DModel, optional rules): its VACE blocks are laid out as the main ones; their
+    input and output projections (width x width, one all-reduce each were they split) and the control's
+    patch embedding stay replicated."""
+    block = r"(vace_)?blocks\.\d+\."
+    optional_rules = (  # image-to-video's and VACE's
         (block + r"attn2\.add_[kv]_proj\.weight", COLUMN),
         (block + r"attn2\.add_[kv]_proj\.bias", COLUMN_BIAS),
         (block + r"attn2\.norm_added_k\.weight", COLUMN_BIAS),
         (r"condition_embedder\.image_embedder\..*", REPLICATED),
+        (r"vace_blocks\.\d+\.proj_(in|out)\.(weight|bias)", REPLICATED),
+        (r"vace_patch_embedding\.(weight|bias)", REPLICATED),
     )
     rules = (
         megatron_rules(block, r"attn[12]\.to_[qkv]", r"attn[12]\.to_out\.0", "ffn", tp_mode)
@@ -55,9 +60,9 @@ def transformer_rules(tp_mode: str = "megatron") -> RuleTable:
             (r"patch_embedding\.(weight|bias)", REPLICATED),
             (r"(scale_shift_table|proj_out\.(weight|bias))", REPLICATED),
         )
-        + image
+        + optional_rules
     )
-    optional = frozenset(range(len(rules) - len(image), len(rules)))
+    optional = frozenset(range(len(rules) - len(optional_rules), len(rules)))
     return RuleTable(f"wan-transformer/{tp_mode}", rules, optional)
 
 

@@ -1,0 +1,227 @@
+"""Wan VACE (`WanVACEPipeline`, `WanVACETransformer3DModel`): a control video split by a mask into the part
+to keep and the part to redraw, and reference images, steer a Wan 2.1 text-to-video transformer through
+its VACE blocks, whose hints join the main blocks at `vace_layers` (scaled by `--conditioning_scale`).
+
+Stage 1 runs the pipeline's own preprocessing on the host CPU in float32 (its example loads the VAE in
+float32): `preprocess_conditions` (the control video at its own size, the mask thresholded, the reference
+images letterboxed on white), `prepare_video_latents` (the VAE latents of the kept and redrawn parts, each
+reference image's latents prepended as a frame) and `prepare_masks` (the mask rearranged 8 x 8 into
+channels, interpolated to the latent frames): `vace_control`, as the transformer takes it. Without a control
+video the pipeline conditions on a zero video and a mask of ones (only the references steer). Stage 2 draws
+noise for the reference frames too and drops them at the end, as the pipeline does before its decode.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sharding import DP, SP
+from tpu_video.attention.calls import mark_cross_attention
+from tpu_video.cli import UserError, log
+from tpu_video.engine.guidance import cfg_combination
+from tpu_video.engine.images import read_image
+from tpu_video.engine.inputs import MediaInput, image_input, video_input
+from tpu_video.engine.videos import FRAME_SUFFIXES, read_video
+from utils import Request
+
+from ..common import constrain_block_inputs
+from .transformer import BLOCK_INPUTS, GuidedTransformer
+
+CONTROL = "vace_control"  # stage 1's tensor: [inactive latents, reactive latents, mask] on channels
+TASK = "vace"
+
+
+def read_mask(path: str, flag: str) -> tuple[list, dict[str, Any]]:
+    """A mask video (or folder of frames), or one image used for every frame; white redraws, black keeps."""
+    if Path(path).is_file() and Path(path).suffix.lower() in FRAME_SUFFIXES:
+        image, notes = read_image(path, flag)
+        return [image], {"frames": 1, "size": [image.size[1], image.size[0]], **notes}
+    return read_video(path, flag)
+
+
+CONTROL_VIDEO = video_input(
+    "control_video",
+    "Wan VACE: the control video (a depth, pose or edge video, or the video to inpaint; a file ffmpeg reads or "
+    "a folder of frames), kept where --mask is black and redrawn where it is white",
+    task=TASK,
+    frame_step=4,  # the Wan VAE encodes 4n+1 frames
+)
+MASK = MediaInput(
+    "mask",
+    "Wan VACE: with --control_video, where to redraw it (white) and where to keep it (black): a video of as "
+    "many frames, or one image for every frame",
+    read_mask,
+    kind="mask",
+    task=TASK,
+)
+REFERENCE_IMAGES = image_input(
+    "reference_images",
+    "Wan VACE: one or more images of a subject or style to keep (prepended as frames, then dropped)",
+    task=TASK,
+    many=True,
+)
+MEDIA_INPUTS = (CONTROL_VIDEO, MASK, REFERENCE_IMAGES)
+
+
+def is_vace(source) -> bool:
+    return source.index.get("_class_name") == "WanVACEPipeline"
+
+
+def layer_scales(source, request: Request) -> list[float]:
+    """--conditioning_scale as one value per VACE layer (the pipeline's expansion of a single number)."""
+    layers = source.load_config("transformer")["vace_layers"]
+    given = request.option("conditioning_scale") or [1.0]
+    return list(given) * len(layers) if len(given) == 1 else list(given)
+
+
+def check_request(source, request: Request) -> None:
+    """--conditioning_scale: VACE models only; one value, or one per VACE layer."""
+    given = request.option("conditioning_scale")
+    if given is None:
+        return
+    if not is_vace(source):
+        raise UserError("--conditioning_scale applies to Wan VACE models (WanVACEPipeline); this one is not")
+    layers = source.load_config("transformer")["vace_layers"]
+    if len(given) not in (1, len(layers)):
+        raise UserError(
+            f"--conditioning_scale takes one value or one per VACE layer ({len(layers)}: layers {layers}); "
+            f"{len(given)} given"
+        )
+
+
+def control_size(source, request: Request, frame) -> tuple[int, int]:
+    """The size the pipeline conditions on a control video of this first frame: its own (from the video
+    processor), shrunk to the request's area when larger, floored to the patch grid (preprocess_conditions)."""
+    from .pipeline import video_processor
+
+    base = source.load_config("vae")["scale_factor_spatial"] * source.load_config("transformer")["patch_size"][1]
+    height, width = video_processor(source).get_default_height_width(frame)
+    if height * width > request.height * request.width:
+        scale = min(request.width / width, request.height / height)
+        height, width = int(height * scale), int(width * scale)
+    return height // base * base, width // base * base
+
+
+def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
+    """Before any weights load: something to steer by, a mask with its control video and of its length, a
+    control video the pipeline conditions at the requested size, and room for the reference frames in the
+    rotary embedding."""
+    if not inputs:
+        raise UserError(
+            f"--model {request.model_id!r} is a Wan VACE model: give --control_video (with --mask), "
+            "--reference_images, or both (for the prompt alone use a text-to-video Wan model)"
+        )
+    video, mask = inputs.get("control_video"), inputs.get("mask")
+    if mask is not None and video is None:
+        raise UserError("--mask: a mask says where to redraw a --control_video; give the video too")
+    if mask is not None and len(mask) not in (1, len(video)):
+        raise UserError(
+            f"--mask has {len(mask)} frames and --control_video {len(video)}: give a mask video of as many "
+            "frames, or one image for every frame"
+        )
+    if video is not None:
+        size = control_size(source, request, video[0])
+        if size != (request.height, request.width):
+            raise UserError(
+                f"--control_video: WanVACEPipeline conditions on this {video[0].height}x{video[0].width} video "
+                f"(height x width) at {size[0]}x{size[1]} (its own size, fitted to the request's area and to the "
+                f"patch grid), not at the requested {request.height}x{request.width}, so the control would not "
+                f"line up: give --height {size[0]} --width {size[1]}, or a video of the requested size"
+            )
+    references = len(inputs.get("reference_images") or ())
+    positions = source.load_config("transformer").get("rope_max_seq_len", 1024)
+    frames = latent_frames(source, request) + references
+    if references and frames > positions:
+        raise UserError(
+            f"--reference_images: {references} reference frames and {latent_frames(source, request)} latent "
+            f"frames make {frames} positions along time, more than the {positions} the transformer's rotary "
+            "embedding holds (rope_max_seq_len)"
+        )
+
+
+def latent_frames(source, request: Request) -> int:
+    return (request.num_frames - 1) // source.load_config("vae")["scale_factor_temporal"] + 1
+
+
+def encode(source, request: Request, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The pipeline's conditioning, by its own methods, in float32 on the host CPU: `vace_control`."""
+    from tpu_video.engine.meta import meta_module
+
+    from .config import stock_pipeline
+
+    frames = request.num_frames
+    video = inputs.get("control_video")
+    mask = inputs.get("mask")
+    if mask is not None and len(mask) == 1:
+        mask = mask * frames  # one image: the mask of every frame
+    vae = source.load("vae", dtype=torch.float32).eval()
+    pipe = stock_pipeline(source, vae=vae, transformer=meta_module(source, "transformer", torch.float32))
+    what = [f"{frames} control frames" if video is not None else "a zero control video (no --control_video)"]
+    what += [f"{len(inputs['reference_images'])} reference image(s)"] if inputs.get("reference_images") else []
+    log(f"VACE: {' and '.join(what)} VAE-encoded on the host CPU at {request.height}x{request.width}")
+    with torch.no_grad():
+        video, mask, references = pipe.preprocess_conditions(
+            None if video is None else video[:frames],
+            None if mask is None else mask[:frames],
+            inputs.get("reference_images"),
+            1,
+            request.height,
+            request.width,
+            frames,
+            torch.float32,
+            "cpu",
+        )
+        latents = pipe.prepare_video_latents(video, mask, references, None, "cpu")
+        masks = pipe.prepare_masks(mask, references, None)
+    return {CONTROL: torch.cat([latents, masks], dim=1)}
+
+
+def planning_control(source, request: Request) -> torch.Tensor:
+    """Zeros of stage 1's `vace_control` shape without reference images (to plan before encoding)."""
+    vae = source.load_config("vae")
+    spatial = vae["scale_factor_spatial"]
+    channels = source.load_config("transformer")["vace_in_channels"]
+    return torch.zeros(1, channels, latent_frames(source, request), request.height // spatial, request.width // spatial)
+
+
+def reference_frames(source, request: Request, embeds: dict) -> int:
+    """How many reference images stage 1 prepended (the control's latent frames beyond the video's)."""
+    control = embeds[CONTROL]
+    count = control.shape[2] - latent_frames(source, request)
+    if count < 0:
+        raise UserError(f"the stage-1 VACE control has {control.shape[2]} latent frames; this request needs more")
+    return count
+
+
+class GuidedVACE(GuidedTransformer):
+    """GuidedTransformer for WanVACETransformer3DModel: the control latents and the per-layer scales go to
+    both branches, as the pipeline passes them to both calls. Its VACE blocks are marked and pinned as the
+    main ones; the block scan is off (the hints join the main blocks between them)."""
+
+    scan_unsupported = "its VACE hints are added between the main blocks"
+
+    def __init__(self, transformer, dtype, do_cfg, guidance_scale, constrain=None, per_token=False, barrier=None):
+        super().__init__(transformer, dtype, do_cfg, guidance_scale, constrain, per_token, barrier)
+        for block in transformer.vace_blocks:
+            mark_cross_attention(block.attn2)
+        if constrain is not None:  # (hidden, prompt, control tokens, modulation) as the main blocks' inputs
+            specs = {0: BLOCK_INPUTS[0], 1: BLOCK_INPUTS[1], 2: (DP, SP, None), 3: BLOCK_INPUTS[2]}
+            constrain_block_inputs(transformer.vace_blocks, constrain, specs)
+
+    def forward(self, latents, timestep, prompt_embeds, control, control_scale):
+        def predict(model_input):
+            return self.transformer(
+                hidden_states=model_input,
+                timestep=timestep.expand(model_input.shape[0]),
+                encoder_hidden_states=prompt_embeds,
+                control_hidden_states=control.repeat(model_input.shape[0] // len(control), 1, 1, 1, 1),
+                control_hidden_states_scale=control_scale,
+                return_dict=False,
+            )[0]
+
+        combine = functools.partial(cfg_combination, guidance_scale=self.guidance_scale)
+        return self.guided(latents.to(self.dtype), predict, combine)

@@ -349,3 +349,32 @@ def ltx2_reference(model, config: dict, output_type: str, adapters=(), **argumen
         **arguments,
     )
     return output.frames, output.audio
+
+
+def write_video(path, frames: int = 9, height: int = 40, width: int = 56, pattern=None) -> None:
+    """A smooth moving pattern (or `pattern(t, y, x)`: uint8 RGB frames) as an H.264 mp4 (lossy: both sides
+    of a comparison read the same decoded frames)."""
+    import imageio_ffmpeg
+
+    y, x = np.mgrid[0:height, 0:width]
+    writer = imageio_ffmpeg.write_frames(str(path), (width, height), fps=8, macro_block_size=8)
+    writer.send(None)
+    for t in range(frames):
+        if pattern is not None:
+            writer.send(np.ascontiguousarray(pattern(t, y, x), dtype=np.uint8).tobytes())
+            continue
+        red = 127 + 120 * np.sin((x + 3 * t) / 6.0)
+        green = 127 + 120 * np.cos((y - 2 * t) / 5.0)
+        blue = 127 + 100 * np.sin((x + y + t) / 9.0)
+        writer.send(np.stack([red, green, blue], axis=-1).astype(np.uint8).tobytes())
+    writer.close()
+
+
+def decoded_frames(path):
+    """The mp4's frames as PIL images, decoded here with imageio-ffmpeg (as the pipeline's users load them)."""
+    import imageio_ffmpeg
+    from PIL import Image
+
+    reader = imageio_ffmpeg.read_frames(str(path), pix_fmt="rgb24")
+    width, height = next(reader)["size"]
+    return [Image.frombytes("RGB", (width, height), bytes(chunk)) for chunk in reader]

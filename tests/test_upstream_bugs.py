@@ -367,3 +367,22 @@ def test_torchax_0_0_13_jittable_module_lists_a_tied_plain_tensor_under_every_na
     names = {name.removeprefix("encoder.") for name in device_encoder.jitted.buffers}
     assert len(tied & names) == 1
     assert relative_error(output.last_hidden_state, expected) <= 1e-6
+
+
+def test_diffusers_0_42_1_vace_fails_past_one_reference_image_per_latent_frame():
+    """WanVACEPipeline.prepare_masks pads the mask with `zeros_like(mask[:, :num_ref_images])`, a slice of its
+    own latent frames: with more reference images than latent frames the padding is short and the control's
+    concatenation fails. Stage 1 refuses such a request (tpu_video/models/wan/vace.py)."""
+    from diffusers import WanVACEPipeline
+    from PIL import Image
+
+    from tpu_video import models
+
+    pipe = WanVACEPipeline.from_pretrained(models.materialize_preset("tiny-wan2.1-vace"))
+    references = [Image.new("RGB", (48, 32))] * 3  # 5 frames make 2 latent frames
+    video, mask, references = pipe.preprocess_conditions(None, None, references, 1, 32, 48, 5, torch.float32, "cpu")
+    latents = pipe.prepare_video_latents(video, mask, references, None, "cpu")
+    masks = pipe.prepare_masks(mask, references, None)
+    assert latents.shape[2] == 5 and masks.shape[2] == 4  # 2 + 3 against 2 + min(3, 2)
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
+        torch.cat([latents, masks], dim=1)

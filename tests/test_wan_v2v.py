@@ -16,7 +16,7 @@ import torch
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
-from helpers import expect_user_error, relative_error, run_script, run_stage
+from helpers import decoded_frames, expect_user_error, relative_error, run_script, run_stage, write_video
 from tpu_video import models
 from tpu_video.cli import UserError
 from tpu_video.engine.videos import read_video
@@ -26,31 +26,6 @@ TOLERANCE = 1e-4
 ONE_DEVICE = "--xla_force_host_platform_device_count=1"
 PROMPT, NEGATIVE, SEED = "a cat playing guitar", "blurry", 3
 REQUEST = {"height": 32, "width": 48, "num_inference_steps": 5, "guidance_scale": 4.0}
-
-
-def write_video(path, frames: int = 9, height: int = 40, width: int = 56) -> None:
-    """A smooth moving pattern as an H.264 mp4 (lossy: both sides read the same decoded frames)."""
-    import imageio_ffmpeg
-
-    y, x = np.mgrid[0:height, 0:width]
-    writer = imageio_ffmpeg.write_frames(str(path), (width, height), fps=8, macro_block_size=8)
-    writer.send(None)
-    for t in range(frames):
-        red = 127 + 120 * np.sin((x + 3 * t) / 6.0)
-        green = 127 + 120 * np.cos((y - 2 * t) / 5.0)
-        blue = 127 + 100 * np.sin((x + y + t) / 9.0)
-        writer.send(np.stack([red, green, blue], axis=-1).astype(np.uint8).tobytes())
-    writer.close()
-
-
-def decoded_frames(path):
-    """The mp4's frames as PIL images, decoded here with imageio-ffmpeg (as the pipeline's users load them)."""
-    import imageio_ffmpeg
-    from PIL import Image
-
-    reader = imageio_ffmpeg.read_frames(str(path), pix_fmt="rgb24")
-    width, height = next(reader)["size"]
-    return [Image.frombytes("RGB", (width, height), bytes(chunk)) for chunk in reader]
 
 
 def flags(values: dict) -> list[str]:

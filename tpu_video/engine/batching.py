@@ -6,10 +6,10 @@ call is batched: its latents and per-video inputs are concatenated along the bat
 keeps the pipelines' order, every video's first branch then every video's second, which is what the
 guided transformer's doubled latents line up with; an image's conditioning, one per video, joins the
 latents before the doubling, and image embeddings are repeated for both branches), and each video's
-scheduler then steps its own slice
-on the host with its own generator and history. The videos of one batch must agree on everything the
-compiled program and the schedule depend on (`group_key`), so inputs shared by all (rotary tables, the
-guidance scale, per-token timesteps) are taken from the first and checked equal.
+scheduler then steps its own slice on the host with its own generator and history. The videos of one
+batch must agree on everything the compiled program and the schedule depend on (`group_key`), so inputs
+shared by all (rotary tables, the guidance scale, per-token timesteps) are taken from the first and
+checked equal.
 """
 
 from __future__ import annotations
@@ -48,13 +48,9 @@ def group_key(request, options, task: str, cache_record: dict, embeddings: dict)
     `options` (its declarations) that split batches, the task (t2v, i2v, ...), the step-cache settings and
     the stage-1 tensors' shapes (joined along the batch: a VACE run's reference frames lengthen its own)."""
     fields = tuple((name, getattr(request, name)) for name in GROUP_FIELDS)
-    fields += tuple((option.name, _hashable(request.option(option.name))) for option in options if option.splits_batch)
+    fields += tuple((option.name, str(request.option(option.name))) for option in options if option.splits_batch)
     shapes = tuple(sorted((name, tuple(tensor.shape)) for name, tensor in embeddings.items()))
     return (*fields, ("task", task), ("cache", tuple(sorted(cache_record.items()))), ("shapes", shapes))
-
-
-def _hashable(value):
-    return tuple(value) if isinstance(value, list) else value
 
 
 def default_batch_size(run, flags, videos: int, devices: int, per_host: int | None, memory: int | None) -> int:

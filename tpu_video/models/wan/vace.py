@@ -96,10 +96,11 @@ def check_request(source, request: Request) -> None:
 def control_size(source, request: Request, frame) -> tuple[int, int]:
     """The size the pipeline conditions on a control video of this first frame: its own (from the video
     processor), shrunk to the request's area when larger, floored to the patch grid (preprocess_conditions)."""
-    from .pipeline import video_processor
+    from diffusers.video_processor import VideoProcessor
 
-    base = source.load_config("vae")["scale_factor_spatial"] * source.load_config("transformer")["patch_size"][1]
-    height, width = video_processor(source).get_default_height_width(frame)
+    spatial = source.load_config("vae")["scale_factor_spatial"]
+    base = spatial * source.load_config("transformer")["patch_size"][1]
+    height, width = VideoProcessor(vae_scale_factor=spatial).get_default_height_width(frame)
     if height * width > request.height * request.width:
         scale = min(request.width / width, request.height / height)
         height, width = int(height * scale), int(width * scale)
@@ -133,6 +134,13 @@ def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
                 f"line up: give --height {size[0]} --width {size[1]}, or a video of the requested size"
             )
     references = len(inputs.get("reference_images") or ())
+    if references > latent_frames(source, request):
+        # diffusers 0.42.1's prepare_masks pads the mask with a slice of its own latent frames, one per
+        # reference image: past that count the pipeline fails (tests/test_upstream_bugs.py)
+        raise UserError(
+            f"--reference_images: {references} images, more than the {latent_frames(source, request)} latent "
+            f"frames of {request.num_frames} frames; WanVACEPipeline (diffusers 0.42.1) takes at most that many"
+        )
     positions = source.load_config("transformer").get("rope_max_seq_len", 1024)
     frames = latent_frames(source, request) + references
     if references and frames > positions:
@@ -149,9 +157,9 @@ def latent_frames(source, request: Request) -> int:
 
 def encode(source, request: Request, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The pipeline's conditioning, by its own methods, in float32 on the host CPU: `vace_control`."""
-    from tpu_video.engine.meta import meta_module
+    from diffusers import WanVACEPipeline
 
-    from .config import stock_pipeline
+    from tpu_video.engine.meta import meta_module
 
     frames = request.num_frames
     video = inputs.get("control_video")
@@ -159,7 +167,8 @@ def encode(source, request: Request, inputs: dict[str, Any]) -> dict[str, torch.
     if mask is not None and len(mask) == 1:
         mask = mask * frames  # one image: the mask of every frame
     vae = source.load("vae", dtype=torch.float32).eval()
-    pipe = stock_pipeline(source, vae=vae, transformer=meta_module(source, "transformer", torch.float32))
+    transformer = meta_module(source, "transformer", torch.float32)  # the pipeline reads its patch size
+    pipe = WanVACEPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=None, transformer=transformer)
     what = [f"{frames} control frames" if video is not None else "a zero control video (no --control_video)"]
     what += [f"{len(inputs['reference_images'])} reference image(s)"] if inputs.get("reference_images") else []
     log(f"VACE: {' and '.join(what)} VAE-encoded on the host CPU at {request.height}x{request.width}")

@@ -1,0 +1,158 @@
+"""Wan VACE (tpu_video/models/wan/vace.py): the stages on the tiny VACE preset (2 VACE layers feeding both main
+blocks) against diffusers' WanVACEPipeline run eagerly on the same components, loaded from the same folder,
+given the same decoded frames and images.
+
+Tolerance, fp32, relative: 1e-4 for the latents (the reference frames dropped, as the pipeline drops them
+before its decode) and the decoded frames, as tests/test_wan.py (the staged run batches [cond, uncond] where
+the pipeline makes two calls).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import stage1_text_encoder
+import stage2_transformer
+import stage3_vae_decoder
+from helpers import decoded_frames, expect_user_error, relative_error, run_script, run_stage, write_image, write_video
+from tpu_video import models
+from utils import read_config, read_tensors
+
+TOLERANCE = 1e-4
+ONE_DEVICE = "--xla_force_host_platform_device_count=1"
+MODEL = "tiny-wan2.1-vace"
+PROMPT, NEGATIVE, SEED = "a fox in the snow", "blurry", 5
+REQUEST = {"height": 32, "width": 48, "num_inference_steps": 4, "guidance_scale": 4.0}
+
+
+def moving_edge(t, y, x):
+    """A mask video: white (redraw) right of an edge that moves 2 pixels a frame, black (keep) left of it."""
+    return np.repeat(((x > 10 + 2 * t) * 255)[..., None], 3, axis=-1)
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vace")
+    write_video(folder / "control.mp4", height=32, width=48)
+    write_video(folder / "mask.mp4", height=32, width=48, pattern=moving_edge)
+    write_video(folder / "short_mask.mp4", frames=5, height=32, width=48, pattern=moving_edge)
+    write_video(folder / "wide.mp4", height=40, width=56)
+    write_image(folder / "ref1.png", 32, 48, seed=7)
+    write_image(folder / "ref2.png", 20, 40, seed=8)  # another shape: letterboxed on white by the pipeline
+    Image.fromarray(((np.mgrid[0:32, 0:48][1] > 20) * 255).astype(np.uint8)).save(folder / "mask.png")
+    return folder
+
+
+def reference(media, output_type: str, video=True, mask="mask.mp4", references=("ref1.png", "ref2.png"), scale=1.0):
+    from diffusers import WanVACEPipeline
+
+    pipe = WanVACEPipeline.from_pretrained(models.materialize_preset(MODEL), torch_dtype=torch.float32)
+    mask_frames = None
+    if mask is not None:
+        mask_frames = decoded_frames(media / mask) if mask.endswith(".mp4") else [Image.open(media / mask)] * 9
+    return pipe(
+        prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=9, conditioning_scale=scale, output_type=output_type,
+        video=decoded_frames(media / "control.mp4") if video else None, mask=mask_frames,
+        reference_images=[Image.open(media / name).convert("RGB") for name in references] or None,
+        generator=torch.Generator("cpu").manual_seed(SEED), **REQUEST,
+    ).frames  # fmt: skip
+
+
+def media_paths(media, items) -> list[str]:
+    """Flags with the media files' names (ending .mp4 or .png) as paths in the `media` folder."""
+    return [str(media / item) if str(item).endswith((".mp4", ".png")) else str(item) for item in items]
+
+
+def stage1(out, media, *extra):
+    argv = ["--model", MODEL, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32", "--seed", SEED]
+    argv += ["--output_dir", out, *[f"--{key}={value}" for key, value in REQUEST.items()], *extra]
+    run_stage(stage1_text_encoder, [str(item) for item in argv])
+
+
+def test_vace_matches_the_pipeline(tmp_path, media):
+    """A control video, a mask video and two reference images, a scale per VACE layer; stage 2 with Splash on
+    a dp 2 x sp 2 x tp 2 mesh and again in a process of one CPU device; stage 3 decodes (torch)."""
+    out = tmp_path / "run"
+    inputs = ["--control_video", media / "control.mp4", "--mask", media / "mask.mp4", "--conditioning_scale", 0.7, 1.3]
+    stage1(out, media, *inputs, "--reference_images", media / "ref1.png", media / "ref2.png")
+    mesh = ["--attention", "splash", "--dp", 2, "--sp", 2, "--tp", 2]
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", *mesh])
+    run_stage(stage3_vae_decoder, ["--input_dir", out, "--backend", "torch", "--save_frames"])
+    config = read_config(out, needs="stage3")
+    assert config["stage1"]["task"] == "vace" and config["conditioning_scale"] == [0.7, 1.3]
+    assert config["num_frames"] == 9  # the control video's frames
+    records = config["stage1"]["inputs"]
+    assert [item["size"] for item in records["reference_images"]["items"]] == [[32, 48], [20, 40]]
+    assert records["mask"]["frames"] == 9 and records["control_video"]["processed_size"] == [32, 48]
+    control = read_tensors(out, config["stage1"])["vace_control"]
+    assert control.shape == (1, 96, 5, 4, 6)  # 2 reference frames + 3 latent frames; 16 + 16 + 64 channels
+
+    expected = reference(media, "latent", scale=[0.7, 1.3])
+    assert expected.shape == (1, 16, 5, 4, 6)  # the pipeline's latent output keeps the reference frames
+    latents = read_tensors(out, config["stage2"])["latents"]
+    assert latents.shape == (1, 16, 3, 4, 6)
+    assert relative_error(latents, expected[:, :, 2:]) <= TOLERANCE
+    # The scales matter: one scale for both layers moves the latents far beyond the tolerance.
+    assert relative_error(reference(media, "latent", scale=1.0), expected) > 100 * TOLERANCE
+    one = tmp_path / "one-device"
+    argv_one = ["--input_dir", out, "--output_dir", one, "--executables", "off"]
+    done = run_script("stage2_transformer.py", argv_one, env_overrides={"XLA_FLAGS": ONE_DEVICE})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert relative_error(read_tensors(one, read_config(one)["stage2"])["latents"], expected[:, :, 2:]) <= TOLERANCE
+    frames = read_tensors(out, config["stage3"]["frames_file"])["frames_float"]
+    expected_frames = torch.from_numpy(reference(media, "np", scale=[0.7, 1.3])[0])
+    assert frames.shape == expected_frames.shape == (9, 32, 48, 3)
+    assert relative_error(frames, expected_frames) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "inputs, pipeline",
+    [
+        (["--reference_images", "ref2.png"], {"video": False, "mask": None, "references": ("ref2.png",)}),
+        (["--control_video", "control.mp4", "--mask", "mask.png"], {"mask": "mask.png", "references": ()}),
+    ],
+    ids=["references-only", "one-mask-image"],
+)
+def test_vace_without_a_control_video_or_with_one_mask_image(tmp_path, media, inputs, pipeline):
+    """The pipeline's other conditionings: reference images alone (a zero control video, a mask of ones), and
+    a control video with one mask image for every frame; stage 2 on the default mesh of 8 devices."""
+    out = tmp_path / "run"
+    stage1(out, media, *media_paths(media, inputs), "--num_frames", 9)
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off"])
+    latents = read_tensors(out, read_config(out)["stage2"])["latents"]
+    expected = reference(media, "latent", **pipeline)
+    references = len(pipeline["references"])
+    assert latents.shape == (1, 16, 3, 4, 6) and expected.shape[2] == 3 + references
+    assert relative_error(latents, expected[:, :, references:]) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "is a Wan VACE model: give --control_video (with --mask), --reference_images, or both"),
+        (["--mask", "mask.mp4"], "--mask: a mask says where to redraw a --control_video; give the video too"),
+        (["--control_video", "control.mp4", "--mask", "short_mask.mp4"], "--mask has 5 frames and --control_video 9"),
+        (["--control_video", "wide.mp4"], "at 32x32 (its own size, fitted to the request"),
+        (["--control_video", "control.mp4", "--num_frames", "13"], "--num_frames 13: --control_video has 9 frames"),
+        (["--control_video", "not.mp4"], "is not a readable video"),
+        (["--reference_images", *["ref1.png"] * 3], "3 images, more than the 2 latent frames of 5 frames"),
+        (["--num_frames", "65", "--reference_images", *["ref1.png"] * 17], "more than the 32 the transformer's"),
+        (["--control_video", "control.mp4", "--conditioning_scale", "1", "2", "3"], "one per VACE layer (2: layers"),
+        (["--video", "control.mp4"], "takes no --video"),
+        (["--tiny-wan2.1", "--conditioning_scale", "0.5"], "--conditioning_scale applies to Wan VACE models"),
+    ],
+    ids=[
+        "no-inputs", "mask-without-video", "mask-length", "control-size", "more-frames", "undecodable",
+        "references-past-frames", "references-past-rope", "scales-per-layer", "v2v-flag", "not-vace",
+    ],
+)  # fmt: skip
+def test_bad_vace_requests_are_refused_before_loading(capsys, tmp_path, media, extra, message):
+    (media / "not.mp4").write_text("no video here")
+    model = "tiny-wan2.1" if "--tiny-wan2.1" in extra else MODEL
+    flags = media_paths(media, [item for item in extra if item != "--tiny-wan2.1"])
+    argv = ["--model", model, "--prompt", PROMPT, "--output_dir", tmp_path / "out"]
+    expect_user_error(capsys, stage1_text_encoder, [*argv, *flags], message)
+    assert not (tmp_path / "out").exists()

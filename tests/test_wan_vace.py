@@ -46,7 +46,9 @@ def media(tmp_path_factory):
     return folder
 
 
-def reference(media, output_type: str, video=True, mask="mask.mp4", references=("ref1.png", "ref2.png"), scale=1.0):
+def reference(
+    media, output_type, video=True, mask="mask.mp4", references=("ref1.png", "ref2.png"), scale=1.0, seed=SEED
+):
     from diffusers import WanVACEPipeline
 
     pipe = WanVACEPipeline.from_pretrained(models.materialize_preset(MODEL), torch_dtype=torch.float32)
@@ -57,7 +59,7 @@ def reference(media, output_type: str, video=True, mask="mask.mp4", references=(
         prompt=PROMPT, negative_prompt=NEGATIVE, num_frames=9, conditioning_scale=scale, output_type=output_type,
         video=decoded_frames(media / "control.mp4") if video else None, mask=mask_frames,
         reference_images=[Image.open(media / name).convert("RGB") for name in references] or None,
-        generator=torch.Generator("cpu").manual_seed(SEED), **REQUEST,
+        generator=torch.Generator("cpu").manual_seed(seed), **REQUEST,
     ).frames  # fmt: skip
 
 
@@ -67,7 +69,8 @@ def media_paths(media, items) -> list[str]:
 
 
 def stage1(out, media, *extra):
-    argv = ["--model", MODEL, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32", "--seed", SEED]
+    prompt = [] if "--prompts" in extra else ["--prompt", PROMPT, "--seed", SEED]  # a list: each entry's
+    argv = ["--model", MODEL, *prompt, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
     argv += ["--output_dir", out, *[f"--{key}={value}" for key, value in REQUEST.items()], *extra]
     run_stage(stage1_text_encoder, [str(item) for item in argv])
 
@@ -127,6 +130,39 @@ def test_vace_without_a_control_video_or_with_one_mask_image(tmp_path, media, in
     references = len(pipeline["references"])
     assert latents.shape == (1, 16, 3, 4, 6) and expected.shape[2] == 3 + references
     assert relative_error(latents, expected[:, :, references:]) <= TOLERANCE
+
+
+def test_vace_videos_batch_by_their_shapes(tmp_path, media):
+    """A prompt list of three VACE videos: two with one reference image each (the same shapes: one stage-2
+    batch of 2) and one without (one latent frame fewer: a group of its own); each video equals the pipeline
+    run alone, as WanVACEPipeline runs one video at a time. `reference_images` as a JSON list of paths."""
+    import json
+
+    entries = [
+        {
+            "name": "edge",
+            "control_video": "control.mp4",
+            "mask": "mask.mp4",
+            "reference_images": ["ref1.png"],
+            "seed": SEED,
+        },
+        {"name": "refs", "reference_images": ["ref2.png"], "seed": SEED + 1},
+        {"name": "plain", "control_video": "control.mp4", "seed": SEED},
+    ]
+    (media / "list.jsonl").write_text("".join(json.dumps({"prompt": PROMPT, **entry}) + "\n" for entry in entries))
+    out = tmp_path / "batch"
+    stage1(out, media, "--prompts", media / "list.jsonl", "--num_frames", 9)
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", "--batch_size", 2])
+    calls = {
+        "edge": {"references": ("ref1.png",)},
+        "refs": {"video": False, "mask": None, "references": ("ref2.png",), "seed": SEED + 1},
+        "plain": {"mask": None, "references": ()},
+    }
+    for name, call in calls.items():
+        latents = read_tensors(out / name, read_config(out / name)["stage2"])["latents"]
+        expected = reference(media, "latent", **call)
+        assert relative_error(latents, expected[:, :, len(call["references"]) :]) <= TOLERANCE, name
+    assert read_config(out / "edge")["stage2"]["batch"]["size"] == 2
 
 
 @pytest.mark.parametrize(

@@ -64,8 +64,13 @@ def meta_transformers(
 ) -> dict[str, torch.nn.Module]:
     """Every transformer the family's stage 2 loads, on the meta device (at `num_layers` blocks if given),
     quantized as `quantization` (a engine.quantize.Quantization) says."""
-    overrides = {} if num_layers is None else {"num_layers": num_layers}
-    modules = {name: meta_module(source, name, dtype, **overrides) for name in family.transformer_components(source)}
+    modules = {}
+    for name in family.transformer_components(source):
+        overrides = {} if num_layers is None else {"num_layers": num_layers}
+        layers = source.load_config(name).get("vace_layers")
+        if layers is not None and num_layers is not None:  # a VACE transformer's hints index its blocks
+            overrides["vace_layers"] = [layer for layer in layers if layer < num_layers]
+        modules[name] = meta_module(source, name, dtype, **overrides)
     quantize(modules, quantization)
     return modules
 

@@ -106,7 +106,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     channels = source.load_config("vae")["z_dim"] if conditioning else transformers["transformer"].config.in_channels
     references = vace.reference_frames(source, request, embeds) if control else 0
     if control:
-        scales_per_layer = torch.tensor(vace.layer_scales(source, request)).to(dtype)
+        scales_per_layer = torch.tensor(vace.layer_scales(source, request, transformers[names[0]])).to(dtype)
         conditioning = [(embeds[vace.CONTROL].to(dtype), ()), (scales_per_layer, ())]
     latents = WanPipeline.prepare_latents(
         stock_pipeline(source),

@@ -1,6 +1,7 @@
 """Wan's published checkpoints (2.1 T2V 1.3B and 14B, 2.1 I2V 480p/720p, 2.2 T2V and I2V A14B, 2.2
-TI2V-5B), their configs kept in code for `--plan` (offline, architecture only). Each entry maps a component
-to (library, class, config.json values); pipeline-level values (boundary_ratio, expand_timesteps) as they are."""
+TI2V-5B, 2.1 VACE 1.3B and 14B), their configs kept in code for `--plan` (offline, architecture only). Each
+entry maps a component to (library, class, config.json values); pipeline-level values (boundary_ratio,
+expand_timesteps) as they are."""
 
 from __future__ import annotations
 
@@ -205,6 +206,17 @@ def _wan_i2v(transformer: dict[str, Any], shift: float, boundary_ratio: float | 
     return pipeline
 
 
+def _wan_vace(transformer: dict[str, Any], vace_layers: list[int]) -> dict[str, Any]:
+    """A WanVACEPipeline: the T2V transformer with VACE blocks feeding `vace_layers` (diffusers' conversion
+    script's configs: 96 control channels, 16 + 16 latent channels and 64 mask pixels per latent)."""
+    vace = {**transformer, "vace_layers": vace_layers, "vace_in_channels": 96}
+    return {
+        **_wan(transformer),
+        "_class_name": ("diffusers", "WanVACEPipeline"),
+        "transformer": ("diffusers", "WanVACETransformer3DModel", vace),
+    }
+
+
 def _wan(transformer: dict[str, Any], boundary_ratio: float | None = None) -> dict[str, Any]:
     """A Wan T2V pipeline; with `boundary_ratio`, Wan 2.2's two experts (pipeline-level config keys are
     plain values, components are (library, class, config) tuples)."""
@@ -229,4 +241,6 @@ PUBLISHED: dict[str, dict[str, Any]] = {
     "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers": _wan_i2v(WAN_I2V_14B_TRANSFORMER, 5.0),
     "Wan-AI/Wan2.2-I2V-A14B-Diffusers": _wan_i2v(WAN22_I2V_TRANSFORMER, 5.0, boundary_ratio=0.9),
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": _wan_ti2v(),
+    "Wan-AI/Wan2.1-VACE-1.3B-diffusers": _wan_vace(WAN_13B_TRANSFORMER, list(range(0, 30, 2))),
+    "Wan-AI/Wan2.1-VACE-14B-diffusers": _wan_vace(WAN_14B_TRANSFORMER, list(range(0, 40, 5))),
 }

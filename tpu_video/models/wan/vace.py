@@ -71,11 +71,13 @@ def is_vace(source) -> bool:
     return source.index.get("_class_name") == "WanVACEPipeline"
 
 
-def layer_scales(source, request: Request) -> list[float]:
-    """--conditioning_scale as one value per VACE layer (the pipeline's expansion of a single number)."""
+def layer_scales(source, request: Request, transformer) -> list[float]:
+    """--conditioning_scale as one value per VACE layer of `transformer` (the pipeline's expansion of a single
+    number; a plan's shallower transformer keeps the scales of the layers it has)."""
     layers = source.load_config("transformer")["vace_layers"]
     given = request.option("conditioning_scale") or [1.0]
-    return list(given) * len(layers) if len(given) == 1 else list(given)
+    scales = dict(zip(layers, list(given) * len(layers) if len(given) == 1 else given, strict=True))
+    return [scales[layer] for layer in transformer.config.vace_layers]
 
 
 def check_request(source, request: Request) -> None:

@@ -246,3 +246,29 @@ def test_config_writes_are_atomic_and_readable(tmp_path):
     write_config(tmp_path, {"format_version": FORMAT_VERSION, "prompt": "x"})
     assert [path.name for path in tmp_path.iterdir()] == [CONFIG_FILE]  # no temp file left behind
     assert read_config(tmp_path)["prompt"] == "x"
+
+
+def test_a_new_output_removes_the_later_outputs_made_from_the_old_one(tmp_path, capsys):
+    """Stage 2 rerun to the same latents keeps stage 3's video; another seed removes it (and its section);
+    stage 1 with another prompt removes the latents too. Nothing else in the folder is touched."""
+    import stage1_text_encoder
+    import stage2_transformer
+    import stage3_vae_decoder
+    from helpers import run_stage, three_stages
+
+    out = tmp_path / "run"
+    stage1 = ["--model", "tiny-cogvideox", "--prompt", "a red cat", "--dtype", "fp32"]
+    three_stages(out, stage1)
+    (out / "notes.txt").write_text("mine")
+    video = {"output_video.mp4", "output_video_preview.png", "output_video_frames.safetensors"}
+    assert video <= {path.name for path in out.iterdir()}
+    run_stage(stage2_transformer, ["--input_dir", out])  # the same latents, bit for bit
+    assert video <= {path.name for path in out.iterdir()} and "stage3" in read_config(out)
+    run_stage(stage2_transformer, ["--input_dir", out, "--seed", "9"])
+    assert not video & {path.name for path in out.iterdir()} and "stage3" not in read_config(out)
+    assert "stage 3's outputs from what stage 2 wrote before" in capsys.readouterr().out
+    run_stage(stage3_vae_decoder, ["--input_dir", out])
+    run_stage(stage1_text_encoder, [*stage1, "--prompt", "a blue dog", "--output_dir", out])
+    left = {path.name for path in out.iterdir()}
+    assert left == {"generation_config.json", "stage1_embeddings.safetensors", "notes.txt"}
+    assert set(read_config(out)) & {"stage2", "stage3"} == set()

@@ -32,8 +32,9 @@ DEFAULT_SEED = 42
 
 
 def later_sections(output_dir: Path) -> dict:
-    """Stage 2/3 sections of an existing config in the folder, kept (a stage never deletes another's
-    section); their recorded input checksums tell later stages whether they are stale."""
+    """Stage 2/3 sections of an existing config in the folder: kept where made from the same stage-1 file
+    (utils.without_stale_outputs removes the others' outputs); their recorded request tells later stages
+    whether they are stale."""
     try:
         previous = read_config(output_dir)
     except UserError:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from tpu_video.cli import UserError, dtype_name, log, parse_dtype
+from tpu_video.cli import UserError, dtype_name, folders, parse_dtype
 from tpu_video.cli.options import KIND_TYPES, KIND_WORDS, Option
 
 # 2: stage 2 records `latents_normalization` (1 had the boolean `latents_scaled_by_vae_scaling_factor`,
@@ -93,8 +93,9 @@ def check_output_dir(output_dir: Path, input_dir: Path, config: dict[str, Any]) 
 
 
 def ensure_writable_dir(directory: Path, files: tuple[str, ...] = ()) -> None:
-    """Create the output folder, or fail with a user error before any heavy work (also where one of the
-    `files` the stage will write is a folder: the rename at the end would fail after all the work)."""
+    """Create the output folder and hold it to write (another run in it is an error: folders.hold), or fail
+    with a user error before any heavy work (also where one of the `files` the stage will write is a folder:
+    the rename at the end would fail after all the work)."""
     for name in (CONFIG_FILE, *files):
         if (directory / name).is_dir():
             raise UserError(f"{directory / name} is a folder; the stage writes a file there (move it away)")
@@ -104,6 +105,7 @@ def ensure_writable_dir(directory: Path, files: tuple[str, ...] = ()) -> None:
         raise UserError(f"cannot create output folder {directory}: {err.strerror}") from None
     if not os.access(directory, os.W_OK):
         raise UserError(f"output folder {directory} is not writable")
+    folders.hold(directory, write=True)  # one writer at a time, until the stage ends
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -380,41 +382,11 @@ def write_stage_config(
     directory: Path, request: Request, sections: dict[str, Any], stage: str, section: dict[str, Any]
 ) -> None:
     """generation_config.json with the request on top, the other stages' `sections` kept (but for the later
-    stages' outputs that `stage`'s new output makes stale: `without_stale_outputs`), and `stage`'s section
+    stages' outputs that `stage`'s new output makes stale: `folders.without_stale_outputs`), and `stage`'s section
     (new or replaced) last."""
     others = {name: value for name, value in sections.items() if name != stage}
-    others = without_stale_outputs(directory, others, stage, section.get("sha256"))
+    others = folders.without_stale_outputs(directory, others, stage, section.get("sha256"))
     write_config(directory, {"format_version": FORMAT_VERSION, **request.to_config(), **others, stage: section})
-
-
-# Later stages' sections: the key recording the checksum of the output they were made from, and the keys
-# naming the files they wrote (a file name, or a record holding one under "file").
-MADE_FROM = {"stage2": ("stage1", "stage1_sha256"), "stage3": ("stage2", "latents_sha256")}
-OUTPUT_KEYS = {"stage2": ("file",), "stage3": ("file", "preview", "frames_file")}
-
-
-def without_stale_outputs(directory: Path, sections: dict[str, Any], stage: str, sha256: str | None) -> dict:
-    """The sections with those of later stages made from another output of `stage` than its new one (checksum
-    `sha256`) dropped, and their files in `directory` removed, saying so: an old model's mp4 beside a new
-    stage 1 would pass for the new video. A stage made from a dropped one goes too."""
-    kept, changed = dict(sections), {stage: sha256}
-    for later, (earlier, key) in MADE_FROM.items():
-        if later not in kept or earlier not in changed:
-            continue
-        if changed[earlier] is not None and kept[later].get(key) == changed[earlier]:
-            continue  # made from the same bytes (a deterministic rerun): still current
-        section = kept.pop(later)
-        changed[later] = None
-        removed = []
-        for name_key in OUTPUT_KEYS[later]:
-            value = section.get(name_key)
-            name = value.get("file") if isinstance(value, dict) else value
-            if isinstance(name, str) and (directory / name).is_file():
-                (directory / name).unlink()
-                removed.append(name)
-        if removed:
-            log(f"removed {', '.join(removed)}: stage {later[-1]}'s outputs from what stage {earlier[-1]} wrote before")
-    return kept
 
 
 def check_stage1_fresh(directory: Path, config: dict[str, Any], request: Request) -> None:

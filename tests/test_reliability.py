@@ -152,6 +152,33 @@ def test_unwritable_output_folder_fails_before_work(good_run, tmp_path, capsys):
     )
 
 
+def test_a_folder_takes_one_writer_at_a_time(good_run, tmp_path):
+    """A folder another process writes is refused at once, naming that process; readers share a folder
+    (two stage 2s from one stage-1 folder into two others), but no writer joins them; the lock file goes
+    with the last holder. The other side here is this test process, through the stages' own lock."""
+    from tpu_video.cli import folders
+
+    folder = tmp_path / "copy"
+    shutil.copytree(good_run, folder)
+    folders.hold(folder, write=True)
+    try:
+        done = run_script("stage3_vae_decoder.py", ["--input_dir", folder])
+        assert done.returncode == 2 and f"{folder} is in use: " in done.stderr, done.stderr[-800:]
+        assert f"(process {os.getpid()}) writing it since" in done.stderr
+    finally:
+        folders.release()
+    assert not (folder / folders.LOCK_FILE).exists()
+    folders.hold(folder, write=False)  # a reader, as a stage 2 writing elsewhere is
+    try:
+        elsewhere = run_script("stage2_transformer.py", ["--input_dir", folder, "--output_dir", tmp_path / "other"])
+        assert elsewhere.returncode == 0, elsewhere.stderr[-800:]
+        rewrite = run_script("stage2_transformer.py", ["--input_dir", folder])
+        assert rewrite.returncode == 2 and "reading it since" in rewrite.stderr, rewrite.stderr[-800:]
+    finally:
+        folders.release()
+    assert snapshot(folder) == snapshot(good_run)
+
+
 # Preemption and resume -----------------------------------------------------------------------------
 
 # The interrupt lands after the first checkpoint (step 10): the 110 steps after it (~25 ms each here) leave the

@@ -2,7 +2,8 @@
 line and exit 2 for what the user can fix (`UserError`, argparse errors included), `stopped:` lines for
 SIGTERM and Ctrl-C, finite float flags, the reference scripts' flag spellings, dtypes by name, and
 timestamped log lines; `options` holds the request options' declarations (`Option`), from which the stages
-build their flags. It imports nothing of the project, so everything may use it."""
+build their flags; `folders` the stage folders a run holds and the stale outputs it removes. It imports
+nothing of the project, so everything may use it."""
 
 from __future__ import annotations
 
@@ -193,6 +194,8 @@ def run_cli(main: Callable[[], None]) -> None:
     `stopped:` line and status 143 (130 after Ctrl-C); bugs keep their traceback. SIGTERM stops the stage
     where it is, as Ctrl-C does (writes are atomic: their temporaries are removed on the way out); stage 2's
     loop replaces this with a stop after the current step and a checkpoint."""
+    from .folders import release
+
     try:
         with sigterm_stops():
             main()
@@ -205,6 +208,8 @@ def run_cli(main: Callable[[], None]) -> None:
     except KeyboardInterrupt:  # writes are atomic, so nothing partial is left
         print("\nstopped: interrupted (Ctrl-C); no partial file was written", file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED_EXIT_STATUS)
+    finally:
+        release()  # the stage folders held (folders.hold), for the next run in this process
 
 
 _LOGGING = {"enabled": True}

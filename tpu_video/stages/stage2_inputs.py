@@ -12,6 +12,7 @@ import torch
 
 from tpu_video import models
 from tpu_video.cli import UserError, log, parse_dtype
+from tpu_video.cli.folders import hold as hold_folder
 from tpu_video.cli.options import with_implied
 from tpu_video.engine import batch_folders, lora, passes
 from tpu_video.engine.cache_schedule import CacheSettings, check_family_runs, check_window
@@ -79,6 +80,8 @@ def validated_run(
     if args.warmup_steps < 0:
         raise UserError(f"--warmup_steps {args.warmup_steps} must be >= 0")
     with timer.phase("read"):  # stage 1's files, the model folder's configs (a tiny preset: built), adapters
+        if processes.is_main:  # the other processes read beside it; process 0 alone writes
+            hold_folder(input_dir, write=output_dir.resolve() == input_dir.resolve())
         config = read_config(input_dir, needs="stage1")
         log(describe_folder(input_dir, config))
         stored = Request.from_config(config, input_dir / CONFIG_FILE)

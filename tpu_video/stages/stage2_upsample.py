@@ -10,6 +10,7 @@ from pathlib import Path
 from sharding import SP
 from tpu_video import models
 from tpu_video.cli import UserError, log, refuse_planning_flags
+from tpu_video.cli.folders import hold as hold_folder
 from tpu_video.engine import batch_folders
 from tpu_video.runtime.interface import Timer, run_record
 from tpu_video.stages.request import request_flags
@@ -82,6 +83,7 @@ def upsample_main(args) -> None:
     folders = batch_folders.expand_folders(args.input_dir or [DEFAULT_OUTPUT_DIR])
     check_flags(args, folders)
     input_dir, output_dir = folders[0], Path(args.output_dir)
+    hold_folder(input_dir, write=False)
     config = read_config(input_dir, needs="stage2")
     log(describe_folder(input_dir, config))
     request = Request.from_config(config, input_dir / CONFIG_FILE)

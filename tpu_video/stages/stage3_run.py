@@ -14,6 +14,7 @@ import torch
 from sharding import SP
 from tpu_video import models
 from tpu_video.cli import UserError, log, parse_dtype, refuse_planning_flags
+from tpu_video.cli.folders import hold as hold_folder
 from tpu_video.engine import batch_folders
 from tpu_video.engine.decode import decode, decode_soundtrack, soundtrack_runtime
 from tpu_video.engine.media import write_mp4, write_preview_png
@@ -112,6 +113,7 @@ class Video:
 def checked_video(args, input_dir: Path) -> Video:
     """Read and check one input folder (fresh stage files, a writable output), before anything decodes."""
     output_dir, output_name = output_paths(args, input_dir)
+    hold_folder(input_dir, write=output_dir.resolve() == input_dir.resolve())  # no stage 2 rewriting it meanwhile
     config = read_config(input_dir, needs="stage2")
     log(describe_folder(input_dir, config))
     request, overrides = Request.from_config(config, input_dir / CONFIG_FILE).with_overrides({"fps": args.fps})

@@ -58,5 +58,5 @@ lint: install
 # nothing else (a user's own images stay).
 clean:
 	rm -rf $(OUT)/*.safetensors $(OUT)/generation_config.json $(OUT)/batch.json $(OUT)/mag_ratios.json
-	rm -rf $(OUT)/*.mp4 $(OUT)/*_preview.png $(OUT)/*.wav $(DEMO_IMAGE) $(OUT)/.*.tmp*
+	rm -rf $(OUT)/*.mp4 $(OUT)/*_preview.png $(OUT)/*.wav $(DEMO_IMAGE) $(OUT)/.*.tmp* $(OUT)/.tpu-video.lock
 	for folder in $(OUT)/*/; do [ -f "$$folder/generation_config.json" ] && rm -rf "$$folder"; done; true

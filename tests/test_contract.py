@@ -95,7 +95,8 @@ def test_read_config_errors(tmp_path, text, needs, message):
 
 def test_request_round_trips_through_the_config_and_keeps_other_sections(tmp_path):
     request = Request(**REQUEST)
-    write_stage_config(tmp_path, request, {"stage2": {"file": "x"}}, "stage1", {"file": "y"})
+    made_from = {"file": "x", "stage1_sha256": "abc"}  # from these embeddings: kept
+    write_stage_config(tmp_path, request, {"stage2": made_from}, "stage1", {"file": "y", "sha256": "abc"})
     config = read_config(tmp_path, needs="stage1")
     assert Request.from_config(config) == request
     assert list(config)[-2:] == ["stage2", "stage1"] and "flow_shift" not in config  # unset extras left out

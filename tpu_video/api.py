@@ -22,7 +22,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from tpu_video.cli import UserError, folders, sigterm_stops
+from tpu_video.cli import UserError, run_ended, sigterm_stops
 from tpu_video.engine.batch_folders import expand_folders
 from tpu_video.stages import stage1_flags, stage1_run, stage2_flags, stage2_run, stage3_flags, stage3_run
 from tpu_video.workarounds.warning_filters import filter_harmless_warnings
@@ -81,7 +81,7 @@ def _run(script: str, flags_module, run_module, **flags: Any) -> None:
         with sigterm_stops():
             run_module.run(args)
     finally:
-        folders.release()  # the stage folders held, so the next call (or a command line) may use them
+        run_ended()  # the stage folders held are let go, so the next call (or a command line) may use them
 
 
 def _argv(parser, flags: dict[str, Any]) -> list[str]:

@@ -194,8 +194,6 @@ def run_cli(main: Callable[[], None]) -> None:
     `stopped:` line and status 143 (130 after Ctrl-C); bugs keep their traceback. SIGTERM stops the stage
     where it is, as Ctrl-C does (writes are atomic: their temporaries are removed on the way out); stage 2's
     loop replaces this with a stop after the current step and a checkpoint."""
-    from .folders import release
-
     try:
         with sigterm_stops():
             main()
@@ -209,7 +207,22 @@ def run_cli(main: Callable[[], None]) -> None:
         print("\nstopped: interrupted (Ctrl-C); no partial file was written", file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED_EXIT_STATUS)
     finally:
-        release()  # the stage folders held (folders.hold), for the next run in this process
+        run_ended()
+
+
+_AT_RUN_END: list[Callable[[], None]] = []
+
+
+def at_run_end(callback: Callable[[], None]) -> None:
+    """Call `callback` when the stage run ends, however it ends (run_cli, the API): what a run holds (the
+    stage folders: folders.hold) is let go for the next run in this process."""
+    if callback not in _AT_RUN_END:
+        _AT_RUN_END.append(callback)
+
+
+def run_ended() -> None:
+    for callback in _AT_RUN_END:
+        callback()
 
 
 _LOGGING = {"enabled": True}

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import UserError, log
+from . import UserError, at_run_end, log
 
 LOCK_FILE = ".tpu-video.lock"
 _HELD: dict[Path, tuple[int, bool]] = {}  # resolved folder -> (lock file descriptor, exclusive)
@@ -52,6 +52,7 @@ def hold(directory: Path, *, write: bool) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, note.encode(), 0)
     _HELD[key] = (fd, write)
+    at_run_end(release)
 
 
 @atexit.register

@@ -46,12 +46,24 @@ def media(tmp_path_factory):
     return folder
 
 
-def reference(
-    media, output_type, video=True, mask="mask.mp4", references=("ref1.png", "ref2.png"), scale=1.0, seed=SEED
-):
+def vace_pipeline():
     from diffusers import WanVACEPipeline
 
-    pipe = WanVACEPipeline.from_pretrained(models.materialize_preset(MODEL), torch_dtype=torch.float32)
+    return WanVACEPipeline.from_pretrained(models.materialize_preset(MODEL), torch_dtype=torch.float32)
+
+
+def reference(
+    media,
+    output_type,
+    video=True,
+    mask="mask.mp4",
+    references=("ref1.png", "ref2.png"),
+    scale=1.0,
+    seed=SEED,
+    pipe=None,
+):
+    """WanVACEPipeline (the tiny preset's, or `pipe`) on the media files, 9 frames, the test's request."""
+    pipe = pipe or vace_pipeline()
     mask_frames = None
     if mask is not None:
         mask_frames = decoded_frames(media / mask) if mask.endswith(".mp4") else [Image.open(media / mask)] * 9
@@ -130,6 +142,37 @@ def test_vace_without_a_control_video_or_with_one_mask_image(tmp_path, media, in
     references = len(pipeline["references"])
     assert latents.shape == (1, 16, 3, 4, 6) and expected.shape[2] == 3 + references
     assert relative_error(latents, expected[:, :, references:]) <= TOLERANCE
+
+
+def test_vace_quantized_matches_the_pipeline_with_the_same_dequantized_weights(tmp_path, media):
+    """`--quantize int8_weight` converts every linear of the main and the VACE blocks (their projections
+    too); the reference is the pipeline with those linears holding the dequantized weights
+    (tests/test_quantize.py's scheme), on the default mesh of 8 devices."""
+    import re
+
+    from helpers import dequantized
+
+    out = tmp_path / "run"
+    stage1(out, media, "--control_video", media / "control.mp4", "--reference_images", media / "ref1.png")
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", "--quantize", "int8_weight"])
+    latents = read_tensors(out, read_config(out)["stage2"])["latents"]
+    pipe = vace_pipeline()
+    names = [
+        name
+        for name, module in pipe.transformer.named_modules()
+        if type(module) is torch.nn.Linear and re.match(r"(vace_)?blocks\.", name)
+    ]
+    vace = [name for name in names if name.startswith("vace_blocks")]
+    assert len(vace) == 2 * (10 + 1) + 1  # attention and FFN, proj_out in each, proj_in in the first
+    for name in names:
+        parent, _, attribute = name.rpartition(".")
+        owner = pipe.transformer.get_submodule(parent)
+        setattr(owner, attribute, dequantized(getattr(owner, attribute), "int8_weight"))
+    call = {"mask": None, "references": ("ref1.png",)}
+    expected = reference(media, "latent", pipe=pipe, **call)[:, :, 1:]
+    assert relative_error(latents, expected) <= TOLERANCE
+    unquantized = reference(media, "latent", **call)[:, :, 1:]
+    assert relative_error(latents, unquantized) > 10 * relative_error(latents, expected)  # quantized for real
 
 
 def test_vace_videos_batch_by_their_shapes(tmp_path, media):

@@ -138,11 +138,13 @@ def layer_kind(module: torch.nn.Module) -> str | None:
 
 
 def selected_linears(transformer: torch.nn.Module, layers: str) -> list[tuple[torch.nn.Module, str]]:
-    """(parent, attribute) of every linear in the transformer's blocks that `layers` selects."""
+    """(parent, attribute) of every linear in the transformer's blocks that `layers` selects: its list of
+    blocks and every other list of blocks directly under it (Wan VACE's `vace_blocks`)."""
     from tpu_video.engine.cached_blocks import block_list
 
     found: dict[int, tuple[torch.nn.Module, str]] = {}  # by the linear's id: a nested module is met twice
-    for block in block_list(transformer):
+    others = [child for child in transformer.children() if isinstance(child, torch.nn.ModuleList)]
+    for block in [*block_list(transformer), *(block for blocks in others for block in blocks)]:
         for selected in block.modules():
             if layers != "all" and layer_kind(selected) != layers:
                 continue

@@ -285,8 +285,9 @@ LORA_TARGETS = {  # the blocks' attention and MLP projections (PEFT target_modul
 }
 
 
-def peft_weights(preset: str, seed: int, rank: int = 4, alpha: int | None = None):
-    """A random adapter's PEFT state dict (bare module keys) and config for the preset's transformer."""
+def peft_weights(preset: str, seed: int, rank: int = 4, alpha: int | None = None, targets: str | None = None):
+    """A random adapter's PEFT state dict (bare module keys) and config for the preset's transformer (on
+    `targets`, else the family's LORA_TARGETS)."""
     from peft import LoraConfig, get_peft_model_state_dict
 
     from tpu_video import models
@@ -294,7 +295,7 @@ def peft_weights(preset: str, seed: int, rank: int = 4, alpha: int | None = None
     source, family = models.resolve_model(preset)
     transformer = source.load("transformer")
     config = LoraConfig(
-        r=rank, lora_alpha=alpha or rank, target_modules=LORA_TARGETS[family.NAME], init_lora_weights=False
+        r=rank, lora_alpha=alpha or rank, target_modules=targets or LORA_TARGETS[family.NAME], init_lora_weights=False
     )
     torch.manual_seed(seed)
     transformer.add_adapter(config)
@@ -305,12 +306,12 @@ def peft_weights(preset: str, seed: int, rank: int = 4, alpha: int | None = None
     return get_peft_model_state_dict(transformer), transformer
 
 
-def diffusers_file(folder, name: str, preset: str, seed: int):
+def diffusers_file(folder, name: str, preset: str, seed: int, targets: str | None = None):
     """The adapter saved by the family pipeline's save_lora_weights (keys `transformer.<module>.lora_A...`,
     its LoraConfig in the metadata)."""
     from diffusers.loaders import CogVideoXLoraLoaderMixin, LTX2LoraLoaderMixin, WanLoraLoaderMixin
 
-    weights, transformer = peft_weights(preset, seed)
+    weights, transformer = peft_weights(preset, seed, targets=targets)
     savers = {"tiny-wan": WanLoraLoaderMixin, "tiny-ltx2": LTX2LoraLoaderMixin}
     saver = next((cls for start, cls in savers.items() if preset.startswith(start)), CogVideoXLoraLoaderMixin)
     metadata = transformer.peft_config["default"].to_dict()  # the LoraConfig, as diffusers' own saves carry it

@@ -175,6 +175,26 @@ def test_vace_quantized_matches_the_pipeline_with_the_same_dequantized_weights(t
     assert relative_error(latents, unquantized) > 10 * relative_error(latents, expected)  # quantized for real
 
 
+def test_vace_adapter_on_the_main_and_the_vace_blocks_matches_the_pipeline(tmp_path, media):
+    """A LoRA adapter on both lists of blocks' attention and FFN projections, fused in stage 2, against
+    WanVACEPipeline.load_lora_weights of the same file."""
+    from helpers import diffusers_file
+
+    targets = r"(vace_)?blocks\.\d+\.((attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|ffn\.net\.(0\.proj|2))"
+    adapter = diffusers_file(tmp_path, "vace.safetensors", MODEL, seed=11, targets=targets)
+    out = tmp_path / "run"
+    stage1(out, media, "--reference_images", media / "ref2.png", "--num_frames", 9)
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", "--lora", adapter])
+    latents = read_tensors(out, read_config(out)["stage2"])["latents"]
+    pipe = vace_pipeline()
+    pipe.load_lora_weights(adapter)
+    call = {"video": False, "mask": None, "references": ("ref2.png",)}
+    expected = reference(media, "latent", pipe=pipe, **call)[:, :, 1:]
+    assert relative_error(latents, expected) <= TOLERANCE
+    plain = reference(media, "latent", **call)[:, :, 1:]
+    assert relative_error(latents, plain) > 10 * TOLERANCE  # the adapter acts
+
+
 def test_vace_videos_batch_by_their_shapes(tmp_path, media):
     """A prompt list of three VACE videos: two with one reference image each (the same shapes: one stage-2
     batch of 2) and one without (one latent frame fewer: a group of its own); each video equals the pipeline

@@ -221,6 +221,18 @@ def stage_sections(config: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in config.items() if key.startswith("stage")}
 
 
+def sections_for_output(config: dict[str, Any], input_dir: Path, output_dir: Path) -> dict[str, Any]:
+    """The sections a stage writing `output_dir` from `input_dir` (whose config is `config`) keeps beside its
+    own: the input's, beside it; in another folder the input's stage 1 and that folder's own later sections
+    (check_output_dir has checked they are this run's), never the input's, which name files it does not hold."""
+    if output_dir.resolve() == input_dir.resolve():
+        return stage_sections(config)
+    path = output_dir / CONFIG_FILE
+    theirs = json.loads(path.read_text()) if path.is_file() else {}
+    later = {name: value for name, value in stage_sections(theirs).items() if name != "stage1"}
+    return {"stage1": config["stage1"], **later}
+
+
 def stage2_normalization(stage2: dict[str, Any], vae_scaling_factor: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """How stage 2's latents are normalised: the recorded `latents_normalization`, or for a format_version 1
     section (the boolean `latents_scaled_by_vae_scaling_factor`, only ever true) the VAE's scaling factor."""

@@ -187,11 +187,15 @@ def stop_stage2_after(monkeypatch, argv: list[str], steps: int) -> None:
         return after_step(self, index, total, tensors, **kwargs)
 
     import stage2_transformer
+    from tpu_video.cli import run_ended
 
     with monkeypatch.context() as patch:
         patch.setattr(DenoiseGuard, "after_step", stop_after)
         with pytest.raises(Stopped, match=f"after step {steps} of"):
-            stage2_transformer.main([str(arg) for arg in argv])
+            try:
+                stage2_transformer.main([str(arg) for arg in argv])
+            finally:
+                run_ended()  # as run_cli: the folder held is let go
 
 
 def attention_plan(backend: str, mesh=None, *, heads: int = 1, sp_mode: str = "auto", **splash_options):

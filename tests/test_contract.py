@@ -273,3 +273,25 @@ def test_a_new_output_removes_the_later_outputs_made_from_the_old_one(tmp_path, 
     left = {path.name for path in out.iterdir()}
     assert left == {"generation_config.json", "stage1_embeddings.safetensors", "notes.txt"}
     assert set(read_config(out)) & {"stage2", "stage3"} == set()
+
+
+def test_a_stage_2_into_another_folder_judges_that_folders_own_outputs(tmp_path):
+    """Stage 2 with --output_dir keeps the input folder's stage-3 section out of the output folder (its files
+    are not there) and removes only the output folder's own stale video; a file no section names is kept."""
+    import stage2_transformer
+    import stage3_vae_decoder
+    from helpers import run_stage, three_stages
+
+    inputs, other, mine = tmp_path / "in", tmp_path / "other", tmp_path / "mine"
+    three_stages(inputs, ["--model", "tiny-cogvideox", "--prompt", "a red cat", "--dtype", "fp32"])
+    mine.mkdir()
+    (mine / "output_video.mp4").write_bytes(b"the user's own file")
+    run_stage(stage2_transformer, ["--input_dir", inputs, "--output_dir", mine, "--seed", "3"])
+    assert (mine / "output_video.mp4").read_bytes() == b"the user's own file" and "stage3" not in read_config(mine)
+    run_stage(stage2_transformer, ["--input_dir", inputs, "--output_dir", other, "--seed", "7"])
+    run_stage(stage3_vae_decoder, ["--input_dir", other])
+    run_stage(stage2_transformer, ["--input_dir", inputs, "--output_dir", other, "--seed", "7"])  # the same latents
+    assert (other / "output_video.mp4").is_file() and "stage3" in read_config(other)
+    run_stage(stage2_transformer, ["--input_dir", inputs, "--output_dir", other])  # seed 42: the input's latents
+    assert not (other / "output_video.mp4").exists() and "stage3" not in read_config(other)
+    assert (inputs / "output_video.mp4").is_file() and "stage3" in read_config(inputs)

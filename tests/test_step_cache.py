@@ -24,7 +24,7 @@ import stage1_text_encoder
 import stage2_transformer
 from helpers import expect_user_error, relative_error, run_stage
 from tpu_video import models
-from tpu_video.cli import Stopped
+from tpu_video.cli import Stopped, run_ended
 from tpu_video.engine import cache_schedule, cached_blocks
 from tpu_video.engine.cache_schedule import CacheSettings, schedule
 from tpu_video.engine.guard import DenoiseGuard
@@ -284,7 +284,10 @@ def test_magcache_checkpoint_resume_is_bit_identical(tmp_path, monkeypatch, caps
 
     monkeypatch.setattr(DenoiseGuard, "after_step", stop_after_third_step)
     with pytest.raises(Stopped, match="after step 3 of 6"):
-        stage2_transformer.main(["--input_dir", str(tmp_path), *map(str, flags)])
+        try:
+            stage2_transformer.main(["--input_dir", str(tmp_path), *map(str, flags)])
+        finally:
+            run_ended()  # as run_cli: the folder held is let go
     monkeypatch.setattr(DenoiseGuard, "after_step", after_step)
     from safetensors.torch import load_file
 

@@ -9,6 +9,8 @@ the pipeline makes two calls).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -195,12 +197,18 @@ def test_vace_adapter_on_the_main_and_the_vace_blocks_matches_the_pipeline(tmp_p
     assert relative_error(latents, plain) > 10 * TOLERANCE  # the adapter acts
 
 
+def test_an_empty_list_of_reference_images_is_refused(tmp_path, media, capsys):
+    entry = {"prompt": PROMPT, "control_video": "control.mp4", "reference_images": []}
+    (media / "empty.jsonl").write_text(json.dumps(entry) + "\n")
+    argv = ["--model", MODEL, "--prompts", media / "empty.jsonl", "--output_dir", tmp_path / "out"]
+    expect_user_error(capsys, stage1_text_encoder, argv, "'reference_images' must be a path (a string) or a list")
+    assert not (tmp_path / "out").exists()
+
+
 def test_vace_videos_batch_by_their_shapes(tmp_path, media):
     """A prompt list of three VACE videos: two with one reference image each (the same shapes: one stage-2
     batch of 2) and one without (one latent frame fewer: a group of its own); each video equals the pipeline
     run alone, as WanVACEPipeline runs one video at a time. `reference_images` as a JSON list of paths."""
-    import json
-
     entries = [
         {
             "name": "edge",
@@ -233,7 +241,7 @@ def test_vace_videos_batch_by_their_shapes(tmp_path, media):
     [
         ([], "is a Wan VACE model: give --control_video (with --mask), --reference_images, or both"),
         (["--mask", "mask.mp4"], "--mask: a mask says where to redraw a --control_video; give the video too"),
-        (["--control_video", "control.mp4", "--mask", "short_mask.mp4"], "--mask has 5 frames and --control_video 9"),
+        (["--control_video", "control.mp4", "--mask", "short_mask.mp4"], "--mask has 5 frames; the run takes 9"),
         (["--control_video", "wide.mp4"], "at 32x32 (its own size, fitted to the request"),
         (["--control_video", "control.mp4", "--num_frames", "13"], "--num_frames 13: --control_video has 9 frames"),
         (["--control_video", "not.mp4"], "is not a readable video"),

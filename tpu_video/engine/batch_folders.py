@@ -82,8 +82,10 @@ def _json_entry(text: str, where: str, base: Path, input_names: tuple[str, ...])
             raise UserError(f"{where}: {key!r} must be a string")
     for key in input_names:  # a path, or a list of them (an input taking several files)
         paths = value.get(key, "")
-        if not isinstance(paths, str) and not (isinstance(paths, list) and all(isinstance(p, str) for p in paths)):
-            raise UserError(f"{where}: {key!r} must be a path (a string) or a list of paths")
+        if not isinstance(paths, str) and not (
+            isinstance(paths, list) and paths and all(isinstance(p, str) for p in paths)
+        ):
+            raise UserError(f"{where}: {key!r} must be a path (a string) or a list of paths (not empty)")
     seed = value.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise UserError(f"{where}: 'seed' must be an integer, not {seed!r}")

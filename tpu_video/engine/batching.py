@@ -48,7 +48,8 @@ def group_key(request, options, task: str, cache_record: dict, embeddings: dict)
     `options` (its declarations) that split batches, the task (t2v, i2v, ...), the step-cache settings and
     the stage-1 tensors' shapes (joined along the batch: a VACE run's reference frames lengthen its own)."""
     fields = tuple((name, getattr(request, name)) for name in GROUP_FIELDS)
-    fields += tuple((option.name, str(request.option(option.name))) for option in options if option.splits_batch)
+    values = [(option.name, request.option(option.name)) for option in options if option.splits_batch]
+    fields += tuple((name, tuple(value) if isinstance(value, list) else value) for name, value in values)  # floats
     shapes = tuple(sorted((name, tuple(tensor.shape)) for name, tensor in embeddings.items()))
     return (*fields, ("task", task), ("cache", tuple(sorted(cache_record.items()))), ("shapes", shapes))
 

@@ -112,7 +112,10 @@ def read_inputs(
                 raise UserError(f"--{media.name} takes one path, not {len(path)}")
             values[media.name], records[media.name] = _read_one(media, path)
             continue
-        read = [_read_one(media, one) for one in ([path] if isinstance(path, str) else path)]
+        paths = [path] if isinstance(path, str) else path
+        if not paths:
+            raise UserError(f"--{media.name} takes one path or more, not none")
+        read = [_read_one(media, one) for one in paths]
         values[media.name] = [value for value, _ in read]
         records[media.name] = {"kind": media.kind, "items": [record for _, record in read]}
     return values, records

@@ -143,8 +143,11 @@ def selected_linears(transformer: torch.nn.Module, layers: str) -> list[tuple[to
     from tpu_video.engine.cached_blocks import block_list
 
     found: dict[int, tuple[torch.nn.Module, str]] = {}  # by the linear's id: a nested module is met twice
-    others = [child for child in transformer.children() if isinstance(child, torch.nn.ModuleList)]
-    for block in [*block_list(transformer), *(block for blocks in others for block in blocks)]:
+    blocks = block_list(transformer)
+    others = [
+        child for child in transformer.children() if isinstance(child, torch.nn.ModuleList) and child is not blocks
+    ]
+    for block in [*blocks, *(block for other in others for block in other)]:
         for selected in block.modules():
             if layers != "all" and layer_kind(selected) != layers:
                 continue

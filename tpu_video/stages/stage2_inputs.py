@@ -100,6 +100,8 @@ def validated_run(
         dtype = parse_dtype(dtype_name)
         models.validate_request(family, source, request)
         embeddings = read_tensors(input_dir, config["stage1"])
+        if processes.is_main:
+            hold_folder(output_dir, write=True)  # an existing output folder, before it is checked
         check_output_dir(output_dir, input_dir, config)
         start = None
         if args.start_latents:

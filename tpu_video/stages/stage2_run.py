@@ -25,7 +25,7 @@ from tpu_video.stages.request import request_flags
 from tpu_video.stages.stage2_attention import attention_flags, attention_plan, where_it_fits
 from tpu_video.stages.stage2_inputs import ValidatedRun, batch_resume, check_batch_flags, profile_dir, validated_run
 from tpu_video.stages.stage2_upsample import given_upsample_flags, upsample_main
-from utils import DEFAULT_OUTPUT_DIR, STAGE2_FILE, stage_sections, write_stage_config, write_tensors
+from utils import DEFAULT_OUTPUT_DIR, STAGE2_FILE, sections_for_output, write_stage_config, write_tensors
 
 
 def runtime_for(args, run, processes, videos: int = 1):
@@ -157,7 +157,8 @@ def write_section(args, run: ValidatedRun, saved: dict, tensors, info, timer, re
         **step_cache,
         **run_record(runtime, run.dtype_name, timer.seconds, ("diffusers",)),
     }
-    write_stage_config(run.output_dir, run.request, stage_sections(run.config), "stage2", section)
+    sections = sections_for_output(run.config, run.input_dir, run.output_dir)
+    write_stage_config(run.output_dir, run.request, sections, "stage2", section)
     layouts = {name: info.get(f"{name}_layout", "") for name in tensors}  # latents_layout, audio_latents_layout
     shapes = ", ".join(f"{name} {tuple(tensor.shape)} {layouts[name]}".rstrip() for name, tensor in tensors.items())
     log(f"wrote {run.output_dir / STAGE2_FILE}: {shapes}")

@@ -25,7 +25,7 @@ from utils import (
     ensure_writable_dir,
     read_config,
     read_tensors,
-    stage_sections,
+    sections_for_output,
     write_stage_config,
     write_tensors,
 )
@@ -90,6 +90,7 @@ def upsample_main(args) -> None:
     source, family = models.resolve_model_for_request(request)
     check_stage2_fresh(input_dir, config, request, models.stage1_only(family))
     tensors = read_tensors(input_dir, config["stage2"])
+    hold_folder(output_dir, write=True)  # an existing output folder, before it is checked
     check_output_dir(output_dir, input_dir, config)
     scale = 2  # the x2 upsampler (the family's checks refuse any other)
     larger, overrides = request.with_overrides({"height": request.height * scale, "width": request.width * scale})
@@ -113,6 +114,6 @@ def upsample_main(args) -> None:
         "overrides": overrides,
         **run_record(runtime, "fp32", timer.seconds, ("diffusers",)),
     }
-    write_stage_config(output_dir, larger, stage_sections(config), "stage2", section)
+    write_stage_config(output_dir, larger, sections_for_output(config, input_dir, output_dir), "stage2", section)
     shapes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in upsampled.items())
     log(f"wrote {output_dir / STAGE2_FILE}: {shapes} ({larger.height}x{larger.width})")

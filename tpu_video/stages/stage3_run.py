@@ -131,6 +131,7 @@ def checked_video(args, input_dir: Path) -> Video:
     normalization = stage2_normalization(config["stage2"], lambda: family.latents_normalization(source))
     source.load_config("vae")  # a model folder without a VAE is refused here, before any folder decodes
     tensors, normalization = family.upgrade_stage2(source, tensors, normalization)
+    hold_folder(output_dir, write=True)  # an existing output folder, before it is checked
     check_output_dir(output_dir, input_dir, config)
     ensure_writable_dir(output_dir, (output_name, preview_name(output_name), frames_name(output_name)))
     fields = (config, request, overrides, source, family, dtype_name, normalization, tensors)

@@ -172,6 +172,8 @@ def start_from(source, request: Request, tensors: dict[str, torch.Tensor]) -> to
     not yet."""
     if ti2v.expand_timesteps(source):
         raise UserError("--start_latents: Wan TI2V-5B denoises from noise only (its first frame joins the noise)")
+    if vace.is_vace(source):  # the pipeline's latents= would hold the reference frames stage 2 drops
+        raise UserError("--start_latents: Wan VACE denoises from noise only here")
     return tensors["latents"].to(NOISE_DTYPE)
 
 

@@ -12,7 +12,9 @@ from ..tiny import t5_encoder_kwargs, t5_tokenizer
 from .config import NAME
 
 
-def tiny_transformer(seed: int = 0, cls: str = "WanTransformer3DModel", **image_to_video) -> torch.nn.Module:
+def tiny_transformer(
+    seed: int = 0, cls: str = "WanTransformer3DModel", num_layers: int = 2, **image_to_video
+) -> torch.nn.Module:
     """A random tiny WanTransformer3DModel (or `cls`, e.g. the VACE one): 8 heads x 16 (divisible by every tp
     of 8 devices), 2 blocks. `image_to_video`: in_channels 36 (noise, mask, image latents), and for Wan 2.1
     the image embedder; or the VACE layers."""
@@ -28,7 +30,7 @@ def tiny_transformer(seed: int = 0, cls: str = "WanTransformer3DModel", **image_
         text_dim=32,
         freq_dim=32,
         ffn_dim=64,
-        num_layers=2,
+        num_layers=num_layers,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
@@ -134,13 +136,14 @@ WAN_VACE_CHANNELS = 16 + 16 + 8 * 8
 
 
 def tiny_vace_pipeline(seed: int = 0):
-    """WanVACEPipeline with the tiny Wan components and a VACE transformer whose 2 VACE blocks feed both main
-    blocks (vace_layers [0, 1]; the 1.3B has 15 of 30)."""
+    """WanVACEPipeline with the tiny Wan components and a VACE transformer of 3 blocks whose 2 VACE blocks feed
+    blocks 0 and 2 (a layer index apart from its VACE block's, as in the published ones: the 1.3B's 15 feed
+    every other of 30 blocks)."""
     from diffusers import WanVACEPipeline
 
     base = tiny_pipeline("2.1", seed)
     transformer = tiny_transformer(
-        seed + 6, "WanVACETransformer3DModel", vace_layers=[0, 1], vace_in_channels=WAN_VACE_CHANNELS
+        seed + 6, "WanVACETransformer3DModel", 3, vace_layers=[0, 2], vace_in_channels=WAN_VACE_CHANNELS
     )
     components = {key: getattr(base, key) for key in ("tokenizer", "text_encoder", "vae", "scheduler")}
     return WanVACEPipeline(**components, transformer=transformer)

@@ -121,10 +121,10 @@ def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
     video, mask = inputs.get("control_video"), inputs.get("mask")
     if mask is not None and video is None:
         raise UserError("--mask: a mask says where to redraw a --control_video; give the video too")
-    if mask is not None and len(mask) not in (1, len(video)):
+    if mask is not None and len(mask) != 1 and len(mask) < request.num_frames:
         raise UserError(
-            f"--mask has {len(mask)} frames and --control_video {len(video)}: give a mask video of as many "
-            "frames, or one image for every frame"
+            f"--mask has {len(mask)} frames; the run takes {request.num_frames} of --control_video: give a mask "
+            "video of at least as many frames, or one image for every frame"
         )
     if video is not None:
         size = control_size(source, request, video[0])
@@ -138,7 +138,9 @@ def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
     references = len(inputs.get("reference_images") or ())
     if references > latent_frames(source, request):
         # diffusers 0.42.1's prepare_masks pads the mask with a slice of its own latent frames, one per
-        # reference image: past that count the pipeline fails (tests/test_upstream_bugs.py)
+        # reference image: past that count the pipeline fails. Remove this refusal when
+        # tests/test_upstream_bugs.py::test_diffusers_0_42_1_vace_fails_past_one_reference_image_per_latent_frame
+        # fails (diffusers then pads by the count) and compare such a run with the pipeline.
         raise UserError(
             f"--reference_images: {references} images, more than the {latent_frames(source, request)} latent "
             f"frames of {request.num_frames} frames; WanVACEPipeline (diffusers 0.42.1) takes at most that many"
@@ -174,6 +176,12 @@ def encode(source, request: Request, inputs: dict[str, Any]) -> dict[str, torch.
     what = [f"{frames} control frames" if video is not None else "a zero control video (no --control_video)"]
     what += [f"{len(inputs['reference_images'])} reference image(s)"] if inputs.get("reference_images") else []
     log(f"VACE: {' and '.join(what)} VAE-encoded on the host CPU at {request.height}x{request.width}")
+    for index, image in enumerate(inputs.get("reference_images") or (), 1):
+        if abs(image.width / image.height - request.width / request.height) > 0.01 * request.width / request.height:
+            log(
+                f"--reference_images: image {index} ({image.height}x{image.width}, height x width) is fitted into "
+                f"{request.height}x{request.width} keeping its aspect ratio, on white (the pipeline's letterbox)"
+            )
     with torch.no_grad():
         video, mask, references = pipe.preprocess_conditions(
             None if video is None else video[:frames],

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Stage 1: encode the prompt and negative prompt with the pipeline's own text encoder(s), and the media
-inputs the model takes (image-to-video: `--image`, `--last_image`; Wan video-to-video: `--video`) with its
-image encoder and VAE.
+inputs the model takes (image-to-video: `--image`, `--last_image`; Wan video-to-video: `--video`; Wan VACE:
+`--control_video`, `--mask`, `--reference_images`) with its image encoder and VAE.
 
 Writes stage1_embeddings.safetensors and starts a new generation_config.json holding the request. With
 `--prompts FILE` (or `--seeds` for one prompt) it writes one such folder per entry under --output_dir, and

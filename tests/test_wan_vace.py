@@ -42,6 +42,7 @@ def media(tmp_path_factory):
     write_video(folder / "mask.mp4", height=32, width=48, pattern=moving_edge)
     write_video(folder / "short_mask.mp4", frames=5, height=32, width=48, pattern=moving_edge)
     write_video(folder / "wide.mp4", height=40, width=56)
+    write_video(folder / "small.mp4", height=16, width=32)
     write_image(folder / "ref1.png", 32, 48, seed=7)
     write_image(folder / "ref2.png", 20, 40, seed=8)  # another shape: letterboxed on white by the pipeline
     Image.fromarray(((np.mgrid[0:32, 0:48][1] > 20) * 255).astype(np.uint8)).save(folder / "mask.png")
@@ -242,7 +243,8 @@ def test_vace_videos_batch_by_their_shapes(tmp_path, media):
         ([], "is a Wan VACE model: give --control_video (with --mask), --reference_images, or both"),
         (["--mask", "mask.mp4"], "--mask: a mask says where to redraw a --control_video; give the video too"),
         (["--control_video", "control.mp4", "--mask", "short_mask.mp4"], "--mask has 5 frames; the run takes 9"),
-        (["--control_video", "wide.mp4"], "at 32x32 (its own size, fitted to the request"),
+        (["--control_video", "wide.mp4"], "at 32x32 (its own size, shrunk to fit the request when larger, floored"),
+        (["--control_video", "small.mp4"], "give --height 16 --width 32, its own size, or resize the video to 32x48"),
         (["--control_video", "control.mp4", "--num_frames", "13"], "--num_frames 13: --control_video has 9 frames"),
         (["--control_video", "not.mp4"], "is not a readable video"),
         (["--reference_images", *["ref1.png"] * 3], "3 images, more than the 2 latent frames of 5 frames"),
@@ -252,8 +254,8 @@ def test_vace_videos_batch_by_their_shapes(tmp_path, media):
         (["--tiny-wan2.1", "--conditioning_scale", "0.5"], "--conditioning_scale applies to Wan VACE models"),
     ],
     ids=[
-        "no-inputs", "mask-without-video", "mask-length", "control-size", "more-frames", "undecodable",
-        "references-past-frames", "references-past-rope", "scales-per-layer", "v2v-flag", "not-vace",
+        "no-inputs", "mask-without-video", "mask-length", "control-size", "control-own-size", "more-frames",
+        "undecodable", "references-past-frames", "references-past-rope", "scales-per-layer", "v2v-flag", "not-vace",
     ],
 )  # fmt: skip
 def test_bad_vace_requests_are_refused_before_loading(capsys, tmp_path, media, extra, message):

@@ -145,8 +145,8 @@ def entries_from_flags(
             raise UserError(f"{entry.where}: the prompt is empty")
         for key, paths in entry.inputs.items():
             for path in [paths] if isinstance(paths, str) else paths:
-                if not Path(path).is_file():
-                    raise UserError(f"{entry.where}: {key} {path} is not a file")
+                if not Path(path).exists():  # a file, or a folder of frames (a video input)
+                    raise UserError(f"{entry.where}: {key} {path} is not a file or folder")
     return entries
 
 

@@ -92,7 +92,8 @@ def check_given(
         if path is not None and name not in names:
             kind = declared[name].kind
             what = f"takes no {kind} (a text-to-video model)" if text_only and kind == "image" else f"takes no --{name}"
-            raise UserError(f"--{name}: --model {model!r} {what}")
+            takes = ", ".join(f"--{media.name}" for media in accepted)
+            raise UserError(f"--{name}: --model {model!r} {what}" + (f"; it takes {takes}" if takes else ""))
     for media in accepted:
         if media.required and given.get(media.name) is None:
             raise UserError(f"--model {model!r} {media.missing or f'needs --{media.name} PATH ({media.help})'}")

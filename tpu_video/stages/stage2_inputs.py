@@ -114,12 +114,12 @@ def validated_run(
     quantize = quantization(args)
     calibrated = (request.model_id, lora.identity(adapters), quantize.calibration_key())
     cache = cache_settings(args)
+    task = config["stage1"].get("task")
+    if cache.enabled and task in UNCACHED_TASKS:  # before the cache's own checks: no window would do
+        raise UserError(f"--cache: {UNCACHED_TASKS[task]}; the step caches do not take it yet")
     check_family_runs(family, cache)
     cache = with_mag_ratios(cache, args, input_dir, *calibrated)
     check_window(cache, request.num_inference_steps)  # the steps the schedule will have, before weights load
-    task = config["stage1"].get("task")
-    if cache.enabled and task in UNCACHED_TASKS:
-        raise UserError(f"--cache: {UNCACHED_TASKS[task]}; the step caches do not take it yet")
     quantize.check_supported()
     if processes.is_main:
         ensure_writable_dir(output_dir, (STAGE2_FILE,))

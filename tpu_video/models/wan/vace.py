@@ -52,8 +52,8 @@ CONTROL_VIDEO = video_input(
 )
 MASK = MediaInput(
     "mask",
-    "Wan VACE: with --control_video, where to redraw it (white) and where to keep it (black): a video of as "
-    "many frames, or one image for every frame",
+    "Wan VACE: with --control_video, where to redraw it (white) and where to keep it (black): a video of at "
+    "least as many frames as the run takes, or one image for every frame",
     read_mask,
     kind="mask",
     task=TASK,
@@ -95,16 +95,17 @@ def check_request(source, request: Request) -> None:
         )
 
 
-def control_size(source, request: Request, frame) -> tuple[int, int]:
-    """The size the pipeline conditions on a control video of this first frame: its own (from the video
-    processor), shrunk to the request's area when larger, floored to the patch grid (preprocess_conditions)."""
+def control_size(source, frame, wanted: tuple[int, int]) -> tuple[int, int]:
+    """The size the pipeline conditions on a control video of this first frame for a request of size
+    `wanted` (height, width): its own (from the video processor), shrunk to fit the request when its area is
+    larger, floored to the patch grid (preprocess_conditions)."""
     from diffusers.video_processor import VideoProcessor
 
     spatial = source.load_config("vae")["scale_factor_spatial"]
     base = spatial * source.load_config("transformer")["patch_size"][1]
     height, width = VideoProcessor(vae_scale_factor=spatial).get_default_height_width(frame)
-    if height * width > request.height * request.width:
-        scale = min(request.width / width, request.height / height)
+    if height * width > wanted[0] * wanted[1]:
+        scale = min(wanted[1] / width, wanted[0] / height)
         height, width = int(height * scale), int(width * scale)
     return height // base * base, width // base * base
 
@@ -127,13 +128,19 @@ def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
             "video of at least as many frames, or one image for every frame"
         )
     if video is not None:
-        size = control_size(source, request, video[0])
+        size = control_size(source, video[0], (request.height, request.width))
         if size != (request.height, request.width):
+            own = (video[0].height, video[0].width)
+            fix = (
+                f"give --height {own[0]} --width {own[1]}, its own size, or "
+                if control_size(source, video[0], own) == own
+                else ""
+            )
             raise UserError(
-                f"--control_video: WanVACEPipeline conditions on this {video[0].height}x{video[0].width} video "
-                f"(height x width) at {size[0]}x{size[1]} (its own size, fitted to the request's area and to the "
-                f"patch grid), not at the requested {request.height}x{request.width}, so the control would not "
-                f"line up: give --height {size[0]} --width {size[1]}, or a video of the requested size"
+                f"--control_video: WanVACEPipeline conditions on this {own[0]}x{own[1]} video (height x width) at "
+                f"{size[0]}x{size[1]} (its own size, shrunk to fit the request when larger, floored to the patch "
+                f"grid), not at the requested {request.height}x{request.width}, so the control would not line up: "
+                f"{fix}resize the video to {request.height}x{request.width}"
             )
     references = len(inputs.get("reference_images") or ())
     if references > latent_frames(source, request):
@@ -176,6 +183,10 @@ def encode(source, request: Request, inputs: dict[str, Any]) -> dict[str, torch.
     what = [f"{frames} control frames" if video is not None else "a zero control video (no --control_video)"]
     what += [f"{len(inputs['reference_images'])} reference image(s)"] if inputs.get("reference_images") else []
     log(f"VACE: {' and '.join(what)} VAE-encoded on the host CPU at {request.height}x{request.width}")
+    size = f"{request.height}x{request.width}"
+    for name, given in (("control_video", video), ("mask", mask)):
+        if given is not None and given[0].size != (request.width, request.height):
+            log(f"--{name}: its {given[0].height}x{given[0].width} frames are resized to {size}")
     for index, image in enumerate(inputs.get("reference_images") or (), 1):
         if abs(image.width / image.height - request.width / request.height) > 0.01 * request.width / request.height:
             log(

@@ -153,9 +153,9 @@ def test_unwritable_output_folder_fails_before_work(good_run, tmp_path, capsys):
 
 
 def test_a_folder_takes_one_writer_at_a_time(good_run, tmp_path):
-    """A folder another process writes is refused at once, naming that process; readers share a folder
-    (two stage 2s from one stage-1 folder into two others), but no writer joins them; the lock file goes
-    with the last holder. The other side here is this test process, through the stages' own lock."""
+    """A folder another process writes is refused at once, naming that process; readers share a folder (two
+    stage 2s from one stage-1 folder into two others), but no writer joins them; the lock file goes with the
+    last holder. The other side here is this test process, through the stages' own lock."""
     from tpu_video.cli import folders
 
     folder = tmp_path / "copy"
@@ -170,8 +170,11 @@ def test_a_folder_takes_one_writer_at_a_time(good_run, tmp_path):
     assert not (folder / folders.LOCK_FILE).exists()
     folders.hold(folder, write=False)  # a reader, as a stage 2 writing elsewhere is
     try:
-        elsewhere = run_script("stage2_transformer.py", ["--input_dir", folder, "--output_dir", tmp_path / "other"])
-        assert elsewhere.returncode == 0, elsewhere.stderr[-800:]
+        another_reader = (
+            "from pathlib import Path; from tpu_video.cli import folders; folders.hold(Path(%r), write=False)"
+        )
+        shared = subprocess.run([sys.executable, "-c", another_reader % str(folder)], cwd=ROOT, capture_output=True)
+        assert shared.returncode == 0, shared.stderr[-800:]
         rewrite = run_script("stage2_transformer.py", ["--input_dir", folder])
         assert rewrite.returncode == 2 and "reading it since" in rewrite.stderr, rewrite.stderr[-800:]
     finally:

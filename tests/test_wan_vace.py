@@ -126,76 +126,47 @@ def test_vace_matches_the_pipeline(tmp_path, media):
     assert relative_error(frames, expected_frames) <= TOLERANCE
 
 
-@pytest.mark.parametrize(
-    "inputs, pipeline",
-    [
-        (["--reference_images", "ref2.png"], {"video": False, "mask": None, "references": ("ref2.png",)}),
-        (["--control_video", "control.mp4", "--mask", "mask.png"], {"mask": "mask.png", "references": ()}),
-    ],
-    ids=["references-only", "one-mask-image"],
-)
-def test_vace_without_a_control_video_or_with_one_mask_image(tmp_path, media, inputs, pipeline):
-    """The pipeline's other conditionings: reference images alone (a zero control video, a mask of ones), and
-    a control video with one mask image for every frame; stage 2 on the default mesh of 8 devices."""
-    out = tmp_path / "run"
-    stage1(out, media, *media_paths(media, inputs), "--num_frames", 9)
-    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off"])
-    latents = read_tensors(out, read_config(out)["stage2"])["latents"]
-    expected = reference(media, "latent", **pipeline)
-    references = len(pipeline["references"])
-    assert latents.shape == (1, 16, 3, 4, 6) and expected.shape[2] == 3 + references
-    assert relative_error(latents, expected[:, :, references:]) <= TOLERANCE
-
-
-def test_vace_quantized_matches_the_pipeline_with_the_same_dequantized_weights(tmp_path, media):
-    """`--quantize int8_weight` converts every linear of the main and the VACE blocks (their projections
-    too); the reference is the pipeline with those linears holding the dequantized weights
-    (tests/test_quantize.py's scheme), on the default mesh of 8 devices."""
+def test_vace_quantized_and_with_an_adapter_matches_the_pipeline_so_changed(tmp_path, media):
+    """One stage-1 folder (a control video, one reference image), two stage 2s on the default mesh of 8
+    devices: `--quantize int8_weight` converts every linear of the main and the VACE blocks (their projections
+    too), against the pipeline whose linears hold the same dequantized weights (tests/test_quantize.py's
+    scheme); `--lora` with an adapter on both lists of blocks' attention and FFN projections, against
+    WanVACEPipeline.load_lora_weights of the same file."""
     import re
 
-    from helpers import dequantized
+    from helpers import dequantized, diffusers_file
 
     out = tmp_path / "run"
     stage1(out, media, "--control_video", media / "control.mp4", "--reference_images", media / "ref1.png")
-    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", "--quantize", "int8_weight"])
-    latents = read_tensors(out, read_config(out)["stage2"])["latents"]
-    pipe = vace_pipeline()
+    targets = r"(vace_)?blocks\.\d+\.((attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|ffn\.net\.(0\.proj|2))"
+    adapter = diffusers_file(tmp_path, "vace.safetensors", MODEL, seed=11, targets=targets)
+    runs = {"quantized": ["--quantize", "int8_weight"], "adapter": ["--lora", adapter]}
+    for name, flags in runs.items():
+        run_stage(
+            stage2_transformer, ["--input_dir", out, "--output_dir", tmp_path / name, "--executables", "off", *flags]
+        )
+    call = {"mask": None, "references": ("ref1.png",)}
+    plain = reference(media, "latent", **call)[:, :, 1:]
+
+    quantized = vace_pipeline()
     names = [
         name
-        for name, module in pipe.transformer.named_modules()
+        for name, module in quantized.transformer.named_modules()
         if type(module) is torch.nn.Linear and re.match(r"(vace_)?blocks\.", name)
     ]
     vace = [name for name in names if name.startswith("vace_blocks")]
     assert len(vace) == 2 * (10 + 1) + 1  # attention and FFN, proj_out in each, proj_in in the first
     for name in names:
         parent, _, attribute = name.rpartition(".")
-        owner = pipe.transformer.get_submodule(parent)
+        owner = quantized.transformer.get_submodule(parent)
         setattr(owner, attribute, dequantized(getattr(owner, attribute), "int8_weight"))
-    call = {"mask": None, "references": ("ref1.png",)}
-    expected = reference(media, "latent", pipe=pipe, **call)[:, :, 1:]
-    assert relative_error(latents, expected) <= TOLERANCE
-    unquantized = reference(media, "latent", **call)[:, :, 1:]
-    assert relative_error(latents, unquantized) > 10 * relative_error(latents, expected)  # quantized for real
-
-
-def test_vace_adapter_on_the_main_and_the_vace_blocks_matches_the_pipeline(tmp_path, media):
-    """A LoRA adapter on both lists of blocks' attention and FFN projections, fused in stage 2, against
-    WanVACEPipeline.load_lora_weights of the same file."""
-    from helpers import diffusers_file
-
-    targets = r"(vace_)?blocks\.\d+\.((attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|ffn\.net\.(0\.proj|2))"
-    adapter = diffusers_file(tmp_path, "vace.safetensors", MODEL, seed=11, targets=targets)
-    out = tmp_path / "run"
-    stage1(out, media, "--reference_images", media / "ref2.png", "--num_frames", 9)
-    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", "--lora", adapter])
-    latents = read_tensors(out, read_config(out)["stage2"])["latents"]
-    pipe = vace_pipeline()
-    pipe.load_lora_weights(adapter)
-    call = {"video": False, "mask": None, "references": ("ref2.png",)}
-    expected = reference(media, "latent", pipe=pipe, **call)[:, :, 1:]
-    assert relative_error(latents, expected) <= TOLERANCE
-    plain = reference(media, "latent", **call)[:, :, 1:]
-    assert relative_error(latents, plain) > 10 * TOLERANCE  # the adapter acts
+    with_adapter = vace_pipeline()
+    with_adapter.load_lora_weights(adapter)
+    for name, pipe in (("quantized", quantized), ("adapter", with_adapter)):
+        latents = read_tensors(tmp_path / name, read_config(tmp_path / name)["stage2"])["latents"]
+        expected = reference(media, "latent", pipe=pipe, **call)[:, :, 1:]
+        assert relative_error(latents, expected) <= TOLERANCE, name
+        assert relative_error(latents, plain) > 10 * relative_error(latents, expected), name  # it acts
 
 
 def test_an_empty_list_of_reference_images_is_refused(tmp_path, media, capsys):
@@ -207,9 +178,11 @@ def test_an_empty_list_of_reference_images_is_refused(tmp_path, media, capsys):
 
 
 def test_vace_videos_batch_by_their_shapes(tmp_path, media):
-    """A prompt list of three VACE videos: two with one reference image each (the same shapes: one stage-2
-    batch of 2) and one without (one latent frame fewer: a group of its own); each video equals the pipeline
-    run alone, as WanVACEPipeline runs one video at a time. `reference_images` as a JSON list of paths."""
+    """A prompt list of three VACE videos on the default mesh of 8 devices: a control video with a mask video
+    and a reference image, a reference image alone (a zero control video and a mask of ones: the same shapes,
+    one stage-2 batch of 2), and a control video with one mask image for every frame (one latent frame
+    fewer: a group of its own); each video equals the pipeline run alone, as WanVACEPipeline runs one video
+    at a time. `reference_images` as a JSON list of paths."""
     entries = [
         {
             "name": "edge",
@@ -219,7 +192,7 @@ def test_vace_videos_batch_by_their_shapes(tmp_path, media):
             "seed": SEED,
         },
         {"name": "refs", "reference_images": ["ref2.png"], "seed": SEED + 1},
-        {"name": "plain", "control_video": "control.mp4", "seed": SEED},
+        {"name": "plain", "control_video": "control.mp4", "mask": "mask.png", "seed": SEED},
     ]
     (media / "list.jsonl").write_text("".join(json.dumps({"prompt": PROMPT, **entry}) + "\n" for entry in entries))
     out = tmp_path / "batch"
@@ -228,7 +201,7 @@ def test_vace_videos_batch_by_their_shapes(tmp_path, media):
     calls = {
         "edge": {"references": ("ref1.png",)},
         "refs": {"video": False, "mask": None, "references": ("ref2.png",), "seed": SEED + 1},
-        "plain": {"mask": None, "references": ()},
+        "plain": {"mask": "mask.png", "references": ()},
     }
     for name, call in calls.items():
         latents = read_tensors(out / name, read_config(out / name)["stage2"])["latents"]

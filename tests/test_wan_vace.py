@@ -96,11 +96,12 @@ def test_vace_matches_the_pipeline(tmp_path, media):
     out = tmp_path / "run"
     inputs = ["--control_video", media / "control.mp4", "--mask", media / "mask.mp4", "--conditioning_scale", 0.7, 1.3]
     stage1(out, media, *inputs, "--reference_images", media / "ref1.png", media / "ref2.png")
-    mesh = ["--attention", "splash", "--dp", 2, "--sp", 2, "--tp", 2]
+    mesh = ["--attention", "splash", "--dp", 2, "--sp", 2, "--tp", 2, "--scan_blocks", "on"]
     run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", *mesh])
     run_stage(stage3_vae_decoder, ["--input_dir", out, "--backend", "torch", "--save_frames"])
     config = read_config(out, needs="stage3")
     assert config["stage1"]["task"] == "vace" and config["conditioning_scale"] == [0.7, 1.3]
+    assert config["stage2"]["scan_blocks"]["scanned"] == {"transformer": [1, 3]}  # blocks 1-2: hint after 2
     assert config["num_frames"] == 9  # the control video's frames
     records = config["stage1"]["inputs"]
     assert [item["size"] for item in records["reference_images"]["items"]] == [[32, 48], [20, 40]]
@@ -120,6 +121,7 @@ def test_vace_matches_the_pipeline(tmp_path, media):
     done = run_script("stage2_transformer.py", argv_one, env_overrides={"XLA_FLAGS": ONE_DEVICE})
     assert done.returncode == 0, done.stderr[-2000:]
     assert relative_error(read_tensors(one, read_config(one)["stage2"])["latents"], expected[:, :, 2:]) <= TOLERANCE
+    assert read_config(one)["stage2"]["scan_blocks"]["scanned"] == {"transformer": None}  # auto: unrolled
     frames = read_tensors(out, config["stage3"]["frames_file"])["frames_float"]
     expected_frames = torch.from_numpy(reference(media, "np", scale=[0.7, 1.3])[0])
     assert frames.shape == expected_frames.shape == (9, 32, 48, 3)

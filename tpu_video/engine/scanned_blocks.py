@@ -82,7 +82,7 @@ class BlockScan:
         self.template.forward = _ScannedSpan(self)
         for member in self.members[1:]:
             member.forward = _HandOn(self)
-        transformer.block_scan = self
+        transformer.block_scans = [*getattr(transformer, "block_scans", []), self]
 
     def stacked_names(self) -> list[str]:
         """The stacked tensors' names in the transformer (the rule tables' names of the span's first block)."""
@@ -174,9 +174,11 @@ def _stack_weights(members: list[torch.nn.Module]) -> list[str]:
 
 def install(loop, setting: str, cache, scan):
     """`--scan_blocks setting` on every transformer of a DenoiseLoop (before anything is placed), over all
-    its blocks or the span of the step cache `cache` (CacheSettings): the interval cache runs its outer
-    blocks apart. Returns the loop's rule table with the stacked weights' layouts. `on` where the blocks
-    differ is an error."""
+    its blocks, the span of the step cache `cache` (CacheSettings: the interval cache runs its outer blocks
+    apart), or the spans the guided module's `scan_spans(blocks)` names (Wan VACE: the blocks between two
+    of its hints, each hint added after the last block of a span). A guided module's `scan_when_asked` (why)
+    keeps `auto` unrolled. Returns the loop's rule table with the stacked weights' layouts. `on` where the
+    blocks differ is an error."""
     if setting == "off":
         return loop.rules
     names = set()
@@ -187,23 +189,39 @@ def install(loop, setting: str, cache, scan):
             span = cached_span(cache, len(blocks)) if cache.enabled else (0, len(blocks))
         except UserError:
             continue  # a cache this model cannot hold: the step cache says so, after its other checks
-        count = span[1] - span[0]
-        why = f"only {count} block(s) to scan" if count < 2 else difference(blocks[span[0] : span[1]])
-        why = getattr(guided, "scan_unsupported", None) or why
+        if setting == "auto" and getattr(guided, "scan_when_asked", None):
+            log(f"{type(transformer).__name__}: blocks unrolled ({guided.scan_when_asked}; --scan_blocks on scans)")
+            continue
+        if hasattr(guided, "scan_spans"):  # no step cache takes such a model (stage2_inputs.UNCACHED_TASKS)
+            spans = [(first, end) for first, end in guided.scan_spans(len(blocks)) if end - first >= 2]
+            why = None if spans else "no two of its blocks run in a row between its hints"
+        else:
+            spans, count = [span], span[1] - span[0]
+            why = f"only {count} block(s) to scan" if count < 2 else None
+        if why is None:
+            why = next((why for why in (difference(blocks[first:end]) for first, end in spans) if why), None)
         if why is not None:
             if setting == "on":
                 raise UserError(f"--scan_blocks on: {type(transformer).__name__}: {why}")
             continue
         streams, varying = getattr(guided, "block_streams", None), getattr(guided, "scan_block_arguments", None)
-        names.update(BlockScan(transformer, span, scan, streams, varying).stacked_names())
-        log(f"{type(transformer).__name__}: blocks {span[0]} to {span[1] - 1} run as one scan")
+        for first, end in spans:
+            names.update(BlockScan(transformer, (first, end), scan, streams, varying).stacked_names())
+        where = ", ".join(f"{first} to {end - 1}" for first, end in spans)
+        log(f"{type(transformer).__name__}: blocks {where} run as {'one scan' if len(spans) == 1 else 'scans'}")
     return loop.rules.with_stacked(names)
 
 
 def record(loop, setting: str) -> dict:
-    """What the stage-2 section says: the flag, and per transformer the scanned blocks [first, end) or None."""
+    """What the stage-2 section says: the flag, and per transformer the scanned blocks [first, end), a list of
+    them where several spans are scanned (Wan VACE), or None."""
     spans = {}
     for name, guided in zip(loop.expert_names, loop.guided, strict=True):
-        scan = getattr(guided.transformer, "block_scan", None)
-        spans[name] = list(scan.span) if scan is not None else None
+        scans = [list(scan.span) for scan in getattr(guided.transformer, "block_scans", [])]
+        spans[name] = (scans[0] if len(scans) == 1 else scans) or None
     return {"scan_blocks": {"setting": setting, "scanned": spans}}
+
+
+def repeated_blocks(transformer) -> int:
+    """How many blocks the transformer's scans run beyond their first (each scan's body is compiled once)."""
+    return sum(scan.span[1] - scan.span[0] - 1 for scan in getattr(transformer, "block_scans", []))

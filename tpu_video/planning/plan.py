@@ -286,8 +286,7 @@ def plan_stage2(
                 compiled[depth] = compile_module(*full_step, mesh, runtime.env, store=saving)
         calls[depth] = traced
         if depth == FULL:
-            scan = getattr(loop.guided[0].transformer, "block_scan", None)
-            repeats = scan.span[1] - scan.span[0] - 1 if scan is not None else 0
+            repeats = scanned_blocks.repeated_blocks(loop.guided[0].transformer)
             others = [guided.transformer for guided in loop.guided[1:]]
             facts = weight_facts(others, rules, attention_heads(source))
             resident = facts.weight_bytes(mesh.shape[TP])

@@ -211,7 +211,8 @@ def add_scan_flag(group) -> None:
         choices=SCAN_CHOICES,
         default="auto",
         help="run the transformer's identical blocks as one scan over stacked weights, so trace and compile "
-        "time do not grow with depth (auto: wherever the blocks are identical) (default: %(default)s)",
+        "time do not grow with depth (auto: wherever the blocks are identical, but for Wan VACE, whose scans "
+        "hold more memory: on scans its blocks between two hints) (default: %(default)s)",
     )
 
 

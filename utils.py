@@ -227,10 +227,17 @@ def sections_for_output(config: dict[str, Any], input_dir: Path, output_dir: Pat
     (check_output_dir has checked they are this run's), never the input's, which name files it does not hold."""
     if output_dir.resolve() == input_dir.resolve():
         return stage_sections(config)
-    path = output_dir / CONFIG_FILE
-    theirs = json.loads(path.read_text()) if path.is_file() else {}
-    later = {name: value for name, value in stage_sections(theirs).items() if name != "stage1"}
-    return {"stage1": config["stage1"], **later}
+    return {"stage1": config["stage1"], **later_sections(output_dir)}
+
+
+def later_sections(directory: Path) -> dict[str, Any]:
+    """The stage 2/3 sections of the config already in `directory` (none without a readable one), which a
+    stage writing there keeps but for those its new output makes stale (folders.without_stale_outputs)."""
+    try:
+        previous = read_config(directory)
+    except UserError:
+        return {}
+    return {name: section for name, section in stage_sections(previous).items() if name != "stage1"}
 
 
 def stage2_normalization(stage2: dict[str, Any], vae_scaling_factor: Callable[[], dict[str, Any]]) -> dict[str, Any]:

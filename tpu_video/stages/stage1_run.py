@@ -1,7 +1,7 @@
 """Stage 1 for parsed flags (`run`; `plan_main` for --plan): one video's request and media inputs read and
 checked before any weights load (`checked_video`, for each entry of a list), and its prompts and inputs
 encoded and its folder written as a single run writes it (`encode_and_write`), keeping a later stage's
-sections (`later_sections`)."""
+sections (`utils.later_sections`)."""
 
 from __future__ import annotations
 
@@ -22,24 +22,12 @@ from utils import (
     STAGE1_FILE,
     Request,
     ensure_writable_dir,
-    read_config,
-    stage_sections,
+    later_sections,
     write_stage_config,
     write_tensors,
 )
 
 DEFAULT_SEED = 42
-
-
-def later_sections(output_dir: Path) -> dict:
-    """Stage 2/3 sections of an existing config in the folder: kept where made from the same stage-1 file
-    (utils.without_stale_outputs removes the others' outputs); their recorded request tells later stages
-    whether they are stale."""
-    try:
-        previous = read_config(output_dir)
-    except UserError:
-        return {}
-    return {name: section for name, section in stage_sections(previous).items() if name != "stage1"}
 
 
 @dataclasses.dataclass

@@ -104,10 +104,9 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     # WanPipeline's noise draw; the image-to-video pipeline draws the same, with the VAE's channel count
     # (its transformer's input adds the condition's channels); VACE's adds a latent frame per reference image.
     channels = source.load_config("vae")["z_dim"] if conditioning else transformers["transformer"].config.in_channels
-    references = vace.reference_frames(source, request, embeds) if control else 0
-    if control:
-        scales_per_layer = torch.tensor(vace.layer_scales(source, request, transformers[names[0]])).to(dtype)
-        conditioning = [(embeds[vace.CONTROL].to(dtype), ()), (scales_per_layer, ())]
+    references = 0
+    if control:  # the control latents and per-layer scales, and the reference frames' extra noise
+        conditioning, references = vace.loop_inputs(source, request, embeds, dtype, transformers[names[0]])
     latents = WanPipeline.prepare_latents(
         stock_pipeline(source),
         1,

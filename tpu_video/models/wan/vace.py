@@ -218,6 +218,13 @@ def planning_control(source, request: Request) -> torch.Tensor:
     return torch.zeros(1, channels, latent_frames(source, request), request.height // spatial, request.width // spatial)
 
 
+def loop_inputs(source, request: Request, embeds: dict, dtype, transformer) -> tuple[list, int]:
+    """The guided transformer's extra inputs (`vace_control` and the per-layer scales, in the transformer's
+    dtype as the pipeline casts them, replicated) and how many reference frames stage 1 prepended."""
+    scales = torch.tensor(layer_scales(source, request, transformer)).to(dtype)
+    return [(embeds[CONTROL].to(dtype), ()), (scales, ())], reference_frames(source, request, embeds)
+
+
 def reference_frames(source, request: Request, embeds: dict) -> int:
     """How many reference images stage 1 prepended (the control's latent frames beyond the video's)."""
     control = embeds[CONTROL]

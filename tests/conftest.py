@@ -9,7 +9,9 @@ from pathlib import Path
 # LLVM optimisation off for XLA:CPU's generated code: the same HLO and results, compiled faster; the suite
 # took 956 s instead of 1175 s under `-n 2` on 2026-11-26 (docs/performance.md). The TPU compiler ignores it
 # (a plan's report was identical with and without it).
-CPU_CODEGEN = " --xla_backend_optimization_level=0"
+# XLA:CPU's newer fusion emitters off as well: the legacy emitters compile the same programs in about half the
+# time (tests/test_wan.py: 23.9 -> 11.8 s of compiling, 47.7 -> 32.1 s in all, on 2026-11-27).
+CPU_CODEGEN = " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + CPU_CODEGEN + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

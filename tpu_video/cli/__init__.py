@@ -18,9 +18,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+if TYPE_CHECKING:  # torch is imported where a dtype is made: `--help` and flag errors do not wait for it
+    import torch
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # our names -> torch's attribute names
 DTYPE_SPELLINGS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # torch's and diffusers' names
 
 # The reference scripts' spellings of our flags, so their users' command lines keep working: one place
@@ -270,7 +273,9 @@ def parse_dtype(name: str) -> torch.dtype:
     """`--dtype` as a torch dtype."""
     if name not in DTYPES:
         raise UserError(f"--dtype {name!r} is not one of {', '.join(DTYPES)} (or {', '.join(DTYPE_SPELLINGS)})")
-    return DTYPES[name]
+    import torch
+
+    return getattr(torch, DTYPES[name])
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where a dtype is made: `--help` and flag errors do not wait for it

@@ -12,6 +12,11 @@ on `--devices` CPU devices (tp over all of them):
 - `from_pretrained`: the whole transformer read on the host first, then placed (stage 2 before this path);
 - `LoRA` and `int8_weight`: stage 2's host path with an adapter fused or the weights quantized before placing.
 
+`of which NaN/Inf check` is the part of placing spent checking each weight for NaN and Inf on the host
+(tpu_video/runtime/placement.py: `holds_nonfinite`), in seconds and as a share of load + place; it also
+takes the first touch of the file's pages that the copy to the devices would take otherwise, so
+`WEIGHT_LOADING_UNCHECKED=1` (the check left out) gives the side-by-side cost.
+
 `load + place` is the seconds from nothing to every weight on its devices (the model class imported and its
 config read before: `raw read` has no imports either). Peak anonymous memory (RssAnon above the process's
 start, sampled every 2 ms; the checkpoint's mapped pages are file-backed and not counted) once loaded and
@@ -88,6 +93,17 @@ def child(folder: str, mode: str, adapter: str) -> dict:
     from tpu_video.workarounds.torchax import import_torchax
 
     env = import_torchax().default_env()
+    checking = [0.0]  # seconds placing spends checking for NaN and Inf (placement.holds_nonfinite), timed here
+    holds_nonfinite = placement.holds_nonfinite
+
+    def timed_check(tensor):
+        start = time.perf_counter()
+        try:
+            return False if os.environ.get("WEIGHT_LOADING_UNCHECKED") else holds_nonfinite(tensor)
+        finally:
+            checking[0] += time.perf_counter() - start
+
+    placement.holds_nonfinite = timed_check
     source, family = models.resolve_model(folder)
     mesh = placement.make_mesh(MeshShape(tp=jax.device_count()))
     source.component_class("transformer")  # imports diffusers' model classes: not loading, and raw read has none
@@ -121,15 +137,18 @@ def child(folder: str, mode: str, adapter: str) -> dict:
             rules = rules.with_stacked(set(names))
         loaded = time.perf_counter()
         peak_loaded = peak[0]
-        placement.place_module(transformer, rules, mesh, env)
+        stats = placement.place_module(transformer, rules, mesh, env)
+        assert not stats["nonfinite"], stats["nonfinite"]
         jax.block_until_ready([tensor.jax() for tensor in transformer.parameters()])
         placed = time.perf_counter()
+
     done.set()
     thread.join()
     return {
         "load_seconds": loaded - start,
         "place_seconds": placed - loaded,
         "seconds": placed - start,
+        "check_seconds": checking[0],
         "peak_anon_loaded_bytes": peak_loaded - before,
         "peak_anon_bytes": peak[0] - before,
         "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -174,13 +193,17 @@ def main() -> None:
     gib = 2**30
     size = f"{file_bytes / gib:.2f} GiB of bf16 weights ({args.layers} blocks of Wan 14B width)"
     print(f"{size}, {args.devices} device(s)")
-    print("| files, path | load s | place s | load + place s | vs raw read | peak anonymous GiB: loaded, placed |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| files, path | load s | place s | load + place s | vs raw read | of which NaN/Inf check s "
+        "| peak anonymous GiB: loaded, placed |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, row in rows.items():
         raw = rows[f"{name.split(',')[0]}, raw read"]["seconds"]
         print(
             f"| {name} | {row['load_seconds']:.2f} | {row['place_seconds']:.2f} | {row['seconds']:.2f} | "
-            f"{row['seconds'] / raw:.2f} | {row['peak_anon_loaded_bytes'] / gib:.2f}, "
+            f"{row['seconds'] / raw:.2f} | {row['check_seconds']:.2f} ({row['check_seconds'] / row['seconds']:.0%}) | "
+            f"{row['peak_anon_loaded_bytes'] / gib:.2f}, "
             f"{row['peak_anon_bytes'] / gib:.2f} |"
         )
     print(json.dumps({"layers": args.layers, "devices": args.devices, "file_bytes": file_bytes, "rows": rows}))

@@ -182,3 +182,32 @@ def test_lora_and_quantization_change_the_weights_on_the_host_first():
     quantized = DenoiseOptions(quantization=Quantization("int8_weight"))
     hosted = load_transformers(family, source, torch.float32, quantized, Timer())["transformer"]
     assert not any(tensor.is_meta for tensor in hosted.parameters())
+
+
+def test_weights_holding_nan_or_inf_are_named_before_anything_compiles(tmp_path):
+    """A NaN in one weight and an Inf in another of a local checkpoint: placing the transformer on 8 devices
+    names both, read from the files and on the host path (int8 quantization: their scales), while a finite
+    weight whose float32 sum overflows is not named (the sum only selects what is checked element by element)."""
+    from tpu_video.runtime.torchax_runtime import TorchaxRuntime
+
+    source, family = resolve_model("tiny-wan2.1")
+    folder = tmp_path / "model"
+    source.load("transformer").save_pretrained(folder / "transformer")
+    (folder / "model_index.json").write_text(json.dumps(source.index))
+    path = folder / "transformer" / direct_load.SAFETENSORS_NAME
+    tensors = load_file(str(path))
+    nan_name, inf_name, big_name = sorted(name for name, tensor in tensors.items() if tensor.dim() == 2)[:3]
+    tensors[nan_name].view(-1)[3] = float("nan")
+    tensors[inf_name].view(-1)[-1] = float("-inf")
+    tensors[big_name].fill_(3e38)  # finite; 3e38 x its elements is not
+    save_file(tensors, str(path))
+    copy = resolve_model(str(folder))[0]
+    runtime = TorchaxRuntime(placement.make_mesh(MeshShape(tp=8)))
+    quantized = DenoiseOptions(quantization=Quantization("int8_weight"))
+    for options, suffix in ((DenoiseOptions(), ""), (quantized, "_scale")):
+        transformer = load_transformers(family, copy, torch.float32, options, Timer())["transformer"]
+        with pytest.raises(UserError) as raised:
+            runtime.compile(transformer, family.transformer_rules("megatron"))
+        assert str(raised.value).startswith("2 weight(s) of the WanTransformer3DModel hold NaN or Inf values: ")
+        named = str(raised.value).split(": ", 1)[1].split(" (")[0].split(", ")
+        assert sorted(named) == sorted([nan_name + suffix, inf_name + suffix]), named

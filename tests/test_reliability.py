@@ -310,3 +310,35 @@ def test_sigterm_outside_stage_2s_loop_stops_with_one_line_and_leaves_no_tempora
     assert "stopped: terminated (SIGTERM); no partial file was written" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) is before  # restored
+
+
+# A call that stays in C for tens of seconds and never returns to Python in between, as the TPU compiler does
+# (CogVideoX-2b's stage 2 for v6e-8 took minutes), under the stages' conventions; "finished" if it ran out.
+LONG_C_CALL = """
+import hashlib
+from tpu_video.cli import run_cli, still_working
+def main():
+    with still_working("compiling x", every=600):
+        print("started", flush=True)
+        hashlib.pbkdf2_hmac("sha256", b"x", b"y", 100_000_000)
+    print("finished", flush=True)
+run_cli(main)
+"""
+
+
+@pytest.mark.parametrize(
+    "sig, status, line", [(signal.SIGTERM, 143, "terminated (SIGTERM)"), (signal.SIGINT, 130, "interrupted (Ctrl-C)")]
+)
+def test_a_stop_during_a_long_compile_ends_the_process_with_its_line(sig, status, line):
+    """SIGTERM or Ctrl-C while the main thread is inside one long C call (a compile): its Python handler would
+    run only when the call returns, minutes later; still_working's thread ends the process with the stop's line
+    and exit status instead, before the call is through."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", LONG_C_CALL], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout.readline() == "started\n"
+    process.send_signal(sig)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == status, (out, err)
+    assert "finished" not in out
+    assert err.strip().splitlines() == [f"stopped: {line} while compiling x; nothing was written"]

@@ -11,7 +11,9 @@ import argparse
 import contextlib
 import math
 import os
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -247,17 +249,46 @@ def log(message: str) -> None:
 
 
 STILL_WORKING_SECONDS = 30.0
+STOP_GRACE_SECONDS = 1.0
+_STOPS = {
+    signal.SIGTERM: ("terminated (SIGTERM)", STOPPED_EXIT_STATUS),
+    signal.SIGINT: ("interrupted (Ctrl-C)", INTERRUPTED_EXIT_STATUS),
+}
 
 
 @contextlib.contextmanager
 def still_working(what: str, every: float = STILL_WORKING_SECONDS) -> Iterator[None]:
     """Around a long call that prints nothing (a compile: the TPU compiler took minutes on published models): a
-    log line every `every` seconds naming it and the time it has taken, so a quiet run is not taken for a hung one."""
+    log line every `every` seconds naming it and the time it has taken, so a quiet run is not taken for a hung one.
+
+    A signal's Python handler runs only once the main thread is back in Python, so SIGTERM or Ctrl-C during
+    such a call waited for its end (minutes). Here the signal also wakes this block's thread (through
+    `signal.set_wakeup_fd`); if the call has not returned a second later, the thread prints the stop's line and
+    ends the process with its exit status (143, 130): such a call writes nothing, and the stage folders' lock
+    goes with the process. Not where the signal asks for a stop after the current step (stage 2's loop)."""
     done, start = threading.Event(), time.monotonic()
+    watch = _watch_signals()
 
     def beat() -> None:
-        while not done.wait(every):
-            log(f"{what}: still working ({time.monotonic() - start:.0f} s)")
+        next_beat = start + every
+        while True:
+            timeout = max(0.0, next_beat - time.monotonic())
+            if watch is None:
+                done.wait(timeout)
+                arrived = b""
+            else:
+                readable = select.select([watch[0]], [], [], timeout)[0]
+                arrived = watch[0].recv(64) if readable else b""
+            if done.is_set():
+                return
+            stop = next((_STOPS[number] for number in arrived if _stops_where_it_is(number)), None)
+            if stop is not None and not done.wait(STOP_GRACE_SECONDS):
+                sys.stdout.flush()
+                print(f"stopped: {stop[0]} while {what}; nothing was written", file=sys.stderr, flush=True)
+                os._exit(stop[1])
+            if time.monotonic() >= next_beat:
+                log(f"{what}: still working ({time.monotonic() - start:.0f} s)")
+                next_beat += every
 
     thread = threading.Thread(target=beat, name="still-working", daemon=True)
     thread.start()
@@ -265,7 +296,31 @@ def still_working(what: str, every: float = STILL_WORKING_SECONDS) -> Iterator[N
         yield
     finally:
         done.set()
+        if watch is not None:
+            watch[1].send(b"\0")  # wakes the thread at once (0 is no signal)
         thread.join()
+        if watch is not None:
+            signal.set_wakeup_fd(watch[2])
+            watch[0].close()
+            watch[1].close()
+
+
+def _stops_where_it_is(number: int) -> bool:
+    """Whether signal `number` now stops the run where it is (run_cli's SIGTERM, Python's Ctrl-C), not after
+    the current step with a checkpoint (stage 2's loop: engine/guard.py), which a compile must not cut short."""
+    handlers = {signal.SIGTERM: _terminated, signal.SIGINT: signal.default_int_handler}
+    return number in handlers and signal.getsignal(number) is handlers[number]
+
+
+def _watch_signals() -> tuple[socket.socket, socket.socket, int] | None:
+    """(reader, writer, the previous wakeup fd): the C-level signal handler writes each signal's number to the
+    writer, whichever thread the signal interrupts; None off the main thread, where no wakeup fd can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+    return reader, writer, signal.set_wakeup_fd(writer.fileno())
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -33,10 +33,13 @@ HARMLESS_LOG_RECORDS = (
 
 
 def filter_harmless_warnings() -> None:
-    """Hide exactly the HARMLESS_WARNINGS and HARMLESS_LOG_RECORDS (the stages call this first thing)."""
+    """Hide exactly the HARMLESS_WARNINGS and HARMLESS_LOG_RECORDS, and transformers' progress bars (the
+    stages call this first thing)."""
     import logging
     import re
     import warnings
+
+    _quiet_transformers_bars()
 
     for category, message in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(message), category=category)
@@ -57,3 +60,18 @@ class _HiddenRecords:
 
     def filter(self, record) -> bool:
         return self._compiled.match(record.getMessage()) is None
+
+
+def _quiet_transformers_bars() -> None:
+    """transformers 5 draws a bar for every model it loads ("Loading weights", also while a module is built on
+    the meta device) and saves ("Writing model shards": a tiny preset built on first use); the stages log what
+    loading took, and placing a large model has its own bar. Its switch also turns off huggingface_hub's
+    download bars, which a first run of a published model needs: those are turned back on unless the user had
+    them off (HF_HUB_DISABLE_PROGRESS_BARS)."""
+    import transformers.utils.logging
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+
+    downloads_quiet = are_progress_bars_disabled()
+    transformers.utils.logging.disable_progress_bar()
+    if not downloads_quiet:
+        enable_progress_bars()

@@ -17,6 +17,9 @@ HARMLESS_WARNINGS = (
         FutureWarning,
         "scatter inputs have incompatible types: cannot safely cast value from dtype=float32 to dtype=bfloat16",
     ),
+    # diffusers 0.42 passes huggingface_hub's deprecated `local_dir_use_symlinks="auto"` on every config read
+    # from the hub; the hub ignores it (tests/test_upstream_bugs.py).
+    (UserWarning, "The `local_dir_use_symlinks` argument is deprecated and ignored in "),
 )
 
 

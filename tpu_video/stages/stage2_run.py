@@ -58,12 +58,17 @@ def runtime_for(args, run, processes, videos: int = 1):
     return runtime, backend, options, {**plan.record(), "processes": processes.count, "quantize": quantize.record()}
 
 
+def changes(overrides: dict[str, list]) -> str:
+    """{"seed": [42, 7]} as `seed 42 -> 7`, for the log (the config keeps the pairs)."""
+    return ", ".join(f"{key} {before} -> {after}" for key, (before, after) in overrides.items())
+
+
 def denoise_and_write(args, run: ValidatedRun, processes) -> None:
     """Place, compile and run the loop on the mesh; process 0 writes the latents and the config section."""
     runtime, backend, options, record = runtime_for(args, run, processes)
-    log(f"request overrides: {run.overrides or 'none'}")
+    log(f"request overrides: {changes(run.overrides) or 'none'}")
     if run.earlier:
-        log(f"kept from earlier overrides ([stage 1's, now]): {run.earlier}")
+        log(f"kept from an earlier run's overrides (stage 1's value -> now): {changes(run.earlier)}")
     with backend, runtime.precision(run.dtype), run.guard.stop_handler():
         tensors, info, step_cache = denoise(
             run.family,

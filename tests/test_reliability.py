@@ -315,8 +315,9 @@ def test_sigterm_outside_stage_2s_loop_stops_with_one_line_and_leaves_no_tempora
 # A call that stays in C for tens of seconds and never returns to Python in between, as the TPU compiler does
 # (CogVideoX-2b's stage 2 for v6e-8 took minutes), under the stages' conventions; "finished" if it ran out.
 LONG_C_CALL = """
-import hashlib
+import hashlib, signal
 from tpu_video.cli import run_cli, still_working
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a runner may start it with Ctrl-C ignored
 def main():
     with still_working("compiling x", every=600):
         print("started", flush=True)
@@ -336,9 +337,13 @@ def test_a_stop_during_a_long_compile_ends_the_process_with_its_line(sig, status
     process = subprocess.Popen(
         [sys.executable, "-c", LONG_C_CALL], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    assert process.stdout.readline() == "started\n"
-    process.send_signal(sig)
-    out, err = process.communicate(timeout=120)
+    try:
+        assert process.stdout.readline() == "started\n"
+        time.sleep(0.5)  # well into the C call, which lasts tens of seconds
+        process.send_signal(sig)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
     assert process.returncode == status, (out, err)
     assert "finished" not in out
-    assert err.strip().splitlines() == [f"stopped: {line} while compiling x; nothing was written"]
+    assert err.strip().splitlines() == [f"stopped: {line} while compiling x; no partial file was written"]

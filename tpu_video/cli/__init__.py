@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where a dtype is made: `--help` and flag errors do not wait for it
+if TYPE_CHECKING:  # torch is imported where a dtype is made, not by what imports these conventions
     import torch
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # our names -> torch's attribute names
@@ -198,6 +198,7 @@ def run_cli(main: Callable[[], None]) -> None:
     `stopped:` line and status 143 (130 after Ctrl-C); bugs keep their traceback. SIGTERM stops the stage
     where it is, as Ctrl-C does (writes are atomic: their temporaries are removed on the way out); stage 2's
     loop replaces this with a stop after the current step and a checkpoint."""
+    _IN_RUN_CLI["active"] = True
     try:
         with sigterm_stops():
             main()
@@ -211,7 +212,11 @@ def run_cli(main: Callable[[], None]) -> None:
         print("\nstopped: interrupted (Ctrl-C); no partial file was written", file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED_EXIT_STATUS)
     finally:
+        _IN_RUN_CLI["active"] = False
         run_ended()
+
+
+_IN_RUN_CLI = {"active": False}  # a stage's command line is running (not the Python API in someone's process)
 
 
 _AT_RUN_END: list[Callable[[], None]] = []
@@ -265,7 +270,9 @@ def still_working(what: str, every: float = STILL_WORKING_SECONDS) -> Iterator[N
     such a call waited for its end (minutes). Here the signal also wakes this block's thread (through
     `signal.set_wakeup_fd`); if the call has not returned a second later, the thread prints the stop's line and
     ends the process with its exit status (143, 130): such a call writes nothing, and the stage folders' lock
-    goes with the process. Not where the signal asks for a stop after the current step (stage 2's loop)."""
+    goes with the process. Only under a stage's command line (run_cli: the Python API's caller keeps its
+    process and gets Stopped once the call returns), and not where the signal asks for a stop after the
+    current step (stage 2's loop)."""
     done, start = threading.Event(), time.monotonic()
     watch = _watch_signals()
 
@@ -277,14 +284,14 @@ def still_working(what: str, every: float = STILL_WORKING_SECONDS) -> Iterator[N
                 done.wait(timeout)
                 arrived = b""
             else:
-                readable = select.select([watch[0]], [], [], timeout)[0]
+                readable = watch[3].poll(timeout * 1000)
                 arrived = watch[0].recv(64) if readable else b""
             if done.is_set():
                 return
             stop = next((_STOPS[number] for number in arrived if _stops_where_it_is(number)), None)
             if stop is not None and not done.wait(STOP_GRACE_SECONDS):
                 sys.stdout.flush()
-                print(f"stopped: {stop[0]} while {what}; nothing was written", file=sys.stderr, flush=True)
+                print(f"stopped: {stop[0]} while {what}; no partial file was written", file=sys.stderr, flush=True)
                 os._exit(stop[1])
             if time.monotonic() >= next_beat:
                 log(f"{what}: still working ({time.monotonic() - start:.0f} s)")
@@ -295,32 +302,38 @@ def still_working(what: str, every: float = STILL_WORKING_SECONDS) -> Iterator[N
     try:
         yield
     finally:
-        done.set()
-        if watch is not None:
-            watch[1].send(b"\0")  # wakes the thread at once (0 is no signal)
-        thread.join()
-        if watch is not None:
-            signal.set_wakeup_fd(watch[2])
-            watch[0].close()
-            watch[1].close()
+        try:
+            done.set()
+            if watch is not None:
+                with contextlib.suppress(OSError):
+                    watch[1].send(b"\0")  # wakes the thread at once (0 is no signal)
+            thread.join()
+        finally:  # even if a signal's handler raises in between: the fd is given back before the sockets close
+            if watch is not None:
+                signal.set_wakeup_fd(watch[2])
+                watch[0].close()
+                watch[1].close()
 
 
 def _stops_where_it_is(number: int) -> bool:
     """Whether signal `number` now stops the run where it is (run_cli's SIGTERM, Python's Ctrl-C), not after
     the current step with a checkpoint (stage 2's loop: engine/guard.py), which a compile must not cut short."""
     handlers = {signal.SIGTERM: _terminated, signal.SIGINT: signal.default_int_handler}
-    return number in handlers and signal.getsignal(number) is handlers[number]
+    return _IN_RUN_CLI["active"] and number in handlers and signal.getsignal(number) is handlers[number]
 
 
-def _watch_signals() -> tuple[socket.socket, socket.socket, int] | None:
-    """(reader, writer, the previous wakeup fd): the C-level signal handler writes each signal's number to the
-    writer, whichever thread the signal interrupts; None off the main thread, where no wakeup fd can be set."""
+def _watch_signals() -> tuple[socket.socket, socket.socket, int, select.poll] | None:
+    """(reader, writer, the previous wakeup fd, a poll of the reader): the C-level signal handler writes each
+    signal's number to the writer, whichever thread the signal interrupts; None off the main thread, where no
+    wakeup fd can be set."""
     if threading.current_thread() is not threading.main_thread():
         return None
     reader, writer = socket.socketpair()
     reader.setblocking(False)
     writer.setblocking(False)
-    return reader, writer, signal.set_wakeup_fd(writer.fileno())
+    poll = select.poll()
+    poll.register(reader, select.POLLIN)
+    return reader, writer, signal.set_wakeup_fd(writer.fileno()), poll
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -106,8 +106,8 @@ def holds_nonfinite(tensor: torch.Tensor) -> bool:
     overflows is not taken for a damaged one."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return False
-    if tensor.element_size() == 1:  # fp8: torch does not sum it
-        tensor = tensor.to(torch.float16)
+    if tensor.element_size() == 1:  # fp8: torch does not sum it (float32 holds every 1-byte format's range)
+        tensor = tensor.to(torch.float32)
     return not torch.isfinite(tensor.sum()).item() and not torch.isfinite(tensor).all().item()
 
 

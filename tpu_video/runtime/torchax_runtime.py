@@ -169,7 +169,8 @@ class TorchaxRuntime:
 
     def compile(self, module: torch.nn.Module, rules: Any = None, methods: tuple[str, ...] = ("forward",)):
         """The module's weights placed on the mesh by `rules` (a sharding.RuleTable or a function of the
-        mesh's axis sizes returning one; default: replicated), its `methods` jitted (one program each)."""
+        mesh's axis sizes returning one; default: replicated), its `methods` jitted (one program each). A
+        weight holding NaN or Inf is a UserError naming it, before anything compiles."""
         if callable(rules):
             rules = rules(dict(self.mesh.shape))
         stats = placement.place_module(module, rules or sharding.REPLICATED_TABLE, self.mesh, self.env)

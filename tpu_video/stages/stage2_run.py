@@ -60,7 +60,7 @@ def runtime_for(args, run, processes, videos: int = 1):
 
 def changes(overrides: dict[str, list]) -> str:
     """{"seed": [42, 7]} as `seed 42 -> 7`, for the log (the config keeps the pairs)."""
-    return ", ".join(f"{key} {before} -> {after}" for key, (before, after) in overrides.items())
+    return ", ".join(f"{key} {before!r} -> {after!r}" for key, (before, after) in overrides.items())
 
 
 def denoise_and_write(args, run: ValidatedRun, processes) -> None:

@@ -137,8 +137,7 @@ def child(folder: str, mode: str, adapter: str) -> dict:
             rules = rules.with_stacked(set(names))
         loaded = time.perf_counter()
         peak_loaded = peak[0]
-        stats = placement.place_module(transformer, rules, mesh, env)
-        assert not stats["nonfinite"], stats["nonfinite"]
+        placement.place_module(transformer, rules, mesh, env)
         jax.block_until_ready([tensor.jax() for tensor in transformer.parameters()])
         placed = time.perf_counter()
 

@@ -17,6 +17,7 @@ import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sharding import AXES, REPLICATED, Layout, MeshShape, RuleTable
+from tpu_video.cli import UserError
 
 P = PartitionSpec
 
@@ -79,24 +80,27 @@ def _place_array(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
-def _read_array(tensor: torch.Tensor, sharding: NamedSharding, finite: list[bool]) -> jax.Array:
+def _read_array(tensor: torch.Tensor, sharding: NamedSharding) -> tuple[jax.Array, bool]:
     """A meta tensor's values read from its checkpoint file (its `file_source`, tpu_video/engine/direct_load.py), each
-    distinct slice once (replicas share it), straight into the devices that hold it; `finite[0]` is cleared where
-    a slice holds NaN or Inf."""
+    distinct slice once (replicas share it), straight into the devices that hold it; and whether every slice read
+    was free of NaN and Inf."""
     source = getattr(tensor, "file_source", None)
     if source is None:
         raise ValueError(f"a meta tensor of shape {tuple(tensor.shape)} has no values to place")
     read: dict[tuple, np.ndarray] = {}
+    finite = True
 
     def slice_of(index: tuple[slice, ...]) -> np.ndarray:
+        nonlocal finite
         key = tuple((part.start, part.stop, part.step) for part in index)
         if key not in read:
             values = source.read(index)
-            finite[0] = finite[0] and not holds_nonfinite(values)
+            finite = finite and not holds_nonfinite(values)
             read[key] = _host_array(values)
         return read[key]
 
-    return jax.make_array_from_callback(tuple(tensor.shape), sharding, slice_of)
+    array = jax.make_array_from_callback(tuple(tensor.shape), sharding, slice_of)
+    return array, finite
 
 
 def holds_nonfinite(tensor: torch.Tensor) -> bool:
@@ -119,15 +123,15 @@ def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> 
     of the weights. Tied weights (one tensor under several names, e.g. T5's `shared` and
     `encoder.embed_tokens`) stay one device array. Buffers are replicated. Returns the rule table's
     name, counts (of them, how many were read from files), per-device bytes (the caller logs and
-    records them) and under `nonfinite` the names of the floating-point weights holding NaN or Inf, each
-    checked on the host as it is placed (`holds_nonfinite`), so a damaged checkpoint is named before anything
-    is compiled or run.
+    records them). A floating-point weight holding NaN or Inf, each checked on the host as it is placed
+    (`holds_nonfinite`), is a UserError naming them all, so a damaged checkpoint is named before anything is
+    compiled or run.
     """
     from torchax.tensor import Tensor
 
     stats = {"rule_table": table.name, "sharded": 0, "replicated": 0, "buffers": 0, "bytes_per_device": 0}
     stats["read_from_files"] = 0  # weights read straight from their checkpoint files to the devices
-    stats["nonfinite"] = []  # names of the weights that hold NaN or Inf
+    nonfinite: list[str] = []  # names of the weights that hold NaN or Inf
     placed: dict[int, tuple] = {}  # id of a CPU tensor -> (a weak reference to it, its device copy)
     bar = _progress(module)
     for kind, name, store, leaf, value, spec in _weights(module, table, mesh):
@@ -141,14 +145,13 @@ def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> 
         if isinstance(value, Tensor) and value.jax().sharding.is_equivalent_to(target, value.ndim):
             array = value.jax()  # placed before, as wanted (stage 3 reusing one VAE): kept, no host trip
         elif value.is_meta:
-            finite = [True]
-            array = _read_array(value, target, finite)
+            array, finite = _read_array(value, target)
             stats["read_from_files"] += 1
-            if not finite[0]:
-                stats["nonfinite"].append(name)
+            if not finite:
+                nonfinite.append(name)
         else:
             if holds_nonfinite(value):
-                stats["nonfinite"].append(name)
+                nonfinite.append(name)
             array = _place_array(_host_array(value), target)
         store[leaf] = device_copy = Tensor(array, env)
         placed[id(value)] = (weakref.ref(value), device_copy)
@@ -162,6 +165,12 @@ def place_module(module: torch.nn.Module, table: RuleTable, mesh: Mesh, env) -> 
             stats["replicated"] += 1
         bar.update(size)
     bar.close()
+    if nonfinite:
+        shown = ", ".join(nonfinite[:5]) + (f" and {len(nonfinite) - 5} more" if len(nonfinite) > 5 else "")
+        raise UserError(
+            f"{len(nonfinite)} weight(s) of the {type(module).__name__} hold NaN or Inf values: {shown} "
+            "(a damaged or wrongly converted checkpoint)"
+        )
     return stats
 
 

@@ -23,7 +23,7 @@ import torch
 from jax.sharding import Mesh
 
 import sharding
-from tpu_video.cli import UserError, log
+from tpu_video.cli import log
 from tpu_video.runtime import placement, program_checks
 from tpu_video.runtime.executables import store_from_flag
 from tpu_video.runtime.interface import cache_root
@@ -179,13 +179,6 @@ class TorchaxRuntime:
             f"parameters ({stats['read_from_files']} read from their files), {stats['buffers']} buffers, "
             f"{stats['bytes_per_device'] / 2**20:.1f} MiB per device"
         )
-        damaged = stats.pop("nonfinite")
-        if damaged:
-            shown = ", ".join(damaged[:5]) + (f" and {len(damaged) - 5} more" if len(damaged) > 5 else "")
-            raise UserError(
-                f"{len(damaged)} weight(s) of the {type(module).__name__} hold NaN or Inf values: {shown} "
-                "(a damaged or wrongly converted checkpoint)"
-            )
         self.placements.append(stats)
         return Programs(module, methods, self.executables, self.mesh)
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import argparse
 
-from tpu_video.cli import run_cli
+from tpu_video.cli import log, run_cli
 from tpu_video.stages import stage1_flags
-from tpu_video.stages.stage1_run import run
 from tpu_video.workarounds.warning_filters import filter_harmless_warnings
 
 
@@ -28,7 +27,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    log("stage 1: loading torch and diffusers")  # the libraries load once the flags are read: --help needs none
     filter_harmless_warnings()
+    from tpu_video.stages.stage1_run import run
+
     run(args)
 
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from tpu_video.cli import run_cli
+from tpu_video.cli import log, run_cli
 from tpu_video.stages import stage2_flags
-from tpu_video.stages.stage2_run import run
 from tpu_video.workarounds.warning_filters import filter_harmless_warnings
 
 
@@ -24,7 +23,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if not args.process_id:  # the libraries load once the flags are read (--help needs none); process 0 logs
+        log("stage 2: loading torch, JAX and diffusers")
     filter_harmless_warnings()
+    from tpu_video.stages.stage2_run import run
+
     run(args)
 
 

@@ -14,13 +14,13 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import load_file, save_file
+from typing import TYPE_CHECKING, Any
 
 from tpu_video.cli import UserError, dtype_name, folders, parse_dtype
 from tpu_video.cli.options import KIND_TYPES, KIND_WORDS, Option
+
+if TYPE_CHECKING:  # torch loads where tensors are read or written: the stages' parsers import this module
+    import torch
 
 # 2: stage 2 records `latents_normalization` (1 had the boolean `latents_scaled_by_vae_scaling_factor`,
 # which stage 3 still reads: see stage2_normalization).
@@ -110,6 +110,8 @@ def ensure_writable_dir(directory: Path, files: tuple[str, ...] = ()) -> None:
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Save tensors (in their own dtype) atomically; return the config record describing the file."""
+    from safetensors.torch import save_file
+
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp)))
     return {
@@ -124,6 +126,8 @@ RECORD_FIELDS = (("file", str), ("sha256", str), ("tensors", dict))  # what writ
 
 def read_tensors(directory: Path, record: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Load a stage file described by `record`, verifying its checksum, names, shapes and dtypes."""
+    from safetensors.torch import load_file
+
     if not isinstance(record, dict) or not all(isinstance(record.get(key), kind) for key, kind in RECORD_FIELDS):
         raise UserError(
             f"{directory / CONFIG_FILE}: a stage file's record is not the file, sha256 and tensors a stage writes: "

@@ -82,7 +82,8 @@ def quality(work: Path) -> dict:
 MEMORY_CHILD = r"""
 import json, resource, sys, threading, time, torch
 from tpu_video import models
-from tpu_video.engine.quantize import Quantization, quantize
+from tpu_video.engine.quantize import quantize
+from tpu_video.engine.settings import Quantization
 
 def status():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))

@@ -87,7 +87,7 @@ def child(folder: str, mode: str, adapter: str) -> dict:
     from tpu_video import models
     from tpu_video.engine import lora, scanned_blocks
     from tpu_video.engine.denoise import DenoiseOptions, load_transformers
-    from tpu_video.engine.quantize import Quantization
+    from tpu_video.engine.settings import Quantization
     from tpu_video.runtime import placement
     from tpu_video.runtime.interface import Timer
     from tpu_video.workarounds.torchax import import_torchax

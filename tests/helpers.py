@@ -48,9 +48,11 @@ def expect_user_error(capsys, module, argv: list[str], message: str) -> str:
     with pytest.raises(SystemExit) as exit_info:
         run_stage(module, argv)
     assert exit_info.value.code == 2
-    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    said = capsys.readouterr().err.splitlines()
+    err_lines = [line for line in said if line.startswith("error:")]
     assert len(err_lines) == 1, err_lines
     assert message in err_lines[0], err_lines[0]
+    assert said[-1] == err_lines[0], f"the error is not one line: {said[said.index(err_lines[0]) :]}"
     return err_lines[0]
 
 

@@ -419,6 +419,7 @@ def test_bad_input_is_one_error_line_and_changes_nothing(request, capsys, denois
     assert "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and case.message in errors[0], errors
+    assert err.splitlines()[-1] == errors[0], f"the error is not one line: {err[err.index(errors[0]) :]}"
     if case.cause == "argparse":
         assert errors[0].endswith(f"(see {STAGES[case.stage].__name__}.py --help)")
     assert snapshot(tmp_path) == before

@@ -22,7 +22,7 @@ from sharding import MeshShape
 from tpu_video.cli import UserError
 from tpu_video.engine import direct_load, scanned_blocks
 from tpu_video.engine.denoise import DenoiseOptions, load_transformers
-from tpu_video.engine.quantize import Quantization
+from tpu_video.engine.settings import Quantization
 from tpu_video.models import resolve_model
 from tpu_video.runtime import placement
 from tpu_video.runtime.interface import Timer

@@ -54,7 +54,7 @@ def staged_latents(out, prompt: str, guidance_scale: float, *stage2_flags):
 
 
 def test_the_presets_shorter_padding_changes_only_the_time(reference):
-    """The tiny preset pads the text and image tokens to less than the pipeline does (presets.TINY_LENGTHS);
+    """The tiny preset pads the text and image tokens to less than the pipeline does (declarations.TINY_LENGTHS);
     the padding is masked, so the pipeline itself gives the same latents either way."""
     from diffusers import HunyuanVideo15Pipeline
 

@@ -231,7 +231,8 @@ def test_int8_linears_in_the_compiled_transformer_match_the_reference(family, me
     one device, and with its weights and scales split on tp) is checked on the input it received in the
     program: its output there against the eager reference's on that same input, within 1e-6."""
     from sharding import MeshShape
-    from tpu_video.engine.quantize import Quantization, quantize
+    from tpu_video.engine.quantize import quantize
+    from tpu_video.engine.settings import Quantization
     from tpu_video.models import FAMILIES
     from tpu_video.runtime.placement import make_mesh
     from tpu_video.runtime.torchax_runtime import TorchaxRuntime
@@ -344,7 +345,7 @@ def test_the_mesh_choice_counts_quantized_bytes():
     int8_weight are at most 0.55x of bf16's (the blocks' linears are nearly all of them)."""
     from tpu_video import models
     from tpu_video.engine.meta import model_facts
-    from tpu_video.engine.quantize import Quantization
+    from tpu_video.engine.settings import Quantization
 
     source, family = models.resolve_model("Wan-AI/Wan2.1-T2V-14B-Diffusers", configs_only=True)
 

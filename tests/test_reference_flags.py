@@ -48,10 +48,11 @@ def test_reference_spellings_give_the_same_config_and_latents(tmp_path):
     assert (ours / STAGE2_FILE).read_bytes() == (theirs / STAGE2_FILE).read_bytes()
 
 
-def test_stage1_first_log_line_names_family_and_model(tmp_path, capsys):
+def test_stage1_first_log_lines_say_it_loads_then_name_family_and_model(tmp_path, capsys):
     run_stage(stage1_text_encoder, ["--model", "tiny-hunyuanvideo15", "--output_dir", tmp_path, *REQUEST])
-    first = capsys.readouterr().out.splitlines()[0]
-    assert "stage 1 for hunyuanvideo15, model tiny-hunyuanvideo15" in first
+    first, second = capsys.readouterr().out.splitlines()[:2]
+    assert first.endswith("] stage 1: loading torch and diffusers")  # printed before they load
+    assert "stage 1 for hunyuanvideo15, model tiny-hunyuanvideo15" in second
 
 
 @pytest.fixture(scope="module")

@@ -178,3 +178,41 @@ def test_a_long_quiet_call_says_it_is_still_working(capsys):
     with still_working("quick", every=10.0):
         pass
     assert "quick" not in capsys.readouterr().out
+
+
+# What parsing a stage's flags must not import (issue 65: `--help` took 1.7-2.6 s, torch's import alone more
+# than a second): the numeric and model libraries load only once the flags are read.
+HEAVY_LIBRARIES = ("torch", "numpy", "jax", "jaxlib", "torchax", "diffusers", "transformers", "safetensors", "PIL")
+
+
+def test_help_and_flag_errors_import_no_heavy_library(tmp_path):
+    blocked = tmp_path / "blocked"
+    for name in HEAVY_LIBRARIES:
+        (blocked / name).mkdir(parents=True)
+        (blocked / name / "__init__.py").write_text(
+            f"raise ImportError('{name} is blocked: parsing must not need it')\n"
+        )
+    for script in ("stage1_text_encoder.py", "stage2_transformer.py", "stage3_vae_decoder.py"):
+        result = run_script(script, ["--help"], extra_pythonpath=blocked)
+        assert result.returncode == 0 and "usage:" in result.stdout, result.stderr[-2000:]
+        result = run_script(script, ["--no_such_flag"], extra_pythonpath=blocked)
+        assert result.returncode == 2 and "unrecognized arguments: --no_such_flag" in result.stderr, result.stderr
+    # The help still names every preset, family option and media input (read from the families' declarations).
+    help_text = run_script("stage1_text_encoder.py", ["--help"], extra_pythonpath=blocked).stdout
+    for words in ("tiny-wan2.1-vace", "tiny-ltx2.3", "--control_video", "--sigmas", "--scheduler"):
+        assert words in help_text
+    # A run past parsing does need them: the block is in effect.
+    result = run_script("stage1_text_encoder.py", [*TINY, "--output_dir", tmp_path / "out"], extra_pythonpath=blocked)
+    assert result.returncode != 0 and "is blocked: parsing must not need it" in result.stderr
+
+
+def test_an_error_wrapping_a_library_message_of_several_lines_is_one_line(capsys):
+    from tpu_video.cli import UserError, run_cli
+
+    def main():
+        raise UserError("--model 'x': the library said:\n  first line\n\n  second line")
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: --model 'x': the library said: first line second line\n"

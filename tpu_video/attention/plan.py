@@ -25,13 +25,6 @@ TILE_NAMES = ("block_q", "block_kv", "block_kv_compute")
 # Flags that only the Splash kernel reads: given under another backend they would do nothing.
 SPLASH_ONLY_FLAGS = (*TILE_NAMES, "local_window", "k_smoothing")
 FUSED_DTYPES = (torch.bfloat16, torch.float16)  # what cuDNN's fused attention takes
-# How attention uses a sequence split on `sp` (runtime.mesh.sp_mode_choice). ulysses: an all-to-all
-# turns the sequence split into a head split, attention runs over the whole sequence for the device's
-# heads, one all-to-all turns the output back (DeepSpeed-Ulysses). ring: queries stay split and key/value
-# chunks pass round the sp devices, merged exactly by log-sum-exp. gather: queries stay split and every
-# device gathers all keys and values. auto: ulysses where the heads per tp shard divide by sp, else ring
-# (gather with a Splash local window, which ring cannot shift).
-SP_MODES = ("auto", "ulysses", "ring", "gather")
 
 
 @dataclass(frozen=True)
@@ -94,7 +87,7 @@ class AttentionPlan:
     splash: SplashConfig | None = None
     sequence_parallel: str = "none"
     backend_why: str = "as given"
-    sp_mode: str = "auto"  # as asked (SP_MODES)
+    sp_mode: str = "auto"  # as asked (runtime.mesh.SP_MODES)
     sequence_parallel_why: str = ""
     tp_mode: str = "megatron"
     mesh: MeshChoice | None = None

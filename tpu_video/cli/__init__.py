@@ -202,8 +202,9 @@ def run_cli(main: Callable[[], None]) -> None:
     try:
         with sigterm_stops():
             main()
-    except UserError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+    except UserError as err:  # one line, whatever a wrapped library message held
+        message = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(2)
     except Stopped as stop:
         print(f"stopped: {stop}", file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """The stage folders a run works in: one writer at a time (`hold`: a lock a stage takes before it reads or
 writes a folder, released when the process ends), and the later stages' outputs a new output makes stale
-(`without_stale_outputs`). No torch: the file contract (utils.py) and the stages use it."""
+(`without_stale_outputs`), and this tool's per-user cache folder (`cache_root`). No torch: the file contract
+(utils.py) and the stages' parsers use it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from . import UserError, at_run_end, log
 
 LOCK_FILE = ".tpu-video.lock"
 _HELD: dict[Path, tuple[int, bool]] = {}  # resolved folder -> (lock file descriptor, exclusive)
+
+
+def cache_root() -> Path:
+    """This tool's per-user cache: materialized presets, published configs, the JAX compilation cache.
+    TPU_VIDEO_CACHE moves it (the tests give each session its own)."""
+    return Path(os.environ.get("TPU_VIDEO_CACHE") or Path.home() / ".cache" / "tpu-video")
 
 
 def hold(directory: Path, *, write: bool) -> None:

@@ -7,7 +7,8 @@ videos per run on disk), `passes` (a denoise that starts from an earlier pass's 
 (`cache_schedule`, `step_cache`, `cached_blocks`, `mag_ratios`), `scanned_blocks` (identical blocks as one
 scan), `quantize` (int8 and fp8 weights), `lora` and `lora_files` (adapters fused before placement),
 `direct_load` (weights read from their files straight to the devices) and `meta` (models on the meta device
-and the facts the mesh choice needs). Stage 1: `encoders` (text, image and
+and the facts the mesh choice needs); `settings` holds the choices and settings of stage 2's flags that the
+stages' parsers read with no torch imported. Stage 1: `encoders` (text, image and
 VAE encoders on a runtime), `inputs` (the media inputs families declare: checked, read, recorded),
 `images` and `videos` (the image and video inputs' readers) and `lora_stage1` (an adapter's text-connector
 share).

@@ -23,11 +23,17 @@ from tpu_video.engine.cache_schedule import CacheSettings
 from tpu_video.engine.direct_load import load_direct
 from tpu_video.engine.guard import DenoiseGuard
 from tpu_video.engine.passes import started
-from tpu_video.engine.quantize import Quantization, quantize
+from tpu_video.engine.quantize import quantize
+from tpu_video.engine.settings import Quantization
 from tpu_video.engine.step_cache import StepCache, cached_rules
 from tpu_video.runtime.interface import Runtime, Timer
 
 LATENTS_LAYOUT = "BCFHW"  # stage 2's latents file, for every family
+# Stage 2's initial noise is drawn in fp32 on the CPU and then cast to the run's dtype, so a seed gives
+# the same latents on every host: torch 2.11's CPU randn draws another sequence in bf16 than in fp32
+# (torch 2.13 draws the fp32 values, rounded), while its fp32 draws equal torch 2.13's (checked on the
+# GPU host, whose torch is 2.11). The pipelines draw in the run's dtype; on torch 2.13 that is the same.
+NOISE_DTYPE = torch.float32
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from tpu_video.cli import UserError, log
+from tpu_video.engine.settings import LORA_FLAGS
 from utils import sha256_file
 
 from .lora_files import (
@@ -34,8 +35,6 @@ from .lora_files import (
     transformer_weights,
 )
 
-# The flags, and the transformer component each one adapts.
-FLAGS = {"--lora": "transformer", "--lora_2": "transformer_2"}
 PLAN_EFFECT = (
     "fused into the weights on the host before placement: same shapes and layouts, so the compiled step, "
     "its HBM and its collectives are those planned for the base model"
@@ -165,7 +164,7 @@ def read_adapters(
             if not weights:
                 log(f"{flag} {file.name}: only text-connector weights, fused by stage 1; nothing for the transformer")
                 continue
-        component = FLAGS[flag]
+        component = LORA_FLAGS[flag]
         modules = dict(transformers[component].named_modules())
         missing = check_fits(weights, modules, flag, file) if weights else ["(none)"]
         if missing:

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 import torch
 
 from sharding import TP
-from tpu_video.engine.quantize import NO_QUANTIZATION, Quantization, quantize
+from tpu_video.engine.quantize import quantize
+from tpu_video.engine.settings import NO_QUANTIZATION, Quantization
 from tpu_video.runtime.mesh import ModelFacts
 
 

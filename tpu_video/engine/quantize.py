@@ -1,8 +1,8 @@
 """Quantized transformer weights for stage 2 (`--quantize`, `--quantize_layers`; docs/quantization.md).
 
-The schemes are torchao 0.18's, computed here in plain torch ops so torchax runs them and the rule tables
-place them (torchao's tensor subclasses do neither); tests/test_quantize.py checks integers, scales and
-outputs against torchao itself:
+The schemes (chosen as engine.settings.Quantization) are torchao 0.18's, computed here in plain torch ops
+so torchax runs them and the rule tables place them (torchao's tensor subclasses do neither);
+tests/test_quantize.py checks integers, scales and outputs against torchao itself:
 
 - `int8_weight` (torchao `Int8WeightOnlyConfig`): per output channel, scale = max |w| / 127.5 (in the
   weight's dtype, clamped to float32's eps, kept in float32), q = clamp(round(w * (1 / scale)), -128, 127);
@@ -25,14 +25,11 @@ which the mesh choice and `--plan` count.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from tpu_video.cli import UserError, log
+from tpu_video.engine.settings import Quantization
 
-SCHEMES = ("none", "int8_weight", "int8", "fp8_weight")
-LAYER_SETS = ("all", "ffn", "attention")
 INT8_EPS = torch.finfo(torch.float32).eps  # torchao's Int8Tensor.from_hp: float32's eps for every dtype
 FP8 = torch.float8_e4m3fn
 # Activations (`int8`) use max |x| / 127, not torchao's 127.5: with 127.5 each row's largest negative value
@@ -40,38 +37,6 @@ FP8 = torch.float8_e4m3fn
 # (docs/quantization.md: one tiny Wan 2.1 forward moved by 2.4e-4 relative when only the rescale's rounding
 # changed; 1.1e-7 with 127). Weights are quantized once, on the host, so they keep torchao's rule.
 ACTIVATION_LEVELS = 127.0
-
-
-@dataclass(frozen=True)
-class Quantization:
-    """`--quantize` and `--quantize_layers` as a run applies them."""
-
-    scheme: str = "none"
-    layers: str = "all"
-
-    @property
-    def enabled(self) -> bool:
-        return self.scheme != "none"
-
-    def record(self) -> dict[str, str]:
-        """What the stage-2 section records and a checkpoint's fingerprint compares."""
-        return {"scheme": self.scheme, "layers": self.layers}
-
-    def calibration_key(self) -> dict[str, str]:
-        """What a MagCache calibration file records of the weights' quantization (empty: none)."""
-        return self.record() if self.enabled else {}
-
-    def check_supported(self) -> None:
-        """fp8 needs a JAX that stores e4m3 arrays (before any weights load)."""
-        if self.scheme != "fp8_weight":
-            return
-        import jax.numpy as jnp
-
-        if not hasattr(jnp, "float8_e4m3fn"):
-            raise UserError("--quantize fp8_weight: the installed JAX cannot store float8_e4m3fn arrays")
-
-
-NO_QUANTIZATION = Quantization()
 
 
 def int8_per_row(tensor: torch.Tensor, levels: float = 127.5) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,8 +28,6 @@ from tpu_video.engine.cached_blocks import block_list, cached_span
 from tpu_video.engine.direct_load import stacked_source
 from tpu_video.workarounds.diffusers import register_hunyuanvideo15_block
 
-SCAN_CHOICES = ("auto", "on", "off")
-
 
 def _description(block: torch.nn.Module) -> str:
     """What a program reads of a block apart from its weights' values (the executable key's description)."""

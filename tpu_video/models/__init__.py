@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tpu_video.cli import UserError
-from tpu_video.runtime.interface import cache_root
+from tpu_video.cli.folders import cache_root
 
 from .family import Family
 from .family import Preset as Preset  # re-exported: the families' presets and the tests name it here

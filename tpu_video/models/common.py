@@ -8,19 +8,14 @@ The shared engine's larger parts have their own modules: stage 1's encoders (enc
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tpu_video.cli import UserError
 from tpu_video.engine.inputs import image_input
 from tpu_video.runtime.mesh import Activations
 
-# Stage 2's initial noise is drawn in fp32 on the CPU and then cast to the run's dtype, so a seed gives
-# the same latents on every host: torch 2.11's CPU randn draws another sequence in bf16 than in fp32
-# (torch 2.13 draws the fp32 values, rounded), while its fp32 draws equal torch 2.13's (checked on the
-# GPU host, whose torch is 2.11). The pipelines draw in the run's dtype; on torch 2.13 that is the same.
-NOISE_DTYPE = torch.float32
+if TYPE_CHECKING:  # annotations only
+    import torch
 
 
 def one_transformer(source) -> tuple[str, ...]:

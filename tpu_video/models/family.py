@@ -9,13 +9,17 @@ encoders (`encoders`), stage 3's decode (`decode`), and the request (`utils.Requ
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
 if TYPE_CHECKING:  # annotations only
+    import torch
+
     from tpu_video.cli.options import Option
     from tpu_video.engine.denoise import DenoiseLoop
     from tpu_video.engine.inputs import MediaInput
@@ -164,6 +168,36 @@ class Family(Protocol):
 
     def video_processor(self, source: ModelSource) -> Any:
         """The pipeline's post-processor (pixels in [-1, 1] to frames in [0, 1])."""
+
+
+def lazy_members(package: str, modules: dict[str, tuple[str, ...]]) -> Callable[[str], Any]:
+    """A family package's module `__getattr__` (PEP 562): each name listed under a module of `package` is
+    imported from it on first use and then kept in the package. The stages' parsers read only a family's
+    declarations (its name, pipeline classes, options, media inputs, presets and published configs, from
+    modules that import no torch), so `--help` and a flag's error come before torch loads."""
+    where = {name: module for module, names in modules.items() for name in names}
+
+    def __getattr__(name: str) -> Any:
+        if name in where:
+            value = getattr(importlib.import_module(f"{package}.{where[name]}"), name)
+        elif importlib.util.find_spec(f"{package}.{name}") is not None:  # a module of the package
+            value = importlib.import_module(f"{package}.{name}")
+        else:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        setattr(sys.modules[package], name, value)
+        return value
+
+    return __getattr__
+
+
+def _build_preset(module: str, function: str, *args: Any, **kwargs: Any) -> Any:
+    return getattr(importlib.import_module(module), function)(*args, **kwargs)
+
+
+def preset_builder(module: str, function: str, *args: Any, **kwargs: Any) -> Callable[[], Any]:
+    """A Preset's `build`: `module.function(*args, **kwargs)`, the module (which needs torch) imported only when
+    a preset is built, not when the presets are listed."""
+    return functools.partial(_build_preset, module, function, *args, **kwargs)
 
 
 def family_members() -> list[str]:

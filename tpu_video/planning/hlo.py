@@ -154,7 +154,7 @@ def measure(
 ) -> dict[str, object]:
     """Collectives of one transformer block of `model_name` (TRANSFORMERS) compiled on `mesh`, with
     abstract f32 weights placed by the family's rule table and inputs laid out as stage 2 lays them;
-    `sp_mode` is how attention uses `sp` (attention.plan.SP_MODES); Splash runs with the family's tiles."""
+    `sp_mode` is how attention uses `sp` (runtime.mesh.SP_MODES); Splash runs with the family's tiles."""
     family, build, blocks, returns_text = BLOCKS[model_name]
     model = build()
     table = family.transformer_rules(tp_mode)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from sharding import TP
 from tpu_video.attention.plan import AttentionPlan
 from tpu_video.engine.meta import attention_heads, meta_module, meta_transformers, weight_facts
-from tpu_video.engine.quantize import NO_QUANTIZATION, Quantization
+from tpu_video.engine.settings import NO_QUANTIZATION, Quantization
 from tpu_video.planning import hlo
 from tpu_video.planning.report import STAGE_WORK
 from tpu_video.planning.tpus import Target, host_layout, topology_mesh

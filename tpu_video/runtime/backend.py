@@ -1,14 +1,16 @@
 """Which runtime stages 1 and 3 run on: `--backend torch` on a torch `--device`, or `--backend torchax` on
-every JAX device; stage 3's `--backend auto` chooses. Importing this module needs no JAX: JAX is probed or
-imported only when a choice needs it.
+every JAX device; stage 3's `--backend auto` chooses. Importing this module needs neither torch nor JAX (the
+stages' parsers read its choices): each is probed or imported only when a choice needs it.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from tpu_video.cli import UserError
-from tpu_video.runtime.interface import Runtime, TorchRuntime
+
+if TYPE_CHECKING:  # annotations only
+    from tpu_video.runtime.interface import Runtime
 
 BACKENDS = ("torch", "torchax")
 STAGE3_BACKENDS = ("auto", *BACKENDS)
@@ -28,6 +30,8 @@ def check_backend_flags(backend: str, device: str | None, executables: str = "au
 
 def check_torch_device(name: str) -> None:
     """`--device` must name a torch device this host has (cpu, cuda, cuda:N, mps)."""
+    import torch
+
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -68,7 +72,11 @@ def choose_backend(backend: str, device: str | None, cuda=None, platform=jax_pla
         return backend, device, "as given"
     if device is not None:
         return "torch", device, f"--device {device} given: torch"
-    if (cuda or torch.cuda.is_available)():
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available
+    if cuda():
         return "torch", "cuda", "torch sees a CUDA GPU: torch on cuda"
     found = platform()
     if found in ("tpu", "gpu"):
@@ -85,6 +93,8 @@ def open_runtime(
     install."""
     check_backend_flags(backend, device)
     if backend == "torch":
+        from tpu_video.runtime.interface import TorchRuntime
+
         return TorchRuntime(device or "cpu")
     try:
         from tpu_video.runtime import torchax_runtime

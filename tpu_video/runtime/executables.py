@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from tpu_video.cli import UserError, log
-from tpu_video.runtime.interface import cache_root
+from tpu_video.cli.folders import cache_root
 from tpu_video.runtime.program_key import digest
 
 ENTRY_FORMAT = 1

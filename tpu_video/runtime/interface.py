@@ -1,5 +1,6 @@
 """Where and how a stage runs its modules: one runtime interface, a plain-PyTorch implementation, timing,
-and what every runtime records (the per-user cache folder, library versions; the mesh axis names are sharding.py's).
+and what every runtime records (library versions; the mesh axis names are sharding.py's; the per-user cache folder is
+cli.folders.cache_root).
 
 Stages and families call a `Runtime` and never branch on which one they hold. `TorchRuntime` (here)
 runs eagerly on one torch device and treats mesh layouts as no-ops; `torchax_runtime.TorchaxRuntime`
@@ -10,23 +11,15 @@ places weights on a dp/sp/tp JAX mesh and jits. This module never imports JAX, s
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from sharding import Layout
 from tpu_video.cli import log
-
-
-def cache_root() -> Path:
-    """This tool's per-user cache: materialized presets, published configs, the JAX compilation cache.
-    TPU_VIDEO_CACHE moves it (the tests give each session its own)."""
-    return Path(os.environ.get("TPU_VIDEO_CACHE") or Path.home() / ".cache" / "tpu-video")
 
 
 class Runtime(Protocol):

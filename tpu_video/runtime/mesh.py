@@ -89,6 +89,15 @@ class MeshChoice:
         return {**self.shape.as_dict(), "why": self.why, "fits_estimate": self.fits, "estimated_bytes": self.estimate}
 
 
+# How attention uses a sequence split on `sp` (sp_mode_choice, below). ulysses: an all-to-all
+# turns the sequence split into a head split, attention runs over the whole sequence for the device's
+# heads, one all-to-all turns the output back (DeepSpeed-Ulysses). ring: queries stay split and key/value
+# chunks pass round the sp devices, merged exactly by log-sum-exp. gather: queries stay split and every
+# device gathers all keys and values. auto: ulysses where the heads per tp shard divide by sp, else ring
+# (gather with a Splash local window, which ring cannot shift).
+SP_MODES = ("auto", "ulysses", "ring", "gather")
+
+
 def sp_mode_choice(sp_mode: str, mesh_shape: dict[str, int], heads: int, local_window: bool = False) -> tuple[str, str]:
     """The sequence-parallel scheme ("none", "ulysses", "ring" or "gather") a run uses for its model's
     attention heads, and why; ValueError where the scheme asked for cannot run."""

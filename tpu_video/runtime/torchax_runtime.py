@@ -24,9 +24,9 @@ from jax.sharding import Mesh
 
 import sharding
 from tpu_video.cli import log
+from tpu_video.cli.folders import cache_root
 from tpu_video.runtime import placement, program_checks
 from tpu_video.runtime.executables import store_from_flag
-from tpu_video.runtime.interface import cache_root
 from tpu_video.runtime.programs import Programs
 from tpu_video.workarounds.torchax import (
     import_torchax,

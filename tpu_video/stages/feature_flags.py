@@ -1,6 +1,6 @@
 """The engine features' flags and their reading into the frozen settings the engine takes: stage 2's step
 cache (engine.cache_schedule.CacheSettings), LoRA adapters (the `(flag, text)` pairs engine.lora reads),
-quantization (engine.quantize.Quantization), the block scan and the multi-host launch (stage 1's `--lora` is
+quantization (engine.settings.Quantization), the block scan and the multi-host launch (stage 1's `--lora` is
 in stage1_flags). The engine reads no argparse namespace: what a setting means is the engine's, how it is
 spelled and checked as a flag is here."""
 
@@ -11,10 +11,8 @@ from pathlib import Path
 
 from tpu_video.cli import UserError, finite_float, log
 from tpu_video.engine.cache_schedule import KINDS, CacheSettings
-from tpu_video.engine.lora import FLAGS as LORA_FLAGS
 from tpu_video.engine.mag_ratios import MAG_RATIOS_FILE, read_mag_ratios
-from tpu_video.engine.quantize import LAYER_SETS, SCHEMES, Quantization
-from tpu_video.engine.scanned_blocks import SCAN_CHOICES
+from tpu_video.engine.settings import LAYER_SETS, LORA_FLAGS, SCAN_CHOICES, SCHEMES, Quantization
 from tpu_video.runtime.distributed import DEFAULT_PEER_TIMEOUT
 
 CACHE_DEFAULTS = CacheSettings()  # the cache flags' defaults, stated once (diffusers' for MagCache)

@@ -1,13 +1,13 @@
 """Stage 2's flags (stage2_transformer.py --help): the input and output folders, batches, attention and its
 Splash options, the mesh, the step cache, the block scan, quantization, LoRA, checkpoints, the runtime and
-multi-host settings, planning, and the request overrides."""
+multi-host settings, planning, and the request overrides; and where a profiler trace goes (`profile_dir`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from tpu_video.attention.plan import SP_MODES
 from tpu_video.cli import (
+    UserError,
     add_executables_argument,
     add_plan_arguments,
     dtype_flag,
@@ -15,6 +15,7 @@ from tpu_video.cli import (
     flag_names,
     stage_parser,
 )
+from tpu_video.runtime.mesh import SP_MODES
 from tpu_video.stages.feature_flags import (
     add_cache_flags,
     add_lora_flags,
@@ -23,8 +24,9 @@ from tpu_video.stages.feature_flags import (
     add_scan_flag,
 )
 from tpu_video.stages.request import add_request_arguments
-from tpu_video.stages.stage2_inputs import PROFILE_DIR
 from utils import CHECKPOINT_FILE, DEFAULT_OUTPUT_DIR
+
+PROFILE_DIR = "./jax-trace"  # the reference scripts' default trace folder
 
 
 def build_parser(script: str, description: str | None):
@@ -175,3 +177,15 @@ def build_parser(script: str, description: str | None):
     add_plan_arguments(parser, compiles, ". Without stage-1 files, plans from --model and the request flags")
     add_request_arguments(parser, for_later_stage=True)
     return parser
+
+
+def profile_dir(args) -> str | None:
+    """Where the profiler trace goes: `--profile DIR`, or the reference scripts' `--enable_profiler` with
+    `--profiler_output_dir`; None for no trace."""
+    if args.profiler_output_dir and not args.enable_profiler:
+        raise UserError("--profiler_output_dir needs --enable_profiler (or use --profile DIR)")
+    if not args.enable_profiler:
+        return args.profile
+    if args.profile and args.profiler_output_dir and args.profile != args.profiler_output_dir:
+        raise UserError("--profile and --profiler_output_dir name different folders; give one")
+    return args.profile or args.profiler_output_dir or PROFILE_DIR

@@ -191,18 +191,3 @@ def batch_resume(args, folders: list[Path]) -> list[tuple[Path, bool]]:
         else:
             todo.append((folder, False))
     return todo
-
-
-PROFILE_DIR = "./jax-trace"
-
-
-def profile_dir(args) -> str | None:
-    """Where the profiler trace goes: `--profile DIR`, or the reference scripts' `--enable_profiler` with
-    `--profiler_output_dir`; None for no trace."""
-    if args.profiler_output_dir and not args.enable_profiler:
-        raise UserError("--profiler_output_dir needs --enable_profiler (or use --profile DIR)")
-    if not args.enable_profiler:
-        return args.profile
-    if args.profile and args.profiler_output_dir and args.profile != args.profiler_output_dir:
-        raise UserError("--profile and --profiler_output_dir name different folders; give one")
-    return args.profile or args.profiler_output_dir or PROFILE_DIR

@@ -23,7 +23,8 @@ from tpu_video.runtime.interface import run_record
 from tpu_video.stages.feature_flags import cache_settings, lora_flags, quantization
 from tpu_video.stages.request import request_flags
 from tpu_video.stages.stage2_attention import attention_flags, attention_plan, where_it_fits
-from tpu_video.stages.stage2_inputs import ValidatedRun, batch_resume, check_batch_flags, profile_dir, validated_run
+from tpu_video.stages.stage2_flags import profile_dir
+from tpu_video.stages.stage2_inputs import ValidatedRun, batch_resume, check_batch_flags, validated_run
 from tpu_video.stages.stage2_upsample import given_upsample_flags, upsample_main
 from utils import DEFAULT_OUTPUT_DIR, STAGE2_FILE, sections_for_output, write_stage_config, write_tensors
 

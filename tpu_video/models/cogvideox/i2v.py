@@ -20,16 +20,13 @@ from tpu_video.engine.inputs import MediaInput
 from utils import Request
 
 from ..common import IMAGE
+from .declarations import I2V_PIPELINE_CLASS
 
-PIPELINE_CLASS = "CogVideoXImageToVideoPipeline"
 OFS = 2.0  # the pipeline's `ofs` value for transformers with an ofs embedding (CogVideoX 1.5 I2V)
 
 
 def image_to_video(source) -> bool:
-    return source.index.get("_class_name") == PIPELINE_CLASS
-
-
-MEDIA_INPUTS = (IMAGE,)
+    return source.index.get("_class_name") == I2V_PIPELINE_CLASS
 
 
 def media_inputs(source) -> tuple[MediaInput, ...]:

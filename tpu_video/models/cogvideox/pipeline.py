@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from tpu_video.engine.denoise import DenoiseLoop, latents_record
+from tpu_video.engine.denoise import NOISE_DTYPE, DenoiseLoop, latents_record
 from tpu_video.engine.encoders import DeviceTextEncoder, t5_prompt_encoder
 from tpu_video.engine.guidance import BATCH
 from utils import Request
 
-from ..common import NOISE_DTYPE, recorded_scaling_factor, vae_scaling_factor
+from ..common import recorded_scaling_factor, vae_scaling_factor
 from . import i2v
 from .config import Geometry, cfg_enabled
 from .transformer import GuidedTransformer, make_jit_safe, transformer_rules

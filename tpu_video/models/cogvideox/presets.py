@@ -3,13 +3,9 @@ them), deterministic per seed, saved and loaded through `from_pretrained` like a
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..family import Preset
 from ..tiny import t5_encoder_kwargs, t5_tokenizer
-from .config import NAME
 
 
 def tiny_pipeline(version: str, seed: int = 0, num_layers: int = 2, image_to_video: bool = False):
@@ -85,12 +81,3 @@ def tiny_pipeline(version: str, seed: int = 0, num_layers: int = 2, image_to_vid
     pipeline = CogVideoXImageToVideoPipeline if image_to_video else CogVideoXPipeline
     components = {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": scheduler}
     return pipeline(transformer=transformer, **components)
-
-
-TINY_DEFAULTS = {"height": 64, "width": 96, "num_frames": 9, "fps": 8, "num_inference_steps": 8}
-PRESETS = {
-    "tiny-cogvideox": Preset(NAME, functools.partial(tiny_pipeline, "1.5"), TINY_DEFAULTS),
-    "tiny-cogvideox1.0": Preset(NAME, functools.partial(tiny_pipeline, "1.0"), TINY_DEFAULTS),
-    "tiny-cogvideox-i2v": Preset(NAME, functools.partial(tiny_pipeline, "1.5", image_to_video=True), TINY_DEFAULTS),
-    "tiny-cogvideox1.0-i2v": Preset(NAME, functools.partial(tiny_pipeline, "1.0", image_to_video=True), TINY_DEFAULTS),
-}

@@ -1,38 +1,43 @@
 """HunyuanVideo-1.5, text- and image-to-video (diffusers `HunyuanVideo15Pipeline`,
 `HunyuanVideo15ImageToVideoPipeline`): the family's `models.family.Family` members, gathered from its parts.
 
-- `config`: which pipelines are this family, documented defaults, request checks;
+- `declarations`: what the stages' parsers read (its name, pipeline classes, media inputs, tiny presets), no
+  torch imported; the other members are imported on first use (`models.family.lazy_members`);
+- `config`: documented defaults, request checks, the shared pieces it uses as they are;
 - `transformer`: the forward made traceable, the key-mask attention processor, the weight rule table,
   Splash tiles, the guided call;
 - `pipeline`: stage 1's prompt encoding (Qwen2.5-VL and ByT5) and stage 2's flow-matching loop;
 - `i2v`: image-to-video (SigLIP image embeddings, the first frame's VAE latents);
 - `vae`: the VAE made traceable and stage 3's frame programs (chunks of any length);
-- `presets`: the tiny random presets; `published`: the published checkpoints' configs for `--plan`.
+- `presets`: the tiny random presets' components; `published`: the published checkpoints' configs for `--plan`.
 """
 
-from ..common import no_image_checks as check_inputs
-from ..common import no_start_from, no_upsample
-from ..common import one_transformer as transformer_components
-from ..common import stage2_as_written as upgrade_stage2
-from ..common import vae_scaling_factor as latents_normalization
-from .config import (
-    LORA_LOADER,
-    NAME,
-    OPTIONS,
-    PIPELINE_CLASSES,
-    STEP_CACHES,
-    activations,
-    guidance_branches,
-    request_defaults,
-    validate_request,
-)
-from .i2v import MEDIA_INPUTS, encode_inputs, inputs_on_runtime, media_inputs, size_from_inputs
-from .pipeline import denoise_loop, planning_embeds, prompt_encoder
-from .presets import PRESETS
+from ..family import lazy_members
+from .declarations import MEDIA_INPUTS, NAME, OPTIONS, PIPELINE_CLASSES, PRESETS
 from .published import PUBLISHED
-from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
-from .vae import CHUNK_FRAMES, Decoder, frame_plan, frame_programs, video_processor
 
 Soundtrack = None  # no soundtrack
-start_from = no_start_from(NAME)  # --start_latents: not yet
-upsample = no_upsample(NAME)
+
+__getattr__ = lazy_members(
+    __name__,
+    {
+        "config": (
+            "LORA_LOADER",
+            "STEP_CACHES",
+            "activations",
+            "guidance_branches",
+            "request_defaults",
+            "validate_request",
+            "check_inputs",
+            "transformer_components",
+            "upgrade_stage2",
+            "latents_normalization",
+            "start_from",
+            "upsample",
+        ),
+        "i2v": ("encode_inputs", "inputs_on_runtime", "media_inputs", "size_from_inputs"),
+        "pipeline": ("denoise_loop", "planning_embeds", "prompt_encoder"),
+        "transformer": ("SPLASH_BLOCK_SIZES", "transformer_rules"),
+        "vae": ("CHUNK_FRAMES", "Decoder", "frame_plan", "frame_programs", "video_processor"),
+    },
+)

@@ -20,16 +20,12 @@ from tpu_video.engine.inputs import MediaInput
 from utils import Request
 
 from ..common import IMAGE
+from .declarations import I2V_PIPELINE_CLASS
 from .vae import make_vae_jit_safe
-
-PIPELINE_CLASS = "HunyuanVideo15ImageToVideoPipeline"
 
 
 def image_to_video(source) -> bool:
-    return source.index.get("_class_name") == PIPELINE_CLASS
-
-
-MEDIA_INPUTS = (IMAGE,)
+    return source.index.get("_class_name") == I2V_PIPELINE_CLASS
 
 
 def media_inputs(source) -> tuple[MediaInput, ...]:

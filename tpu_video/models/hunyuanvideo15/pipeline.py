@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from tpu_video.engine.denoise import DenoiseLoop, latents_record
+from tpu_video.engine.denoise import NOISE_DTYPE, DenoiseLoop, latents_record
 from tpu_video.engine.encoders import DeviceTextEncoder
 from tpu_video.engine.guidance import BATCH
 from utils import Request
 
 from .. import common
-from ..common import NOISE_DTYPE
 from . import i2v
 from .config import Geometry, cfg_enabled
 from .transformer import GuidedTransformer, transformer_rules
@@ -19,7 +18,7 @@ from .transformer import GuidedTransformer, transformer_rules
 
 def _pipeline(source, **components):
     """A HunyuanVideo15Pipeline holding only the given components, so its helper methods can be reused,
-    with the padded lengths of `source`'s preset, if it has any (presets.TINY_LENGTHS).
+    with the padded lengths of `source`'s preset, if it has any (declarations.TINY_LENGTHS).
 
     Its constructor reads the VAE's config, so without a real VAE it gets one built from `source`'s VAE
     config on the meta device (no weights, no memory)."""

@@ -3,12 +3,7 @@ tokenizers that need no files, the transformer, the VAE; SigLIP for image-to-vid
 
 from __future__ import annotations
 
-import functools
-
 import torch
-
-from ..family import Preset
-from .config import NAME
 
 
 def tiny_transformer(seed: int = 0, target_size: int = 640, use_meanflow: bool = False) -> torch.nn.Module:
@@ -136,27 +131,3 @@ def tiny_pipeline(seed: int = 0, image_to_video: bool = False, step_distilled: b
     return HunyuanVideo15ImageToVideoPipeline(
         **components, image_encoder=image_encoder, feature_extractor=feature_extractor
     )
-
-
-TINY_DEFAULTS = {"height": 32, "width": 48, "num_frames": 5, "fps": 24, "num_inference_steps": 4, "flow_shift": 5.0}
-# The pipeline pads the Qwen2.5-VL prompt to 1000 tokens, the ByT5 glyph text to 256 and text-to-video's
-# zero image tokens to 729, all masked out of attention. The tiny presets pad to less: a sequence of about
-# 570 tokens instead of 2,000 (the suite's HunyuanVideo-1.5 tests take about a fifth less time), the same
-# result for a prompt that fits. The in-code tokenizer is byte-level and the chat template's crop leaves
-# 398 of its bytes, so 512 tokens hold a prompt of up to 114 bytes; a longer one is cut there, as the
-# pipeline with these lengths cuts it.
-TINY_LENGTHS = {"tokenizer_max_length": 512, "tokenizer_2_max_length": 32, "vision_num_semantic_tokens": 16}
-PRESETS = {
-    "tiny-hunyuanvideo15": Preset(NAME, tiny_pipeline, TINY_DEFAULTS, TINY_LENGTHS),
-    # image-to-video: the size comes from the image (i2v.size_from_inputs)
-    "tiny-hunyuanvideo15-i2v": Preset(
-        NAME, functools.partial(tiny_pipeline, image_to_video=True), TINY_DEFAULTS, TINY_LENGTHS
-    ),
-    # the step-distilled image-to-video checkpoint's layout: meanflow (a second timestep), shift 7, guidance 1
-    "tiny-hunyuanvideo15-i2v-step-distilled": Preset(
-        NAME,
-        functools.partial(tiny_pipeline, image_to_video=True, step_distilled=True),
-        {**TINY_DEFAULTS, "flow_shift": 7.0},
-        TINY_LENGTHS,
-    ),
-}

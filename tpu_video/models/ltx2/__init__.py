@@ -1,7 +1,9 @@
 """LTX-2, text- and image-to-video with its soundtrack (diffusers `LTX2Pipeline`, `LTX2ImageToVideoPipeline`):
 the family's `models.family.Family` members, gathered from its parts.
 
-- `config`: which pipelines are this family, the pipeline's defaults, request checks (sizes, releases);
+- `declarations`: what the stages' parsers read (its name, pipeline classes, options, media inputs, tiny
+  presets), no torch imported; the other members are imported on first use (`models.family.lazy_members`);
+- `config`: the pipeline's defaults, request checks (sizes, releases);
 - `guidance`: the guidance passes a step runs (CFG, spatio-temporal, modality) and their scales;
 - `transformer`: the jit-safe audio-video transformer, its rule table, Splash tiles and guided call;
 - `i2v`: stage 1's image conditioning (the H.264 round trip, the VAE encode) and the first-frame mask;
@@ -10,35 +12,39 @@ the family's `models.family.Family` members, gathered from its parts.
   stage 3's video decode;
 - `connectors`: stage 1's text connectors on the runtime (their float64 rotary tables from the host);
 - `audio`: stage 3's soundtrack (audio VAE and vocoder, one module);
-- `presets`: the tiny random presets;
+- `presets`: the tiny random presets' components;
 - `upsampler`: the x2 latent upsampler between the two-stage pipeline's passes (stage 2's `--upsample`);
 - `published`: Lightricks/LTX-2's configs, for --plan.
 """
 
-from ..common import size_from_request as size_from_inputs
-from .audio import Soundtrack
-from .config import (
-    LORA_LOADER,
-    NAME,
-    OPTIONS,
-    PIPELINE_CLASSES,
-    STEP_CACHES,
-    activations,
-    guidance_branches,
-    request_defaults,
-    transformer_components,
-    validate_request,
-)
-from .i2v import MEDIA_INPUTS, check_inputs, encode_inputs, inputs_on_runtime, media_inputs
-from .latents import Decoder, latents_normalization, upgrade_stage2, video_processor
-from .pipeline import denoise_loop, planning_embeds, prompt_encoder, start_from
-from .presets import PRESETS
+from ..family import lazy_members
+from .declarations import MEDIA_INPUTS, NAME, OPTIONS, PIPELINE_CLASSES, PRESETS
 from .published import PUBLISHED
-from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
-from .upsampler import upsample
 
 # Stage 3 on torchax decodes the video as one program: LTX-2's decoder is not causal in time (both published
 # VAEs set decoder_causal False: every temporal conv pads with the first and the last frame on both sides), so
 # each frame depends on the latent frames after it and no state can be carried from one chunk to the next.
 CHUNK_FRAMES: tuple[int, ...] = ()
 frame_programs = frame_plan = None
+
+__getattr__ = lazy_members(
+    __name__,
+    {
+        "audio": ("Soundtrack",),
+        "config": (
+            "LORA_LOADER",
+            "STEP_CACHES",
+            "activations",
+            "guidance_branches",
+            "request_defaults",
+            "transformer_components",
+            "validate_request",
+            "size_from_inputs",
+        ),
+        "i2v": ("check_inputs", "encode_inputs", "inputs_on_runtime", "media_inputs"),
+        "latents": ("Decoder", "latents_normalization", "upgrade_stage2", "video_processor"),
+        "pipeline": ("denoise_loop", "planning_embeds", "prompt_encoder", "start_from"),
+        "transformer": ("SPLASH_BLOCK_SIZES", "transformer_rules"),
+        "upsampler": ("upsample",),
+    },
+)

@@ -21,9 +21,6 @@ from .config import image_to_video, vae_ratios
 IMAGE_LATENTS = "image_latents"  # (1, C, 1, H/32, W/32): the first frame's normalised VAE latents
 
 
-MEDIA_INPUTS = (IMAGE,)
-
-
 def media_inputs(source) -> tuple[MediaInput, ...]:
     return (IMAGE.required_here(),) if image_to_video(source) else ()
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 import torch
 
 from tpu_video.cli import log
-from tpu_video.engine.denoise import DenoiseLoop, latents_record
+from tpu_video.engine.denoise import NOISE_DTYPE, DenoiseLoop, latents_record
 from tpu_video.engine.encoders import DeviceTextEncoder
 from tpu_video.engine.guidance import BATCH
 from utils import Request
 
-from ..common import NOISE_DTYPE
 from .config import (
     MAX_SEQUENCE_LENGTH,
     audio_frames,

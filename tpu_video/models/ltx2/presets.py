@@ -10,23 +10,9 @@ vocoder upsamples by the audio VAE's hop length, so the waveform lasts as long a
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..family import Preset
-from .config import NAME
-
-# The published LTX-2 scheduler config's shift settings (scheduler/scheduler_config.json).
-SCHEDULER = {
-    "base_image_seq_len": 1024,
-    "max_image_seq_len": 4096,
-    "base_shift": 0.95,
-    "max_shift": 2.05,
-    "shift_terminal": 0.1,
-    "use_dynamic_shifting": True,
-    "time_shift_type": "exponential",
-}
+from .published import SCHEDULER
 
 
 def gemma_tokenizer():
@@ -263,9 +249,3 @@ def tiny_pipeline(version: str = "2.0", seed: int = 0, image_to_video: bool = Fa
 
 # Sizes are multiples of 32 (the pipeline's rule): 64 x 96 is 4 x 6 latent tokens per frame, not square, so a
 # height and width swapped anywhere shows.
-TINY_DEFAULTS = {"height": 64, "width": 96, "num_frames": 9, "fps": 24, "num_inference_steps": 4}
-PRESETS = {
-    "tiny-ltx2": Preset(NAME, functools.partial(tiny_pipeline, "2.0"), TINY_DEFAULTS),
-    "tiny-ltx2.3": Preset(NAME, functools.partial(tiny_pipeline, "2.3"), TINY_DEFAULTS),
-    "tiny-ltx2-i2v": Preset(NAME, functools.partial(tiny_pipeline, "2.0", image_to_video=True), TINY_DEFAULTS),
-}

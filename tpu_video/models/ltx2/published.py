@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .presets import SCHEDULER
+# The published LTX-2 scheduler config's shift settings (scheduler/scheduler_config.json).
+SCHEDULER = {
+    "base_image_seq_len": 1024,
+    "max_image_seq_len": 4096,
+    "base_shift": 0.95,
+    "max_shift": 2.05,
+    "shift_terminal": 0.1,
+    "use_dynamic_shifting": True,
+    "time_shift_type": "exponential",
+}
 
 # 48 blocks; video 32 heads x 128 (width 4096), audio 32 heads x 64 (width 2048); Gemma's width 3840 in.
 LTX2_TRANSFORMER = {

@@ -2,46 +2,51 @@
 video-to-video and VACE (`WanVACEPipeline`): the family's `models.family.Family` members, gathered from its
 parts.
 
-- `config`: which pipelines are this family, the pipeline's defaults, one transformer or two experts,
-  request checks, the stock pipeline object its stages call;
+- `declarations`: what the stages' parsers read (its name, pipeline classes, options, media inputs, tiny
+  presets), no torch imported; the other members are imported on first use (`models.family.lazy_members`);
+- `config`: the pipeline's defaults, one transformer or two experts, request checks, the stock pipeline
+  object its stages call, the shared pieces it uses as they are;
 - `transformer`: the weight rule table, block input layouts, Splash tiles, one expert's guided call;
 - `pipeline`: stage 1's prompt encoding (UMT5) and stage 2's loop over one or two experts;
 - `i2v`: image-to-video (CLIP tokens, the first and last frames' VAE latents); `ti2v`: TI2V-5B's
   per-token timesteps and image latents; `v2v`: video-to-video (`--video`, `--strength`); `vace`: VACE
   (`--control_video`, `--mask`, `--reference_images`, `--conditioning_scale`);
 - `vae`: stage 3's frame programs (one latent frame per call, the stock decode's cache carried);
-- `presets`: the tiny random presets; `published`: the published checkpoints' configs for `--plan`.
+- `presets`: the tiny random presets' components; `published`: the published checkpoints' configs for `--plan`.
 """
 
-from ..common import no_upsample
-from ..common import size_from_request as size_from_inputs  # the pipeline resizes the image to the request's size
-from ..common import stage2_as_written as upgrade_stage2
-from .config import (
-    LORA_LOADER,
-    NAME,
-    OPTIONS,
-    PIPELINE_CLASSES,
-    STEP_CACHES,
-    activations,
-    guidance_branches,
-    request_defaults,
-    transformer_components,
-    validate_request,
-)
-from .i2v import MEDIA_INPUTS, check_inputs, encode_inputs, inputs_on_runtime, media_inputs
-from .pipeline import (
-    Decoder,
-    denoise_loop,
-    latents_normalization,
-    planning_embeds,
-    prompt_encoder,
-    start_from,
-    video_processor,
-)
-from .presets import PRESETS
+from ..family import lazy_members
+from .declarations import MEDIA_INPUTS, NAME, OPTIONS, PIPELINE_CLASSES, PRESETS
 from .published import PUBLISHED
-from .transformer import SPLASH_BLOCK_SIZES, transformer_rules
-from .vae import CHUNK_FRAMES, frame_plan, frame_programs
 
 Soundtrack = None  # no soundtrack
-upsample = no_upsample(NAME)
+
+__getattr__ = lazy_members(
+    __name__,
+    {
+        "config": (
+            "LORA_LOADER",
+            "STEP_CACHES",
+            "activations",
+            "guidance_branches",
+            "request_defaults",
+            "transformer_components",
+            "validate_request",
+            "size_from_inputs",
+            "upgrade_stage2",
+            "upsample",
+        ),
+        "i2v": ("check_inputs", "encode_inputs", "inputs_on_runtime", "media_inputs"),
+        "pipeline": (
+            "Decoder",
+            "denoise_loop",
+            "latents_normalization",
+            "planning_embeds",
+            "prompt_encoder",
+            "start_from",
+            "video_processor",
+        ),
+        "transformer": ("SPLASH_BLOCK_SIZES", "transformer_rules"),
+        "vae": ("CHUNK_FRAMES", "frame_plan", "frame_programs"),
+    },
+)

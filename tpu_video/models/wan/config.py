@@ -1,6 +1,5 @@
-"""Wan 2.1 and 2.2's facts and request rules: which pipelines are this family, the pipeline's defaults, one
-transformer or two experts, and what the VAE, the patching and the rotary embedding accept (checked before
-any weights load)."""
+"""Wan 2.1 and 2.2's facts and request rules: the pipeline's defaults, one transformer or two experts, and what
+the VAE, the patching and the rotary embedding accept (checked before any weights load)."""
 
 from __future__ import annotations
 
@@ -9,49 +8,15 @@ from typing import Any
 import torch
 
 from tpu_video.cli import UserError
-from tpu_video.cli.options import Option
 from utils import Request
 
 from .. import common
 from ..common import folder_flow_shift
 from . import ti2v, vace
+from .declarations import DEFAULT_STRENGTH, NAME, PIPELINE_CLASSES
 
-NAME = "wan"
-PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline")
 LORA_LOADER = "WanLoraLoaderMixin"  # reads adapter files and converts the original Wan and musubi formats
 STEP_CACHES = ("magcache", "interval")  # the --cache kinds it runs (docs/caching.md)
-# --scheduler's names for the flow-matching samplers a Wan folder's scheduler config can build.
-SCHEDULERS = ("unipc", "euler")
-DEFAULT_STRENGTH = 0.8  # WanVideoToVideoPipeline.__call__'s
-OPTIONS = (
-    Option(
-        "guidance_scale_2",
-        "float",
-        "Wan 2.2 A14B: guidance scale of the low-noise expert (default: --guidance_scale)",
-    ),
-    Option(
-        "scheduler",
-        "str",
-        "the sampler, built from the model folder's scheduler config (default: the folder's, UniPC in the "
-        "published ones; the 4-step distillation LoRAs expect euler, docs/lora.md)",
-        choices=SCHEDULERS,
-    ),
-    Option(
-        "strength",
-        "float",
-        "video-to-video (--video): how much of the schedule runs from the video's noised latents, above 0 to 1 "
-        f"(default {DEFAULT_STRENGTH}, the pipeline's)",
-        with_input="video",
-        input_default=DEFAULT_STRENGTH,
-    ),
-    Option(
-        "conditioning_scale",
-        "floats",
-        "Wan VACE: how strongly the control steers, one number or one per VACE layer (default 1.0, the pipeline's)",
-        metavar="SCALE",
-    ),
-)
-
 # WanPipeline.__call__'s defaults (480p; the 14B models also run 720p: --height 720 --width 1280).
 DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "fps": 16, "num_inference_steps": 50, "guidance_scale": 5.0}
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's prompt layout: valid tokens, then zeros up to 512
@@ -165,3 +130,9 @@ def stock_pipeline(source, **components):
         vae["scale_factor_temporal"],
     )
     return pipe
+
+
+# The shared pieces this family uses as they are (models.family.Family's names).
+size_from_inputs = common.size_from_request  # the pipeline resizes the image to the request's size
+upgrade_stage2 = common.stage2_as_written
+upsample = common.no_upsample(NAME)

@@ -17,8 +17,7 @@ from utils import Request
 from ..common import IMAGE, LAST_IMAGE
 from . import ti2v, v2v, vace
 from .config import image_to_video, stock_pipeline
-
-MEDIA_INPUTS = (IMAGE, LAST_IMAGE, v2v.VIDEO, *vace.MEDIA_INPUTS)
+from .declarations import VACE_INPUTS
 
 
 def media_inputs(source) -> tuple[MediaInput, ...]:
@@ -26,7 +25,7 @@ def media_inputs(source) -> tuple[MediaInput, ...]:
     2.2 A14B (no image embedder) or one with a position embedding for two images (FLF2V). Wan 2.1 I2V's
     embedder takes one image; diffusers 0.42.1 fails on a last frame there (image batch 2, text batch 1)."""
     if vace.is_vace(source):
-        return vace.MEDIA_INPUTS
+        return VACE_INPUTS
     if ti2v.expand_timesteps(source):  # TI2V-5B: text-to-video, or image-to-video with --image
         return (IMAGE,)
     if not image_to_video(source):

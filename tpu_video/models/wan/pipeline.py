@@ -24,12 +24,12 @@ from typing import Any
 import torch
 
 from tpu_video.cli import UserError, log
-from tpu_video.engine.denoise import DenoiseLoop, latents_record, multistep_state, restore_multistep_state
+from tpu_video.engine.denoise import NOISE_DTYPE, DenoiseLoop, latents_record, multistep_state, restore_multistep_state
 from tpu_video.engine.encoders import DeviceTextEncoder, t5_prompt_encoder
 from tpu_video.engine.guidance import BATCH
 from utils import Request
 
-from ..common import NOISE_DTYPE, flow_scheduler
+from ..common import flow_scheduler
 from . import ti2v, v2v, vace
 from .config import MAX_SEQUENCE_LENGTH, cfg_enabled, image_to_video, stock_pipeline, transformer_components
 from .i2v import image_conditioning

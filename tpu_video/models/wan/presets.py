@@ -3,13 +3,9 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..family import Preset
 from ..tiny import t5_encoder_kwargs, t5_tokenizer
-from .config import NAME
 
 
 def tiny_transformer(
@@ -147,15 +143,3 @@ def tiny_vace_pipeline(seed: int = 0):
     )
     components = {key: getattr(base, key) for key in ("tokenizer", "text_encoder", "vae", "scheduler")}
     return WanVACEPipeline(**components, transformer=transformer)
-
-
-TINY_DEFAULTS = {"height": 32, "width": 48, "num_frames": 5, "fps": 16, "num_inference_steps": 6}
-PRESETS = {
-    "tiny-wan2.1": Preset(NAME, functools.partial(tiny_pipeline, "2.1"), TINY_DEFAULTS),
-    "tiny-wan2.2": Preset(NAME, functools.partial(tiny_pipeline, "2.2"), TINY_DEFAULTS),
-    "tiny-wan2.1-i2v": Preset(NAME, functools.partial(tiny_i2v_pipeline, "2.1"), TINY_DEFAULTS),
-    "tiny-wan2.2-i2v": Preset(NAME, functools.partial(tiny_i2v_pipeline, "2.2"), TINY_DEFAULTS),
-    "tiny-wan2.1-vace": Preset(NAME, tiny_vace_pipeline, TINY_DEFAULTS),
-    # TI2V-5B's layout; sizes are multiples of 32 (16x VAE, 2x2 patches)
-    "tiny-wan2.2-ti2v": Preset(NAME, tiny_ti2v_pipeline, {**TINY_DEFAULTS, "height": 64, "width": 96}),
-}

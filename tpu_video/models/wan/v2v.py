@@ -12,18 +12,13 @@ from typing import Any
 import torch
 
 from tpu_video.cli import UserError, log
-from tpu_video.engine.inputs import MediaInput, video_input
+from tpu_video.engine.inputs import MediaInput
 from utils import Request
 
 from . import ti2v
 from .config import image_to_video, stock_pipeline, strength_steps
+from .declarations import VIDEO
 
-VIDEO = video_input(
-    "video",
-    "video-to-video: the video to restyle (a video file ffmpeg reads, or a folder of frame images), on Wan "
-    "text-to-video models; --strength says how much is redrawn",
-    frame_step=4,  # the Wan VAE encodes 4n+1 frames
-)
 VIDEO_LATENTS = "video_latents"
 
 

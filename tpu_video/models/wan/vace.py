@@ -14,7 +14,6 @@ noise for the reference frames too and drops them at the end, as the pipeline do
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,48 +22,12 @@ from sharding import DP, SP
 from tpu_video.attention.calls import mark_cross_attention
 from tpu_video.cli import UserError, log
 from tpu_video.engine.guidance import cfg_combination
-from tpu_video.engine.images import read_image
-from tpu_video.engine.inputs import MediaInput, image_input, video_input
-from tpu_video.engine.videos import FRAME_SUFFIXES, read_video
 from utils import Request
 
 from ..common import constrain_block_inputs
 from .transformer import BLOCK_INPUTS, GuidedTransformer
 
 CONTROL = "vace_control"  # stage 1's tensor: [inactive latents, reactive latents, mask] on channels
-TASK = "vace"
-
-
-def read_mask(path: str, flag: str) -> tuple[list, dict[str, Any]]:
-    """A mask video (or folder of frames), or one image used for every frame; white redraws, black keeps."""
-    if Path(path).is_file() and Path(path).suffix.lower() in FRAME_SUFFIXES:
-        image, notes = read_image(path, flag)
-        return [image], {"frames": 1, "size": [image.size[1], image.size[0]], **notes}
-    return read_video(path, flag)
-
-
-CONTROL_VIDEO = video_input(
-    "control_video",
-    "Wan VACE: the control video (a depth, pose or edge video, or the video to inpaint; a file ffmpeg reads or "
-    "a folder of frames), kept where --mask is black and redrawn where it is white",
-    task=TASK,
-    frame_step=4,  # the Wan VAE encodes 4n+1 frames
-)
-MASK = MediaInput(
-    "mask",
-    "Wan VACE: with --control_video, where to redraw it (white) and where to keep it (black): a video of at "
-    "least as many frames as the run takes, or one image for every frame",
-    read_mask,
-    kind="mask",
-    task=TASK,
-)
-REFERENCE_IMAGES = image_input(
-    "reference_images",
-    "Wan VACE: one or more images of a subject or style to keep (prepended as frames, then dropped)",
-    task=TASK,
-    many=True,
-)
-MEDIA_INPUTS = (CONTROL_VIDEO, MASK, REFERENCE_IMAGES)
 
 
 def is_vace(source) -> bool:

@@ -22,7 +22,7 @@ def read_mag_ratios(
     """`--cache_mag_ratios FILE`: a JSON list of numbers (diffusers' `mag_ratios`, for every state), or
     the file --cache_calibrate writes ({"mag_ratios": {state: list}, "model": ..., "adapters": [...],
     "quantize": {...}}), which must be of this model with these LoRA adapters (engine.lora.identity) and this
-    `--quantize` (engine.quantize.Quantization.calibration_key; a file without a key had none)."""
+    `--quantize` (engine.settings.Quantization.calibration_key; a file without a key had none)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:

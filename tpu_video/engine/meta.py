@@ -64,7 +64,7 @@ def meta_transformers(
     family, source, dtype: torch.dtype, num_layers: int | None = None, quantization: Quantization = NO_QUANTIZATION
 ) -> dict[str, torch.nn.Module]:
     """Every transformer the family's stage 2 loads, on the meta device (at `num_layers` blocks if given),
-    quantized as `quantization` (a engine.quantize.Quantization) says."""
+    quantized as `quantization` (an engine.settings.Quantization) says."""
     modules = {}
     for name in family.transformer_components(source):
         overrides = {} if num_layers is None else {"num_layers": num_layers}

@@ -170,11 +170,13 @@ class Family(Protocol):
         """The pipeline's post-processor (pixels in [-1, 1] to frames in [0, 1])."""
 
 
-def lazy_members(package: str, modules: dict[str, tuple[str, ...]]) -> Callable[[str], Any]:
-    """A family package's module `__getattr__` (PEP 562): each name listed under a module of `package` is
-    imported from it on first use and then kept in the package. The stages' parsers read only a family's
-    declarations (its name, pipeline classes, options, media inputs, presets and published configs, from
-    modules that import no torch), so `--help` and a flag's error come before torch loads."""
+def lazy_members(package: str, modules: dict[str, tuple[str, ...]]) -> tuple[Callable[[str], Any], Callable[[], list]]:
+    """A family package's module `__getattr__` and `__dir__` (PEP 562): each name listed under a module of
+    `package` is imported from it on first use and then kept in the package (a test that patches a member
+    module after that patches the module, not the package's copy); the package's modules are its attributes
+    as before. The stages' parsers read only a family's declarations (its name, pipeline classes, options,
+    media inputs, presets and published configs, from modules that import no torch), so `--help` and a
+    flag's error come before torch loads."""
     where = {name: module for module, names in modules.items() for name in names}
 
     def __getattr__(name: str) -> Any:
@@ -187,7 +189,10 @@ def lazy_members(package: str, modules: dict[str, tuple[str, ...]]) -> Callable[
         setattr(sys.modules[package], name, value)
         return value
 
-    return __getattr__
+    def __dir__() -> list[str]:
+        return sorted({*vars(sys.modules[package]), *where})
+
+    return __getattr__, __dir__
 
 
 def _build_preset(module: str, function: str, *args: Any, **kwargs: Any) -> Any:

@@ -253,7 +253,7 @@ def plan_stage2(
     compiled as well. With `videos` > 1 it is stage 2's batch of that many videos (tpu_video/engine/batching.py).
     `store` (an ExecutableStore): the full-depth programs of every expert are saved there, keyed as the run
     on `target` keys them (tpu_video/runtime/program_key.py), for that run to load instead of compiling. `quantization`
-    (engine.quantize.Quantization) quantizes the blocks' linears as a run does."""
+    (engine.settings.Quantization) quantizes the blocks' linears as a run does."""
     from splash_attention import record_kernel_calls
     from tpu_video.engine import scanned_blocks
     from tpu_video.engine.batching import batched_loop

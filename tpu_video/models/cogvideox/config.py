@@ -1,6 +1,5 @@
-"""CogVideoX 1.0 and 1.5's facts and request rules: the documented defaults, what the VAE, the patching and
-the positional embeddings accept (checked before any weights load), and the shared pieces it uses as they
-are."""
+"""CogVideoX 1.0 and 1.5's facts and request rules: the documented defaults, and what the VAE, the patching and
+the positional embeddings accept (checked before any weights load)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from tpu_video.cli import UserError
 from utils import Request
 
 from .. import common
-from .declarations import NAME
 
 LORA_LOADER = "CogVideoXLoraLoaderMixin"  # reads adapters; load_lora_adapter converts older diffusers keys
 STEP_CACHES = ("magcache", "interval")  # the --cache kinds it runs (docs/caching.md)
@@ -133,13 +131,3 @@ def cfg_enabled(guidance_scale: float) -> bool:
 def guidance_branches(source, request) -> int:
     """The samples one step of one video runs: both CFG branches, or the conditional one."""
     return 2 if cfg_enabled(request.guidance_scale) else 1
-
-
-# The shared pieces this family uses as they are (models.family.Family's names).
-check_inputs = common.no_image_checks
-transformer_components = common.one_transformer
-size_from_inputs = common.size_from_request  # the pipeline resizes the image to the request's size
-upgrade_stage2 = common.stage2_as_written
-latents_normalization = common.vae_scaling_factor
-start_from = common.no_start_from(NAME)  # --start_latents: not yet
-upsample = common.no_upsample(NAME)

@@ -3,7 +3,7 @@
 
 - `declarations`: what the stages' parsers read (its name, pipeline classes, media inputs, tiny presets), no
   torch imported; the other members are imported on first use (`models.family.lazy_members`);
-- `config`: documented defaults, request checks, the shared pieces it uses as they are;
+- `config`: documented defaults, request checks;
 - `transformer`: the forward made traceable, the key-mask attention processor, the weight rule table,
   Splash tiles, the guided call;
 - `pipeline`: stage 1's prompt encoding (Qwen2.5-VL and ByT5) and stage 2's flow-matching loop;
@@ -12,13 +12,20 @@
 - `presets`: the tiny random presets' components; `published`: the published checkpoints' configs for `--plan`.
 """
 
+from ..common import no_image_checks as check_inputs
+from ..common import no_start_from, no_upsample
+from ..common import one_transformer as transformer_components
+from ..common import stage2_as_written as upgrade_stage2
+from ..common import vae_scaling_factor as latents_normalization
 from ..family import lazy_members
 from .declarations import MEDIA_INPUTS, NAME, OPTIONS, PIPELINE_CLASSES, PRESETS
 from .published import PUBLISHED
 
+start_from = no_start_from(NAME)  # --start_latents: not yet
+upsample = no_upsample(NAME)
 Soundtrack = None  # no soundtrack
 
-__getattr__ = lazy_members(
+__getattr__, __dir__ = lazy_members(
     __name__,
     {
         "config": (
@@ -28,12 +35,6 @@ __getattr__ = lazy_members(
             "guidance_branches",
             "request_defaults",
             "validate_request",
-            "check_inputs",
-            "transformer_components",
-            "upgrade_stage2",
-            "latents_normalization",
-            "start_from",
-            "upsample",
         ),
         "i2v": ("encode_inputs", "inputs_on_runtime", "media_inputs", "size_from_inputs"),
         "pipeline": ("denoise_loop", "planning_embeds", "prompt_encoder"),

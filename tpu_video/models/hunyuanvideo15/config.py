@@ -1,5 +1,5 @@
 """HunyuanVideo-1.5's facts and request rules: the documented defaults (by the transformer's target size), what
-the VAE and the guider accept, checked before any weights load, and the shared pieces it uses as they are."""
+the VAE and the guider accept, checked before any weights load."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from utils import Request
 
 from .. import common
 from . import i2v
-from .declarations import NAME
 
 LORA_LOADER = None  # diffusers 0.42.1 has no loader for 1.5: files must hold diffusers/PEFT keys
 STEP_CACHES = ("magcache", "interval")  # the --cache kinds it runs (docs/caching.md)
@@ -89,12 +88,3 @@ def cfg_enabled(guidance_scale: float) -> bool:
 def guidance_branches(source, request) -> int:
     """The samples one step of one video runs: both CFG branches, or the conditional one."""
     return 2 if cfg_enabled(request.guidance_scale) else 1
-
-
-# The shared pieces this family uses as they are (models.family.Family's names).
-check_inputs = common.no_image_checks
-transformer_components = common.one_transformer
-upgrade_stage2 = common.stage2_as_written
-latents_normalization = common.vae_scaling_factor
-start_from = common.no_start_from(NAME)  # --start_latents: not yet
-upsample = common.no_upsample(NAME)

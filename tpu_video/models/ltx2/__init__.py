@@ -17,6 +17,7 @@ the family's `models.family.Family` members, gathered from its parts.
 - `published`: Lightricks/LTX-2's configs, for --plan.
 """
 
+from ..common import size_from_request as size_from_inputs  # the pipeline resizes the image to the request's size
 from ..family import lazy_members
 from .declarations import MEDIA_INPUTS, NAME, OPTIONS, PIPELINE_CLASSES, PRESETS
 from .published import PUBLISHED
@@ -27,7 +28,7 @@ from .published import PUBLISHED
 CHUNK_FRAMES: tuple[int, ...] = ()
 frame_programs = frame_plan = None
 
-__getattr__ = lazy_members(
+__getattr__, __dir__ = lazy_members(
     __name__,
     {
         "audio": ("Soundtrack",),
@@ -39,7 +40,6 @@ __getattr__ = lazy_members(
             "request_defaults",
             "transformer_components",
             "validate_request",
-            "size_from_inputs",
         ),
         "i2v": ("check_inputs", "encode_inputs", "inputs_on_runtime", "media_inputs"),
         "latents": ("Decoder", "latents_normalization", "upgrade_stage2", "video_processor"),

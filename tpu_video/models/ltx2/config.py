@@ -167,6 +167,3 @@ def stock_pipeline(source, **components):
     names = ("scheduler", "vae", "audio_vae", "text_encoder", "tokenizer", "connectors", "transformer", "vocoder")
     pipeline = LTX2ImageToVideoPipeline if image_to_video(source) else LTX2Pipeline
     return pipeline(**{**dict.fromkeys(names), **components})
-
-
-size_from_inputs = common.size_from_request  # the pipeline resizes the image to the request's size

@@ -102,6 +102,8 @@ OPTIONS = (
 )
 
 _built = functools.partial(preset_builder, f"{__package__}.presets")
+# Sizes are multiples of 32 (the pipeline's rule): 64 x 96 is 4 x 6 latent tokens per frame, not square, so a
+# height and width swapped anywhere shows.
 TINY_DEFAULTS = {"height": 64, "width": 96, "num_frames": 9, "fps": 24, "num_inference_steps": 4}
 PRESETS = {
     "tiny-ltx2": Preset(NAME, _built("tiny_pipeline", "2.0"), TINY_DEFAULTS),

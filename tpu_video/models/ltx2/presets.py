@@ -245,7 +245,3 @@ def tiny_pipeline(version: str = "2.0", seed: int = 0, image_to_video: bool = Fa
         transformer=tiny_transformer(seed + 4, version),
         vocoder=(tiny_bwe_vocoder if version == "2.3" else tiny_vocoder)(seed + 5),
     )
-
-
-# Sizes are multiples of 32 (the pipeline's rule): 64 x 96 is 4 x 6 latent tokens per frame, not square, so a
-# height and width swapped anywhere shows.

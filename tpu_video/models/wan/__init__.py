@@ -5,7 +5,7 @@ parts.
 - `declarations`: what the stages' parsers read (its name, pipeline classes, options, media inputs, tiny
   presets), no torch imported; the other members are imported on first use (`models.family.lazy_members`);
 - `config`: the pipeline's defaults, one transformer or two experts, request checks, the stock pipeline
-  object its stages call, the shared pieces it uses as they are;
+  object its stages call;
 - `transformer`: the weight rule table, block input layouts, Splash tiles, one expert's guided call;
 - `pipeline`: stage 1's prompt encoding (UMT5) and stage 2's loop over one or two experts;
 - `i2v`: image-to-video (CLIP tokens, the first and last frames' VAE latents); `ti2v`: TI2V-5B's
@@ -15,13 +15,17 @@ parts.
 - `presets`: the tiny random presets' components; `published`: the published checkpoints' configs for `--plan`.
 """
 
+from ..common import no_upsample
+from ..common import size_from_request as size_from_inputs  # the pipeline resizes the image to the request's size
+from ..common import stage2_as_written as upgrade_stage2
 from ..family import lazy_members
 from .declarations import MEDIA_INPUTS, NAME, OPTIONS, PIPELINE_CLASSES, PRESETS
 from .published import PUBLISHED
 
+upsample = no_upsample(NAME)
 Soundtrack = None  # no soundtrack
 
-__getattr__ = lazy_members(
+__getattr__, __dir__ = lazy_members(
     __name__,
     {
         "config": (
@@ -32,9 +36,6 @@ __getattr__ = lazy_members(
             "request_defaults",
             "transformer_components",
             "validate_request",
-            "size_from_inputs",
-            "upgrade_stage2",
-            "upsample",
         ),
         "i2v": ("check_inputs", "encode_inputs", "inputs_on_runtime", "media_inputs"),
         "pipeline": (

@@ -13,7 +13,7 @@ from utils import Request
 from .. import common
 from ..common import folder_flow_shift
 from . import ti2v, vace
-from .declarations import DEFAULT_STRENGTH, NAME, PIPELINE_CLASSES
+from .declarations import DEFAULT_STRENGTH, PIPELINE_CLASSES
 
 LORA_LOADER = "WanLoraLoaderMixin"  # reads adapter files and converts the original Wan and musubi formats
 STEP_CACHES = ("magcache", "interval")  # the --cache kinds it runs (docs/caching.md)
@@ -130,9 +130,3 @@ def stock_pipeline(source, **components):
         vae["scale_factor_temporal"],
     )
     return pipe
-
-
-# The shared pieces this family uses as they are (models.family.Family's names).
-size_from_inputs = common.size_from_request  # the pipeline resizes the image to the request's size
-upgrade_stage2 = common.stage2_as_written
-upsample = common.no_upsample(NAME)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import helpers
 import stage1_text_encoder
 import stage2_transformer
 from helpers import expect_user_error, relative_error, run_stage, stop_stage2_after
@@ -116,8 +117,29 @@ def test_bad_passes_are_refused_before_loading(passes, capsys, tmp_path, extra, 
     expect_user_error(capsys, stage2_transformer, argv, message)
 
 
+def test_a_hunyuanvideo15_second_pass_equals_the_pipeline_called_twice(tmp_path):
+    """HunyuanVideo-1.5 (its guider; 3 steps, then 2 with another guidance scale) as the Wan passes above."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    passes = ({**FIRST, "num_inference_steps": 3}, {**SECOND, "num_inference_steps": 2})
+    argv = ["--model", "tiny-hunyuanvideo15", "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
+    run_stage(stage1_text_encoder, [*argv, "--output_dir", first, *flags({**SIZE, **passes[0]})])
+    run_stage(stage2_transformer, ["--input_dir", first])
+    run_stage(
+        stage2_transformer, ["--input_dir", first, "--start_latents", first, "--output_dir", second, *flags(passes[1])]
+    )
+
+    pipe, latents = helpers.pipeline("tiny-hunyuanvideo15"), None
+    for request in passes:  # the guider holds the scale; the call takes the rest
+        pipe.guider.guidance_scale = request["guidance_scale"]
+        call = {"seed": request["seed"], "num_inference_steps": request["num_inference_steps"]}
+        before, latents = latents, pipeline_call(pipe, call, output_type="latent", latents=latents)
+    assert relative_error(latents, before) > 1e-2  # the second pass did change them
+    staged = read_tensors(second, read_config(second, needs="stage2")["stage2"])["latents"]
+    assert relative_error(staged, latents) <= TOLERANCE
+
+
 def test_families_without_a_given_latents_path_or_an_upsampler_say_so():
-    for name in ("cogvideox", "hunyuanvideo15"):
+    for name in ("cogvideox",):
         with pytest.raises(UserError, match=f"--start_latents: {name} denoises from noise only"):
             models.FAMILIES[name].start_from(None, None, {})
     for name in ("cogvideox", "hunyuanvideo15", "wan"):

@@ -138,3 +138,10 @@ def denoise_loop(
         {"latents": latents},
         latents_record(scheduler, do_cfg, common.vae_scaling_factor(source), flow_shift=request.flow_shift),
     )
+
+
+def start_from(source, request: Request, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """HunyuanVideo15Pipeline's (and the image-to-video pipeline's) `prepare_latents` with `latents=` given:
+    those latents, in the loop's float32 (stage 2 writes the loop's latents as they are). The flow scheduler
+    draws nothing, and the image's latents are stage 1's, so nothing else depends on the noise not drawn."""
+    return tensors["latents"].to(NOISE_DTYPE)

@@ -20,7 +20,7 @@ from tpu_video import models
 from tpu_video.cli import UserError
 from tpu_video.engine.decode import decode
 from tpu_video.runtime.interface import Timer, TorchRuntime
-from utils import CHECKPOINT_FILE, read_config, read_tensors
+from utils import CHECKPOINT_FILE, CONFIG_FILE, Request, read_config, read_tensors
 
 TOLERANCE = 1e-4
 PROMPT, NEGATIVE = "a cat playing guitar", "blurry"
@@ -138,10 +138,44 @@ def test_a_hunyuanvideo15_second_pass_equals_the_pipeline_called_twice(tmp_path)
     assert relative_error(staged, latents) <= TOLERANCE
 
 
-def test_families_without_a_given_latents_path_or_an_upsampler_say_so():
-    for name in ("cogvideox",):
-        with pytest.raises(UserError, match=f"--start_latents: {name} denoises from noise only"):
-            models.FAMILIES[name].start_from(None, None, {})
+def test_a_cogvideox_second_pass_with_the_dpm_sampler_equals_the_pipeline_called_twice(tmp_path):
+    """CogVideoX (the 1.0 layout with CogVideoX-5b's DPM sampler, which draws from the generator at every step,
+    saved as a model folder): the pass from given latents goes on from the generator's state before the noise
+    it does not draw, as the pipeline's latents= path does."""
+    from diffusers import CogVideoXDPMScheduler
+
+    first, second, model = tmp_path / "first", tmp_path / "second", tmp_path / "model"
+    pipe = helpers.pipeline("tiny-cogvideox1.0")
+    pipe.scheduler = CogVideoXDPMScheduler.from_config(pipe.scheduler.config)
+    pipe.save_pretrained(model)
+    size = {"height": 64, "width": 96, "num_frames": 9}
+    argv = ["--model", model, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
+    run_stage(stage1_text_encoder, [*argv, "--output_dir", first, *flags({**size, **FIRST})])
+    run_stage(stage2_transformer, ["--input_dir", first])
+    run_stage(
+        stage2_transformer, ["--input_dir", first, "--start_latents", first, "--output_dir", second, *flags(SECOND)]
+    )
+
+    call = {**size, "max_sequence_length": pipe.transformer.config.max_text_seq_length, "output_type": "latent"}
+    latents = None
+    for request in (FIRST, SECOND):
+        generator = torch.Generator("cpu").manual_seed(request["seed"])
+        steps, scale = request["num_inference_steps"], request["guidance_scale"]
+        run = {**call, "num_inference_steps": steps, "guidance_scale": scale, "latents": latents}
+        before, latents = latents, pipe(prompt=PROMPT, negative_prompt=NEGATIVE, generator=generator, **run).frames
+    assert relative_error(latents, before) > 1e-2  # the second pass did change them
+    staged = read_tensors(second, read_config(second, needs="stage2")["stage2"])["latents"]
+    assert relative_error(staged, latents.permute(0, 2, 1, 3, 4)) <= TOLERANCE
+
+    # Refused before loading: CogVideoX 1.5 (the pad frames its latents= path takes back), image-to-video.
+    family, request = models.FAMILIES["cogvideox"], Request.from_config(read_config(first), first / CONFIG_FILE)
+    with pytest.raises(UserError, match="CogVideoX 1.5 pads its latent frames to whole temporal patches"):
+        family.start_from(models.resolve_model("tiny-cogvideox")[0], request, {})
+    with pytest.raises(UserError, match="--start_latents: CogVideoX image-to-video denoises from noise only here"):
+        family.start_from(models.resolve_model("tiny-cogvideox-i2v")[0], request, {})
+
+
+def test_families_without_an_upsampler_say_so():
     for name in ("cogvideox", "hunyuanvideo15", "wan"):
         with pytest.raises(UserError, match=f"--upsample: {name} has no latent upsampler"):
             models.FAMILIES[name].upsample(None, None, {}, None, None)

@@ -96,7 +96,9 @@ class DenoiseLoop:
     t)` its latents input (e.g. the scheduler's input scaling); `on_start(step, carry)` runs once before the
     first computed step, with the carry a checkpoint restored. `expert_names` are the transformers'
     component names and `cache_branches` the names of the equal batch chunks that diffusers runs in
-    separate cache contexts (the step cache keeps one state per expert and branch).
+    separate cache contexts (the step cache keeps one state per expert and branch). `noise_state`: the
+    generator's state before the loop drew its initial noise, where its sampler draws from the generator
+    while stepping (a pass from given latents goes on from it: the pipeline's `latents=` path draws none).
     """
 
     guided: tuple[torch.nn.Module, ...]
@@ -113,6 +115,7 @@ class DenoiseLoop:
     expert_names: tuple[str, ...] = ("transformer",)
     timestep_input: Callable[[int, torch.Tensor], torch.Tensor] = lambda i, t: t.reshape(1)
     cache_branches: tuple[str, ...] = ("batch",)
+    noise_state: torch.Tensor | None = None
 
     def experts_used(self) -> list[int]:
         return sorted({self.expert(i, t) for i, t in enumerate(self.timesteps)})

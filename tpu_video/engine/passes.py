@@ -84,11 +84,14 @@ def upsampled_size(folder: Path) -> dict[str, int]:
 
 def started(loop, start: torch.Tensor | None):
     """`loop` (engine.denoise.DenoiseLoop) from an earlier pass's latents (the family's `start_from`), or as
-    built, from noise, where `start` is None."""
+    built, from noise, where `start` is None. The pipeline's `latents=` path draws no initial noise, so the
+    generator goes back to where it was before the loop drew it (`noise_state`, where the loop keeps one)."""
     if start is None:
         return loop
     if start.shape != loop.latents.shape:
         raise UserError(
             f"--start_latents: latents of shape {tuple(start.shape)}; this loop starts from {tuple(loop.latents.shape)}"
         )
+    if loop.noise_state is not None:
+        loop.generator.set_state(loop.noise_state)
     return dataclasses.replace(loop, latents=start.to(loop.latents.dtype))

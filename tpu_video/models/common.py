@@ -82,18 +82,6 @@ IMAGE = image_input(
 LAST_IMAGE = image_input("last_image", "image-to-video: the last frame, where the model takes one (Wan 2.2 A14B)")
 
 
-def no_start_from(family: str):
-    """`start_from` of a family whose denoise starts from noise only (its pipeline's `latents=` path is not
-    reproduced yet)."""
-
-    def start_from(source, request, tensors):
-        raise UserError(
-            f"--start_latents: {family} denoises from noise only; a pass from given latents is not supported"
-        )
-
-    return start_from
-
-
 def size_from_request(source, images) -> None:
     """`size_from_inputs` of a family whose pipelines resize the image to the requested size (None: keep it)."""
     return None

@@ -51,7 +51,7 @@ def build_parser(script: str, description: str | None):
         metavar="FOLDER",
         help="a later pass: start from FOLDER's stage-2 latents where the denoise would draw its initial noise, as "
         "the pipeline called with latents= (same model family, size and frame count; write it to its own "
-        "--output_dir; Wan, HunyuanVideo-1.5, LTX-2; docs/usage.md#a-second-pass)",
+        "--output_dir; Wan, HunyuanVideo-1.5, CogVideoX 1.0, LTX-2; docs/usage.md#a-second-pass)",
     )
     between = parser.add_argument_group(
         "between two passes (LTX-2's two-stage pipeline; docs/ltx2.md#the-two-stage-pipeline)"

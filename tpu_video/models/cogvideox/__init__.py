@@ -12,7 +12,7 @@
 """
 
 from ..common import no_image_checks as check_inputs
-from ..common import no_start_from, no_upsample
+from ..common import no_upsample
 from ..common import one_transformer as transformer_components
 from ..common import size_from_request as size_from_inputs  # the pipeline resizes the image to the request's size
 from ..common import stage2_as_written as upgrade_stage2
@@ -21,7 +21,6 @@ from ..family import lazy_members
 from .declarations import MEDIA_INPUTS, NAME, OPTIONS, PIPELINE_CLASSES, PRESETS
 from .published import PUBLISHED
 
-start_from = no_start_from(NAME)  # --start_latents: not yet
 upsample = no_upsample(NAME)
 Soundtrack = None  # no soundtrack
 
@@ -37,7 +36,7 @@ __getattr__, __dir__ = lazy_members(
             "validate_request",
         ),
         "i2v": ("encode_inputs", "inputs_on_runtime", "media_inputs"),
-        "pipeline": ("Decoder", "denoise_loop", "planning_embeds", "prompt_encoder", "video_processor"),
+        "pipeline": ("Decoder", "denoise_loop", "planning_embeds", "prompt_encoder", "start_from", "video_processor"),
         "transformer": ("SPLASH_BLOCK_SIZES", "transformer_rules"),
         "vae": ("CHUNK_FRAMES", "frame_plan", "frame_programs"),
     },

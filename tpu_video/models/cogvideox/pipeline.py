@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from tpu_video.cli import UserError
 from tpu_video.engine.denoise import NOISE_DTYPE, DenoiseLoop, latents_record
 from tpu_video.engine.encoders import DeviceTextEncoder, t5_prompt_encoder
 from tpu_video.engine.guidance import BATCH
@@ -54,6 +55,23 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
     return embeds
 
 
+def start_from(source, request: Request, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """CogVideoXPipeline's `prepare_latents` with `latents=` given: those latents in the pipeline's (B, F, C, H,
+    W) (it scales them by its sampler's initial sigma, 1 for both of its samplers); the generator goes on from
+    before the noise it skips (DenoiseLoop.noise_state: the DPM sampler draws from it at every step).
+    Image-to-video samples the image's latents from the same generator first: not yet. CogVideoX 1.5 pads its
+    latent frames to whole temporal patches and its `latents=` path takes the pad back from the pipeline's own
+    output, which stage 2's file does not keep."""
+    if i2v.image_to_video(source):
+        raise UserError("--start_latents: CogVideoX image-to-video denoises from noise only here")
+    if Geometry.of(source).patch_t is not None:
+        raise UserError(
+            "--start_latents: CogVideoX 1.5 pads its latent frames to whole temporal patches, and stage 2's latents "
+            "do not keep the pad its pipeline would start from; it denoises from noise only here"
+        )
+    return tensors["latents"].permute(0, 2, 1, 3, 4).to(NOISE_DTYPE)
+
+
 def denoise_loop(
     source,
     request: Request,
@@ -93,7 +111,7 @@ def denoise_loop(
     if geometry.patch_t is not None and latent_frames % geometry.patch_t:
         pad_frames = geometry.patch_t - latent_frames % geometry.patch_t
     num_frames = request.num_frames + pad_frames * geometry.temporal
-    image_inputs = []
+    image_inputs, noise_state = [], None
     if i2v.image_to_video(source):  # the image sample, then the noise, in the pipeline's dtype
         latents, image_latents = i2v.noise_and_image_latents(
             source, request, embeds, transformer, scheduler, num_frames, generator, dtype
@@ -102,6 +120,7 @@ def denoise_loop(
     else:
         channels = transformer.config.in_channels
         args = (num_frames, request.height, request.width, NOISE_DTYPE, "cpu", generator)
+        noise_state = generator.get_state()  # the DPM sampler draws from the generator at every step
         latents = pipe.prepare_latents(1, channels, *args).to(dtype)
     extra_step_kwargs = pipe.prepare_extra_step_kwargs(generator, 0.0)
     image_rotary_emb = None
@@ -141,6 +160,7 @@ def denoise_loop(
         step=step,
         model_input=scheduler.scale_model_input,
         cache_branches=("cond_uncond",),  # the pipeline's one cache context for its batched call
+        noise_state=noise_state,
     )
 
     def finish(latents):

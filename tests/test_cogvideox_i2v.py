@@ -112,3 +112,33 @@ def test_a_stopped_run_resumes_bit_identically(tmp_path, image, monkeypatch):
     stop_stage2_after(monkeypatch, ["--input_dir", out], steps=2)
     run_stage(stage2_transformer, ["--input_dir", out, "--resume"])
     assert torch.equal(read_tensors(out, read_config(out)["stage2"])["latents"], full)
+
+
+def test_a_second_pass_with_the_dpm_sampler_equals_the_pipeline_called_twice(tmp_path, pipelines, image):
+    """The 1.0 layout with CogVideoX-5b-I2V's DPM sampler (saved as a model folder): a second pass from the
+    first's latents, where the pipeline still samples the image's latents from the generator but draws no noise
+    (tests/test_passes.py has text-to-video)."""
+    from diffusers import CogVideoXDPMScheduler, CogVideoXImageToVideoPipeline
+
+    shared, model = pipelines["tiny-cogvideox1.0-i2v"], tmp_path / "model"
+    scheduler = CogVideoXDPMScheduler.from_config(shared.scheduler.config)
+    pipe = CogVideoXImageToVideoPipeline(**{**shared.components, "scheduler": scheduler})  # the fixture's stays
+    pipe.save_pretrained(model)
+    first, second = tmp_path / "first", tmp_path / "second"
+    flags = [f"--{key}={value}" for key, value in REQUEST.items()]
+    argv = ["--model", model, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32", "--image", image]
+    run_stage(stage1_text_encoder, [*argv, *flags, "--output_dir", first])
+    run_stage(stage2_transformer, ["--input_dir", first])
+    later = ["--num_inference_steps", 3, "--guidance_scale", 3.0]
+    run_stage(stage2_transformer, ["--input_dir", first, "--start_latents", first, "--output_dir", second, *later])
+
+    picture = Image.open(image).convert("RGB")
+    call = {**{key: value for key, value in REQUEST.items() if key != "seed"}, "max_sequence_length": 32}
+    generator = torch.Generator("cpu")
+    run = {"prompt": PROMPT, "negative_prompt": NEGATIVE, "image": picture, "output_type": "latent"}
+    first_latents = pipe(**run, **call, generator=generator.manual_seed(7)).frames
+    call.update(num_inference_steps=3, guidance_scale=3.0, latents=first_latents)
+    second_latents = pipe(**run, **call, generator=generator.manual_seed(7)).frames
+    assert relative_error(second_latents, first_latents) > 1e-2  # the second pass did change them
+    staged = read_tensors(second, read_config(second, needs="stage2")["stage2"])["latents"]
+    assert relative_error(staged, second_latents.permute(0, 2, 1, 3, 4)) <= TOLERANCE

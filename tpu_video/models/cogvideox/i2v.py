@@ -77,13 +77,20 @@ class RecordedPosterior:
 
 def noise_and_image_latents(source, request: Request, embeds, transformer, scheduler, num_frames, generator, dtype):
     """The pipeline's `prepare_latents` on stage 1's posterior: (initial latents, image latents), both
-    [B, F, C, H, W], drawn from `generator` in the pipeline's order (the image sample first)."""
+    [B, F, C, H, W], drawn from `generator` in the pipeline's order (the image sample first), and the
+    generator's state between the two draws (the same method on a copy of the generator, given latents as
+    its `latents=` path is: the image sample alone)."""
     pipe = _pipeline(source, transformer=transformer, scheduler=scheduler)
     parameters = embeds["image_latent_parameters"].to(dtype)
     object.__setattr__(pipe, "vae", RecordedPosterior(source.load_config("vae"), parameters))  # not a module
     image = torch.zeros(1, 3, request.height, request.width, dtype=dtype)  # prepare_latents reads its batch only
     channels = transformer.config.in_channels // 2
-    return pipe.prepare_latents(image, 1, channels, num_frames, request.height, request.width, dtype, "cpu", generator)
+    args = (image, 1, channels, num_frames, request.height, request.width, dtype, "cpu")
+    copy = torch.Generator("cpu")
+    copy.set_state(generator.get_state())
+    latents, image_latents = pipe.prepare_latents(*args, generator)
+    pipe.prepare_latents(*args, copy, latents=torch.zeros_like(latents))
+    return latents, image_latents, copy.get_state()
 
 
 def extra_inputs(source, image_latents, dtype) -> list[tuple[torch.Tensor, tuple]]:

@@ -58,12 +58,10 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
 def start_from(source, request: Request, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """CogVideoXPipeline's `prepare_latents` with `latents=` given: those latents in the pipeline's (B, F, C, H,
     W) (it scales them by its sampler's initial sigma, 1 for both of its samplers); the generator goes on from
-    before the noise it skips (DenoiseLoop.noise_state: the DPM sampler draws from it at every step).
-    Image-to-video samples the image's latents from the same generator first: not yet. CogVideoX 1.5 pads its
-    latent frames to whole temporal patches and its `latents=` path takes the pad back from the pipeline's own
-    output, which stage 2's file does not keep."""
-    if i2v.image_to_video(source):
-        raise UserError("--start_latents: CogVideoX image-to-video denoises from noise only here")
+    before the noise it skips (DenoiseLoop.noise_state: the DPM sampler draws from it at every step; with
+    image-to-video, after the image sample, which the pipeline still draws). CogVideoX 1.5 pads its latent frames
+    to whole temporal patches and its `latents=` path takes the pad back from the pipeline's own output, which
+    stage 2's file does not keep."""
     if Geometry.of(source).patch_t is not None:
         raise UserError(
             "--start_latents: CogVideoX 1.5 pads its latent frames to whole temporal patches, and stage 2's latents "
@@ -113,7 +111,7 @@ def denoise_loop(
     num_frames = request.num_frames + pad_frames * geometry.temporal
     image_inputs, noise_state = [], None
     if i2v.image_to_video(source):  # the image sample, then the noise, in the pipeline's dtype
-        latents, image_latents = i2v.noise_and_image_latents(
+        latents, image_latents, noise_state = i2v.noise_and_image_latents(
             source, request, embeds, transformer, scheduler, num_frames, generator, dtype
         )
         image_inputs = i2v.extra_inputs(source, image_latents, dtype)

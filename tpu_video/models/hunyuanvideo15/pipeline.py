@@ -142,6 +142,7 @@ def denoise_loop(
 
 def start_from(source, request: Request, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """HunyuanVideo15Pipeline's (and the image-to-video pipeline's) `prepare_latents` with `latents=` given:
-    those latents, in the loop's float32 (stage 2 writes the loop's latents as they are). The flow scheduler
-    draws nothing, and the image's latents are stage 1's, so nothing else depends on the noise not drawn."""
+    those latents (stage 2 writes the loop's latents as they are; engine.passes.started casts them to the loop's
+    dtype). The flow scheduler draws nothing, and the image's latents are stage 1's (the posterior's mode), so
+    nothing else depends on the noise not drawn."""
     return tensors["latents"].to(NOISE_DTYPE)

@@ -275,7 +275,7 @@ def still_working(what: str, every: float = STILL_WORKING_SECONDS) -> Iterator[N
     process and gets Stopped once the call returns), and not where the signal asks for a stop after the
     current step (stage 2's loop)."""
     done, start = threading.Event(), time.monotonic()
-    watch = _watch_signals()
+    watch = _SignalWatch() if threading.current_thread() is threading.main_thread() else None
 
     def beat() -> None:
         next_beat = start + every
@@ -285,8 +285,7 @@ def still_working(what: str, every: float = STILL_WORKING_SECONDS) -> Iterator[N
                 done.wait(timeout)
                 arrived = b""
             else:
-                readable = watch[3].poll(timeout * 1000)
-                arrived = watch[0].recv(64) if readable else b""
+                arrived = watch.wait(timeout)
             if done.is_set():
                 return
             stop = next((_STOPS[number] for number in arrived if _stops_where_it_is(number)), None)
@@ -306,14 +305,11 @@ def still_working(what: str, every: float = STILL_WORKING_SECONDS) -> Iterator[N
         try:
             done.set()
             if watch is not None:
-                with contextlib.suppress(OSError):
-                    watch[1].send(b"\0")  # wakes the thread at once (0 is no signal)
+                watch.wake()
             thread.join()
-        finally:  # even if a signal's handler raises in between: the fd is given back before the sockets close
+        finally:  # even if a signal's handler raises in between
             if watch is not None:
-                signal.set_wakeup_fd(watch[2])
-                watch[0].close()
-                watch[1].close()
+                watch.close()
 
 
 def _stops_where_it_is(number: int) -> bool:
@@ -323,18 +319,32 @@ def _stops_where_it_is(number: int) -> bool:
     return _IN_RUN_CLI["active"] and number in handlers and signal.getsignal(number) is handlers[number]
 
 
-def _watch_signals() -> tuple[socket.socket, socket.socket, int, select.poll] | None:
-    """(reader, writer, the previous wakeup fd, a poll of the reader): the C-level signal handler writes each
-    signal's number to the writer, whichever thread the signal interrupts; None off the main thread, where no
-    wakeup fd can be set."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    reader, writer = socket.socketpair()
-    reader.setblocking(False)
-    writer.setblocking(False)
-    poll = select.poll()
-    poll.register(reader, select.POLLIN)
-    return reader, writer, signal.set_wakeup_fd(writer.fileno()), poll
+class _SignalWatch:
+    """The numbers of the signals that arrive, for another thread to read: the C-level signal handler writes
+    each one to a socket (`signal.set_wakeup_fd`), whichever thread the signal interrupts. Made on the main
+    thread only, where a wakeup fd can be set; `close` gives the previous one back."""
+
+    def __init__(self) -> None:
+        self._reader, self._writer = socket.socketpair()
+        self._reader.setblocking(False)
+        self._writer.setblocking(False)
+        self._poll = select.poll()
+        self._poll.register(self._reader, select.POLLIN)
+        self._previous = signal.set_wakeup_fd(self._writer.fileno())
+
+    def wait(self, seconds: float) -> bytes:
+        """The signal numbers that arrived within `seconds` (empty: none, or `wake`)."""
+        return self._reader.recv(64) if self._poll.poll(seconds * 1000) else b""
+
+    def wake(self) -> None:
+        """End a `wait` at once (0 is no signal's number)."""
+        with contextlib.suppress(OSError):
+            self._writer.send(b"\0")
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous)  # before the socket it points at closes
+        self._reader.close()
+        self._writer.close()
 
 
 def parse_dtype(name: str) -> torch.dtype:

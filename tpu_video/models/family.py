@@ -170,14 +170,31 @@ class Family(Protocol):
         """The pipeline's post-processor (pixels in [-1, 1] to frames in [0, 1])."""
 
 
+# The members every built-in family keeps in the same module (the shape of a family package:
+# docs/architecture.md#adding-a-family); each family's call of lazy_members adds its own.
+SHARED_LAYOUT = {
+    "config": (
+        "LORA_LOADER",
+        "STEP_CACHES",
+        "activations",
+        "guidance_branches",
+        "request_defaults",
+        "validate_request",
+    ),
+    "i2v": ("encode_inputs", "inputs_on_runtime", "media_inputs"),
+    "pipeline": ("denoise_loop", "planning_embeds", "prompt_encoder", "start_from"),
+    "transformer": ("SPLASH_BLOCK_SIZES", "transformer_rules"),
+}
+
+
 def lazy_members(package: str, modules: dict[str, tuple[str, ...]]) -> tuple[Callable[[str], Any], Callable[[], list]]:
-    """A family package's module `__getattr__` and `__dir__` (PEP 562): each name listed under a module of
-    `package` is imported from it on first use and then kept in the package (a test that patches a member
-    module after that patches the module, not the package's copy); the package's modules are its attributes
-    as before. The stages' parsers read only a family's declarations (its name, pipeline classes, options,
-    media inputs, presets and published configs, from modules that import no torch), so `--help` and a
-    flag's error come before torch loads."""
-    where = {name: module for module, names in modules.items() for name in names}
+    """A family package's module `__getattr__` and `__dir__` (PEP 562): each name of SHARED_LAYOUT and of
+    `modules` (the family's own, by module) is imported from that module of `package` on first use and then kept
+    in the package (a test that patches a member module after that patches the module, not the package's copy);
+    the package's modules are its attributes as before. The stages' parsers read only a family's declarations
+    (its name, pipeline classes, options, media inputs, presets and published configs, from modules that import
+    no torch), so `--help` and a flag's error come before torch loads."""
+    where = {name: module for layout in (SHARED_LAYOUT, modules) for module, names in layout.items() for name in names}
 
     def __getattr__(name: str) -> Any:
         if name in where:

@@ -24,20 +24,11 @@ from .published import PUBLISHED
 upsample = no_upsample(NAME)
 Soundtrack = None  # no soundtrack
 
+# The members kept where every family keeps them (family.SHARED_LAYOUT), and this family's own.
 __getattr__, __dir__ = lazy_members(
     __name__,
     {
-        "config": (
-            "LORA_LOADER",
-            "STEP_CACHES",
-            "activations",
-            "guidance_branches",
-            "request_defaults",
-            "validate_request",
-        ),
-        "i2v": ("encode_inputs", "inputs_on_runtime", "media_inputs"),
-        "pipeline": ("Decoder", "denoise_loop", "planning_embeds", "prompt_encoder", "start_from", "video_processor"),
-        "transformer": ("SPLASH_BLOCK_SIZES", "transformer_rules"),
+        "pipeline": ("Decoder", "video_processor"),
         "vae": ("CHUNK_FRAMES", "frame_plan", "frame_programs"),
     },
 )

@@ -24,20 +24,11 @@ from .published import PUBLISHED
 upsample = no_upsample(NAME)
 Soundtrack = None  # no soundtrack
 
+# The members kept where every family keeps them (family.SHARED_LAYOUT), and this family's own.
 __getattr__, __dir__ = lazy_members(
     __name__,
     {
-        "config": (
-            "LORA_LOADER",
-            "STEP_CACHES",
-            "activations",
-            "guidance_branches",
-            "request_defaults",
-            "validate_request",
-        ),
-        "i2v": ("encode_inputs", "inputs_on_runtime", "media_inputs", "size_from_inputs"),
-        "pipeline": ("denoise_loop", "planning_embeds", "prompt_encoder", "start_from"),
-        "transformer": ("SPLASH_BLOCK_SIZES", "transformer_rules"),
+        "i2v": ("size_from_inputs",),
         "vae": ("CHUNK_FRAMES", "Decoder", "frame_plan", "frame_programs", "video_processor"),
     },
 )

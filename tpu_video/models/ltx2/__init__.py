@@ -28,23 +28,14 @@ from .published import PUBLISHED
 CHUNK_FRAMES: tuple[int, ...] = ()
 frame_programs = frame_plan = None
 
+# The members kept where every family keeps them (family.SHARED_LAYOUT), and this family's own.
 __getattr__, __dir__ = lazy_members(
     __name__,
     {
         "audio": ("Soundtrack",),
-        "config": (
-            "LORA_LOADER",
-            "STEP_CACHES",
-            "activations",
-            "guidance_branches",
-            "request_defaults",
-            "transformer_components",
-            "validate_request",
-        ),
-        "i2v": ("check_inputs", "encode_inputs", "inputs_on_runtime", "media_inputs"),
+        "config": ("transformer_components",),
+        "i2v": ("check_inputs",),
         "latents": ("Decoder", "latents_normalization", "upgrade_stage2", "video_processor"),
-        "pipeline": ("denoise_loop", "planning_embeds", "prompt_encoder", "start_from"),
-        "transformer": ("SPLASH_BLOCK_SIZES", "transformer_rules"),
         "upsampler": ("upsample",),
     },
 )

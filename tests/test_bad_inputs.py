@@ -126,6 +126,16 @@ def image_files(root: Path) -> None:
     (root / "text.png").write_text("not an image")
 
 
+def clip_frames(root: Path) -> None:
+    """IMAGE and TEXT_PNG, and CLIP: a folder of 9 frames."""
+    from PIL import Image
+
+    image_files(root)
+    (root / "clip").mkdir()
+    for number in range(9):
+        Image.new("RGB", (48, 32), (20 * number, 30, 30)).save(root / "clip" / f"{number}.png")
+
+
 def i2v(case_id, flags, message, model="tiny-wan2.1-i2v"):
     """A stage-1 case on an image-to-video preset (IMAGE and TEXT_PNG prepared)."""
     argv = ("--model", model, "--prompt", "a cat", "--output_dir", "OUT", *flags)
@@ -133,9 +143,9 @@ def i2v(case_id, flags, message, model="tiny-wan2.1-i2v"):
 
 
 def ltx2(case_id, model, flags, message):
-    """A stage-1 case on an LTX-2 preset (or a flag of LTX-2's on another family); IMAGE prepared."""
+    """A stage-1 case on an LTX-2 preset (or a flag of LTX-2's on another family); IMAGE and CLIP prepared."""
     argv = ("--model", model, "--prompt", "a cat", "--output_dir", "OUT", *flags)
-    return Case(case_id, "ltx2", "stage1", argv, message, image_files)
+    return Case(case_id, "ltx2", "stage1", argv, message, clip_frames)
 
 
 def s1(case_id, cause, flags, message, prepare=None):
@@ -356,13 +366,36 @@ CASES = [
     ltx2("s1-ltx2-stg-block-5", "tiny-ltx2.3", ["--stg_blocks", "5"], "the transformer has 2 blocks (0 to 1)"),
     ltx2("s1-ltx2-stg-blocks-text", "tiny-ltx2.3", ["--stg_blocks", "a,b"], "comma-separated block indices"),
     ltx2("s1-ltx2-rescale-2", "tiny-ltx2", ["--audio_guidance_rescale", "2"], "must be from 0 to 1"),
-    ltx2("s1-ltx2-image-crf-on-t2v", "tiny-ltx2", ["--image_crf", "20"], "there is no image to re-encode"),
+    ltx2(
+        "s1-ltx2-image-crf-on-t2v",
+        "tiny-ltx2",
+        ["--image_crf", "20"],
+        "acts only with stage 1's --image or --condition",
+    ),
     ltx2("s1-image-crf-on-wan", "tiny-wan2.1-i2v", ["--image", "IMAGE", "--image_crf", "20"], "wan does not take it"),
     ltx2("s1-ltx2-i2v-crf-52", "tiny-ltx2-i2v", ["--image", "IMAGE", "--image_crf", "52"], "H.264's range"),
     ltx2("s1-ltx2-distilled-30", "tiny-ltx2", ["--sigmas", "distilled", "--num_inference_steps", "30"], "8 steps"),
     ltx2("s1-ltx2-sigmas-unknown", "tiny-ltx2", ["--sigmas", "dev"], "invalid choice: 'dev'"),
     ltx2("s1-sigmas-on-wan", "tiny-wan2.1", ["--sigmas", "distilled"], "--sigmas is an option of ltx2"),
     ltx2("s1-ltx2-noise-scale-2", "tiny-ltx2", ["--noise_scale", "2"], "must be from 0 (the latents as given) to 1"),
+    # tiny-ltx2: 9 frames, 3 latent frames (the tiny VAE compresses time 4x)
+    ltx2("s1-ltx2-condition-index-3", "tiny-ltx2", ["--condition", "IMAGE", "--condition_index", "3"], "3 latent"),
+    ltx2("s1-ltx2-condition-strength", "tiny-ltx2", ["--condition", "IMAGE", "--condition_strength", "1.5"], "0 (not"),
+    ltx2("s1-ltx2-conditions-no-index", "tiny-ltx2", ["--condition", "IMAGE", "IMAGE"], "with --condition_index"),
+    ltx2(
+        "s1-ltx2-condition-index-count",
+        "tiny-ltx2",
+        ["--condition", "IMAGE", "IMAGE", "--condition_index", "0"],
+        "--condition_index: 1 given for 2 --condition files",
+    ),
+    ltx2("s1-ltx2-condition-index-alone", "tiny-ltx2", ["--condition_index", "1"], "only with stage 1's --condition"),
+    ltx2(
+        "s1-ltx2-condition-clip-too-long",
+        "tiny-ltx2",
+        ["--condition", "CLIP", "--condition_index", "2"],
+        "9 frames from pixel frame 5 (--condition_index 2); the video has 9, so 4 fit",
+    ),
+    ltx2("s1-ltx2-i2v-condition", "tiny-ltx2-i2v", ["--image", "IMAGE", "--condition", "IMAGE"], "no --condition"),
     s2("s2-missing-stage1", "held", [], f"{STAGE1_FILE} is missing", lambda root: (root / "D" / STAGE1_FILE).unlink()),
     s2("s2-changed-embeddings", "held", [], "does not match the sha256", changed_embeddings),
     s3("s3-before-stage2", "held", [], "has no 'stage2' section", stage1_only),
@@ -392,7 +425,7 @@ def case_folder(root: Path, denoised: Path, case: Case) -> list[str]:
     if case.prepare is not None:
         case.prepare(root)
     names = {"D": "D", "OUT": "OUT", "OTHER": "OTHER", "MODEL": "MODEL", "ratios.json": "ratios.json"}
-    names |= {"IMAGE": "image.png", "TEXT_PNG": "text.png"}
+    names |= {"IMAGE": "image.png", "TEXT_PNG": "text.png", "CLIP": "clip"}
     return [str(root / names[arg]) if arg in names else arg for arg in case.argv]
 
 

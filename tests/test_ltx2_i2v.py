@@ -18,6 +18,7 @@ from helpers import expect_user_error, pipeline, relative_error, run_stage, tiny
 from helpers import ltx2_reference as reference
 from tpu_video import models
 from tpu_video.cli import UserError
+from tpu_video.models.ltx2 import conditions as ltx2_conditions
 from tpu_video.models.ltx2 import i2v as ltx2_i2v
 from utils import read_config, read_tensors
 
@@ -120,10 +121,9 @@ def test_the_two_stage_image_to_video_pipeline_matches_diffusers(tmp_path, image
 def test_without_pyav_stage1_stops_before_loading_and_names_the_extra(monkeypatch, capsys, tmp_path, image_file):
     """The re-encode's PyAV is checked before Gemma 3 loads (it used to be found missing after the text
     encode); --image_crf 0 needs none."""
-    find_spec = ltx2_i2v.importlib.util.find_spec
-    monkeypatch.setattr(
-        ltx2_i2v.importlib.util, "find_spec", lambda name, *rest: None if name == "av" else find_spec(name, *rest)
-    )
+    util = ltx2_conditions.importlib.util
+    find_spec = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name, *rest: None if name == "av" else find_spec(name, *rest))
     with pytest.raises(UserError, match=r"needs PyAV \(pip install"):
         ltx2_i2v.recompress(None, 33)
     argv = ["--model", "tiny-ltx2-i2v", "--prompt", PROMPT, "--image", image_file, "--output_dir", tmp_path]

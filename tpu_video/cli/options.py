@@ -13,10 +13,17 @@ from typing import Any
 from . import UserError, finite_float, flag_names
 
 # What each kind accepts in generation_config.json (bool is not a number here, though Python's int says so).
-# "floats": one number or several (a flag taking one or more; stored as a list).
-KIND_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "floats": (list,)}
-KIND_WORDS = {"str": "a string", "int": "an integer", "float": "a number", "floats": "a list of numbers"}
-FLAG_TYPES = {"str": str, "int": int, "float": finite_float, "floats": finite_float}
+# "floats", "ints": one number or several (a flag taking one or more; stored as a list).
+KIND_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "floats": (list,), "ints": (list,)}
+KIND_WORDS = {
+    "str": "a string",
+    "int": "an integer",
+    "float": "a number",
+    "floats": "a list of numbers",
+    "ints": "a list of integers",
+}
+FLAG_TYPES = {"str": str, "int": int, "float": finite_float, "floats": finite_float, "ints": int}
+LISTS = {"floats": "float", "ints": "int"}  # a list kind: the kind of its items
 
 
 @dataclass(frozen=True)
@@ -27,8 +34,8 @@ class Option:
     stage-2 batch (it changes the compiled program or the schedule). `implies`: per value, the defaults it
     brings (e.g. a step schedule's step count), under what the command line gives. `start_only`: it acts only
     on a pass that starts from given latents (stage 2's --start_latents). `with_input`: it acts only with that
-    media input given (stage 1's --video for --strength), and takes `input_default` then (stored, so every
-    stage checks the value that runs)."""
+    media input given, or with any of several (stage 1's --video for --strength), and takes `input_default` then
+    (stored, so every stage checks the value that runs)."""
 
     name: str
     kind: str  # a KIND_TYPES key
@@ -39,15 +46,21 @@ class Option:
     metavar: str | None = None
     implies: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
     start_only: bool = False
-    with_input: str | None = None
+    with_input: str | tuple[str, ...] | None = None
     input_default: Any = None
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The media inputs `with_input` names (none: it acts without any)."""
+        return (self.with_input,) if isinstance(self.with_input, str) else tuple(self.with_input or ())
 
     def check(self, value: Any) -> None:
         """Refuse a stored value of the wrong JSON type or outside the choices (a hand-edited config)."""
         if value is None:
             return
-        numbers = self.kind != "floats" or all(type(item) in KIND_TYPES["float"] for item in value or [None])
-        if type(value) not in KIND_TYPES[self.kind] or not numbers:
+        item = LISTS.get(self.kind)
+        items = item is None or all(type(one) in KIND_TYPES[item] for one in value or [None])
+        if type(value) not in KIND_TYPES[self.kind] or not items:
             raise UserError(f"{self.name} is {json.dumps(value)} in the request; it must be {KIND_WORDS[self.kind]}")
         if self.choices and value not in self.choices:
             raise UserError(f"--{self.name} {value!r} is not one of {', '.join(self.choices)}")
@@ -75,7 +88,7 @@ def add_options(group: argparse._ActionsContainer, options: tuple[Option, ...], 
             *flag_names(f"--{option.name}"),
             dest=option.name,
             type=FLAG_TYPES[option.kind],
-            nargs="+" if option.kind == "floats" else None,
+            nargs="+" if option.kind in LISTS else None,
             choices=option.choices or None,
             metavar=option.metavar,
             help=option.help,

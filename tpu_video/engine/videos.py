@@ -31,6 +31,14 @@ def read_video(path: str, flag: str) -> tuple[list, dict[str, Any]]:
     return _read_video_file(file, flag)
 
 
+def read_image_or_video(path: str, flag: str) -> tuple[list, dict[str, Any]]:
+    """`read_video`'s frames, or one image file as a single frame (with the same notes: frames, size)."""
+    if Path(path).is_file() and Path(path).suffix.lower() in FRAME_SUFFIXES:
+        image, notes = read_image(path, flag)
+        return [image], {"frames": 1, "size": [image.size[1], image.size[0]], **notes}
+    return read_video(path, flag)
+
+
 def video_digest(folder: Path) -> str:
     """A folder of frames' sha256: over each frame file's name and bytes, in the order they are read."""
     digest = hashlib.sha256()

@@ -141,7 +141,7 @@ def input_defaults(family: Family, inputs) -> dict[str, Any]:
     return {
         option.name: option.input_default
         for option in family.OPTIONS
-        if option.with_input in inputs and option.input_default is not None
+        if set(option.inputs) & set(inputs) and option.input_default is not None
     }
 
 
@@ -150,8 +150,9 @@ def check_option_inputs(family: Family, request, inputs) -> None:
     change nothing. `inputs`: the names stage 1 was given (or recorded)."""
     for option in family.OPTIONS:
         value = request.option(option.name)
-        if option.with_input and value is not None and option.with_input not in inputs:
-            raise UserError(f"--{option.name} {value} acts only with stage 1's --{option.with_input}")
+        if option.inputs and value is not None and not set(option.inputs) & set(inputs):
+            given = " or ".join(f"--{name}" for name in option.inputs)
+            raise UserError(f"--{option.name} {value} acts only with stage 1's {given}")
 
 
 def options_of(family_name: str | None) -> tuple[Option, ...]:

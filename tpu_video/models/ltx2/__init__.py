@@ -1,4 +1,5 @@
-"""LTX-2, text- and image-to-video with its soundtrack (diffusers `LTX2Pipeline`, `LTX2ImageToVideoPipeline`):
+"""LTX-2, text- and image-to-video with its soundtrack, and conditions (diffusers `LTX2Pipeline`,
+`LTX2ImageToVideoPipeline`, `LTX2ConditionPipeline`):
 the family's `models.family.Family` members, gathered from its parts.
 
 - `declarations`: what the stages' parsers read (its name, pipeline classes, options, media inputs, tiny
@@ -7,6 +8,7 @@ the family's `models.family.Family` members, gathered from its parts.
 - `guidance`: the guidance passes a step runs (CFG, spatio-temporal, modality) and their scales;
 - `transformer`: the jit-safe audio-video transformer, its rule table, Splash tiles and guided call;
 - `i2v`: stage 1's image conditioning (the H.264 round trip, the VAE encode) and the first-frame mask;
+- `conditions`: images and clips at given latent frames (keyframes): stage 1's encodes, stage 2's first latents;
 - `pipeline`: stage 1's Gemma 3 encoding and connectors, stage 2's loop over both streams;
 - `latents`: the VAEs' statistics, stage 2's de-normalisation and its record, the upgrade of older folders,
   stage 3's video decode;

@@ -23,7 +23,6 @@ LORA_LOADER = "LTX2LoraLoaderMixin"  # its lora_state_dict converts the original
 STEP_CACHES = ("interval",)
 # LTX2Pipeline.__call__'s defaults (num_frames: its fixed default for checkpoints without a duration head).
 DEFAULTS = {"height": 512, "width": 768, "num_frames": 121, "fps": 24, "num_inference_steps": 30, "guidance_scale": 3.0}
-IMAGE_CRF = 33  # LTX2ImageToVideoPipeline's default for Gemma 3 checkpoints (resolve_default_image_crf)
 MAX_SEQUENCE_LENGTH = 1024  # the pipeline's Gemma prompt layout: left padding to 1024 tokens
 TOKENIZER_PADDING_SIDE = "left"
 # One sample's activations at a block's peak, in copies of its [video tokens, width] hidden states (whole,
@@ -35,7 +34,7 @@ SUPPORTED = "LTX-2.0 and LTX-2.3 (Gemma 3 text encoder)"
 
 
 def request_defaults(source) -> dict[str, Any]:
-    return {**DEFAULTS, **({"image_crf": IMAGE_CRF} if image_to_video(source) else {}), **source.preset_defaults}
+    return {**DEFAULTS, **source.preset_defaults}  # image_crf: its input default (declarations.py)
 
 
 def image_to_video(source) -> bool:
@@ -71,14 +70,27 @@ def validate_request(source, request: Request) -> None:
     if request.num_frames < 1 or (request.num_frames - 1) % temporal:
         raise UserError(f"--num_frames {request.num_frames} must be {temporal}n+1 (e.g. 121)")
     crf = request.option("image_crf")
-    if crf is not None and not image_to_video(source):
-        raise UserError(f"--image_crf: --model {source.ref!r} is text-to-video; there is no image to re-encode")
     if crf is not None and not 0 <= crf <= 51:
         raise UserError(f"--image_crf {crf} must be from 0 (no re-encode) to 51 (H.264's range)")
     if request.flow_shift is not None:
         raise UserError("--flow_shift: LTX-2's scheduler shifts by the video's token count (dynamic shifting)")
     check_schedule(request)
+    check_placements(request, latent_grid(source, request)[0])
     resolve_guidance(request, source.load_config("transformer"))
+
+
+def check_placements(request: Request, latent_frames: int) -> None:
+    """Conditions (conditions.py), before any weights load: each index inside the video's latent frames (the
+    pipeline would drop the condition with a warning), each strength a fraction."""
+    for index in request.option("condition_index") or ():
+        if not -latent_frames <= index < latent_frames:
+            raise UserError(
+                f"--condition_index {index}: the video has {latent_frames} latent frames (-{latent_frames} to "
+                f"{latent_frames - 1}; --num_frames {request.num_frames})"
+            )
+    for strength in request.option("condition_strength") or ():
+        if not 0 <= strength <= 1:
+            raise UserError(f"--condition_strength {strength} must be from 0 (not held) to 1 (kept as given)")
 
 
 def schedule_sigmas(request: Request) -> list[float] | None:
@@ -159,11 +171,21 @@ def guidance_branches(source, request: Request) -> int:
     return len(resolve_guidance(request, source.load_config("transformer")).branches)
 
 
-def stock_pipeline(source, **components):
-    """The source's pipeline (LTX2Pipeline or LTX2ImageToVideoPipeline) holding only the given components
-    (its static helpers, prompt encoding and video processor)."""
+def stock_pipeline(source, pipeline=None, **components):
+    """The source's pipeline (LTX2Pipeline or LTX2ImageToVideoPipeline; or `pipeline`, a class) holding only the
+    given components (its static helpers, prompt encoding, video processor, conditions), with the VAE's ratios and
+    the transformer's patch sizes read from their configs where those components are not given (the pipeline
+    would take the published ones)."""
     from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
 
     names = ("scheduler", "vae", "audio_vae", "text_encoder", "tokenizer", "connectors", "transformer", "vocoder")
-    pipeline = LTX2ImageToVideoPipeline if image_to_video(source) else LTX2Pipeline
-    return pipeline(**{**dict.fromkeys(names), **components})
+    if pipeline is None:
+        pipeline = LTX2ImageToVideoPipeline if image_to_video(source) else LTX2Pipeline
+    pipe = pipeline(**{**dict.fromkeys(names), **components})
+    if components.get("vae") is None:
+        pipe.vae_spatial_compression_ratio, pipe.vae_temporal_compression_ratio = vae_ratios(source)
+    if components.get("transformer") is None:
+        transformer = source.load_config("transformer")
+        pipe.transformer_spatial_patch_size = transformer["patch_size"]
+        pipe.transformer_temporal_patch_size = transformer["patch_size_t"]
+    return pipe

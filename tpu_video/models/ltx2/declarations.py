@@ -7,13 +7,29 @@ from __future__ import annotations
 import functools
 
 from tpu_video.cli.options import Option
+from tpu_video.engine.inputs import MediaInput
+from tpu_video.engine.videos import read_image_or_video
 
 from ..common import IMAGE
 from ..family import Preset, preset_builder
 
 NAME = "ltx2"
-PIPELINE_CLASSES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
-MEDIA_INPUTS = (IMAGE,)
+PIPELINE_CLASSES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline")
+CONDITION_TASK = "conditions"
+IMAGE_CRF = 33  # the pipelines' H.264 quality for a conditioning image, Gemma 3 checkpoints (resolve_default_image_crf)
+# LTX2ConditionPipeline's conditions (LTX2VideoCondition): images or clips placed at latent frames of a
+# text-to-video checkpoint's video (keyframes, first and last frame, a video extended).
+CONDITION = MediaInput(
+    "condition",
+    "text-to-video models: one or more images or clips (a video file ffmpeg reads, or a folder of frames) the "
+    "video is conditioned on, each placed at its --condition_index with its --condition_strength "
+    "(LTX2ConditionPipeline: keyframes, first and last frame, extending a video)",
+    read_image_or_video,
+    kind="image or video",
+    task=CONDITION_TASK,
+    many=True,
+)
+MEDIA_INPUTS = (IMAGE, CONDITION)
 
 # The distilled step schedule (diffusers' pipelines/ltx2/utils.py: DISTILLED_SIGMA_VALUES, 8 sigmas): the
 # distilled weights, or the dev weights with the distilled LoRA, run it with one pass per step, guidance off (as
@@ -93,11 +109,34 @@ OPTIONS = (
     Option(
         "image_crf",
         "int",
-        "image-to-video: the H.264 quality the image is re-encoded at before the VAE, as the model was trained "
-        "(0: not re-encoded; default 33, LTX2ImageToVideoPipeline's; needs the `crf` extra, PyAV)",
+        "image-to-video and one-frame --condition: the H.264 quality an image is re-encoded at before the VAE, as "
+        f"the model was trained (0: not re-encoded; default {IMAGE_CRF}, the pipelines'; needs the `crf` extra, "
+        "PyAV)",
         later=False,  # stage 1 encodes the image
         splits_batch=False,
         metavar="CRF",
+        with_input=("image", CONDITION.name),
+        input_default=IMAGE_CRF,
+    ),
+    Option(
+        "condition_index",
+        "ints",
+        "with --condition: the latent frame each condition starts at, one per --condition (negative: from the "
+        "end; latent frame k > 0 is pixel frame 8(k-1)+1 on the published VAE; 0 replaces the first frames, later "
+        "ones are keyframes the transformer sees beside the video) (default 0, with one --condition)",
+        later=False,  # stage 1 trims each clip to the room after its index
+        metavar="INDEX",
+        with_input=CONDITION.name,
+    ),
+    Option(
+        "condition_strength",
+        "floats",
+        "with --condition: how strongly each condition holds, from 0 to 1, one number for all or one per "
+        "--condition (default 1.0, the pipeline's)",
+        later=False,
+        metavar="STRENGTH",
+        with_input=CONDITION.name,
+        input_default=[1.0],
     ),
 )
 

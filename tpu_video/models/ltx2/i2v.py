@@ -1,28 +1,30 @@
 """LTX-2 image-to-video (`LTX2ImageToVideoPipeline`): stage 1 re-encodes the image with H.264 as the model
 was trained (`--image_crf`, diffusers' own PyAV helper), resizes it as the pipeline does and writes the
 normalised VAE latents of that one frame; stage 2 starts the first latent frame from them, gives its tokens
-timestep zero and never steps them (pipeline.py)."""
+timestep zero and never steps them (pipeline.py). The family's media-input hooks are here; a text-to-video
+checkpoint's conditions (`--condition`) are conditions.py's."""
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
 
-from tpu_video.cli import UserError
 from tpu_video.engine.encoders import DeviceVAEEncoder
 from tpu_video.engine.inputs import MediaInput
 from utils import Request
 
 from ..common import IMAGE
+from . import conditions
+from .conditions import check_h264_size, require_pyav
 from .config import image_to_video, vae_ratios
+from .declarations import CONDITION
 
 IMAGE_LATENTS = "image_latents"  # (1, C, 1, H/32, W/32): the first frame's normalised VAE latents
 
 
 def media_inputs(source) -> tuple[MediaInput, ...]:
-    return (IMAGE.required_here(),) if image_to_video(source) else ()
+    return (IMAGE.required_here(),) if image_to_video(source) else (CONDITION,)
 
 
 def inputs_on_runtime(source) -> bool:
@@ -33,25 +35,10 @@ def check_inputs(source, request: Request, images: dict[str, Any]) -> None:
     """Stage 1, before Gemma 3 loads: the re-encode's PyAV is installed (without this check a missing
     extra stopped the run only after the text encode), and the image has the 2 x 2 pixels H.264 needs (its
     helper crops to even sides: a side of 1 became 0 and an IndexError)."""
-    crf = request.option("image_crf")
-    if image_to_video(source) and crf:
-        require_pyav(crf)
-        width, height = images["image"].size
-        if min(width, height) < 2:
-            raise UserError(
-                f"--image is {width}x{height} pixels: H.264 (--image_crf {crf}) needs at least 2 "
-                "on each side; pass --image_crf 0 to condition on the image as it is"
-            )
-
-
-def require_pyav(crf: int) -> None:
-    """PyAV's libx264, which diffusers' helper uses, is an extra (`pip install -e ".[crf]"`): its wheels
-    carry GPL x264."""
-    if importlib.util.find_spec("av") is None:
-        raise UserError(
-            f'--image_crf {crf}: re-encoding the image needs PyAV (pip install -e ".[crf]"), or pass --image_crf 0 '
-            "to condition on the image as it is (not how LTX-2 was trained)"
-        )
+    if CONDITION.name in images:
+        conditions.check_conditions(source, request, images[CONDITION.name])
+    elif image_to_video(source) and request.option("image_crf"):
+        check_h264_size(request.option("image_crf"), images["image"], "--image")
 
 
 def recompress(image, crf: int):
@@ -71,6 +58,8 @@ def encode_inputs(source, request: Request, images: dict[str, Any], runtime) -> 
     """The pipeline's first-frame conditioning: the H.264 round trip, its bilinear resize to the request's
     size, the float32 VAE's posterior mode, normalised by the VAE's statistics (`prepare_latents`; the noise
     it blends with is drawn in stage 2)."""
+    if CONDITION.name in images:
+        return conditions.encode_conditions(source, request, images[CONDITION.name], runtime)
     from diffusers import LTX2ImageToVideoPipeline
     from diffusers.video_processor import VideoProcessor
 

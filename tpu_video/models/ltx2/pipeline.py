@@ -18,6 +18,7 @@ from tpu_video.engine.encoders import DeviceTextEncoder
 from tpu_video.engine.guidance import BATCH
 from utils import Request
 
+from .conditions import check_unconditioned, conditioned_video, planning_conditions
 from .config import (
     MAX_SEQUENCE_LENGTH,
     audio_frames,
@@ -84,10 +85,10 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
         for name, width in widths.items():
             embeds[prefix + name] = torch.zeros(1, MAX_SEQUENCE_LENGTH, width, dtype=dtype)
         embeds[prefix + "connector_attention_mask"] = torch.ones(1, MAX_SEQUENCE_LENGTH, dtype=torch.int64)
+    _, height, width = latent_grid(source, request)
     if image_to_video(source):
-        _, height, width = latent_grid(source, request)
         embeds[IMAGE_LATENTS] = torch.zeros(1, transformer["in_channels"], 1, height, width)
-    return embeds
+    return {**embeds, **planning_conditions(request, transformer["in_channels"], height, width)}
 
 
 def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime, tp_mode, *, planning: bool):
@@ -115,17 +116,25 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     patch, patch_t = config["patch_size"], config["patch_size_t"]
 
     generator = torch.Generator("cpu").manual_seed(request.seed)
-    video = randn_tensor((1, config["in_channels"], frames, height, width), generator=generator, dtype=NOISE_DTYPE)
+    fps = conditioning_frame_rate(float(request.fps), guidance.motion_speed)
     image = embeds.get(IMAGE_LATENTS)
-    # Image-to-video: the first latent frame starts from the image (prepare_latents). A pass from given latents
-    # (start_from replaces these) may run at another size than the image was encoded for: not combined then.
-    if image is not None and image.shape[-2:] == video.shape[-2:]:
-        mask = torch.zeros(1, 1, frames, height, width)
-        mask[:, :, 0] = 1.0
-        video = image.float().repeat(1, 1, frames, 1, 1) * mask + video * (1 - mask)
-    video = LTX2Pipeline._pack_latents(video, patch, patch_t)
-    audio = randn_tensor((1, audio_vae["latent_channels"], audio_length, mel_bins), generator=generator)
-    audio = LTX2Pipeline._pack_audio_latents(audio)
+    conditioned = conditioned_video(source, request, embeds, config, fps, generator)
+    if conditioned is not None:  # LTX2ConditionPipeline: packed draws, keyframe tokens after the video's
+        video, condition_mask, clean, keyframe_coords, video_tokens = conditioned
+        audio = randn_tensor((1, audio_length, audio_vae["latent_channels"] * mel_bins), generator=generator)
+    else:
+        video = randn_tensor((1, config["in_channels"], frames, height, width), generator=generator, dtype=NOISE_DTYPE)
+        # Image-to-video: the first latent frame starts from the image (prepare_latents). A pass from given
+        # latents (start_from replaces these) may run at another size than the image was encoded for: not
+        # combined then.
+        if image is not None and image.shape[-2:] == video.shape[-2:]:
+            mask = torch.zeros(1, 1, frames, height, width)
+            mask[:, :, 0] = 1.0
+            video = image.float().repeat(1, 1, frames, 1, 1) * mask + video * (1 - mask)
+        video = LTX2Pipeline._pack_latents(video, patch, patch_t)
+        video_tokens = video.shape[1]
+        audio = randn_tensor((1, audio_vae["latent_channels"], audio_length, mel_bins), generator=generator)
+        audio = LTX2Pipeline._pack_audio_latents(audio)
     shapes = (tuple(video.shape[1:]), tuple(audio.shape[1:]))
 
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config(source, request))
@@ -140,12 +149,14 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     sigmas = schedule_sigmas(request) or np.linspace(1.0, 1 / steps, steps)  # the pipeline's rule
     timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", None, sigmas=sigmas, mu=mu)
 
-    fps = conditioning_frame_rate(float(request.fps), guidance.motion_speed)
     video_coords = transformer.rope.prepare_video_coords(1, frames, height, width, "cpu", fps=fps)
+    if conditioned is not None and keyframe_coords is not None:
+        video_coords = torch.cat([video_coords, keyframe_coords], dim=2)
     audio_coords = transformer.audio_rope.prepare_audio_coords(1, audio_length, "cpu")
     tables = rope_tables(transformer, video_coords, audio_coords)
     geometry = (frames, height, width, fps, audio_length)
-    guided = GuidedTransformer(transformer, guidance, dtype, shapes, geometry, runtime.constrain, i2v=image is not None)
+    conditioning = "blend" if conditioned is not None else "first_frame" if image is not None else None
+    guided = GuidedTransformer(transformer, guidance, dtype, shapes, geometry, runtime.constrain, conditioning)
 
     def rows(name: str) -> torch.Tensor:
         return torch.cat([embeds[("negative_" if b == "uncond" else "") + name] for b in guidance.branches])
@@ -153,7 +164,9 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     static = [(rows(name).to(dtype), BATCH) for name in STAGE1_TENSORS[:2]]
     static.append((rows("connector_attention_mask"), BATCH))
     kept = None
-    if image is not None:
+    if conditioned is not None:  # per token: its strength, and the clean latents it is held to
+        static += [(condition_mask, ()), (clean, ())]
+    elif image is not None:
         first_frame = conditioning_mask(frames, height, width, patch, patch_t)  # (1, video tokens)
         static.append((first_frame, ()))
         kept = torch.zeros(video.numel() + audio.numel(), dtype=torch.bool)  # the first frame in the flat latents
@@ -184,9 +197,8 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
 
     def finish(latents):
         video_latents, audio_latents = latents[:, :video_size], latents[:, video_size:]
-        video_latents = LTX2Pipeline._unpack_latents(
-            video_latents.reshape(1, *shapes[0]), frames, height, width, patch, patch_t
-        )
+        video_latents = video_latents.reshape(1, *shapes[0])[:, :video_tokens]  # without keyframe tokens
+        video_latents = LTX2Pipeline._unpack_latents(video_latents, frames, height, width, patch, patch_t)
         audio_latents = LTX2Pipeline._unpack_audio_latents(
             audio_latents.reshape(1, *shapes[1]), audio_length, num_mel_bins=mel_bins
         )
@@ -205,6 +217,7 @@ def start_from(source, request: Request, tensors: dict[str, torch.Tensor]) -> to
     conditioning mask), which the loop then keeps. A noise scale of 0 leaves both exactly as given."""
     from diffusers import LTX2Pipeline
 
+    check_unconditioned(request)
     config = source.load_config("transformer")
     patch = (config["patch_size"], config["patch_size_t"])
     video, audio = normalized(tensors, vae_statistics(source, planning=False))

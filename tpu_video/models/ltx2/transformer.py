@@ -164,9 +164,12 @@ class GuidedTransformer(torch.nn.Module):
     pipeline's two schedulers are copies with the same sigmas.
     """
 
-    def __init__(self, transformer, guidance: Guidance, dtype, shapes, geometry, constrain=None, i2v=False) -> None:
+    def __init__(self, transformer, guidance: Guidance, dtype, shapes, geometry, constrain=None, conditioning=None):
         super().__init__()
-        self.i2v = i2v  # image-to-video: a static input marks the first frame's tokens, whose timestep is 0
+        # "first_frame" (image-to-video): a static input marks the first frame's tokens, whose timestep is 0;
+        # "blend" (conditions): a static conditioning mask scales each token's timestep and blends the guided
+        # video prediction with the static clean latents (LTX2ConditionPipeline).
+        self.conditioning = conditioning
         self.inputs = make_jit_safe(transformer)
         self.transformer = transformer
         self.guidance = guidance
@@ -206,11 +209,13 @@ class GuidedTransformer(torch.nn.Module):
 
     def forward(self, latents, timestep, prompt_embeds, audio_prompt_embeds, attention_mask, *rest):
         """`latents`: (videos, both streams' tokens); `timestep`: (t, sigma); the prompts: one row per branch
-        and video; `rest`: for image-to-video the (1, video tokens) first-frame mask, then ROPES' (cos, sin)
-        pairs (the videos of a batch share their geometry, so their tables)."""
+        and video; `rest`: with conditioning the (1, video tokens) mask (for "blend" then the (videos, video
+        tokens, channels) clean latents), then ROPES' (cos, sin) pairs (the videos of a batch share their
+        geometry, so their tables)."""
         from diffusers.pipelines.ltx2.pipeline_ltx2 import rescale_noise_cfg
 
-        first_frame, tables = (rest[0], rest[1:]) if self.i2v else (None, rest)
+        mask, rest = (rest[0], rest[1:]) if self.conditioning else (None, rest)
+        clean, tables = (rest[0], rest[1:]) if self.conditioning == "blend" else (None, rest)
 
         branches = self.guidance.branches
         videos = latents.shape[0]
@@ -228,8 +233,8 @@ class GuidedTransformer(torch.nn.Module):
         self.inputs.perturbation = None if perturbation is None else perturbation[:, None, None]
         video, audio = self.split(latents)
         t, sigma = timestep[0], timestep[1]
-        # The pipeline's per-token video timestep for image-to-video: zero on the conditioning frame.
-        video_t = t.expand(count) if first_frame is None else (t.reshape(1, 1) * (1 - first_frame)).expand(count, -1)
+        # The pipelines' per-token video timestep with conditioning: t x (1 - mask), zero on a frame kept as given.
+        video_t = t.expand(count) if mask is None else (t.reshape(1, 1) * (1 - mask)).expand(count, -1)
         frames, height, width, fps, audio_frames = self.geometry
         with functional_split_rotary():  # tpu_video/workarounds/torchax.py
             video_out, audio_out = self.transformer(
@@ -272,5 +277,7 @@ class GuidedTransformer(torch.nn.Module):
                 guided = guided + (scales.modality - 1) * (x0["cond"] - x0["isolated"])
             if scales.rescale > 0:
                 guided = rescale_noise_cfg(guided, x0["cond"], guidance_rescale=scales.rescale)
+            if clean is not None and sample is video:  # held toward the conditions, in x0 space
+                guided = (guided * (1 - mask[..., None]) + clean * mask[..., None]).to(guided.dtype)
             velocities.append(((sample - guided) / sigma).flatten(1))
         return torch.cat(velocities, dim=1)

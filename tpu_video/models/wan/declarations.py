@@ -5,13 +5,10 @@ presets (the package's other members load on first use: models.family.lazy_membe
 from __future__ import annotations
 
 import functools
-from pathlib import Path
-from typing import Any
 
 from tpu_video.cli.options import Option
-from tpu_video.engine.images import read_image
 from tpu_video.engine.inputs import MediaInput, image_input, video_input
-from tpu_video.engine.videos import FRAME_SUFFIXES, read_video
+from tpu_video.engine.videos import read_image_or_video
 
 from ..common import IMAGE, LAST_IMAGE
 from ..family import Preset, preset_builder
@@ -60,14 +57,6 @@ VIDEO = video_input(
 VACE_TASK = "vace"
 
 
-def read_mask(path: str, flag: str) -> tuple[list, dict[str, Any]]:
-    """A mask video (or folder of frames), or one image used for every frame; white redraws, black keeps."""
-    if Path(path).is_file() and Path(path).suffix.lower() in FRAME_SUFFIXES:
-        image, notes = read_image(path, flag)
-        return [image], {"frames": 1, "size": [image.size[1], image.size[0]], **notes}
-    return read_video(path, flag)
-
-
 CONTROL_VIDEO = video_input(
     "control_video",
     "Wan VACE: the control video (a depth, pose or edge video, or the video to inpaint; a file ffmpeg reads or "
@@ -79,7 +68,7 @@ MASK = MediaInput(
     "mask",
     "Wan VACE: with --control_video, where to redraw it (white) and where to keep it (black): a video of at "
     "least as many frames as the run takes, or one image for every frame",
-    read_mask,
+    read_image_or_video,  # one image: the same mask on every frame
     kind="mask",
     task=VACE_TASK,
 )

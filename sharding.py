@@ -214,7 +214,12 @@ def text_encoder_rules(config, tp: int) -> RuleTable:
     axis: attention is split only where `tp` divides every head count."""
     if config.model_type in ("t5", "umt5"):  # UMT5 (Wan): T5's names, a bias table in every layer
         return t5_encoder_rules(split_attention=config.num_heads % tp == 0)
-    decoders = {"qwen2_5_vl_text": qwen25vl_text_rules, "gemma3_text": gemma3_text_rules}
+    # Gemma 4's text model (LTX-2.5) names its weights as Gemma 3's.
+    decoders = {
+        "qwen2_5_vl_text": qwen25vl_text_rules,
+        "gemma3_text": gemma3_text_rules,
+        "gemma4_unified_text": gemma3_text_rules,
+    }
     if config.model_type in decoders:
         heads = (config.num_attention_heads, config.num_key_value_heads)
         return decoders[config.model_type](split_attention=all(count % tp == 0 for count in heads))

@@ -396,6 +396,7 @@ CASES = [
         "9 frames from pixel frame 5 (--condition_index 2); the video has 9, so 4 fit",
     ),
     ltx2("s1-ltx2-i2v-condition", "tiny-ltx2-i2v", ["--image", "IMAGE", "--condition", "IMAGE"], "no --condition"),
+    ltx2("s1-ltx2.5-condition-no-frames", "tiny-ltx2.5", ["--condition", "IMAGE"], "--condition: give --num_frames"),
     s2("s2-missing-stage1", "held", [], f"{STAGE1_FILE} is missing", lambda root: (root / "D" / STAGE1_FILE).unlink()),
     s2("s2-changed-embeddings", "held", [], "does not match the sha256", changed_embeddings),
     s3("s3-before-stage2", "held", [], "has no 'stage2' section", stage1_only),

@@ -685,12 +685,13 @@ def test_stage1_connectors_with_heads_on_tp_gather_nothing(tmp_path):
     assert set(report["collectives"][connectors]) == {"all-reduce"}, report["collectives"][connectors]
 
 
-def test_later_ltx_releases_are_refused(capsys, tmp_path):
-    """A folder with LTX-2.5's parts (here: a duration head in model_index.json) is named and refused."""
-    folder = tmp_path / "ltx2.5"
+def test_a_text_encoder_the_family_does_not_run_is_refused(capsys, tmp_path):
+    """A folder whose model_index.json names another text encoder than Gemma 3 or Gemma 4 is named and refused
+    before any weights load."""
+    folder = tmp_path / "other-encoder"
     shutil.copytree(models.materialize_preset("tiny-ltx2"), folder)
     index = json.loads((folder / "model_index.json").read_text())
-    index["duration_head"] = ["ltx2", "LTX2DurationHead"]
+    index["text_encoder"] = ["transformers", "T5EncoderModel"]
     (folder / "model_index.json").write_text(json.dumps(index))
     argv = ["--model", folder, "--prompt", "p", "--output_dir", tmp_path / "out"]
-    expect_user_error(capsys, stage1_text_encoder, argv, "later LTX release (duration_head)")
+    expect_user_error(capsys, stage1_text_encoder, argv, "has the text encoder T5EncoderModel; supported: LTX-2.0")

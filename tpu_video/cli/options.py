@@ -35,7 +35,7 @@ class Option:
     brings (e.g. a step schedule's step count), under what the command line gives. `start_only`: it acts only
     on a pass that starts from given latents (stage 2's --start_latents). `with_input`: it acts only with that
     media input given, or with any of several (stage 1's --video for --strength), and takes `input_default` then
-    (stored, so every stage checks the value that runs)."""
+    (stored, so every stage checks the value that runs; a callable gives the checkpoint's, from its source)."""
 
     name: str
     kind: str  # a KIND_TYPES key

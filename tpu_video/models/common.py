@@ -117,6 +117,11 @@ def constrain_block_inputs(blocks, constrain, specs: dict[str | int, tuple], bar
         block.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def fixed_length(source) -> None:
+    """`frames_from_prompt` of a family whose video is always as long as the request says."""
+    return None
+
+
 def no_upsample(family: str):
     """`upsample` of a family without a latent upsampler between passes."""
 

@@ -111,6 +111,11 @@ class Family(Protocol):
         """Stage 1: the text encoders loaded once; a function of a request giving the pipeline's own prompt
         encoding, tensors named as the pipeline's arguments."""
 
+    def frames_from_prompt(self, source: ModelSource) -> Callable[[Request, dict], int] | None:
+        """Checkpoints that pick the video's length from the prompt (LTX-2.5's duration head): a function of a
+        request and its stage-1 tensors giving the frame count, which stage 1 records where --num_frames is not
+        given; None for the others."""
+
     def media_inputs(self, source: ModelSource) -> tuple[MediaInput, ...]:
         """Those of MEDIA_INPUTS this model takes (none for text-to-video), the ones it requires marked
         (`MediaInput.required_here`: an image-to-video pipeline's first frame)."""

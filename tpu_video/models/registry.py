@@ -136,13 +136,15 @@ def check_started(family: Family, request, started: bool) -> None:
             raise UserError(f"{start_only_flag(family, request, option)} acts only on a {LATER_PASS}")
 
 
-def input_defaults(family: Family, inputs) -> dict[str, Any]:
-    """The values the family's options take with the media inputs given (Option.input_default)."""
-    return {
+def input_defaults(family: Family, source, inputs) -> dict[str, Any]:
+    """The values the family's options take with the media inputs given (Option.input_default; a callable one
+    is the checkpoint's, given `source`)."""
+    values = {
         option.name: option.input_default
         for option in family.OPTIONS
         if set(option.inputs) & set(inputs) and option.input_default is not None
     }
+    return {name: value(source) if callable(value) else value for name, value in values.items()}
 
 
 def check_option_inputs(family: Family, request, inputs) -> None:

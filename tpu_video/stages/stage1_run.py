@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,6 +41,8 @@ class Video:
     inputs: dict
     records: dict
     task: str
+    # The checkpoint picks the length from the prompt (family.frames_from_prompt), --num_frames not given.
+    predict_frames: Callable[[Request, dict], int] | None = None
 
 
 def checked_video(args, source, family, output_dir: Path, where: str = "") -> Video:
@@ -62,17 +65,21 @@ def checked_video(args, source, family, output_dir: Path, where: str = "") -> Vi
         frames = inputs.frames_from_inputs(accepted, records, args.num_frames)
         if frames is not None:  # the pipeline makes as many frames as the video has
             defaults["num_frames"] = frames
-        defaults.update(models.input_defaults(family, values))
+        defaults.update(models.input_defaults(family, source, values))
         request = request_from_flags(args, family, args.model, defaults)
         models.check_option_inputs(family, request, values)
         for option in family.OPTIONS:  # a later pass's option is stored for stage 2, which refuses it from noise
             if option.start_only and request.option(option.name):
                 log(f"note: {models.start_only_flag(family, request, option)} acts only on a {models.LATER_PASS}")
         models.validate_request(family, source, request)
+        predict = family.frames_from_prompt(source) if args.num_frames is None else None
+        placed = [name for name, record in records.items() if record["kind"] != "image"]
+        if predict is not None and placed:  # their checks and encodes take the length, known only after the encode
+            raise UserError(f"--{placed[0]}: give --num_frames (--model {args.model!r} would pick it from the prompt)")
         family.check_inputs(source, request, values)
     except UserError as err:
         raise UserError(f"{where}: {err}" if where else str(err)) from None
-    return Video(output_dir, request, values, records, inputs.task_of(accepted, values))
+    return Video(output_dir, request, values, records, inputs.task_of(accepted, values), predict)
 
 
 def encode_and_write(args, dtype, source, family, video: Video, encode, runtime, timer: Timer, adapters=()) -> None:
@@ -80,6 +87,9 @@ def encode_and_write(args, dtype, source, family, video: Video, encode, runtime,
     request, output_dir = video.request, video.output_dir
     with timer.phase("encode"), runtime.precision(dtype):
         embeddings = encode(request)
+    if video.predict_frames is not None:  # the length the checkpoint picks from the prompt, recorded as asked
+        request = dataclasses.replace(request, num_frames=video.predict_frames(request, embeddings))
+        models.validate_request(family, source, request)
     if video.inputs:  # image encoders and single-image VAE encodes on the runtime, fp32 matmuls (family.encode_inputs)
         log(f"encoding {', '.join(f'--{name}' for name in video.inputs)} on {runtime.describe()}")
         with timer.phase("encode_inputs"), torch.no_grad(), runtime.precision(torch.float32):
@@ -99,6 +109,8 @@ def encode_and_write(args, dtype, source, family, video: Video, encode, runtime,
     versions = ("transformers", "diffusers")
     prompts = {"prompt": request.prompt, "negative_prompt": request.negative_prompt}  # check_stage1_fresh
     task = {"task": video.task, **({"inputs": video.records} if video.inputs else {})}
+    if video.predict_frames is not None:
+        task["num_frames_from"] = "the prompt (the checkpoint's duration head)"
     section = {**record, "prompts": prompts, "request": request.to_config(), **task}  # request: as stage 1 wrote it
     section.update(run_record(runtime, args.dtype, timer.finish(), versions))
     if adapters:  # fused into the text connectors (LTX-2); stage 2 checks its --lora against them

@@ -1,4 +1,4 @@
-"""LTX-2, text- and image-to-video with its soundtrack, and conditions (diffusers `LTX2Pipeline`,
+"""LTX-2 (2.0, 2.3 and 2.5), text- and image-to-video with its soundtrack, and conditions (diffusers `LTX2Pipeline`,
 `LTX2ImageToVideoPipeline`, `LTX2ConditionPipeline`):
 the family's `models.family.Family` members, gathered from its parts.
 
@@ -9,6 +9,7 @@ the family's `models.family.Family` members, gathered from its parts.
 - `transformer`: the jit-safe audio-video transformer, its rule table, Splash tiles and guided call;
 - `i2v`: stage 1's image conditioning (the H.264 round trip, the VAE encode) and the first-frame mask;
 - `conditions`: images and clips at given latent frames (keyframes): stage 1's encodes, stage 2's first latents;
+- `duration`: LTX-2.5's duration head, which picks the frame count in stage 1 where none is given;
 - `pipeline`: stage 1's Gemma 3 encoding and connectors, stage 2's loop over both streams;
 - `latents`: the VAEs' statistics, stage 2's de-normalisation and its record, the upgrade of older folders,
   stage 3's video decode;
@@ -36,6 +37,7 @@ __getattr__, __dir__ = lazy_members(
     {
         "audio": ("Soundtrack",),
         "config": ("transformer_components",),
+        "duration": ("frames_from_prompt",),
         "i2v": ("check_inputs",),
         "latents": ("Decoder", "latents_normalization", "upgrade_stage2", "video_processor"),
         "upsampler": ("upsample",),

@@ -1,8 +1,8 @@
 """LTX-2's facts and request rules: the pipeline's defaults, what the VAEs
 and the transformer accept (checked before any weights load), and the stock pipeline object its stages call.
 
-Later LTX releases that diffusers 0.42.1 also runs through `LTX2Pipeline` (LTX-2.5: a Gemma 4 text encoder,
-a duration head, KV-cacheable cross-attention) are refused: their defaults and conditioning differ.
+LTX-2.5 (a Gemma 4 text encoder, a duration head, prompt modulation by a fixed table) runs through the same
+pipelines; its prompt enhancer is not run (the pipeline runs it only when asked).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ TOKENIZER_PADDING_SIDE = "left"
 # (docs/planning.md#the-activation-estimate): exact on LTX-2.0's unrolled 1 x 1 x 8 and LTX-2.3's 4 x 1 x 2,
 # up to 1.63x over the others (the scanned programs need less, and one linear model serves both versions).
 ACTIVATION_COPIES = (4.72, 5.24)
-SUPPORTED = "LTX-2.0 and LTX-2.3 (Gemma 3 text encoder)"
+TEXT_ENCODERS = ("Gemma3ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration")
+SUPPORTED = "LTX-2.0 and LTX-2.3 (Gemma 3 text encoder), LTX-2.5 (Gemma 4)"
 
 
 def request_defaults(source) -> dict[str, Any]:
@@ -46,16 +47,15 @@ def transformer_components(source) -> tuple[str, ...]:
 
 
 def check_release(source) -> None:
-    """Refuse LTX releases this family does not run (their defaults and conditioning differ)."""
-    encoder = source.index.get("text_encoder") or [None, None]
-    later = [name for name in ("duration_head", "prompt_enhancer") if (source.index.get(name) or [None])[0]]
-    transformer = source.load_config("transformer")
-    if encoder[1] != "Gemma3ForConditionalGeneration":
-        later.append(f"text encoder {encoder[1]}")
-    if not transformer.get("use_prompt_adaln_single", True) or transformer.get("use_keyframes_abs_pos_embedding"):
-        later.append("KV-cacheable cross-attention")
-    if later:
-        raise UserError(f"--model {source.ref!r} is a later LTX release ({', '.join(later)}); supported: {SUPPORTED}")
+    """Refuse a text encoder this family does not run (LTX-2.0 and 2.3 take Gemma 3, LTX-2.5 Gemma 4)."""
+    encoder = (source.index.get("text_encoder") or [None, None])[1]
+    if encoder not in TEXT_ENCODERS:
+        raise UserError(f"--model {source.ref!r} has the text encoder {encoder}; supported: {SUPPORTED}")
+
+
+def has_duration_head(source) -> bool:
+    """LTX-2.5's duration head: it picks the frame count from the prompt where --num_frames is not given."""
+    return bool((source.index.get("duration_head") or [None])[0])
 
 
 def validate_request(source, request: Request) -> None:

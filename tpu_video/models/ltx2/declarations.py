@@ -16,7 +16,16 @@ from ..family import Preset, preset_builder
 NAME = "ltx2"
 PIPELINE_CLASSES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline")
 CONDITION_TASK = "conditions"
-IMAGE_CRF = 33  # the pipelines' H.264 quality for a conditioning image, Gemma 3 checkpoints (resolve_default_image_crf)
+# The pipelines' H.264 quality for a conditioning image (diffusers' resolve_default_image_crf): 33 through
+# LTX-2.3 (Gemma 3), 18 for LTX-2.5 (Gemma 4).
+IMAGE_CRF, LTX2_5_IMAGE_CRF = 33, 18
+
+
+def image_crf(source) -> int:
+    encoder = (source.index.get("text_encoder") or [None, None])[1]
+    return LTX2_5_IMAGE_CRF if encoder == "Gemma4UnifiedForConditionalGeneration" else IMAGE_CRF
+
+
 # LTX2ConditionPipeline's conditions (LTX2VideoCondition): images or clips placed at latent frames of a
 # text-to-video checkpoint's video (keyframes, first and last frame, a video extended).
 CONDITION = MediaInput(
@@ -110,13 +119,13 @@ OPTIONS = (
         "image_crf",
         "int",
         "image-to-video and one-frame --condition: the H.264 quality an image is re-encoded at before the VAE, as "
-        f"the model was trained (0: not re-encoded; default {IMAGE_CRF}, the pipelines'; needs the `crf` extra, "
-        "PyAV)",
+        f"the model was trained (0: not re-encoded; default the pipelines': {IMAGE_CRF}, LTX-2.5 "
+        f"{LTX2_5_IMAGE_CRF}; needs the `crf` extra, PyAV)",
         later=False,  # stage 1 encodes the image
         splits_batch=False,
         metavar="CRF",
         with_input=("image", CONDITION.name),
-        input_default=IMAGE_CRF,
+        input_default=image_crf,
     ),
     Option(
         "condition_index",
@@ -148,4 +157,7 @@ PRESETS = {
     "tiny-ltx2": Preset(NAME, _built("tiny_pipeline", "2.0"), TINY_DEFAULTS),
     "tiny-ltx2.3": Preset(NAME, _built("tiny_pipeline", "2.3"), TINY_DEFAULTS),
     "tiny-ltx2-i2v": Preset(NAME, _built("tiny_pipeline", "2.0", image_to_video=True), TINY_DEFAULTS),
+    # LTX-2.5: without --num_frames its duration head picks the length
+    "tiny-ltx2.5": Preset(NAME, _built("tiny_pipeline", "2.5"), TINY_DEFAULTS),
+    "tiny-ltx2.5-i2v": Preset(NAME, _built("tiny_pipeline", "2.5", image_to_video=True), TINY_DEFAULTS),
 }

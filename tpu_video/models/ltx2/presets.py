@@ -1,9 +1,10 @@
 """LTX-2's tiny presets: random components built in code (Gemma 3 with a tokenizer that needs no files, the
 text connectors, the audio-video transformer, the video and audio VAEs, the vocoder), deterministic per seed.
 
-Two layouts: LTX-2.0's (one shared text projection, learnable registers, split RoPE in float64) and
-LTX-2.3's (a text projection per stream, gated attention, prompt modulation, perturbed attention for
-spatio-temporal guidance), at sizes where every head count divides 8 devices. The scheduler is the
+Three layouts: LTX-2.0's (one shared text projection, learnable registers, split RoPE in float64), LTX-2.3's
+(a text projection per stream, gated attention, prompt modulation, perturbed attention for spatio-temporal
+guidance) and LTX-2.5's (2.3's with Gemma 4, the prompt modulation as a fixed table, feed-forwards without
+bias, and a duration head), at sizes where every head count divides 8 devices. The scheduler is the
 published folders' dynamic-shift FlowMatchEuler (its `mu` follows the video's token count), and the
 vocoder upsamples by the audio VAE's hop length, so the waveform lasts as long as the video.
 """
@@ -27,29 +28,40 @@ def gemma_tokenizer():
     return GemmaTokenizer(vocab=vocab, merges=[])
 
 
-def tiny_text_encoder(tokenizer, seed: int) -> torch.nn.Module:
-    """A random tiny Gemma3ForConditionalGeneration: text 2 layers of 2 heads x 8 (one key/value head),
-    sliding window 8; a one-layer vision tower the stages never run (LTX-2 encodes text only)."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+def tiny_text_encoder(tokenizer, seed: int, version: str = "2.0") -> torch.nn.Module:
+    """A random tiny Gemma3ForConditionalGeneration (LTX-2.5: Gemma4UnifiedForConditionalGeneration, a sliding
+    and a full-attention layer): text 2 layers of 2 heads x 8 (one key/value head), sliding window 8; small
+    vision (and audio) towers the stages never run (LTX-2 encodes text only)."""
+    import transformers
 
     torch.manual_seed(seed)
     text = {"vocab_size": len(tokenizer), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
     text |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "sliding_window": 8}
+    if version == "2.5":
+        text |= {"global_head_dim": 8, "layer_types": ["sliding_attention", "full_attention"]}
+        vision = {"patch_size": 4, "pooling_kernel_size": 2, "mm_embed_dim": 16, "mm_posemb_size": 8}
+        audio = {"audio_embed_dim": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+        config = transformers.Gemma4UnifiedConfig(text_config=text, vision_config=vision, audio_config=audio)
+        return transformers.Gemma4UnifiedForConditionalGeneration(config).eval()
     vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
     vision |= {"image_size": 28, "patch_size": 14}
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
-    return Gemma3ForConditionalGeneration(config).eval()
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    return transformers.Gemma3ForConditionalGeneration(config).eval()
 
 
 def tiny_transformer(seed: int, version: str = "2.0", num_layers: int = 2) -> torch.nn.Module:
     """A random tiny LTX2VideoTransformer3DModel: video 8 heads x 8, audio 8 heads x 4, 2 blocks (the interval
     cache's test: 4). "2.3" adds gated attention, prompt modulation and perturbed attention, and takes the
-    connectors' projections."""
+    connectors' projections; "2.5" modulates the prompt by a fixed table (use_prompt_adaln_single False: its
+    cross-attention keys and values do not change with the step), has no video feed-forward bias and holds a
+    keyframe position embedding (which text- and image-to-video never add)."""
     from diffusers import LTX2VideoTransformer3DModel
 
-    later = version == "2.3"
+    later = version != "2.0"
     switches = {"gated_attn": later, "cross_attn_mod": later, "audio_gated_attn": later}
     switches |= {"audio_cross_attn_mod": later, "perturbed_attn": later, "use_prompt_embeddings": not later}
+    if version == "2.5":
+        switches |= {"ff_bias": False, "use_prompt_adaln_single": False, "use_keyframes_abs_pos_embedding": True}
     torch.manual_seed(seed)
     return LTX2VideoTransformer3DModel(
         in_channels=8,
@@ -72,10 +84,11 @@ def tiny_transformer(seed: int, version: str = "2.0", num_layers: int = 2) -> to
 
 def tiny_connectors(seed: int, version: str = "2.0") -> torch.nn.Module:
     """Random tiny LTX2TextConnectors. "2.0": one projection of every Gemma layer to Gemma's width for both
-    streams; "2.3": a projection per stream to its transformer width, and gated attention. 8 registers."""
+    streams; "2.3" and "2.5": a projection per stream to its transformer width, and gated attention. 8
+    registers."""
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
-    later = version == "2.3"
+    later = version != "2.0"
     torch.manual_seed(seed)
     common = {"num_layers": 1, "num_learnable_registers": 8, "gated_attn": later}
     video = {"num_attention_heads": 8 if later else 2, "attention_head_dim": 8, **common}
@@ -135,7 +148,7 @@ def tiny_vae(seed: int, version: str = "2.0") -> torch.nn.Module:
         patch_size_t=1,
         encoder_causal=True,
         decoder_causal=False,
-        decoder_spatial_padding_mode="zeros" if version == "2.3" else "reflect",
+        decoder_spatial_padding_mode="reflect" if version == "2.0" else "zeros",
         scaling_factor=0.8,  # published: 1.0; not 1 here, so a missing scaling step shows
     )
     return with_latent_statistics(vae)
@@ -229,19 +242,35 @@ def tiny_bwe_vocoder(seed: int) -> torch.nn.Module:
     return vocoder.eval()
 
 
+def tiny_duration_head(seed: int) -> torch.nn.Module:
+    """A random tiny LTX2DurationHead on the tiny connectors' widths (video 64, audio 32), its output bias set so
+    it predicts about 1.2 s (inside the pipeline's default 1 to 20 s, so the prediction is not clamped)."""
+    import math
+
+    from diffusers.pipelines.ltx2.duration_head import LTX2DurationHead
+
+    torch.manual_seed(seed)
+    head = LTX2DurationHead(64, 32, pooler_hidden_dim=16, num_pooler_heads=2, mlp_hidden_dim=16)
+    with torch.no_grad():
+        head.mlp_out.bias.fill_(math.log(1.2))
+    return head.eval()
+
+
 def tiny_pipeline(version: str = "2.0", seed: int = 0, image_to_video: bool = False):
     """LTX2Pipeline (or LTX2ImageToVideoPipeline: the same components) with random tiny components of
-    LTX-2.0's or LTX-2.3's layout, deterministic per seed."""
+    LTX-2.0's, LTX-2.3's or LTX-2.5's layout, deterministic per seed."""
     from diffusers import FlowMatchEulerDiscreteScheduler, LTX2ImageToVideoPipeline, LTX2Pipeline
 
     tokenizer = gemma_tokenizer()
+    extra = {"duration_head": tiny_duration_head(seed + 6)} if version == "2.5" else {}
     return (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
         vae=tiny_vae(seed + 1, version),
         audio_vae=tiny_audio_vae(seed + 2),
-        text_encoder=tiny_text_encoder(tokenizer, seed),
+        text_encoder=tiny_text_encoder(tokenizer, seed, version),
         tokenizer=tokenizer,
         connectors=tiny_connectors(seed + 3, version),
         transformer=tiny_transformer(seed + 4, version),
-        vocoder=(tiny_bwe_vocoder if version == "2.3" else tiny_vocoder)(seed + 5),
+        vocoder=(tiny_vocoder if version == "2.0" else tiny_bwe_vocoder)(seed + 5),
+        **extra,
     )

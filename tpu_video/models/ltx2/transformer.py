@@ -36,7 +36,7 @@ MASK_THRESHOLD = -9000.0  # the connectors' own binarisation threshold (attn_mas
 
 
 def transformer_rules(tp_mode: str = "megatron") -> RuleTable:
-    """LTX2VideoTransformer3DModel: all six attentions of a block (video and audio self-attention, their text
+    """LTX2VideoTransformer3DModel (2.0, 2.3 and 2.5): all six attentions of a block (video and audio self-attention, their text
     cross-attentions, audio-to-video and video-to-audio) and both MLPs get the Megatron layout; q/k RMS norms
     span all heads, so their weights are split like q/k's columns; LTX-2.3's per-head gates like heads.
     Replicated: the per-block tables, the embedders, the output layers and the adaptive norms' modulation
@@ -51,6 +51,7 @@ def transformer_rules(tp_mode: str = "megatron") -> RuleTable:
         (block + r"(audio_)?prompt_scale_shift_table", REPLICATED),
         (r"(audio_)?prompt_adaln\..*", REPLICATED),
         (r"(audio_)?caption_projection\..*", REPLICATED),  # LTX-2.0 only: 2.3 projects in the connectors
+        (r"keyframes_abs_pos_embedding", REPLICATED),  # LTX-2.5
     )
     rules = (
         megatron_rules(block, ATTENTIONS + r"\.to_[qkv]", ATTENTIONS + r"\.to_out\.0", r"(audio_)?ff", tp_mode)

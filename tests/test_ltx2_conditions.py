@@ -65,18 +65,13 @@ CASES = {
         [],
         [],
     ),
-    "keyframe-clip-8-devices-splash": (
-        [("first", 0, 0.8), ("frames", 2, 1.0)],
-        ["--image_crf", "0"],
-        ["--attention", "splash", "--sp", "2", "--tp", "4"],
-    ),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_conditions_match_the_condition_pipeline(tmp_path, capsys, media, case):
     """Stage 1's prepared and encoded conditions, stage 2's loop with the video's tokens held to them and the
-    keyframe tokens appended, the latents without them; the first case decodes too."""
+    keyframe tokens appended, the latents without them, stage 3's decode."""
     from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
 
     conditions, stage1_flags, stage2_flags = CASES[case]
@@ -101,8 +96,6 @@ def test_conditions_match_the_condition_pipeline(tmp_path, capsys, media, case):
     video, audio = reference(condition_pipeline(), config, "latent", **arguments)
     assert relative_error(tensors["latents"], video) <= TOLERANCE
     assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
-    if stage2_flags:
-        return
     # A later pass of a conditioned video is refused before weights load (the pipeline's latents= path renoises
     # around the conditions, which stage 2 does not run).
     argv = ["--input_dir", out, "--start_latents", out, "--output_dir", tmp_path / "again"]
@@ -113,3 +106,43 @@ def test_conditions_match_the_condition_pipeline(tmp_path, capsys, media, case):
     frames, waveform = reference(condition_pipeline(), config, "np", **arguments)
     assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
     assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
+
+
+def test_a_distilled_batch_of_conditioned_videos_matches_the_pipeline_video_by_video(tmp_path, media):
+    """Two videos of a --prompts list, each with its own image at latent frame 0 (strength 0.8) and its own
+    5-frame clip appended at 2, the distilled schedule (guidance off; the pipeline's noise_scale is its first
+    sigma), one stage-2 batch on 8 devices with Splash on sp 2 x tp 4: each folder against LTX2ConditionPipeline
+    called for that video alone with sigmas=DISTILLED_SIGMA_VALUES."""
+    import json
+
+    from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
+    from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES
+
+    from tpu_video.engine import batch_folders
+    from tpu_video.models.ltx2.declarations import GUIDANCE_OFF
+
+    names = [("first", "frames"), ("last", "clip")]  # each video's image at 0, clip at 2
+    entries = [
+        {"prompt": prompt, "seed": seed, "condition": [str(media[name]) for name in pair]}
+        for prompt, seed, pair in zip((PROMPT, "a red kite"), (3, 4), names, strict=True)
+    ]
+    listing = tmp_path / "list.jsonl"
+    listing.write_text("\n".join(json.dumps(entry) for entry in entries) + "\n")
+    out = tmp_path / "batch"
+    argv = ["--model", "tiny-ltx2", "--prompts", listing, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
+    argv += ["--num_frames", FRAMES, "--sigmas", "distilled", "--image_crf", 0, "--output_dir", out]
+    run_stage(stage1_text_encoder, [*argv, "--condition_index", 0, 2, "--condition_strength", 0.8, 1.0])
+    stage2 = ["--attention", "splash", "--sp", "2", "--tp", "4", "--batch_size", "2", "--executables", "off"]
+    run_stage(stage2_transformer, ["--input_dir", out, *stage2])
+    for folder, pair in zip(batch_folders.expand_folders([str(out)]), names, strict=True):
+        config = read_config(folder, needs="stage2")
+        assert config["stage2"]["batch"]["size"] == 2 and config["num_inference_steps"] == 8
+        tensors = read_tensors(folder, config["stage2"])
+        conditions = [
+            LTX2VideoCondition(frames=frames_of(media[name]), index=index, strength=strength, crf=0)
+            for name, index, strength in zip(pair, (0, 2), (0.8, 1.0), strict=True)
+        ]
+        arguments = {"conditions": conditions, "sigmas": DISTILLED_SIGMA_VALUES, **GUIDANCE_OFF}
+        video, audio = reference(condition_pipeline(), config, "latent", **arguments)
+        assert relative_error(tensors["latents"], video) <= TOLERANCE, folder.name
+        assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE, folder.name

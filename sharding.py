@@ -221,9 +221,15 @@ def text_encoder_rules(config, tp: int) -> RuleTable:
         "gemma4_unified_text": gemma3_text_rules,
     }
     if config.model_type in decoders:
-        heads = (config.num_attention_heads, config.num_key_value_heads)
-        return decoders[config.model_type](split_attention=all(count % tp == 0 for count in heads))
+        return decoders[config.model_type](split_attention=all(count % tp == 0 for count in head_counts(config)))
     raise ValueError(f"no sharding rules for a {config.model_type!r} text encoder")
+
+
+def head_counts(config) -> set[int]:
+    """Every layer's query and key/value head counts, read per layer: Gemma 4 sets its full-attention layers'
+    own (`num_global_key_value_heads`), and then refuses the model-wide attribute."""
+    layers = [config.per_layer_config[index] for index in range(config.num_hidden_layers)]
+    return {count for layer in layers for count in (layer.num_attention_heads, layer.num_key_value_heads)}
 
 
 # VAEs and other small modules: convolution weights are small next to their activations.

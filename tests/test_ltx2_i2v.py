@@ -18,8 +18,7 @@ from helpers import expect_user_error, pipeline, relative_error, run_stage, tiny
 from helpers import ltx2_reference as reference
 from tpu_video import models
 from tpu_video.cli import UserError
-from tpu_video.models.ltx2 import conditions as ltx2_conditions
-from tpu_video.models.ltx2 import i2v as ltx2_i2v
+from tpu_video.models.ltx2 import crf as ltx2_crf
 from utils import read_config, read_tensors
 
 TOLERANCE = 1e-5
@@ -121,11 +120,11 @@ def test_the_two_stage_image_to_video_pipeline_matches_diffusers(tmp_path, image
 def test_without_pyav_stage1_stops_before_loading_and_names_the_extra(monkeypatch, capsys, tmp_path, image_file):
     """The re-encode's PyAV is checked before Gemma 3 loads (it used to be found missing after the text
     encode); --image_crf 0 needs none."""
-    util = ltx2_conditions.importlib.util
+    util = ltx2_crf.importlib.util
     find_spec = util.find_spec
     monkeypatch.setattr(util, "find_spec", lambda name, *rest: None if name == "av" else find_spec(name, *rest))
     with pytest.raises(UserError, match=r"needs PyAV \(pip install"):
-        ltx2_i2v.recompress(None, 33)
+        ltx2_crf.recompress(None, 33)
     argv = ["--model", "tiny-ltx2-i2v", "--prompt", PROMPT, "--image", image_file, "--output_dir", tmp_path]
     with monkeypatch.context() as patched:
         patched.setattr(models.ModelSource, "load", lambda *args, **kwargs: pytest.fail("weights loaded"))

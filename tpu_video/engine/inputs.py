@@ -36,6 +36,7 @@ class MediaInput:
     missing: str = ""
     frame_step: int = 1  # a video input: the model takes frame_step x n + 1 of its frames (the VAE's rule)
     many: bool = False  # one or more files (`--NAME PATH [PATH ...]`): read one by one, given as a list
+    timed: bool = False  # its checks and encode take the video's length (a video, frames placed in time)
 
     def required_here(self) -> MediaInput:
         """This input as one a model requires (a family's media_inputs(source) for an i2v checkpoint)."""
@@ -56,7 +57,7 @@ def image_input(name: str, help: str, missing: str = "", task: str = "i2v", many
 
 def video_input(name: str, help: str, task: str = "v2v", frame_step: int = 1) -> MediaInput:
     """A video input: its frames (PIL images) and {frames, size, fps} among the notes (videos.read_video)."""
-    return MediaInput(name, help, read_video, kind="video", task=task, frame_step=frame_step)
+    return MediaInput(name, help, read_video, kind="video", task=task, frame_step=frame_step, timed=True)
 
 
 def frames_from_inputs(

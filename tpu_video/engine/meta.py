@@ -67,10 +67,7 @@ def meta_transformers(
     quantized as `quantization` (an engine.settings.Quantization) says."""
     modules = {}
     for name in family.transformer_components(source):
-        overrides = {} if num_layers is None else {"num_layers": num_layers}
-        layers = source.load_config(name).get("vace_layers")
-        if layers is not None and num_layers is not None:  # a VACE transformer's hints index its blocks
-            overrides["vace_layers"] = [layer for layer in layers if layer < num_layers]
+        overrides = {} if num_layers is None else family.depth_overrides(source, name, num_layers)
         modules[name] = meta_module(source, name, dtype, **overrides)
     quantize(modules, quantization)
     return modules

@@ -117,6 +117,11 @@ def constrain_block_inputs(blocks, constrain, specs: dict[str | int, tuple], bar
         block.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def num_layers_only(source, component: str, num_layers: int) -> dict[str, Any]:
+    """`depth_overrides` of a family whose transformer config names its depth in `num_layers` alone."""
+    return {"num_layers": num_layers}
+
+
 def fixed_length(source) -> None:
     """`frames_from_prompt` of a family whose video is always as long as the request says."""
     return None

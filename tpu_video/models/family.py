@@ -98,6 +98,10 @@ class Family(Protocol):
     def transformer_components(self, source: ModelSource) -> tuple[str, ...]:
         """The pipeline's transformer components stage 2 loads (Wan 2.2: two experts)."""
 
+    def depth_overrides(self, source: ModelSource, component: str, num_layers: int) -> dict[str, Any]:
+        """The config overrides that build transformer `component` at `num_layers` blocks (--plan's per-block
+        copies, LoRA's key probe): the depth, and whatever indexes blocks (Wan VACE's hint layers)."""
+
     def latents_normalization(self, source: ModelSource) -> dict[str, Any]:
         """How stage 2's latents relate to the VAE's (recorded by stage 2, undone by stage 3)."""
 

@@ -154,7 +154,8 @@ def check_option_inputs(family: Family, request, inputs) -> None:
         value = request.option(option.name)
         if option.inputs and value is not None and not set(option.inputs) & set(inputs):
             given = " or ".join(f"--{name}" for name in option.inputs)
-            raise UserError(f"--{option.name} {value} acts only with stage 1's {given}")
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            raise UserError(f"--{option.name} {shown} acts only with stage 1's {given}")
 
 
 def options_of(family_name: str | None) -> tuple[Option, ...]:

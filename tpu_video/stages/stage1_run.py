@@ -71,11 +71,11 @@ def checked_video(args, source, family, output_dir: Path, where: str = "") -> Vi
         for option in family.OPTIONS:  # a later pass's option is stored for stage 2, which refuses it from noise
             if option.start_only and request.option(option.name):
                 log(f"note: {models.start_only_flag(family, request, option)} acts only on a {models.LATER_PASS}")
-        models.validate_request(family, source, request)
         predict = family.frames_from_prompt(source) if args.num_frames is None else None
-        placed = [name for name, record in records.items() if record["kind"] != "image"]
-        if predict is not None and placed:  # their checks and encodes take the length, known only after the encode
-            raise UserError(f"--{placed[0]}: give --num_frames (--model {args.model!r} would pick it from the prompt)")
+        timed = [media.name for media in accepted if media.timed and media.name in values]
+        if predict is not None and timed:  # their checks and encodes take the length, known only after the encode
+            raise UserError(f"--{timed[0]}: give --num_frames (--model {args.model!r} would pick it from the prompt)")
+        models.validate_request(family, source, request)
         family.check_inputs(source, request, values)
     except UserError as err:
         raise UserError(f"{where}: {err}" if where else str(err)) from None

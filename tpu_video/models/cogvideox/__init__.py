@@ -14,6 +14,7 @@
 from ..common import fixed_length as frames_from_prompt
 from ..common import no_image_checks as check_inputs
 from ..common import no_upsample
+from ..common import num_layers_only as depth_overrides
 from ..common import one_transformer as transformer_components
 from ..common import size_from_request as size_from_inputs  # the pipeline resizes the image to the request's size
 from ..common import stage2_as_written as upgrade_stage2

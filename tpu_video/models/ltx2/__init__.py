@@ -9,8 +9,9 @@ the family's `models.family.Family` members, gathered from its parts.
 - `transformer`: the jit-safe audio-video transformer, its rule table, Splash tiles and guided call;
 - `i2v`: stage 1's image conditioning (the H.264 round trip, the VAE encode) and the first-frame mask;
 - `conditions`: images and clips at given latent frames (keyframes): stage 1's encodes, stage 2's first latents;
+- `crf`: the H.264 round trip of a conditioning image (PyAV);
 - `duration`: LTX-2.5's duration head, which picks the frame count in stage 1 where none is given;
-- `pipeline`: stage 1's Gemma 3 encoding and connectors, stage 2's loop over both streams;
+- `pipeline`: stage 1's Gemma encoding and connectors, stage 2's loop over both streams;
 - `latents`: the VAEs' statistics, stage 2's de-normalisation and its record, the upgrade of older folders,
   stage 3's video decode;
 - `connectors`: stage 1's text connectors on the runtime (their float64 rotary tables from the host);
@@ -20,6 +21,7 @@ the family's `models.family.Family` members, gathered from its parts.
 - `published`: Lightricks/LTX-2's configs, for --plan.
 """
 
+from ..common import num_layers_only as depth_overrides
 from ..common import size_from_request as size_from_inputs  # the pipeline resizes the image to the request's size
 from ..family import lazy_members
 from .declarations import MEDIA_INPUTS, NAME, OPTIONS, PIPELINE_CLASSES, PRESETS

@@ -12,7 +12,6 @@ after the loop. Indices are the pipeline's: latent frames, negative ones counted
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from typing import Any
 
@@ -22,6 +21,7 @@ from tpu_video.cli import UserError, log
 from utils import Request
 
 from .config import latent_grid, schedule_sigmas, stock_pipeline, vae_ratios
+from .crf import check_h264_size
 from .declarations import CONDITION
 
 CONDITION_LATENTS = "condition_latents_{}"  # (1, C, frames, H/32, W/32) per condition, normalised
@@ -67,28 +67,6 @@ def check_conditions(source, request: Request, clips: list[list]) -> None:
             check_h264_size(request.option("image_crf"), frames[0], f"--condition {number + 1}")
 
 
-def check_h264_size(crf: int, image, flag: str) -> None:
-    """An image to re-encode (crf > 0): PyAV is installed, and the image has the 2 x 2 pixels H.264 needs."""
-    if crf:
-        require_pyav(crf)
-        width, height = image.size
-        if min(width, height) < 2:
-            raise UserError(
-                f"{flag} is {width}x{height} pixels: H.264 (--image_crf {crf}) needs at least 2 "
-                "on each side; pass --image_crf 0 to condition on the image as it is"
-            )
-
-
-def require_pyav(crf: int) -> None:
-    """PyAV's libx264, which diffusers' helper uses, is an extra (`pip install -e ".[crf]"`): its wheels
-    carry GPL x264."""
-    if importlib.util.find_spec("av") is None:
-        raise UserError(
-            f'--image_crf {crf}: re-encoding the image needs PyAV (pip install -e ".[crf]"), or pass --image_crf 0 '
-            "to condition on the image as it is (not how LTX-2 was trained)"
-        )
-
-
 def encode_conditions(source, request: Request, clips: list[list], runtime) -> dict[str, torch.Tensor]:
     """The pipeline's `preprocess_conditions` of each clip (one frame: an image), then the float32 VAE's
     posterior mode (`sample_mode="argmax"`), normalised by the VAE's statistics without its scaling factor."""
@@ -118,11 +96,14 @@ def encode_conditions(source, request: Request, clips: list[list], runtime) -> d
 
 
 def condition_count(embeds) -> int:
+    """How many conditions stage 1 wrote (their tensors are numbered from 0)."""
     return next(n for n in itertools.count() if CONDITION_LATENTS.format(n) not in embeds)
 
 
 def planning_conditions(request: Request, channels: int, height: int, width: int) -> dict[str, torch.Tensor]:
-    """--plan before stage 1: a one-frame condition at each --condition_index the request holds."""
+    """--plan of a conditioned stage-1 folder: a one-frame condition at each --condition_index its request holds
+    (the clips' lengths are in its tensors, not its request; a single condition without an index is not
+    planned)."""
     indices = request.option("condition_index") or ()
     return {CONDITION_LATENTS.format(n): torch.zeros(1, channels, 1, height, width) for n in range(len(indices))}
 

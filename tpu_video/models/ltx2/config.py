@@ -15,6 +15,7 @@ from tpu_video.cli import UserError
 from utils import Request
 
 from .. import common
+from .declarations import text_encoder_class
 
 LORA_LOADER = "LTX2LoraLoaderMixin"  # its lora_state_dict converts the original LTX-2 keys (diffusion_model.*)
 # --cache kinds: the interval cache only. diffusers 0.42.1 has no MagCache for LTX-2 (its blocks are not in
@@ -48,7 +49,7 @@ def transformer_components(source) -> tuple[str, ...]:
 
 def check_release(source) -> None:
     """Refuse a text encoder this family does not run (LTX-2.0 and 2.3 take Gemma 3, LTX-2.5 Gemma 4)."""
-    encoder = (source.index.get("text_encoder") or [None, None])[1]
+    encoder = text_encoder_class(source)
     if encoder not in TEXT_ENCODERS:
         raise UserError(f"--model {source.ref!r} has the text encoder {encoder}; supported: {SUPPORTED}")
 

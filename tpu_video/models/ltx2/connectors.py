@@ -1,4 +1,4 @@
-"""LTX-2's text connectors on stage 1's runtime: `LTX2TextConnectors` (the projection of Gemma 3's stacked
+"""LTX-2's text connectors on stage 1's runtime: `LTX2TextConnectors` (the projection of Gemma's stacked
 hidden states and the video and audio connector transformers) compiled as one program, weights split over
 `tp` by `connector_rules`.
 

@@ -21,22 +21,28 @@ CONDITION_TASK = "conditions"
 IMAGE_CRF, LTX2_5_IMAGE_CRF = 33, 18
 
 
+def text_encoder_class(source) -> str | None:
+    """The text encoder's class as model_index.json names it (Gemma 3 through LTX-2.3, Gemma 4 from LTX-2.5)."""
+    return (source.index.get("text_encoder") or [None, None])[1]
+
+
 def image_crf(source) -> int:
-    encoder = (source.index.get("text_encoder") or [None, None])[1]
-    return LTX2_5_IMAGE_CRF if encoder == "Gemma4UnifiedForConditionalGeneration" else IMAGE_CRF
+    """--image_crf's default for the checkpoint."""
+    return LTX2_5_IMAGE_CRF if text_encoder_class(source) == "Gemma4UnifiedForConditionalGeneration" else IMAGE_CRF
 
 
 # LTX2ConditionPipeline's conditions (LTX2VideoCondition): images or clips placed at latent frames of a
 # text-to-video checkpoint's video (keyframes, first and last frame, a video extended).
 CONDITION = MediaInput(
     "condition",
-    "text-to-video models: one or more images or clips (a video file ffmpeg reads, or a folder of frames) the "
+    "LTX-2 text-to-video models: one or more images or clips (a video file ffmpeg reads, or a folder of frames) the "
     "video is conditioned on, each placed at its --condition_index with its --condition_strength "
     "(LTX2ConditionPipeline: keyframes, first and last frame, extending a video)",
     read_image_or_video,
     kind="image or video",
     task=CONDITION_TASK,
     many=True,
+    timed=True,
 )
 MEDIA_INPUTS = (IMAGE, CONDITION)
 

@@ -16,8 +16,8 @@ from utils import Request
 
 from ..common import IMAGE
 from . import conditions
-from .conditions import check_h264_size, require_pyav
 from .config import image_to_video, vae_ratios
+from .crf import check_h264_size, recompress
 from .declarations import CONDITION
 
 IMAGE_LATENTS = "image_latents"  # (1, C, 1, H/32, W/32): the first frame's normalised VAE latents
@@ -32,26 +32,13 @@ def inputs_on_runtime(source) -> bool:
 
 
 def check_inputs(source, request: Request, images: dict[str, Any]) -> None:
-    """Stage 1, before Gemma 3 loads: the re-encode's PyAV is installed (without this check a missing
+    """Stage 1, before the text encoder loads: the re-encode's PyAV is installed (without this check a missing
     extra stopped the run only after the text encode), and the image has the 2 x 2 pixels H.264 needs (its
     helper crops to even sides: a side of 1 became 0 and an IndexError)."""
     if CONDITION.name in images:
         conditions.check_conditions(source, request, images[CONDITION.name])
     elif image_to_video(source) and request.option("image_crf"):
         check_h264_size(request.option("image_crf"), images["image"], "--image")
-
-
-def recompress(image, crf: int):
-    """The image after the pipeline's H.264 round trip at `crf` (0: unchanged)."""
-    import numpy as np
-    from PIL import Image
-
-    if crf == 0:
-        return image
-    require_pyav(crf)
-    from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf
-
-    return Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), crf))
 
 
 def encode_inputs(source, request: Request, images: dict[str, Any], runtime) -> dict[str, torch.Tensor]:

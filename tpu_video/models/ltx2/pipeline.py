@@ -1,8 +1,8 @@
 """LTX-2 (diffusers `LTX2Pipeline`): a video and an audio stream denoised together by one transformer.
 
-Stage 1 runs the pipeline's own Gemma 3 prompt encoding (left padding to 1024 tokens, every hidden state
-stacked) and its text connectors, and writes each prompt's connector outputs: the video and audio streams'
-text tokens and their mask. Stage 2 draws the noise as the pipeline does (video first, then audio), runs
+Stage 1 runs the pipeline's own prompt encoding with Gemma 3 (LTX-2.5: Gemma 4; left padding to 1024 tokens,
+every hidden state stacked) and its text connectors, and writes each prompt's connector outputs: the video and
+audio streams' text tokens and their mask. Stage 2 draws the noise as the pipeline does (video first, then audio), runs
 every guidance pass of a step as one compiled batch (transformer.py) and steps both streams with one
 FlowMatch Euler scheduler; it writes both latents as the pipeline returns them with `output_type="latent"`:
 unpacked and de-normalised to their VAEs' spaces, so nothing is left for stage 3 to undo.
@@ -41,7 +41,7 @@ STAGE1_TENSORS = ("connector_prompt_embeds", "connector_audio_prompt_embeds", "c
 
 
 def prompt_encoder(source, dtype: torch.dtype, runtime):
-    """Gemma 3 (its language model) and the connectors loaded once, both on the runtime; per request the
+    """Gemma 3 or 4 (its language model) and the connectors loaded once, both on the runtime; per request the
     pipeline's `encode_prompt` of the prompt and the negative prompt, then its connectors on both."""
     gemma = source.load("text_encoder", dtype=dtype).eval()
     text_encoder = DeviceTextEncoder(gemma.model.language_model, runtime, hidden_states=True)
@@ -119,6 +119,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     fps = conditioning_frame_rate(float(request.fps), guidance.motion_speed)
     image = embeds.get(IMAGE_LATENTS)
     conditioned = conditioned_video(source, request, embeds, config, fps, generator)
+    keyframe_coords = None
     if conditioned is not None:  # LTX2ConditionPipeline: packed draws, keyframe tokens after the video's
         video, condition_mask, clean, keyframe_coords, video_tokens = conditioned
         audio = randn_tensor((1, audio_length, audio_vae["latent_channels"] * mel_bins), generator=generator)
@@ -150,7 +151,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", None, sigmas=sigmas, mu=mu)
 
     video_coords = transformer.rope.prepare_video_coords(1, frames, height, width, "cpu", fps=fps)
-    if conditioned is not None and keyframe_coords is not None:
+    if keyframe_coords is not None:
         video_coords = torch.cat([video_coords, keyframe_coords], dim=2)
     audio_coords = transformer.audio_rope.prepare_audio_coords(1, audio_length, "cpu")
     tables = rope_tables(transformer, video_coords, audio_coords)

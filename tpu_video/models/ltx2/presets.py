@@ -1,4 +1,4 @@
-"""LTX-2's tiny presets: random components built in code (Gemma 3 with a tokenizer that needs no files, the
+"""LTX-2's tiny presets: random components built in code (Gemma 3 or 4 with a tokenizer that needs no files, the
 text connectors, the audio-video transformer, the video and audio VAEs, the vocoder), deterministic per seed.
 
 Three layouts: LTX-2.0's (one shared text projection, learnable registers, split RoPE in float64), LTX-2.3's
@@ -30,15 +30,17 @@ def gemma_tokenizer():
 
 def tiny_text_encoder(tokenizer, seed: int, version: str = "2.0") -> torch.nn.Module:
     """A random tiny Gemma3ForConditionalGeneration (LTX-2.5: Gemma4UnifiedForConditionalGeneration, a sliding
-    and a full-attention layer): text 2 layers of 2 heads x 8 (one key/value head), sliding window 8; small
-    vision (and audio) towers the stages never run (LTX-2 encodes text only)."""
+    and a full-attention layer, the latter with 2 heads x 16 and keys as values): text 2 layers of 2 heads x 8
+    (one key/value head), sliding window 8; small vision (and audio) towers the stages never run (LTX-2
+    encodes text only)."""
     import transformers
 
     torch.manual_seed(seed)
     text = {"vocab_size": len(tokenizer), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
     text |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "sliding_window": 8}
-    if version == "2.5":
-        text |= {"global_head_dim": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    if version == "2.5":  # as the published Gemma 4: the full-attention layer has its own head width and k = v
+        text |= {"global_head_dim": 16, "num_global_key_value_heads": 2, "attention_k_eq_v": True}
+        text |= {"layer_types": ["sliding_attention", "full_attention"]}
         vision = {"patch_size": 4, "pooling_kernel_size": 2, "mm_embed_dim": 16, "mm_posemb_size": 8}
         audio = {"audio_embed_dim": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
         config = transformers.Gemma4UnifiedConfig(text_config=text, vision_config=vision, audio_config=audio)

@@ -36,9 +36,10 @@ MASK_THRESHOLD = -9000.0  # the connectors' own binarisation threshold (attn_mas
 
 
 def transformer_rules(tp_mode: str = "megatron") -> RuleTable:
-    """LTX2VideoTransformer3DModel (2.0, 2.3 and 2.5): all six attentions of a block (video and audio self-attention, their text
-    cross-attentions, audio-to-video and video-to-audio) and both MLPs get the Megatron layout; q/k RMS norms
-    span all heads, so their weights are split like q/k's columns; LTX-2.3's per-head gates like heads.
+    """LTX2VideoTransformer3DModel (2.0, 2.3 and 2.5): all six attentions of a block (video and audio
+    self-attention, their text cross-attentions, audio-to-video and video-to-audio) and both MLPs get the
+    Megatron layout; q/k RMS norms span all heads, so their weights are split like q/k's columns; LTX-2.3's
+    per-head gates like heads.
     Replicated: the per-block tables, the embedders, the output layers and the adaptive norms' modulation
     linears (440 MiB in bf16 at 19B): split on their input, as the other families split theirs, XLA left the
     modulated activations split along the width and gathered them again before every attention and MLP

@@ -38,6 +38,16 @@ def transformer_components(source) -> tuple[str, ...]:
     return ("transformer", "transformer_2") if source.index.get("boundary_ratio") is not None else ("transformer",)
 
 
+def depth_overrides(source, component: str, num_layers: int) -> dict[str, Any]:
+    """A transformer config at `num_layers` blocks: a VACE transformer's hint layers index its blocks, so those
+    past the depth go too."""
+    overrides: dict[str, Any] = {"num_layers": num_layers}
+    layers = source.load_config(component).get("vace_layers")
+    if layers is not None:
+        overrides["vace_layers"] = [layer for layer in layers if layer < num_layers]
+    return overrides
+
+
 def validate_request(source, request: Request) -> None:
     two_experts = source.index.get("boundary_ratio") is not None
     if two_experts and not isinstance(source.index.get("transformer_2"), list):

@@ -71,6 +71,7 @@ MASK = MediaInput(
     read_image_or_video,  # one image: the same mask on every frame
     kind="mask",
     task=VACE_TASK,
+    timed=True,
 )
 REFERENCE_IMAGES = image_input(
     "reference_images",

@@ -1,5 +1,9 @@
 """Stage 1 and stage 3 (--backend torch) run on a host where importing jax fails."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from helpers import run_script, run_stage
@@ -25,7 +29,8 @@ def test_stage1_and_stage3_torch_backend_never_import_jax(jax_blocked, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_quiet(result)
 
-    result = run_script("stage2_transformer.py", ["--input_dir", out], extra_pythonpath=jax_blocked)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(jax_blocked), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", "import jax"], env=env, capture_output=True, text=True)
     assert result.returncode != 0 and "jax is blocked" in result.stderr, "the JAX block is not in effect"
     import stage2_transformer
 

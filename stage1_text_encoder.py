@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Stage 1: encode the prompt and negative prompt with the pipeline's own text encoder(s), and the media
 inputs the model takes (image-to-video: `--image`, `--last_image`; Wan video-to-video: `--video`; Wan VACE:
-`--control_video`, `--mask`, `--reference_images`) with its image encoder and VAE.
+`--control_video`, `--mask`, `--reference_images`; LTX-2's keyframes and clips: `--condition`, placed by the
+ltx2 options `--condition_index` and `--condition_strength`) with its image encoder and VAE.
 
 Writes stage1_embeddings.safetensors and starts a new generation_config.json holding the request. With
 `--prompts FILE` (or `--seeds` for one prompt) it writes one such folder per entry under --output_dir, and
 a batch.json listing them, loading the encoders once.
 `--backend torch` (default) runs plain PyTorch on CPU or CUDA and never imports JAX; `--backend torchax`
 runs the same text encoders jitted on all JAX devices, their weights split over a `tp` mesh axis by the
-encoder's rule table (sharding.py: T5, Qwen2.5-VL, Gemma 3). The image and video conditioning runs on the host
+encoder's rule table (sharding.py: T5, Qwen2.5-VL, Gemma 3 and 4). The image and video conditioning runs on the host
 in fp32.
 """
 

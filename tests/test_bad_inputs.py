@@ -386,7 +386,7 @@ CASES = [
         "s1-ltx2-condition-index-count",
         "tiny-ltx2",
         ["--condition", "IMAGE", "IMAGE", "--condition_index", "0"],
-        "--condition_index: 1 given for 2 --condition files",
+        "--condition_index has 1 for 2 --condition paths; give one for each",
     ),
     ltx2("s1-ltx2-condition-index-alone", "tiny-ltx2", ["--condition_index", "1"], "only with stage 1's --condition"),
     ltx2(

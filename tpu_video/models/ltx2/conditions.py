@@ -37,9 +37,12 @@ def placements(request: Request, count: int) -> list[tuple[int, float]]:
         indices = [0]
     strengths = [1.0] if strengths is None else strengths
     strengths = strengths * count if len(strengths) == 1 else strengths
-    for flag, values in (("--condition_index", indices), ("--condition_strength", strengths)):
+    for flag, values, rule in (
+        ("--condition_index", indices, "one for each"),
+        ("--condition_strength", strengths, "one for all, or one for each"),
+    ):
         if len(values) != count:
-            raise UserError(f"{flag}: {len(values)} given for {count} --condition files (one each)")
+            raise UserError(f"{flag} has {len(values)} for {count} --condition paths; give {rule}")
     return list(zip(indices, strengths, strict=True))
 
 
@@ -65,6 +68,12 @@ def check_conditions(source, request: Request, clips: list[list]) -> None:
             log(f"--condition {number + 1}: {len(frames)} frames; the model takes {temporal}n+1, so its first {usable}")
         if len(frames) == 1:
             check_h264_size(request.option("image_crf"), frames[0], f"--condition {number + 1}")
+        width, height = frames[0].size
+        if abs(width / height - request.width / request.height) > 0.01 * request.width / request.height:
+            log(
+                f"--condition {number + 1}: its {height}x{width} frames (height x width) are resized to cover "
+                f"{request.height}x{request.width} and centre-cropped, as the pipeline does"
+            )
 
 
 def encode_conditions(source, request: Request, clips: list[list], runtime) -> dict[str, torch.Tensor]:
@@ -152,6 +161,8 @@ def conditioned_video(source, request: Request, embeds, config: dict[str, Any], 
         latents = torch.cat([latents, *(packed[n] for n in keyframes)], dim=1)
         mask = torch.cat([mask, *(torch.full((1, packed[n].shape[1], 1), float(strengths[n])) for n in keyframes)], 1)
         clean = torch.cat([clean, *(packed[n] for n in keyframes)], dim=1)
+    placed = ", ".join(f"latent frame {index} at {held}" for index, held in zip(indices, strengths, strict=True))
+    log(f"conditions: {placed}; {latents.shape[1] - video_tokens} keyframe tokens after the video's {video_tokens}")
     sigmas = schedule_sigmas(request)
     noise_scale = sigmas[0] if sigmas is not None else 1.0  # the pipeline's default noise_scale
     noise = randn_tensor(latents.shape, generator=generator, dtype=torch.float32)

@@ -62,8 +62,13 @@ class StageArgumentParser(argparse.ArgumentParser):
     """argparse with the stages' error convention: a bad flag is one `error:` line (pointing at --help) and
     exit status 2, not a usage block whose last line starts with the program's name."""
 
+    # Flags another stage takes (`--condition_strength` given to stage 2): flag -> the sentence that says so.
+    elsewhere: dict[str, str] = {}
+
     def error(self, message: str):
-        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        unknown = message.removeprefix("unrecognized arguments: ").split() if "unrecognized" in message else []
+        owned = [self.elsewhere[flag.split("=")[0]] for flag in unknown if flag.split("=")[0] in self.elsewhere]
+        print(f"error: {owned[0] if owned else message} (see {self.prog} --help)", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

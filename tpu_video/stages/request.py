@@ -35,6 +35,18 @@ def add_request_arguments(parser, *, for_later_stage: bool) -> None:
     parser.set_defaults(**{OPTION_NAMES: tuple(added)})
 
 
+def note_stage1_flags(parser) -> None:
+    """A later stage's parser names stage 1's own flags (the prompts, the media inputs, the options stage 1
+    encodes with) when they are given to it, instead of argparse's "unrecognized arguments"."""
+    names = ["prompt", "negative_prompt", "prompts", "seeds"]
+    for family in models.FAMILIES.values():
+        names += [media.name for media in family.MEDIA_INPUTS] + [o.name for o in family.OPTIONS if not o.later]
+    parser.elsewhere = {
+        f"--{name}": f"--{name} is stage 1's (it changes what stage 1 encodes): rerun stage1_text_encoder.py with it"
+        for name in names
+    }
+
+
 # Where a parser keeps the names of the family flags it holds: a flag left out (its name taken by a stage
 # flag) must not be read, or the stage's own flag's value would pass for the family's.
 OPTION_NAMES, INPUT_NAMES = "_family_option_flags", "_media_input_flags"

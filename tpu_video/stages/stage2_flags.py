@@ -23,7 +23,7 @@ from tpu_video.stages.feature_flags import (
     add_quantize_flags,
     add_scan_flag,
 )
-from tpu_video.stages.request import add_request_arguments
+from tpu_video.stages.request import add_request_arguments, note_stage1_flags
 from utils import CHECKPOINT_FILE, DEFAULT_OUTPUT_DIR
 
 PROFILE_DIR = "./jax-trace"  # the reference scripts' default trace folder
@@ -176,6 +176,7 @@ def build_parser(script: str, description: str | None):
     compiles = "this run's denoiser (its collectives, FLOPs and Splash padding reported too)"
     add_plan_arguments(parser, compiles, ". Without stage-1 files, plans from --model and the request flags")
     add_request_arguments(parser, for_later_stage=True)
+    note_stage1_flags(parser)
     return parser
 
 

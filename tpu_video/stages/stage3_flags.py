@@ -7,6 +7,7 @@ import argparse
 
 from tpu_video.cli import add_executables_argument, add_plan_arguments, dtype_flag, flag_names, stage_parser
 from tpu_video.runtime.backend import STAGE3_BACKENDS
+from tpu_video.stages.request import note_stage1_flags
 from utils import DEFAULT_OUTPUT_DIR, VIDEO_FILE
 
 PLAN_REQUEST_KEYS = ("height", "width", "num_frames")  # with --plan: the video to plan for
@@ -80,4 +81,5 @@ def build_parser(script: str, description: str | None):
     planning = add_plan_arguments(parser, compiles)
     for name in PLAN_REQUEST_KEYS:
         planning.add_argument(f"--{name}", type=int, help="with --plan: the video to plan for (default: the request's)")
+    note_stage1_flags(parser)
     return parser

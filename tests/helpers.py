@@ -233,13 +233,13 @@ def staged(out, preset, stage1_flags=(), stage2_flags=(), guidance_scale=5.0):
 
 
 def tiny_upsampler(folder, seed: int = 5):
-    """A random x2 latent upsampler for the tiny VAE's 8 latent channels, saved as the published one is."""
-    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
+    """A random x2 latent upsampler for the tiny VAE's 8 latent channels (other weights than the presets' own),
+    saved as the published one is."""
+    from tpu_video.models.ltx2.presets import tiny_upsampler as build
 
-    torch.manual_seed(seed)
-    model = LTX2LatentUpsamplerModel(in_channels=8, mid_channels=32, num_blocks_per_stage=1)
+    model = build(seed)
     model.save_pretrained(folder)
-    return model.eval()
+    return model
 
 
 def pipeline(preset: str):

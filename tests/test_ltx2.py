@@ -526,7 +526,8 @@ def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_
     expect_user_error(capsys, stage2_transformer, argv, "--lora belongs to a denoise")
     argv = ["--input_dir", folder, "--upsample", "--output_dir", up, "--seed", "3"]  # the refine's flag
     expect_user_error(capsys, stage2_transformer, argv, "--seed belongs to a denoise (give it to the pass after it)")
-    argv = ["--input_dir", folder, "--upsample", "--output_dir", up]  # the preset has no latent_upsampler folder
+    (tmp_path / "empty").mkdir()
+    argv = ["--input_dir", folder, "--upsample", "--latent_upsampler", tmp_path / "empty", "--output_dir", up]
     expect_user_error(capsys, stage2_transformer, argv, "no LTX-2 latent upsampler in")
     from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
 

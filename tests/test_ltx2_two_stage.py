@@ -12,7 +12,7 @@ import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
 from helpers import ltx2_reference as reference
-from helpers import pipeline, relative_error, run_stage, tiny_upsampler
+from helpers import pipeline, relative_error, run_stage
 from tpu_video import models
 from utils import Request, read_config, read_tensors
 
@@ -45,14 +45,15 @@ def test_the_two_stage_pipeline_matches_diffusers_pass_by_pass(tmp_path):
     1. stage 1 `--sigmas distilled` alone, stage 2: 8 steps of DISTILLED_SIGMA_VALUES (through the scheduler
        config's dynamic shift, as the pipeline's own call), guidance off, one pass per step; the reference is
        LTX2Pipeline called with `sigmas=DISTILLED_SIGMA_VALUES` and every guidance term off;
-    2. stage 2 `--upsample` with a tiny x2 upsampler saved to a folder: LTX2LatentUpsamplePipeline with
-       `latents=` the first call's, AdaIN 0.5 and tone map 0.3;
+    2. stage 2 `--upsample` with the preset's own tiny x2 upsampler (its `latent_upsampler` subfolder):
+       LTX2LatentUpsamplePipeline with `latents=` the first call's, AdaIN 0.5 and tone map 0.3;
     3. stage 2 `--start_latents` from the upsampled folder at twice the size, `--sigmas distilled_refine` (3
        sigmas as given, renoised by 0.909375 from seed 11), Splash on sp 2 x tp 4: LTX2Pipeline with its
        scheduler rebuilt (use_dynamic_shifting=False, shift_terminal=None), `latents=` the upsampled,
        `audio_latents=` the first call's, `noise_scale=STAGE_2_DISTILLED_SIGMA_VALUES[0]`;
     4. stage 3 (torch) of the refined folder: frames and waveform against that call's output_type="np"."""
     from diffusers import FlowMatchEulerDiscreteScheduler, LTX2LatentUpsamplePipeline
+    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
     from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES, STAGE_2_DISTILLED_SIGMA_VALUES
 
     first, up, second = tmp_path / "first", tmp_path / "up", tmp_path / "second"
@@ -69,9 +70,11 @@ def test_the_two_stage_pipeline_matches_diffusers_pass_by_pass(tmp_path):
     assert relative_error(tensors["latents"], video) <= TOLERANCE
     assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
 
-    upsampler = tiny_upsampler(tmp_path / "upsampler")
+    # The preset's own upsampler (its latent_upsampler subfolder, where the published repositories keep it).
+    location = models.materialize_preset("tiny-ltx2.3") / "latent_upsampler"
+    upsampler = LTX2LatentUpsamplerModel.from_pretrained(location).eval()
     filters = {"adain_factor": 0.5, "tone_map_compression_ratio": 0.3}
-    step = ["--input_dir", first, "--upsample", "--latent_upsampler", tmp_path / "upsampler", "--output_dir", up]
+    step = ["--input_dir", first, "--upsample", "--output_dir", up]
     run_stage(stage2_transformer, [*step, "--adain_factor", 0.5, "--tone_map_compression_ratio", 0.3])
     upsampled = read_config(up, needs="stage2")
     height, width = 2 * config["height"], 2 * config["width"]

@@ -261,9 +261,12 @@ def materialize_preset(name: str) -> Path:
     import torch
 
     pipe = PRESETS[name].build()
+    # Modules saved beside the pipeline's components, in subfolders model_index.json does not list (LTX-2's latent
+    # upsampler, where the published repositories keep it).
+    extras = getattr(pipe, "preset_extras", {})
     configs = {}
     digest = hashlib.sha256()
-    for key, component in sorted(pipe.components.items()):
+    for key, component in sorted({**pipe.components, **extras}.items()):
         config = getattr(component, "config", None)  # tokenizers have none; they are fixed by the code
         if config is not None:
             configs[key] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -275,4 +278,10 @@ def materialize_preset(name: str) -> Path:
     configs = {name: {k: v for k, v in c.items() if not k.startswith("_")} for name, c in configs.items()}
     digest.update(json.dumps(configs, sort_keys=True, default=str).encode())
     digest = digest.hexdigest()[:12]
-    return _publish_folder(cache_root() / "presets" / f"{name}-{digest}", pipe.save_pretrained)
+
+    def write(folder: Path) -> None:
+        pipe.save_pretrained(folder)
+        for subfolder, module in extras.items():
+            module.save_pretrained(folder / subfolder)
+
+    return _publish_folder(cache_root() / "presets" / f"{name}-{digest}", write)

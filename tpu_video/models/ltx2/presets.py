@@ -1,5 +1,6 @@
 """LTX-2's tiny presets: random components built in code (Gemma 3 or 4 with a tokenizer that needs no files, the
-text connectors, the audio-video transformer, the video and audio VAEs, the vocoder), deterministic per seed.
+text connectors, the audio-video transformer, the video and audio VAEs, the vocoder, and the x2 latent
+upsampler in the subfolder where the published repositories keep it), deterministic per seed.
 
 Three layouts: LTX-2.0's (one shared text projection, learnable registers, split RoPE in float64), LTX-2.3's
 (a text projection per stream, gated attention, prompt modulation, perturbed attention for spatio-temporal
@@ -258,6 +259,14 @@ def tiny_duration_head(seed: int) -> torch.nn.Module:
     return head.eval()
 
 
+def tiny_upsampler(seed: int = 5) -> torch.nn.Module:
+    """A random x2 latent upsampler for the tiny VAE's 8 latent channels."""
+    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
+
+    torch.manual_seed(seed)
+    return LTX2LatentUpsamplerModel(in_channels=8, mid_channels=32, num_blocks_per_stage=1).eval()
+
+
 def tiny_pipeline(version: str = "2.0", seed: int = 0, image_to_video: bool = False):
     """LTX2Pipeline (or LTX2ImageToVideoPipeline: the same components) with random tiny components of
     LTX-2.0's, LTX-2.3's or LTX-2.5's layout, deterministic per seed."""
@@ -265,7 +274,7 @@ def tiny_pipeline(version: str = "2.0", seed: int = 0, image_to_video: bool = Fa
 
     tokenizer = gemma_tokenizer()
     extra = {"duration_head": tiny_duration_head(seed + 6)} if version == "2.5" else {}
-    return (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(
+    pipe = (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
         vae=tiny_vae(seed + 1, version),
         audio_vae=tiny_audio_vae(seed + 2),
@@ -276,3 +285,5 @@ def tiny_pipeline(version: str = "2.0", seed: int = 0, image_to_video: bool = Fa
         vocoder=(tiny_vocoder if version == "2.0" else tiny_bwe_vocoder)(seed + 5),
         **extra,
     )
+    pipe.preset_extras = {"latent_upsampler": tiny_upsampler(seed + 7)}  # the two-stage pipeline's, for --upsample
+    return pipe

@@ -12,6 +12,7 @@ after the loop. Indices are the pipeline's: latent frames, negative ones counted
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -117,11 +118,22 @@ def planning_conditions(request: Request, channels: int, height: int, width: int
     return {CONDITION_LATENTS.format(n): torch.zeros(1, channels, 1, height, width) for n in range(len(indices))}
 
 
-def conditioned_video(source, request: Request, embeds, config: dict[str, Any], fps: float, generator):
-    """LTX2ConditionPipeline's `prepare_latents` from stage 1's condition latents: the packed video latents
-    (1, tokens, C) with any keyframe tokens appended, drawn from `generator`; the conditioning mask (1, tokens);
-    the clean latents (1, tokens, C); the keyframes' positions (1, 3, keyframe tokens, 2) or None; the video's
-    own token count. None without conditions."""
+@dataclasses.dataclass(frozen=True)
+class ConditionedVideo:
+    """What LTX2ConditionPipeline's `prepare_latents` gives the loop."""
+
+    latents: torch.Tensor  # (1, tokens, C): the video's packed latents, any keyframe tokens appended, noised
+    mask: torch.Tensor  # (1, tokens): each token's strength (0: denoised freely)
+    clean: torch.Tensor  # (1, tokens, C): the conditions' latents where held, zeros elsewhere
+    keyframe_coords: torch.Tensor | None  # (1, 3, keyframe tokens, 2): the appended tokens' positions
+    video_tokens: int  # the video's own tokens, before the keyframes'
+
+
+def conditioned_video(
+    source, request: Request, embeds, config: dict[str, Any], fps: float, generator
+) -> ConditionedVideo | None:
+    """LTX2ConditionPipeline's `prepare_latents` from stage 1's condition latents, the noise drawn from
+    `generator`; None without conditions."""
     from diffusers import LTX2ConditionPipeline
     from diffusers.utils.torch_utils import randn_tensor
 
@@ -168,7 +180,7 @@ def conditioned_video(source, request: Request, embeds, config: dict[str, Any], 
     noise = randn_tensor(latents.shape, generator=generator, dtype=torch.float32)
     scaled_mask = (1.0 - mask) * noise_scale
     latents = noise * scaled_mask + latents * (1 - scaled_mask)
-    return latents, mask.squeeze(-1), clean, coords, video_tokens
+    return ConditionedVideo(latents, mask.squeeze(-1), clean, coords, video_tokens)
 
 
 def check_unconditioned(request: Request) -> None:

@@ -37,8 +37,8 @@ def check_inputs(source, request: Request, images: dict[str, Any]) -> None:
     helper crops to even sides: a side of 1 became 0 and an IndexError)."""
     if CONDITION.name in images:
         conditions.check_conditions(source, request, images[CONDITION.name])
-    elif image_to_video(source) and request.option("image_crf"):
-        check_h264_size(request.option("image_crf"), images["image"], "--image")
+    elif image_to_video(source) and (crf := request.option("image_crf")):  # crf 0: no image to check
+        check_h264_size(crf, images["image"], "--image")
 
 
 def encode_inputs(source, request: Request, images: dict[str, Any], runtime) -> dict[str, torch.Tensor]:

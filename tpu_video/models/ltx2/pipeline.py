@@ -119,9 +119,8 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     fps = conditioning_frame_rate(float(request.fps), guidance.motion_speed)
     image = embeds.get(IMAGE_LATENTS)
     conditioned = conditioned_video(source, request, embeds, config, fps, generator)
-    keyframe_coords = None
     if conditioned is not None:  # LTX2ConditionPipeline: packed draws, keyframe tokens after the video's
-        video, condition_mask, clean, keyframe_coords, video_tokens = conditioned
+        video, video_tokens = conditioned.latents, conditioned.video_tokens
         audio = randn_tensor((1, audio_length, audio_vae["latent_channels"] * mel_bins), generator=generator)
     else:
         video = randn_tensor((1, config["in_channels"], frames, height, width), generator=generator, dtype=NOISE_DTYPE)
@@ -151,8 +150,8 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     timesteps, _ = retrieve_timesteps(scheduler, steps, "cpu", None, sigmas=sigmas, mu=mu)
 
     video_coords = transformer.rope.prepare_video_coords(1, frames, height, width, "cpu", fps=fps)
-    if keyframe_coords is not None:
-        video_coords = torch.cat([video_coords, keyframe_coords], dim=2)
+    if conditioned is not None and conditioned.keyframe_coords is not None:
+        video_coords = torch.cat([video_coords, conditioned.keyframe_coords], dim=2)
     audio_coords = transformer.audio_rope.prepare_audio_coords(1, audio_length, "cpu")
     tables = rope_tables(transformer, video_coords, audio_coords)
     geometry = (frames, height, width, fps, audio_length)
@@ -166,7 +165,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     static.append((rows("connector_attention_mask"), BATCH))
     kept = None
     if conditioned is not None:  # per token: its strength, and the clean latents it is held to
-        static += [(condition_mask, ()), (clean, ())]
+        static += [(conditioned.mask, ()), (conditioned.clean, ())]
     elif image is not None:
         first_frame = conditioning_mask(frames, height, width, patch, patch_t)  # (1, video tokens)
         static.append((first_frame, ()))

@@ -1,5 +1,5 @@
 """Attention for torchax: the Pallas Splash Attention kernel with exact key masking, which the SDPA override
-(tpu_video/attention/dispatch.py) calls for `torch.nn.functional.scaled_dot_product_attention` under torchax.
+(tpu_video/runtime/sdpa.py) calls for `torch.nn.functional.scaled_dot_product_attention` under torchax.
 
 Exactness. Splash needs sequence lengths that are multiples of its tiles, so queries and keys are
 padded. Padded (and user-masked) keys are excluded with the kernel's segment ids: every query gets
@@ -11,7 +11,7 @@ have no such term; tests/test_splash_attention.py holds them to 1e-5 of a float6
 With a mesh the kernel runs under shard_map: batch on `dp`, heads on `tp`, and with `sp` the scheme the
 run's attention plan chose (Ulysses, ring or gather: tpu_video/attention/sequence_parallel.py). On TPU the kernel
 is compiled by Mosaic; elsewhere it runs in Pallas interpret mode (slow, for tests). Its tiles and options
-are attention.plan.SplashConfig; the SDPA override that calls it is tpu_video/attention/dispatch.py.
+are attention.plan.SplashConfig; the SDPA override that calls it is tpu_video/runtime/sdpa.py.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tpu_video.runtime.mesh import SP_MODES  # noqa: E402  (plain strings: no JAX imported yet)
+from tpu_video.attention.sp_modes import SP_MODES  # noqa: E402  (plain strings: no JAX imported yet)
 
 
 def main() -> None:

@@ -280,8 +280,8 @@ def measure(model: str, args) -> dict:
     # devices"), so the PyTorch baselines run first.
     import jax
 
-    from tpu_video.attention.dispatch import attention_backend
     from tpu_video.attention.plan import fixed_plan
+    from tpu_video.runtime.sdpa import attention_backend
     from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
     # no saved executables: the first call is the trace and the compile on every run, and nothing is stored

@@ -43,11 +43,11 @@ def test_plan_refuses_a_splash_only_flag_under_xla(capsys, stage1_folder):
 
 
 def test_the_stage2_section_records_the_plan_that_ran(monkeypatch, stage1_folder, tmp_path):
-    from tpu_video.attention import dispatch
+    from tpu_video.runtime import sdpa
 
     ran = []
-    install = dispatch.attention_backend
-    monkeypatch.setattr(dispatch, "attention_backend", lambda env, plan, *a: ran.append(plan) or install(env, plan, *a))
+    install = sdpa.attention_backend
+    monkeypatch.setattr(sdpa, "attention_backend", lambda env, plan, *a: ran.append(plan) or install(env, plan, *a))
     splash = ["--attention", "splash", "--local_window", "64", "--k_smoothing", "--block_q", "256"]
     run_stage(
         stage2_transformer, ["--input_dir", stage1_folder, "--output_dir", tmp_path, *splash, "--warmup_steps", 0]
@@ -100,7 +100,7 @@ def test_a_local_window_acts_on_self_attention_only():
     prompt happens to be as long as the video; outside it, it is."""
     from helpers import attention_plan, relative_error
     from tpu_video.attention.calls import mark_cross_attention
-    from tpu_video.attention.dispatch import attention_backend
+    from tpu_video.runtime.sdpa import attention_backend
     from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
     class Attend(torch.nn.Module):

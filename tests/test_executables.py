@@ -1,5 +1,5 @@
 """Saved executables (tpu_video/runtime/executables.py, tpu_video/runtime/program_key.py,
-tpu_video/runtime/program_checks.py): a program saved by one runtime is loaded by the next and gives bit-identical
+tpu_video/program_checks.py): a program saved by one runtime is loaded by the next and gives bit-identical
 results; whatever changes the program misses (the line names the part) and gives what jit gives; damaged and foreign
 entries fall back with one line; checks inside a loaded program still raise; a second process reuses a stage's programs;
 `--executables off` writes nothing."""
@@ -24,11 +24,11 @@ import stage2_transformer
 from helpers import ROOT, run_script, run_stage
 from sharding import MeshShape
 from tpu_video.attention.cudnn import NOT_A_PREFIX
-from tpu_video.attention.dispatch import attention_backend
 from tpu_video.attention.plan import fixed_plan
 from tpu_video.cli import UserError, add_executables_argument
 from tpu_video.runtime import executables, program_key
 from tpu_video.runtime.placement import make_mesh
+from tpu_video.runtime.sdpa import attention_backend
 from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
 
@@ -177,7 +177,7 @@ def test_a_failed_save_leaves_no_temporary_and_pruning_clears_abandoned_ones(tmp
 
 
 def test_a_check_inside_a_loaded_program_still_raises(tmp_path):
-    """The cuDNN backend's prefix check (no host callback: runtime.program_checks) in a loaded program."""
+    """The cuDNN backend's prefix check (no host callback: tpu_video.program_checks) in a loaded program."""
     prefix = torch.tensor([[True] * 6 + [False] * 2] * 2)
     run(tmp_path, valid=prefix)
     hole = prefix.clone()

@@ -27,10 +27,10 @@ from helpers import (
     tiny_stage1,
 )
 from tpu_video.attention.cudnn import fused_attention
-from tpu_video.attention.dispatch import attention_backend
 from tpu_video.attention.plan import fixed_plan, resolve_backend
 from tpu_video.models import hunyuanvideo15
 from tpu_video.runtime import placement
+from tpu_video.runtime.sdpa import attention_backend
 from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
 

@@ -25,9 +25,9 @@ from helpers import (
     relative_error,
     tiny_hunyuan_transformer,
 )
-from tpu_video.attention.dispatch import attention_backend
 from tpu_video.models import hunyuanvideo15
 from tpu_video.runtime import placement
+from tpu_video.runtime.sdpa import attention_backend
 from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
 

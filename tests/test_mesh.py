@@ -18,11 +18,12 @@ import torch
 import stage2_transformer
 from helpers import run_stage
 from tpu_video import models
+from tpu_video.attention.sp_modes import sp_mode_choice
 from tpu_video.engine.meta import model_facts
 from tpu_video.planning import tpus
 from tpu_video.planning.flags import default_request
 from tpu_video.runtime import placement
-from tpu_video.runtime.mesh import MEMORY_SHARE, MeshShape, ModelFacts, default_batch, default_mesh, sp_mode_choice
+from tpu_video.runtime.mesh import MEMORY_SHARE, MeshShape, ModelFacts, default_batch, default_mesh
 from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 from tpu_video.stages import stage2_attention
 

@@ -16,13 +16,13 @@ import stage2_transformer
 from helpers import attention_plan, expect_user_error, relative_error, run_stage, tiny_stage1
 from sharding import COLUMN, COLUMN_BIAS, REPLICATED, ROW, MeshShape, RuleTable
 from tpu_video import models
-from tpu_video.attention.dispatch import attention_backend
 from tpu_video.engine.denoise import DenoiseOptions, denoise
 from tpu_video.engine.meta import attention_heads, meta_transformers, model_facts
 from tpu_video.models import cogvideox, hunyuanvideo15, wan
 from tpu_video.runtime import placement
 from tpu_video.runtime.interface import Timer
 from tpu_video.runtime.mesh import default_mesh
+from tpu_video.runtime.sdpa import attention_backend
 from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 from utils import Request, read_config, read_tensors
 

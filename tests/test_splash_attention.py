@@ -14,13 +14,13 @@ import torch
 import sharding
 from helpers import reference_attention, relative_error
 from splash_attention import splash_attention, tile_sizes
-from tpu_video.attention.dispatch import attention_backend
 from tpu_video.attention.masks import DENSE_MASK_LIMIT, masks_from_attn_mask
 from tpu_video.attention.plan import SplashConfig, fixed_plan
 from tpu_video.attention.sequence_parallel import call_scheme, merge_partials
+from tpu_video.attention.sp_modes import sp_mode_choice
 from tpu_video.attention.xla import attention_with_lse, xla_attention, xla_sequence_parallel_attention
 from tpu_video.runtime import placement
-from tpu_video.runtime.mesh import sp_mode_choice
+from tpu_video.runtime.sdpa import attention_backend
 
 SMALL_TILES = SplashConfig(block_q=128, block_kv=128, block_kv_compute=128, interpret=True)
 
@@ -123,7 +123,7 @@ def test_tile_sizes_clamp_to_short_sequences_and_keep_divisibility():
 
 def test_torchax_sdpa_override_calls_splash_and_matches_torch(monkeypatch):
     """Inside the torchax environment, F.scaled_dot_product_attention with a key mask runs Splash."""
-    import tpu_video.attention.dispatch as module
+    import tpu_video.runtime.sdpa as module
     from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
     calls = []
@@ -153,7 +153,7 @@ def test_cogvideox_stage2_with_splash_matches_xla(tmp_path, monkeypatch, capsys)
     """The tiny CogVideoX transformer (80 tokens, padded to one 128 tile) denoised with each backend."""
     import stage1_text_encoder
     import stage2_transformer
-    import tpu_video.attention.dispatch as module
+    import tpu_video.runtime.sdpa as module
     from helpers import run_stage
     from utils import read_config, read_tensors
 

@@ -210,7 +210,7 @@ def test_diffusers_0_42_1_block_registry_lacks_hunyuanvideo15():
 def test_jax_0_10_2_splash_cannot_shard_a_local_window_mask_eight_ways():
     """jax 0.10.2's Splash mask preprocessing asserts (a bare `assert` in splash_attention_mask_info.py) when
     a local-window mask's 300 queries are split 8 ways. Workaround: `--sp_mode auto` runs Ulysses for a
-    local window (runtime.mesh.sp_mode_choice), whole sequence per head. Once this fails, the case
+    local window (attention.sp_modes.sp_mode_choice), whole sequence per head. Once this fails, the case
     joins tests/test_splash_attention.py's SHARDED list."""
     import jax.numpy as jnp
     import numpy as np

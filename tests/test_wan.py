@@ -27,11 +27,11 @@ from helpers import (
     stop_stage2_after,
 )
 from tpu_video import models
-from tpu_video.attention.dispatch import attention_backend
 from tpu_video.engine.decode import decode
 from tpu_video.models import wan
 from tpu_video.runtime import placement
 from tpu_video.runtime.interface import Timer, TorchRuntime
+from tpu_video.runtime.sdpa import attention_backend
 from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 from utils import CHECKPOINT_FILE, CONFIG_FILE, STAGE2_FILE, VIDEO_FILE, read_config, read_tensors
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from tpu_video.runtime.program_checks import check
+from tpu_video.program_checks import check
 
 NOT_A_PREFIX = (
     "fused (cuDNN) attention takes padding as lengths: each row's valid keys (and queries) must come "

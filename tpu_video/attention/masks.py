@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tpu_video.runtime.program_checks import check
+from tpu_video.program_checks import check
 
 # Dense (.., Sq, Skv) masks are reduced and checked only up to this size (HunyuanVideo-1.5's token
 # refiner: 1000 x 1000); at video lengths (~112k tokens) the S x S work itself is the problem.
@@ -29,7 +29,7 @@ def masks_from_attn_mask(attn_mask, batch: int, q_len: int, kv_len: int):
     (B, H or 1, Sq, Skv) form `valid_q & valid_k` that HunyuanVideo-1.5 builds (per head in its token
     refiner). The dense form is reduced with `any` over each axis (XLA fuses the reductions, so no second
     S x S array appears); a dense mask that is not such an outer product, or heads that disagree, cannot be
-    expressed and raise (when traced, through runtime.program_checks: one scalar the program returns).
+    expressed and raise (when traced, through tpu_video.program_checks: one scalar the program returns).
     """
     if attn_mask is None:
         return None, None

@@ -1,7 +1,7 @@
 """The attention plan of one stage-2 run: mesh (and why), tp mode, backend, sequence-parallel scheme and
 the Splash kernel's tiles and options, resolved once from the flags, the platform and the model into one
 frozen value. It is recorded as built (the `stage2` section, a plan's report) and passed down: the
-kernels and the SDPA override (tpu_video/attention/dispatch.py) read it and never read flags.
+kernels and the SDPA override (tpu_video/runtime/sdpa.py) read it and never read flags.
 
 JAX-free, so `--plan` and every run build it through the same function (`build_plan`) on any host.
 Raises ValueError worded with the flag names (the stages add the `error:`).
@@ -14,10 +14,11 @@ import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from tpu_video.runtime.mesh import MeshChoice, sp_mode_choice
+from tpu_video.attention.sp_modes import sp_mode_choice
 
 LANE = 128  # TPU lane width: Splash tiles are multiples of it
 BACKENDS = ("auto", "splash", "xla", "cudnn")
@@ -87,10 +88,10 @@ class AttentionPlan:
     splash: SplashConfig | None = None
     sequence_parallel: str = "none"
     backend_why: str = "as given"
-    sp_mode: str = "auto"  # as asked (runtime.mesh.SP_MODES)
+    sp_mode: str = "auto"  # as asked (attention.sp_modes.SP_MODES)
     sequence_parallel_why: str = ""
     tp_mode: str = "megatron"
-    mesh: MeshChoice | None = None
+    mesh: Any = None  # the runtime.mesh.MeshChoice it was resolved on (that module imports this package)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS[1:]:
@@ -112,7 +113,7 @@ class AttentionPlan:
         }
 
     def program_fingerprint(self) -> dict:
-        """What a program reads of the plan (attention.dispatch.make_sdpa), for saved executables' keys
+        """What a program reads of the plan (runtime.sdpa.make_sdpa), for saved executables' keys
         (tpu_video/runtime/program_key.py): the reasons and the mesh's memory estimate are for the record, and a plan
         (`--plan`, built with the nominal HBM) keys its programs as the TPU's run (the measured HBM) does."""
         return {"backend": self.backend, "splash": self.splash, "sequence_parallel": self.sequence_parallel}
@@ -184,7 +185,7 @@ def build_plan(
     heads: int,
     tile_defaults: dict[str, int],
     tile_cap: tuple[int, int, int] | None,
-    choose_mesh: Callable[..., MeshChoice],
+    choose_mesh: Callable[..., Any],
     log: Callable[[str], None] = lambda line: None,
 ) -> AttentionPlan:
     """The run's plan. `choose_mesh(dp, sp, tp, sequence_split=...)` is the default-mesh choice
@@ -243,7 +244,7 @@ def _mesh_flags(text: str) -> str:
     return re.sub(r"\b(dp|sp|tp)\b", r"--\1", text).replace(" x --", " --")
 
 
-def _cudnn_mesh(flags: AttentionFlags, choose_mesh) -> MeshChoice | None:
+def _cudnn_mesh(flags: AttentionFlags, choose_mesh) -> Any:
     """cuDNN's mesh: sp 1 by default, since cuDNN does not run under the sequence-parallel schemes yet. A
     given sp > 1, or devices that no mesh with sp 1 fits, is an error under `--attention cudnn` (naming a
     mesh that works) and None under auto (the caller then runs XLA attention)."""

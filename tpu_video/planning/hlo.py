@@ -20,10 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 import sharding
 from sharding import DP, SP, TP
-from tpu_video.attention.dispatch import attention_backend
 from tpu_video.attention.plan import SplashConfig, fixed_plan
 from tpu_video.models import cogvideox, hunyuanvideo15, wan
 from tpu_video.runtime import placement
+from tpu_video.runtime.sdpa import attention_backend
 from tpu_video.workarounds.torchax import import_torchax
 
 torchax = import_torchax()
@@ -154,7 +154,7 @@ def measure(
 ) -> dict[str, object]:
     """Collectives of one transformer block of `model_name` (TRANSFORMERS) compiled on `mesh`, with
     abstract f32 weights placed by the family's rule table and inputs laid out as stage 2 lays them;
-    `sp_mode` is how attention uses `sp` (runtime.mesh.SP_MODES); Splash runs with the family's tiles."""
+    `sp_mode` is how attention uses `sp` (attention.sp_modes.SP_MODES); Splash runs with the family's tiles."""
     family, build, blocks, returns_text = BLOCKS[model_name]
     model = build()
     table = family.transformer_rules(tp_mode)

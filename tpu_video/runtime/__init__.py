@@ -6,6 +6,7 @@ it (the mesh's axis names are the top-level `sharding.py`'s). `mesh` picks the d
 checks mesh flags (plain arithmetic); `placement` makes the JAX mesh and places and constrains weights and activations;
 `torchax_runtime` runs stock PyTorch modules as JAX programs on that mesh; `programs` builds every device
 program (compiled once per input signature, or loaded), keyed by `program_key`, stored by `executables`,
-with in-program checks from `program_checks`; `backend` is stages 1 and 3's `--backend`/`--device`;
-`distributed` is multi-host stage 2 on JAX's multi-controller runtime.
+with in-program checks from `tpu_video/program_checks.py`; `sdpa` is the torchax SDPA override that runs
+the attention plan's backend (the Splash kernel, XLA or cuDNN attention); `backend` is stages 1 and 3's
+`--backend`/`--device`; `distributed` is multi-host stage 2 on JAX's multi-controller runtime.
 """

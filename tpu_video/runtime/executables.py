@@ -3,7 +3,7 @@ process instead of tracing and compiling it again (`--executables auto|off|DIR`)
 
 An entry is keyed by the digest of its program's part digests (tpu_video/runtime/program_key.py). It holds the
 serialized executable (jax.experimental.serialize_executable), a digest of those bytes, the key again and the messages
-of the program's checks (tpu_video/runtime/program_checks.py); beside it, a small JSON file with the digest of each
+of the program's checks (tpu_video/program_checks.py); beside it, a small JSON file with the digest of each
 part, so that a miss can say which part differs from the entries saved for the same program. A missing, damaged or
 foreign entry, or one the installed JAX cannot load, logs one line and the program is compiled as if there were no
 store: a store can cost a compile, never a wrong result."""

@@ -51,7 +51,7 @@ class Runtime(Protocol):
         """Inside a compiled forward: `carry = body(carry, slice)` for each slice of `weights` (a pytree of
         tensors: the stacked weights, and any per-block inputs) along their first dimension, as one loop in the
         program (jax.lax.scan; eagerly, a Python loop). `body` is traced once: checks inside it
-        (runtime.program_checks) hold for every slice."""
+        (tpu_video.program_checks) hold for every slice."""
 
     def profile_trace(self) -> contextlib.AbstractContextManager:
         """A profiler trace around the block, or a context that does nothing."""
@@ -61,7 +61,7 @@ class Runtime(Protocol):
 
     def attention(self, plan) -> contextlib.AbstractContextManager:
         """Within the block, `scaled_dot_product_attention` in compiled programs runs attention plan `plan`'s
-        backend (tpu_video/attention/dispatch.py); eagerly, PyTorch's own."""
+        backend (tpu_video/runtime/sdpa.py); eagerly, PyTorch's own."""
 
     def describe(self) -> str:
         """Where it runs, for log lines."""

@@ -16,8 +16,9 @@ import time
 import jax
 import torch
 
+from tpu_video import program_checks
 from tpu_video.cli import still_working
-from tpu_video.runtime import program_checks, program_key
+from tpu_video.runtime import program_key
 from tpu_video.runtime.interface import PROGRAM_TIMES
 from tpu_video.workarounds.jax import without_compilation_cache
 from tpu_video.workarounds.torchax import dedup_tied_buffers, import_torchax, op_definition, quiet_attribute_scan
@@ -40,7 +41,7 @@ def signature(tree) -> tuple:
 
 class Programs(interop.JittableModule):
     """`module` with `methods` as compiled programs (each call with a new input signature builds one, or
-    loads it from `store`). Checks inside a program (runtime.program_checks) come back as extra outputs
+    loads it from `store`). Checks inside a program (tpu_video.program_checks) come back as extra outputs
     and raise after the call.
 
     A run's module has its weights placed (tpu_video/runtime/placement.py). A plan's (tpu_video/planning/plan.py) is on

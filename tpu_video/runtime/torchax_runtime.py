@@ -5,7 +5,7 @@
 a rule table (sharding.py; tpu_video/runtime/placement.py places them) and returns the module with its methods as
 compiled programs (tpu_video/runtime/programs.py). Attention is torchax's lowering of
 `torch.nn.functional.scaled_dot_product_attention` unless an attention plan overrides it (`attention`:
-attention.dispatch.attention_backend; stage 2's plan, LTX-2's text connectors' XLA einsums);
+runtime.sdpa.attention_backend; stage 2's plan, LTX-2's text connectors' XLA einsums);
 `torch.gather` is lowered by workarounds.torchax.take_along_axis_gather. `CompileCache` turns on JAX's
 persistent compilation cache.
 """
@@ -23,9 +23,10 @@ import torch
 from jax.sharding import Mesh
 
 import sharding
+from tpu_video import program_checks
 from tpu_video.cli import log
 from tpu_video.cli.folders import cache_root
-from tpu_video.runtime import placement, program_checks
+from tpu_video.runtime import placement
 from tpu_video.runtime.executables import store_from_flag
 from tpu_video.runtime.programs import Programs
 from tpu_video.workarounds.torchax import (
@@ -191,7 +192,7 @@ class TorchaxRuntime:
 
     def attention(self, plan) -> contextlib.AbstractContextManager:
         """Within the block, SDPA in this runtime's programs runs `plan`'s backend on its mesh."""
-        from tpu_video.attention.dispatch import attention_backend
+        from tpu_video.runtime.sdpa import attention_backend
 
         return attention_backend(self.env, plan, self.mesh)
 
@@ -213,7 +214,7 @@ class TorchaxRuntime:
 
     def scan(self, body, carry: tuple, weights) -> tuple:
         """Inside a compiled forward: `body` (a torch function of (carry, one slice of `weights`)) under
-        jax.lax.scan. The checks the body hands over (runtime.program_checks) come out of the loop as one
+        jax.lax.scan. The checks the body hands over (tpu_video.program_checks) come out of the loop as one
         flag per message and slice and are handed on, reduced, to the program around it."""
         from torchax.interop import call_jax
 

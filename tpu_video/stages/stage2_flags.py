@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from tpu_video.attention.sp_modes import SP_MODES
 from tpu_video.cli import (
     UserError,
     add_executables_argument,
@@ -15,7 +16,6 @@ from tpu_video.cli import (
     flag_names,
     stage_parser,
 )
-from tpu_video.runtime.mesh import SP_MODES
 from tpu_video.stages.feature_flags import (
     add_cache_flags,
     add_lora_flags,

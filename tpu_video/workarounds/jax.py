@@ -25,7 +25,7 @@ def with_cpu_platform(platforms: str | None) -> str | None:
 def keep_cpu_backend() -> None:
     """Keep JAX's CPU backend beside the accelerator, before JAX starts its backends.
 
-    A check traced outside runtime.programs (runtime.program_checks' fallback) raises through
+    A check traced outside runtime.programs (tpu_video.program_checks' fallback) raises through
     `jax.debug.callback`, and JAX runs every host callback on a CPU device: with JAX_PLATFORMS=cuda (or
     tpu) alone a step fails with "jax.debug.callback failed to find a local CPU device" (seen on an H100
     with JAX 0.11.2). The CPU backend costs nothing there, and JAX still picks the accelerator as the default backend.

@@ -1,9 +1,10 @@
 """Collectives per transformer block at real widths, read from the compiled HLO on an 8-device mesh.
 
-Builds CogVideoX1.5-5B's and HunyuanVideo-1.5's transformers from their published configs on the meta
-device (no weights, no download), with the attention processors stage 2 installs, compiles one block
-with abstract (shape-only) weights and inputs placed by the families' rule tables, and counts the
-collectives XLA inserted (tpu_video/planning/hlo.py). Prints one JSON line per (model, tp_mode).
+Builds each family's published transformer at one block (CogVideoX1.5-5B, HunyuanVideo-1.5, Wan 2.1 14B:
+`Family.published_block`) on the meta device (no weights, no download), with the attention processors stage
+2 installs, compiles the block with abstract (shape-only) weights and inputs placed by the family's rule
+table, and counts the collectives XLA inserted (tpu_video/planning/hlo.py). Prints one JSON line per
+(model, tp_mode). LTX-2 writes no such block: `--plan` reports its per-block collectives.
 
 Stage 1's text encoders (T5-XXL v1.1 at 226 tokens, the Qwen2.5-VL-7B text model at 1108) are measured
 on stage 1's mesh (every device on `tp`): the whole encoder compiled at 1 and at 2 layers, so the
@@ -38,7 +39,8 @@ def main() -> None:
     parser.add_argument("--attention", choices=("xla", "splash"), default="xla")
     parser.add_argument("--sp_mode", choices=SP_MODES, default="auto")
     parser.add_argument("--tp_mode", choices=("megatron", "replicated_out"), help="default: both")
-    models = ["cogvideox1.5-5b", "hunyuanvideo1.5", "wan2.1-14b", "t5-xxl", "qwen2.5-vl-7b"]
+    # the families' published blocks (tpu_video/planning/hlo.py: TRANSFORMERS) and stage 1's text encoders
+    models = ["cogvideox", "hunyuanvideo15", "wan", "t5-xxl", "qwen2.5-vl-7b"]
     parser.add_argument("--models", nargs="+", choices=models, default=models)
     args = parser.parse_args()
 

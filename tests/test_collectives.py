@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from sharding import MeshShape
+from tpu_video.models import hunyuanvideo15
 from tpu_video.planning import hlo
 from tpu_video.runtime import placement
 
@@ -30,25 +31,31 @@ def test_count_collectives_reads_ops_tensors_and_bytes():
 
 
 @pytest.mark.parametrize(
-    "model, tensors",
+    "family, model, tensors",
     [
-        ("cogvideox1.5-5b", 4),  # after attention, after the MLP, 2 AdaLN modulations
-        ("hunyuanvideo1.5", 6),  # the same for the image and the text stream, 2 modulations
+        ("cogvideox", "cogvideox1.5-5b", 4),  # after attention, after the MLP, 2 AdaLN modulations
+        ("hunyuanvideo15", "hunyuanvideo1.5", 6),  # the same for the image and the text stream, 2 modulations
         # after self-attention, cross-attention and the MLP; 4 small sums for the q/k RMS norms, which span
         # all heads; modulation is local (the shared time_proj's all-reduce is once per step, outside)
-        ("wan2.1-14b", 7),
+        ("wan", "wan2.1-14b", 7),
     ],
 )
-def test_transformer_block_has_the_megatron_minimum(model, tensors):
+def test_transformer_block_has_the_megatron_minimum(family, model, tensors):
     mesh = placement.make_mesh(MeshShape(2, 1, 4))
-    found = hlo.measure(model, "megatron", mesh, video_tokens=256, attention="xla")
+    found = hlo.measure(family, "megatron", mesh, video_tokens=256, attention="xla")
+    assert found["model"] == model
     assert found["collectives_per_block"].keys() == {"all-reduce"}  # no weight gathers, no resharding
     assert found["collectives_per_block"]["all-reduce"]["tensors"] == tensors
 
 
+def test_the_families_with_a_published_block():
+    """What benchmarks/collectives.py offers; LTX-2 writes none (its --plan counts the blocks)."""
+    assert hlo.TRANSFORMERS == ("cogvideox", "hunyuanvideo15", "wan")
+
+
 def test_the_measured_hunyuanvideo15_block_runs_the_key_mask_processor():
     """What the block counts describe: the per-key-mask processor stage 2 installs, not the stock one."""
-    block = hlo.hunyuanvideo15_block().transformer_blocks[0]
+    block = hunyuanvideo15.published_block(16, 1, lambda shape, dtype, layout: None).model.transformer_blocks[0]
     assert type(block.attn.processor).__name__ == "KeyMaskHunyuanVideo15AttnProcessor"
 
 
@@ -63,7 +70,7 @@ def test_text_encoder_layer_collectives(model, per_layer):
 def test_wan_block_moves_three_activations_and_four_norm_statistics():
     """The 7 Wan tensors: 3 of (batch, tokens, width) and 4 of (batch, tokens or text tokens, 1)."""
     mesh = placement.make_mesh(MeshShape(2, 1, 4))
-    found = hlo.measure("wan2.1-14b", "megatron", mesh, video_tokens=256, attention="xla")
+    found = hlo.measure("wan", "megatron", mesh, video_tokens=256, attention="xla")
     width, text = 5120, 512
     activations = 3 * 256 * width * 4  # per device: one sample (dp=2), f32
     statistics = (2 * 256 + 256 + text) * 4  # q and k of self-attention, q and k of cross-attention
@@ -78,7 +85,7 @@ def test_wan_block_under_ulysses_has_exactly_its_all_to_alls(sp_mode):
     512 text keys of cross-attention are whole on every device already). The gather scheme instead
     all-gathers the self-attention keys and values (2 all-gathers)."""
     mesh = placement.make_mesh(MeshShape(1, 8, 1))
-    found = hlo.measure("wan2.1-14b", "megatron", mesh, video_tokens=256, attention="xla", sp_mode=sp_mode)
+    found = hlo.measure("wan", "megatron", mesh, video_tokens=256, attention="xla", sp_mode=sp_mode)
     counts = {op: value["count"] for op, value in found["collectives_per_block"].items()}
     if sp_mode == "auto":
         assert found["sp_mode"] == "ulysses" and counts == {"all-to-all": 8}
@@ -92,7 +99,7 @@ def test_cogvideox_block_under_ulysses_gathers_no_keys():
     """CogVideoX at sp=8: Ulysses drops the K/V all-gathers (one small one is left); the joint
     text+video sequence is still re-split around attention (all-to-alls and permutes beyond Ulysses' 4)."""
     mesh = placement.make_mesh(MeshShape(1, 8, 1))
-    found = hlo.measure("cogvideox1.5-5b", "megatron", mesh, video_tokens=4096, attention="xla")
+    found = hlo.measure("cogvideox", "megatron", mesh, video_tokens=4096, attention="xla")
     gathers = found["collectives_per_block"]["all-gather"]
     assert found["sp_mode"] == "ulysses" and gathers["count"] == 1
     assert gathers["bytes"] < 4096 * 3072 * 4 / 8  # hundreds of tokens (5.4 MiB), not the video's K/V

@@ -135,7 +135,7 @@ def test_an_eager_loop_over_the_stacked_weights_is_the_stock_forward():
     inputs = {
         "hidden_states": torch.randn(1, 16, 3, 4, 6, generator=generator),
         "timestep": torch.tensor([700]),
-        "encoder_hidden_states": torch.randn(1, wan.config.MAX_SEQUENCE_LENGTH, 32, generator=generator),
+        "encoder_hidden_states": torch.randn(1, wan.transformer.MAX_SEQUENCE_LENGTH, 32, generator=generator),
     }
     calls = []
     for block in transformer.blocks:

@@ -48,7 +48,7 @@ def transformer_inputs(batch: int):
     return {
         "hidden_states": torch.randn(batch, 16, 3, 4, 6, generator=generator),
         "timestep": torch.tensor([700] * batch),
-        "encoder_hidden_states": torch.randn(batch, wan.config.MAX_SEQUENCE_LENGTH, 32, generator=generator),
+        "encoder_hidden_states": torch.randn(batch, wan.transformer.MAX_SEQUENCE_LENGTH, 32, generator=generator),
     }
 
 

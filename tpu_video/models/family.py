@@ -40,6 +40,20 @@ class Preset:
     pipeline_attributes: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PublishedBlock:
+    """One block of a published transformer at its real width, for the collectives count
+    (tpu_video/planning/hlo.py: measure): `model` is the transformer with one block on the meta device, patched
+    as stage 2 runs it; `blocks` names its attribute holding the blocks; `inputs` are the block's positional
+    inputs, laid out as stage 2 lays them; `returns_text`: a block also returns the text tokens."""
+
+    name: str  # the checkpoint it measures, e.g. "wan2.1-14b"
+    model: Any
+    blocks: str
+    inputs: list[Any]
+    returns_text: bool
+
+
 # Where a family's components come from: a models.ModelSource (not imported: models imports this module).
 ModelSource = Any
 
@@ -70,6 +84,11 @@ class Family(Protocol):
     CHUNK_FRAMES: Sequence[int]
     frame_programs: Callable[..., Callable] | None
     frame_plan: Callable[..., tuple[torch.nn.Module, dict, dict]] | None
+    # The collectives count at real width (tpu_video/planning/hlo.py: measure): published_block(video_tokens,
+    # batch, make) gives one block of the family's largest published transformer and its inputs for `batch`
+    # samples of `video_tokens` video tokens, each input `make(shape, torch dtype, layout)`. None where the
+    # family writes none (LTX-2: `--plan` reports its per-block collectives from the whole step).
+    published_block: Callable[[int, int, Callable], PublishedBlock] | None
     # Decoder(vae, normalization): undoes the latents' recorded normalisation and decodes stage-2 latents
     # to pixels in [-1, 1], as one graph.
     Decoder: type[torch.nn.Module]
@@ -192,7 +211,7 @@ SHARED_LAYOUT = {
     ),
     "i2v": ("encode_inputs", "inputs_on_runtime", "media_inputs"),
     "pipeline": ("denoise_loop", "planning_embeds", "prompt_encoder", "start_from"),
-    "transformer": ("SPLASH_BLOCK_SIZES", "transformer_rules"),
+    "transformer": ("SPLASH_BLOCK_SIZES", "published_block", "transformer_rules"),
 }
 
 

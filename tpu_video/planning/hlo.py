@@ -1,9 +1,9 @@
 """Collectives read from compiled XLA programs, and the per-block measurements built on them.
 
 `count_collectives` reads compiled HLO text (any backend), as does `quantized_reads` (`--quantize`).
-`measure` compiles one transformer block at real width (published config, meta-device weights, no
-download) with the processors stage 2 installs and the family's rule table; `measure_text_encoder` does
-the same for a stage-1 encoder layer.
+`measure` compiles one transformer block at real width (the family's `published_block`: published config,
+meta-device weights, no download, the processors stage 2 installs) with the family's rule table;
+`measure_text_encoder` does the same for a stage-1 encoder layer.
 benchmarks/collectives.py prints these; tests/test_collectives.py holds the counts.
 """
 
@@ -20,8 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 import sharding
 from sharding import DP, SP, TP
+from tpu_video import models
 from tpu_video.attention.plan import SplashConfig, fixed_plan
-from tpu_video.models import cogvideox, hunyuanvideo15, wan
+from tpu_video.models import cogvideox, hunyuanvideo15
 from tpu_video.runtime import placement
 from tpu_video.runtime.sdpa import attention_backend
 from tpu_video.workarounds.torchax import import_torchax
@@ -91,103 +92,42 @@ def quantized_reads(hlo_text: str) -> dict[str, int]:
     return found
 
 
-def cogvideox15_5b_block():
-    """CogVideoX1.5-5B's transformer at one block, on the meta device, patched as stage 2 runs it."""
-    from diffusers import CogVideoXTransformer3DModel
-
-    with torch.device("meta"):
-        model = CogVideoXTransformer3DModel(**{**cogvideox.published.COGVIDEOX15_5B_TRANSFORMER, "num_layers": 1})
-    return cogvideox.transformer.make_jit_safe(model)
-
-
-def hunyuanvideo15_block():
-    """HunyuanVideo-1.5's transformer (diffusers' default config is the published one) at one block, on
-    the meta device, with the processors stage 2 installs (per-key masks, not the dense S x S mask)."""
-    from diffusers import HunyuanVideo15Transformer3DModel
-
-    with torch.device("meta"):
-        model = HunyuanVideo15Transformer3DModel(num_layers=1, num_refiner_layers=1, task_type="t2v")
-    return hunyuanvideo15.transformer.make_jit_safe(model)
-
-
-def wan_14b_block():
-    """Wan 2.1 T2V 14B's transformer (also each Wan 2.2 A14B expert) at one block, on the meta device;
-    stage 2 runs the stock processors."""
-    from diffusers import WanTransformer3DModel
-
-    with torch.device("meta"):
-        return WanTransformer3DModel(**{**wan.published.WAN_14B_TRANSFORMER, "num_layers": 1})
-
-
-def block_inputs(model_name: str, model, video_tokens: int, batch: int, make):
-    """The block's positional inputs, each `make(shape, dtype, spec)`."""
-    width = model.config.num_attention_heads * model.config.attention_head_dim
-    head_dim = model.config.attention_head_dim
-    f32 = jax.numpy.float32
-    if model_name == "cogvideox1.5-5b":
-        text = model.config.max_text_seq_length
-        return [
-            make((batch, video_tokens, width), f32, P(DP, SP, None)),  # hidden_states
-            make((batch, text, width), f32, P(DP, None, None)),  # encoder_hidden_states
-            make((batch, model.config.time_embed_dim), f32, P(DP, None)),  # temb
-            (make((video_tokens, head_dim), f32, P()), make((video_tokens, head_dim), f32, P())),  # rotary cos, sin
-        ]
-    if model_name == "wan2.1-14b":
-        return [
-            make((batch, video_tokens, width), f32, P(DP, SP, None)),  # hidden_states
-            make((batch, wan.config.MAX_SEQUENCE_LENGTH, width), f32, P(DP, None, None)),  # encoder_hidden_states
-            make((batch, 6, width), f32, P(DP, None, None)),  # timestep_proj
-            (make((1, video_tokens, 1, head_dim), f32, P()), make((1, video_tokens, 1, head_dim), f32, P())),
-        ]
-    text = 1000 + 256 + 729  # Qwen tokens + ByT5 tokens + image tokens, after the reorder
-    return [
-        make((batch, video_tokens, width), f32, P(DP, SP, None)),
-        make((batch, text, width), f32, P(DP, None, None)),
-        make((batch, width), f32, P(DP, None)),
-        make((batch, text), jax.numpy.bool_, P(DP, None)),  # encoder attention mask
-        (make((video_tokens, head_dim), f32, P()), make((video_tokens, head_dim), f32, P())),
-    ]
-
-
 def measure(
-    model_name: str, tp_mode: str, mesh, video_tokens: int, attention: str, sp_mode: str = "auto"
+    family_name: str, tp_mode: str, mesh, video_tokens: int, attention: str, sp_mode: str = "auto"
 ) -> dict[str, object]:
-    """Collectives of one transformer block of `model_name` (TRANSFORMERS) compiled on `mesh`, with
-    abstract f32 weights placed by the family's rule table and inputs laid out as stage 2 lays them;
-    `sp_mode` is how attention uses `sp` (attention.sp_modes.SP_MODES); Splash runs with the family's tiles."""
-    family, build, blocks, returns_text = BLOCKS[model_name]
-    model = build()
+    """Collectives of one transformer block of the family's published model (`Family.published_block`; the
+    families with one: TRANSFORMERS) compiled on `mesh`, with abstract f32 weights placed by the family's rule
+    table and inputs laid out as stage 2 lays them; `sp_mode` is how attention uses `sp`
+    (attention.sp_modes.SP_MODES); Splash runs with the family's tiles."""
+    family = models.FAMILIES[family_name]
+    block = family.published_block(video_tokens, 2, functools.partial(placement.abstract, mesh=mesh))
     table = family.transformer_rules(tp_mode)
-    params = dict(model.named_parameters())
-    specs = table.assign(list(params))
-    prefix = f"{blocks}.0."
-    block = getattr(model, blocks)[0]
-    block_specs = {name[len(prefix) :]: spec for name, spec in specs.items() if name.startswith(prefix)}
-
-    abstract = functools.partial(placement.abstract, mesh=mesh)
-
-    f32 = jax.numpy.float32
-    weights = {name: abstract(tuple(params[prefix + name].shape), f32, spec) for name, spec in block_specs.items()}
-    inputs = block_inputs(model_name, model, video_tokens, batch=2, make=abstract)
+    params = dict(block.model.named_parameters())
+    prefix = f"{block.blocks}.0."
+    specs = {name[len(prefix) :]: spec for name, spec in table.assign(list(params)).items() if name.startswith(prefix)}
+    module = getattr(block.model, block.blocks)[0]
+    weights = {
+        name: placement.abstract(params[prefix + name].shape, torch.float32, spec, mesh=mesh)
+        for name, spec in specs.items()
+    }
     video, text = NamedSharding(mesh, P(DP, SP, None)), NamedSharding(mesh, P(DP, None, None))
-    outputs = (video, text) if returns_text else video
 
     def run_block(weights, *inputs):
-        return torch.func.functional_call(block, weights, tuple(inputs))
+        return torch.func.functional_call(module, weights, tuple(inputs))
 
-    jitted = jax.jit(interop.jax_view(run_block), out_shardings=outputs)
+    jitted = jax.jit(interop.jax_view(run_block), out_shardings=(video, text) if block.returns_text else video)
     env = torchax.default_env()
     interpret = jax.devices()[0].platform != "tpu"
     splash = SplashConfig(**family.SPLASH_BLOCK_SIZES, interpret=interpret) if attention == "splash" else None
-    heads = model.config.num_attention_heads
+    heads = block.model.config.num_attention_heads
     plan = fixed_plan(attention, splash, mesh_shape=dict(mesh.shape), heads=heads, sp_mode=sp_mode, tp_mode=tp_mode)
     with env, attention_backend(env, plan, mesh):
-        hlo = jitted.lower(weights, *inputs).compile().as_text()
+        hlo = jitted.lower(weights, *block.inputs).compile().as_text()
     weight_bytes = sum(
         int(np.prod(w.sharding.shard_shape(w.shape))) * w.dtype.itemsize for w in jax.tree.leaves(weights)
     )
     return {
-        "model": model_name,
+        "model": block.name,
         "tp_mode": tp_mode,
         "mesh": dict(mesh.shape),
         "attention": attention,
@@ -198,14 +138,8 @@ def measure(
     }
 
 
-# name: (family module, one-block builder, the attribute holding the blocks, whether a block also
-# returns the text tokens)
-BLOCKS = {
-    "cogvideox1.5-5b": (cogvideox, cogvideox15_5b_block, "transformer_blocks", True),
-    "hunyuanvideo1.5": (hunyuanvideo15, hunyuanvideo15_block, "transformer_blocks", True),
-    "wan2.1-14b": (wan, wan_14b_block, "blocks", False),
-}
-TRANSFORMERS = tuple(BLOCKS)
+# The families whose published_block the collectives count measures.
+TRANSFORMERS = tuple(name for name, family in models.FAMILIES.items() if family.published_block is not None)
 TEXT_ENCODERS = {
     # name: (transformers config class, published config, tokens the pipeline feeds it)
     "t5-xxl": ("T5Config", cogvideox.published.T5_XXL_ENCODER, 226),

@@ -4,7 +4,8 @@
 - `declarations`: what the stages' parsers read (its name, pipeline classes, media inputs, tiny presets), no
   torch imported; the other members are imported on first use (`models.family.lazy_members`);
 - `config`: documented defaults, request checks;
-- `transformer`: the jit-safe attention processor, the weight rule table, Splash tiles, the guided call;
+- `transformer`: the jit-safe attention processor, the weight rule table, Splash tiles, the guided call, the
+  published block the collectives count measures;
 - `pipeline`: the three stage bodies (prompt encoding, the denoising loop, the decoder);
 - `i2v`: image-to-video (the recorded VAE posterior of the first frame);
 - `vae`: stage 3's frame programs on torchax (the stock decode's frame batches);

@@ -11,6 +11,7 @@ from sharding import DP, MODULATION, REPLICATED, SP, RuleTable, megatron_rules
 from tpu_video.engine.guidance import Guided, cfg_combination
 
 from ..common import constrain_block_inputs
+from ..family import PublishedBlock
 
 # Splash tiles. The reference notes measured 3328/2816/256 fastest for CogVideoX1.5 at 768x1360 on v6e
 # (speed is not measurable without a TPU). The TPU compiler (benchmarks/tpu_plan.py) shows it compiles
@@ -77,6 +78,26 @@ def make_jit_safe(transformer: torch.nn.Module) -> torch.nn.Module:
 # Activation layouts on the mesh (mesh axis per dimension): the CFG batch on dp, video tokens on sp
 # between blocks.
 BLOCK_INPUTS = {"hidden_states": (DP, SP, None), "encoder_hidden_states": (DP, None, None)}
+
+
+def published_block(video_tokens: int, batch: int, make) -> PublishedBlock:
+    """CogVideoX1.5-5B's transformer at one block on the meta device, patched as stage 2 runs it, and the
+    block's inputs (family.Family.published_block)."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    from .published import COGVIDEOX15_5B_TRANSFORMER
+
+    with torch.device("meta"):
+        model = make_jit_safe(CogVideoXTransformer3DModel(**{**COGVIDEOX15_5B_TRANSFORMER, "num_layers": 1}))
+    config, f32 = model.config, torch.float32
+    width, head_dim = config.num_attention_heads * config.attention_head_dim, config.attention_head_dim
+    inputs = [
+        make((batch, video_tokens, width), f32, BLOCK_INPUTS["hidden_states"]),
+        make((batch, config.max_text_seq_length, width), f32, BLOCK_INPUTS["encoder_hidden_states"]),
+        make((batch, config.time_embed_dim), f32, (DP, None)),  # temb
+        (make((video_tokens, head_dim), f32, REPLICATED), make((video_tokens, head_dim), f32, REPLICATED)),  # rotary
+    ]
+    return PublishedBlock("cogvideox1.5-5b", model, "transformer_blocks", inputs, returns_text=True)
 
 
 def transformer_rules(tp_mode: str = "megatron") -> RuleTable:

@@ -5,7 +5,7 @@
   torch imported; the other members are imported on first use (`models.family.lazy_members`);
 - `config`: documented defaults, request checks;
 - `transformer`: the forward made traceable, the key-mask attention processor, the weight rule table,
-  Splash tiles, the guided call;
+  Splash tiles, the guided call, the published block the collectives count measures;
 - `pipeline`: stage 1's prompt encoding (Qwen2.5-VL and ByT5) and stage 2's flow-matching loop;
 - `i2v`: image-to-video (SigLIP image embeddings, the first frame's VAE latents);
 - `vae`: the VAE made traceable and stage 3's frame programs (chunks of any length);

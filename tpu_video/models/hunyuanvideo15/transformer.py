@@ -30,8 +30,10 @@ import types
 
 import torch
 
-from sharding import MODULATION, REPLICATED, RuleTable, megatron_rules
+from sharding import DP, MODULATION, REPLICATED, SP, RuleTable, megatron_rules
 from tpu_video.engine.guidance import Guided
+
+from ..family import PublishedBlock
 
 # Splash tiles: 512/512/512 compiles on v5e, v5p, v6e and tpu7x (TPU compiler, benchmarks/tpu_plan.py)
 # and pads the 720p/121-frame sequence (113,585 tokens) by 0.07%; the reference notes' 2048/2048 pads
@@ -185,6 +187,27 @@ def make_jit_safe(transformer: torch.nn.Module) -> torch.nn.Module:
     for block in transformer.transformer_blocks:
         block.attn.set_processor(key_mask_attention_processor())
     return transformer
+
+
+def published_block(video_tokens: int, batch: int, make) -> PublishedBlock:
+    """HunyuanVideo-1.5's transformer (diffusers' default config is the published one) at one block on the
+    meta device, with the processors stage 2 installs (per-key masks, not the dense S x S mask), and the
+    block's inputs (family.Family.published_block): the text is the pipeline's 1000 Qwen tokens, 256 ByT5
+    tokens and 729 image tokens, after the reorder."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    with torch.device("meta"):
+        model = make_jit_safe(HunyuanVideo15Transformer3DModel(num_layers=1, num_refiner_layers=1, task_type="t2v"))
+    config, f32, text = model.config, torch.float32, 1000 + 256 + 729
+    width, head_dim = config.num_attention_heads * config.attention_head_dim, config.attention_head_dim
+    inputs = [
+        make((batch, video_tokens, width), f32, (DP, SP, None)),  # hidden_states
+        make((batch, text, width), f32, (DP, None, None)),  # encoder_hidden_states
+        make((batch, width), f32, (DP, None)),  # temb
+        make((batch, text), torch.bool, (DP, None)),  # encoder attention mask
+        (make((video_tokens, head_dim), f32, REPLICATED), make((video_tokens, head_dim), f32, REPLICATED)),
+    ]
+    return PublishedBlock("hunyuanvideo1.5", model, "transformer_blocks", inputs, returns_text=True)
 
 
 def transformer_rules(tp_mode: str = "megatron") -> RuleTable:

@@ -6,7 +6,8 @@ parts.
   presets), no torch imported; the other members are imported on first use (`models.family.lazy_members`);
 - `config`: the pipeline's defaults, one transformer or two experts, request checks, the stock pipeline
   object its stages call;
-- `transformer`: the weight rule table, block input layouts, Splash tiles, one expert's guided call;
+- `transformer`: the weight rule table, block input layouts, Splash tiles, one expert's guided call, the
+  published block the collectives count measures;
 - `pipeline`: stage 1's prompt encoding (UMT5) and stage 2's loop over one or two experts;
 - `i2v`: image-to-video (CLIP tokens, the first and last frames' VAE latents); `ti2v`: TI2V-5B's
   per-token timesteps and image latents; `v2v`: video-to-video (`--video`, `--strength`); `vace`: VACE

@@ -19,7 +19,6 @@ LORA_LOADER = "WanLoraLoaderMixin"  # reads adapter files and converts the origi
 STEP_CACHES = ("magcache", "interval")  # the --cache kinds it runs (docs/caching.md)
 # WanPipeline.__call__'s defaults (480p; the 14B models also run 720p: --height 720 --width 1280).
 DEFAULTS = {"height": 480, "width": 832, "num_frames": 81, "fps": 16, "num_inference_steps": 50, "guidance_scale": 5.0}
-MAX_SEQUENCE_LENGTH = 512  # the pipeline's prompt layout: valid tokens, then zeros up to 512
 # One sample's activations at a block's peak, in copies of its [video tokens, width] hidden states: (every
 # tp device's, split over tp), fitted to the TPU compiler's temporaries (docs/planning.md). TI2V-5B adds
 # float32 copies: its per-token modulation, [tokens, 6, width], and the float32 arithmetic it feeds (one

@@ -31,9 +31,9 @@ from utils import Request
 
 from ..common import flow_scheduler
 from . import ti2v, v2v, vace
-from .config import MAX_SEQUENCE_LENGTH, cfg_enabled, image_to_video, stock_pipeline, transformer_components
+from .config import cfg_enabled, image_to_video, stock_pipeline, transformer_components
 from .i2v import image_conditioning
-from .transformer import GuidedTransformer, transformer_rules
+from .transformer import MAX_SEQUENCE_LENGTH, GuidedTransformer, transformer_rules
 
 # Stage 1 -------------------------------------------------------------------------------------------
 

@@ -12,17 +12,40 @@ from tpu_video.attention.calls import mark_cross_attention
 from tpu_video.engine.guidance import Guided, cfg_combination
 
 from ..common import constrain_block_inputs
+from ..family import PublishedBlock
 
 # Splash tiles: 512/512/512, the tiles measured to compile on v5e, v5p, v6e and tpu7x for head dim 128
 # (benchmarks/tpu_plan.py --tiles); 720p/81 frames (75,600 tokens) pads by 0.23%, the 512-token
 # prompt not at all.
 SPLASH_BLOCK_SIZES = {"block_q": 512, "block_kv": 512, "block_kv_compute": 512}
 
+# The text the blocks attend to: the pipeline's prompt layout, valid tokens then zeros up to 512.
+MAX_SEQUENCE_LENGTH = 512
 # Each block's positional inputs: video tokens (on sp between blocks), prompt tokens, its modulation
 # (batch, 6, width), and the final norm's input: all unsplit along the width. Left free, the
 # partitioner splits them over tp and all-gathers them again before the next linear (XLA:CPU, 2x1x4
 # mesh: 3 all-gathers of the video tokens per block and 3 more outside; with the pins, none).
 BLOCK_INPUTS = {0: (DP, SP, None), 1: (DP, None, None), 2: (DP, None, None)}
+
+
+def published_block(video_tokens: int, batch: int, make) -> PublishedBlock:
+    """Wan 2.1 T2V 14B's transformer (also each Wan 2.2 A14B expert) at one block on the meta device (stage 2
+    runs the stock processors), and the block's inputs (family.Family.published_block)."""
+    from diffusers import WanTransformer3DModel
+
+    from .published import WAN_14B_TRANSFORMER
+
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**{**WAN_14B_TRANSFORMER, "num_layers": 1})
+    config, f32 = model.config, torch.float32
+    width, head_dim = config.num_attention_heads * config.attention_head_dim, config.attention_head_dim
+    inputs = [
+        make((batch, video_tokens, width), f32, BLOCK_INPUTS[0]),  # hidden_states
+        make((batch, MAX_SEQUENCE_LENGTH, width), f32, BLOCK_INPUTS[1]),  # encoder_hidden_states
+        make((batch, 6, width), f32, BLOCK_INPUTS[2]),  # timestep_proj
+        tuple(make((1, video_tokens, 1, head_dim), f32, REPLICATED) for _ in range(2)),  # rotary cos, sin
+    ]
+    return PublishedBlock("wan2.1-14b", model, "blocks", inputs, returns_text=False)
 
 
 def transformer_rules(tp_mode: str = "megatron") -> RuleTable:

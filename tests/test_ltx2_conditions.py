@@ -17,8 +17,11 @@ import torch
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
-from helpers import decoded_frames, expect_user_error, pipeline, relative_error, run_stage, write_image, write_video
+from helpers import decoded_frames, pipeline, relative_error, run_stage, write_image, write_video
 from helpers import ltx2_reference as reference
+from tpu_video.cli import UserError
+from tpu_video.models.ltx2.conditions import check_condition_size
+from tpu_video.models.ltx2.declarations import GUIDANCE_OFF
 from utils import read_config, read_tensors
 
 TOLERANCE = 1e-5
@@ -50,6 +53,15 @@ def condition_pipeline():
     return LTX2ConditionPipeline.from_pipe(pipeline("tiny-ltx2"))
 
 
+def refine_pipeline():
+    """The condition pipeline with the two-stage example's refine scheduler (the sigmas as given)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2ConditionPipeline
+
+    config = condition_pipeline().scheduler.config
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config, use_dynamic_shifting=False, shift_terminal=None)
+    return LTX2ConditionPipeline.from_pipe(condition_pipeline(), scheduler=scheduler)
+
+
 def frames_of(path):
     from PIL import Image
 
@@ -71,8 +83,9 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_conditions_match_the_condition_pipeline(tmp_path, capsys, media, case):
     """Stage 1's prepared and encoded conditions, stage 2's loop with the video's tokens held to them and the
-    keyframe tokens appended, the latents without them, stage 3's decode."""
+    keyframe tokens appended, the latents without them, a pass from those latents, stage 3's decode."""
     from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
+    from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
 
     conditions, stage1_flags, stage2_flags = CASES[case]
     out = tmp_path / "run"
@@ -96,10 +109,26 @@ def test_conditions_match_the_condition_pipeline(tmp_path, capsys, media, case):
     video, audio = reference(condition_pipeline(), config, "latent", **arguments)
     assert relative_error(tensors["latents"], video) <= TOLERANCE
     assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
-    # A later pass of a conditioned video is refused before weights load (the pipeline's latents= path renoises
-    # around the conditions, which stage 2 does not run).
-    argv = ["--input_dir", out, "--start_latents", out, "--output_dir", tmp_path / "again"]
-    expect_user_error(capsys, stage2_transformer, argv, "--start_latents: this video is conditioned")
+    # A pass from these latents, the two-stage pipeline's refine (at the same size here; one from upsampled
+    # latents needs the conditions encoded at its size): LTX2ConditionPipeline called with `latents=` and
+    # `audio_latents=` the first call's, the conditions applied to them and the noise scaled around them by the
+    # refine's first sigma (its default noise_scale), the scheduler as the two-stage example rebuilds it.
+    again = tmp_path / "again"
+    argv = ["--input_dir", out, "--start_latents", out, "--output_dir", again, "--executables", "off"]
+    run_stage(stage2_transformer, [*argv, "--sigmas", "distilled_refine", "--seed", 11])
+    refined = read_tensors(again, read_config(again, needs="stage2")["stage2"])
+    refine = refine_pipeline()
+    second = {**config, "num_inference_steps": 3, "seed": 11}
+    sigmas = {"sigmas": STAGE_2_DISTILLED_SIGMA_VALUES, **GUIDANCE_OFF}
+    again_video, again_audio = reference(
+        refine, second, "latent", latents=video, audio_latents=audio, **arguments, **sigmas
+    )
+    assert relative_error(refined["latents"], again_video) <= TOLERANCE
+    assert relative_error(refined["audio_latents"], again_audio) <= TOLERANCE
+    assert relative_error(again_video, video) > 100 * TOLERANCE  # the refine moved them
+    with pytest.raises(UserError, match="stage 1 encoded the conditions for a 2x3 latent grid; this pass runs 4x6"):
+        check_condition_size([torch.zeros(1, 4, 1, 2, 3)], 4, 6)  # a pass at twice the size
+
     run_stage(stage3_vae_decoder, ["--input_dir", out, "--backend", "torch", "--save_frames"])
     config = read_config(out, needs="stage3")
     saved = read_tensors(out, config["stage3"]["frames_file"])

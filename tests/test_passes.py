@@ -171,7 +171,7 @@ def test_a_cogvideox_second_pass_with_the_dpm_sampler_equals_the_pipeline_called
     # Refused before loading: CogVideoX 1.5 (the pad frames its latents= path takes back).
     family, request = models.FAMILIES["cogvideox"], Request.from_config(read_config(first), first / CONFIG_FILE)
     with pytest.raises(UserError, match="CogVideoX 1.5 pads its latent frames to whole temporal patches"):
-        family.start_from(models.resolve_model("tiny-cogvideox")[0], request, {})
+        family.start_from(models.resolve_model("tiny-cogvideox")[0], request, {}, {})
 
 
 def test_families_without_an_upsampler_say_so():

@@ -179,10 +179,13 @@ class Family(Protocol):
         shapes count and no checkpoint value may be read; False for a run) is always given, never inferred
         from the modules."""
 
-    def start_from(self, source: ModelSource, request: Request, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    def start_from(
+        self, source: ModelSource, request: Request, tensors: dict[str, torch.Tensor], embeds: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
         """A later pass (stage 2's `--start_latents`): the loop's first latents from an earlier pass's stage-2
-        tensors, as the pipeline takes them when called with `latents=`; UserError where the family cannot
-        (checked before any weights load)."""
+        `tensors`, as the pipeline takes them when called with `latents=` (with this video's stage-1 `embeds`:
+        LTX-2's conditions are applied to them); UserError where the family cannot (checked before any weights
+        load)."""
 
     def upsample(
         self, source: ModelSource, location: str | None, tensors: dict[str, torch.Tensor], runtime, timer, *filters

@@ -108,7 +108,7 @@ def validated_run(
             start = passes.read_start(Path(args.start_latents), request, output_dir, models.stage1_only(family))
         models.check_started(family, request, start is not None)
         models.check_option_inputs(family, request, config["stage1"].get("inputs", {}))
-        start_latents = family.start_from(source, request, start.tensors) if start else None
+        start_latents = family.start_from(source, request, start.tensors, embeddings) if start else None
         stage1 = config["stage1"].get("adapters", [])
         adapters = lora.read_adapters(lora_flags(args), family, source, dtype, stage1, likely_model=likely_model)
     quantize = quantization(args)

@@ -55,7 +55,7 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
     return embeds
 
 
-def start_from(source, request: Request, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def start_from(source, request: Request, tensors: dict[str, torch.Tensor], embeds) -> torch.Tensor:
     """CogVideoXPipeline's `prepare_latents` with `latents=` given: those latents in the pipeline's (B, F, C, H,
     W) (it scales them by its sampler's initial sigma, 1 for both of its samplers); the generator goes on from
     before the noise it skips (DenoiseLoop.noise_state: the DPM sampler draws from it at every step; with

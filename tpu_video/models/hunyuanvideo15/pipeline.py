@@ -140,7 +140,7 @@ def denoise_loop(
     )
 
 
-def start_from(source, request: Request, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def start_from(source, request: Request, tensors: dict[str, torch.Tensor], embeds) -> torch.Tensor:
     """HunyuanVideo15Pipeline's (and the image-to-video pipeline's) `prepare_latents` with `latents=` given:
     those latents (stage 2 writes the loop's latents as they are; engine.passes.started casts them to the loop's
     dtype). The flow scheduler draws nothing, and the image's latents are stage 1's (the posterior's mode), so

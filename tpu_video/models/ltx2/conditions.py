@@ -3,11 +3,12 @@ checkpoint's video, each held to with its strength (keyframes, first and last fr
 
 Stage 1 prepares each condition with the pipeline's own `preprocess_conditions` (the H.264 round trip of a
 one-frame condition at `--image_crf`, the bilinear resize and centre crop, a clip trimmed to the room after its
-index) and writes its normalised VAE latents. Stage 2 builds the pipeline's initial latents from them: a
-condition at latent frame 0 replaces the first frames' tokens, a later one is appended as keyframe tokens with
-positions of their own; each token's conditioning mask (its strength) scales its timestep and its noise, and
-blends the guided prediction with the condition in x0 space (transformer.py); the appended tokens are dropped
-after the loop. Indices are the pipeline's: latent frames, negative ones counted from the end.
+index) and writes its normalised VAE latents. Stage 2 builds the pipeline's initial latents from them (from
+zeros, or in a pass from given latents from those): a condition at latent frame 0 replaces the first frames'
+tokens, a later one is appended as keyframe tokens with positions of their own; each token's conditioning mask
+(its strength) scales its timestep and its noise, and blends the guided prediction with the condition in x0
+space (transformer.py); the appended tokens are dropped after the loop. Indices are the pipeline's: latent
+frames, negative ones counted from the end.
 """
 
 from __future__ import annotations
@@ -129,11 +130,22 @@ class ConditionedVideo:
     video_tokens: int  # the video's own tokens, before the keyframes'
 
 
+def noise_scale(request: Request) -> float:
+    """LTX2ConditionPipeline's `noise_scale`: --noise_scale where a pass from given latents gives it, else the
+    pipeline's default, the schedule's first sigma (1 for its own schedule), also when given latents."""
+    given = request.option("noise_scale")
+    if given is not None:
+        return given
+    sigmas = schedule_sigmas(request)
+    return sigmas[0] if sigmas is not None else 1.0
+
+
 def conditioned_video(
-    source, request: Request, embeds, config: dict[str, Any], fps: float, generator
+    source, request: Request, embeds, config: dict[str, Any], fps: float, generator, given=None
 ) -> ConditionedVideo | None:
     """LTX2ConditionPipeline's `prepare_latents` from stage 1's condition latents, the noise drawn from
-    `generator`; None without conditions."""
+    `generator`: from zeros, or with `latents=` from an earlier pass's latents (`given`: normalised, (1, C, F,
+    H, W)), which the conditions then overwrite and the noise renoises around them; None without conditions."""
     from diffusers import LTX2ConditionPipeline
     from diffusers.utils.torch_utils import randn_tensor
 
@@ -141,12 +153,14 @@ def conditioned_video(
     if not count:
         return None
     frames, height, width = latent_grid(source, request)
+    conditions = [embeds[CONDITION_LATENTS.format(n)].float() for n in range(count)]
+    check_condition_size(conditions, height, width)
     pipe = stock_pipeline(source, LTX2ConditionPipeline)
     pack = pipe._pack_latents
     patch = (pipe.transformer_spatial_patch_size, pipe.transformer_temporal_patch_size)
-    latents = pack(torch.zeros(1, config["in_channels"], frames, height, width), *patch)
+    start = torch.zeros(1, config["in_channels"], frames, height, width) if given is None else given
+    latents = pack(start, *patch)
     mask = pack(torch.zeros(1, 1, frames, height, width), *patch)
-    conditions = [embeds[CONDITION_LATENTS.format(n)].float() for n in range(count)]
     packed = [pack(condition, *patch) for condition in conditions]
     indices, strengths = zip(*((index % frames, s) for index, s in placements(request, count)), strict=True)
     latents, mask, clean = pipe.apply_first_frame_conditioning(
@@ -173,22 +187,22 @@ def conditioned_video(
         latents = torch.cat([latents, *(packed[n] for n in keyframes)], dim=1)
         mask = torch.cat([mask, *(torch.full((1, packed[n].shape[1], 1), float(strengths[n])) for n in keyframes)], 1)
         clean = torch.cat([clean, *(packed[n] for n in keyframes)], dim=1)
-    placed = ", ".join(f"latent frame {index} at {held}" for index, held in zip(indices, strengths, strict=True))
-    log(f"conditions: {placed}; {latents.shape[1] - video_tokens} keyframe tokens after the video's {video_tokens}")
-    sigmas = schedule_sigmas(request)
-    noise_scale = sigmas[0] if sigmas is not None else 1.0  # the pipeline's default noise_scale
+    if given is None:  # said once: a pass from given latents builds the loop's own latents too
+        placed = ", ".join(f"latent frame {index} at {held}" for index, held in zip(indices, strengths, strict=True))
+        log(f"conditions: {placed}; {latents.shape[1] - video_tokens} keyframe tokens after the video's {video_tokens}")
     noise = randn_tensor(latents.shape, generator=generator, dtype=torch.float32)
-    scaled_mask = (1.0 - mask) * noise_scale
+    scaled_mask = (1.0 - mask) * noise_scale(request)
     latents = noise * scaled_mask + latents * (1 - scaled_mask)
     return ConditionedVideo(latents, mask.squeeze(-1), clean, coords, video_tokens)
 
 
-def check_unconditioned(request: Request) -> None:
-    """A later pass (`--start_latents`) of a conditioned video (stage 1 stores a strength with every condition) is
-    refused: the condition pipeline's `latents=` path renoises the given latents around the conditions, which
-    this build does not run."""
-    if request.option("condition_strength") is not None:
+def check_condition_size(conditions: list[torch.Tensor], height: int, width: int) -> None:
+    """A pass at another size than stage 1 encoded the conditions for (one from upsampled latents) needs them
+    encoded at its own size, as the pipeline's second call encodes them."""
+    encoded = conditions[0].shape[-2:]
+    if tuple(encoded) != (height, width):
         raise UserError(
-            f"--start_latents: this video is conditioned (stage 1's --{CONDITION.name}); a pass from given latents "
-            "runs without conditions only here"
+            f"--{CONDITION.name}: stage 1 encoded the conditions for a {encoded[0]}x{encoded[1]} latent grid; this "
+            f"pass runs {height}x{width} (latents from --start_latents at another size): run stage 1 with the same "
+            "--condition flags at this pass's --height and --width and give stage 2 that folder"
         )

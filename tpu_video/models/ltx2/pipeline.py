@@ -18,7 +18,7 @@ from tpu_video.engine.encoders import DeviceTextEncoder
 from tpu_video.engine.guidance import BATCH
 from utils import Request
 
-from .conditions import check_unconditioned, conditioned_video, planning_conditions
+from .conditions import conditioned_video, noise_scale, planning_conditions
 from .config import (
     MAX_SEQUENCE_LENGTH,
     audio_frames,
@@ -209,27 +209,34 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     return loop, finish
 
 
-def start_from(source, request: Request, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def start_from(source, request: Request, tensors: dict[str, torch.Tensor], embeds) -> torch.Tensor:
     """A pass from an earlier one's stage-2 latents (both streams), as the pipeline called with `latents=` and
     `audio_latents=` starts: each normalised, then `noise_scale * noise + (1 - noise_scale) * latents`
     (_create_noised_state) with the noise drawn from the request's seed, the video's first. LTX2Pipeline
     renoises the packed video; LTX2ImageToVideoPipeline the unpacked one, with no noise on the first frame (its
-    conditioning mask), which the loop then keeps. A noise scale of 0 leaves both exactly as given."""
+    conditioning mask), which the loop then keeps. A noise scale of 0 leaves both exactly as given. A conditioned
+    video (stage 1's --condition) starts as LTX2ConditionPipeline does: the conditions applied to the given
+    latents and the noise scaled around them, its noise scale defaulting to the schedule's first sigma."""
     from diffusers import LTX2Pipeline
+    from diffusers.pipelines.ltx2.utils import conditioning_frame_rate
 
-    check_unconditioned(request)
     config = source.load_config("transformer")
     patch = (config["patch_size"], config["patch_size_t"])
     video, audio = normalized(tensors, vae_statistics(source, planning=False))
-    noise_scale = request.option("noise_scale") or 0.0
     generator = torch.Generator("cpu").manual_seed(request.seed)
-    if noise_scale and image_to_video(source):
+    fps = conditioning_frame_rate(float(request.fps), resolve_guidance(request, config).motion_speed)
+    conditioned = conditioned_video(source, request, embeds, config, fps, generator, given=video)
+    if conditioned is not None:
+        audio = LTX2Pipeline._create_noised_state(audio, noise_scale(request), generator)
+        return torch.cat([conditioned.latents.flatten(1), audio.flatten(1)], dim=1)
+    scale = request.option("noise_scale") or 0.0
+    if scale and image_to_video(source):
         kept = torch.zeros_like(video[:, :1])
         kept[:, :, 0] = 1.0
-        video = LTX2Pipeline._create_noised_state(video, noise_scale * (1 - kept), generator)
+        video = LTX2Pipeline._create_noised_state(video, scale * (1 - kept), generator)
     video = LTX2Pipeline._pack_latents(video, *patch)
-    if noise_scale and not image_to_video(source):
-        video = LTX2Pipeline._create_noised_state(video, noise_scale, generator)
-    if noise_scale:
-        audio = LTX2Pipeline._create_noised_state(audio, noise_scale, generator)
+    if scale and not image_to_video(source):
+        video = LTX2Pipeline._create_noised_state(video, scale, generator)
+    if scale:
+        audio = LTX2Pipeline._create_noised_state(audio, scale, generator)
     return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)

@@ -165,7 +165,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     return loop, finish
 
 
-def start_from(source, request: Request, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def start_from(source, request: Request, tensors: dict[str, torch.Tensor], embeds) -> torch.Tensor:
     """WanPipeline's `prepare_latents` with `latents=` given: those latents, in the loop's float32 (stage 2
     writes the loop's latents as they are). TI2V-5B blends its first frame into the noise (ti2v.loop_parts):
     not yet."""

@@ -39,9 +39,12 @@ def main() -> None:
     parser.add_argument("--attention", choices=("xla", "splash"), default="xla")
     parser.add_argument("--sp_mode", choices=SP_MODES, default="auto")
     parser.add_argument("--tp_mode", choices=("megatron", "replicated_out"), help="default: both")
-    # the families' published blocks (tpu_video/planning/hlo.py: TRANSFORMERS) and stage 1's text encoders
-    models = ["cogvideox", "hunyuanvideo15", "wan", "t5-xxl", "qwen2.5-vl-7b"]
-    parser.add_argument("--models", nargs="+", choices=models, default=models)
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        help="families (their published block: cogvideox, hunyuanvideo15, wan) and stage 1's text encoders "
+        "(t5-xxl, qwen2.5-vl-7b) (default: all)",
+    )
     args = parser.parse_args()
 
     # 8 virtual CPU devices unless a platform is chosen; set before JAX is imported.
@@ -53,8 +56,12 @@ def main() -> None:
     from tpu_video.planning import hlo
     from tpu_video.runtime import placement
 
+    known = (*hlo.measured_families(), *hlo.TEXT_ENCODERS)
+    unknown = [name for name in args.models or () if name not in known]
+    if unknown:
+        parser.error(f"--models: unknown {', '.join(unknown)} (choose from {', '.join(known)})")
     mesh = placement.make_mesh(sharding.MeshShape(args.dp, args.sp, args.tp))
-    for model_name in args.models:
+    for model_name in args.models or known:
         if model_name in hlo.TEXT_ENCODERS:  # stage 1's mesh: every device on tp
             stage1_mesh = placement.make_mesh(sharding.MeshShape(tp=jax.device_count()))
             print(json.dumps(hlo.measure_text_encoder(model_name, stage1_mesh)), flush=True)

@@ -22,7 +22,7 @@ from helpers import ltx2_reference as reference
 from tpu_video.cli import UserError
 from tpu_video.models.ltx2.conditions import check_condition_size
 from tpu_video.models.ltx2.declarations import GUIDANCE_OFF
-from utils import read_config, read_tensors
+from utils import Request, read_config, read_tensors
 
 TOLERANCE = 1e-5
 PROMPT, NEGATIVE, SEED, STEPS, FRAMES = "a robot dancing", "blurry", 7, 4, 17  # 17 frames: 5 latent frames
@@ -135,6 +135,22 @@ def test_conditions_match_the_condition_pipeline(tmp_path, capsys, media, case):
     frames, waveform = reference(condition_pipeline(), config, "np", **arguments)
     assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
     assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
+
+
+def test_the_noise_scale_of_a_conditioned_video():
+    """LTX2ConditionPipeline's noise_scale: the schedule's first sigma (1 with the pipeline's own), also with given
+    latents; --noise_scale only in a pass from given latents, where 0 is a value (a pass from noise refuses it)."""
+    from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES as REFINE
+
+    from tpu_video.models.ltx2.conditions import noise_scale
+
+    base = {"model_family": "ltx2", "model_id": "tiny-ltx2", "prompt": "p", "negative_prompt": "", "dtype": "fp32"}
+    base |= {"height": 64, "width": 64, "num_frames": 9, "fps": 24, "num_inference_steps": 8, "guidance_scale": 1.0}
+    own, refine = Request(**base, seed=0), Request(**base, seed=0, options={"sigmas": "distilled_refine"})
+    zero = Request(**base, seed=0, options={"sigmas": "distilled_refine", "noise_scale": 0.0})
+    assert noise_scale(own, given=False) == noise_scale(own, given=True) == 1.0
+    assert noise_scale(refine, given=False) == noise_scale(refine, given=True) == REFINE[0] != 1.0
+    assert noise_scale(zero, given=True) == 0.0 and noise_scale(zero, given=False) == REFINE[0]
 
 
 def test_a_distilled_batch_of_conditioned_videos_matches_the_pipeline_video_by_video(tmp_path, media):

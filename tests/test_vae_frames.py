@@ -201,8 +201,9 @@ def test_hunyuanvideo15_steady_call_gathers_only_the_chunk_keys_and_values():
 
 
 def test_plan_with_chunk_frames_0_compiles_the_one_program_decode(tmp_path):
-    """Two latent frames (the first, and one that reads the causal cache): the one program unrolls every frame,
-    so its TPU compile grows with the video (4.8 s at 1 frame, 16.4 s at 5, 28 s at the preset's 9)."""
+    """5 frames, two latent frames (the first, and one that reads the causal cache): the one program unrolls
+    every latent frame, so its TPU compile grows with the video (4.8 s at 1 latent frame, 16.4 s at 2, 28 s at
+    the preset's 3)."""
     import json
 
     out = tmp_path / "plan.json"

@@ -132,7 +132,7 @@ def check_started(family: Family, request, started: bool) -> None:
     refused: it would change nothing."""
     for option in family.OPTIONS:
         value = request.option(option.name)
-        if option.start_only and value and not started:
+        if option.start_only and value is not None and not started:
             raise UserError(f"{start_only_flag(family, request, option)} acts only on a {LATER_PASS}")
 
 

@@ -96,7 +96,7 @@ def measure(
     family_name: str, tp_mode: str, mesh, video_tokens: int, attention: str, sp_mode: str = "auto"
 ) -> dict[str, object]:
     """Collectives of one transformer block of the family's published model (`Family.published_block`; the
-    families with one: TRANSFORMERS) compiled on `mesh`, with abstract f32 weights placed by the family's rule
+    families with one: measured_families()) compiled on `mesh`, with abstract f32 weights placed by the family's rule
     table and inputs laid out as stage 2 lays them; `sp_mode` is how attention uses `sp`
     (attention.sp_modes.SP_MODES); Splash runs with the family's tiles."""
     family = models.FAMILIES[family_name]
@@ -138,8 +138,12 @@ def measure(
     }
 
 
-# The families whose published_block the collectives count measures.
-TRANSFORMERS = tuple(name for name, family in models.FAMILIES.items() if family.published_block is not None)
+def measured_families() -> tuple[str, ...]:
+    """The families whose published_block the collectives count measures (reading it imports each family's
+    transformer module, so not at import: every --plan imports this module)."""
+    return tuple(name for name, family in models.FAMILIES.items() if family.published_block is not None)
+
+
 TEXT_ENCODERS = {
     # name: (transformers config class, published config, tokens the pipeline feeds it)
     "t5-xxl": ("T5Config", cogvideox.published.T5_XXL_ENCODER, 226),

@@ -69,7 +69,7 @@ def checked_video(args, source, family, output_dir: Path, where: str = "") -> Vi
         request = request_from_flags(args, family, args.model, defaults)
         models.check_option_inputs(family, request, values)
         for option in family.OPTIONS:  # a later pass's option is stored for stage 2, which refuses it from noise
-            if option.start_only and request.option(option.name):
+            if option.start_only and request.option(option.name) is not None:
                 log(f"note: {models.start_only_flag(family, request, option)} acts only on a {models.LATER_PASS}")
         predict = family.frames_from_prompt(source) if args.num_frames is None else None
         timed = [media.name for media in accepted if media.timed and media.name in values]

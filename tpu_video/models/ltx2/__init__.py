@@ -32,6 +32,9 @@ from .published import PUBLISHED
 # each frame depends on the latent frames after it and no state can be carried from one chunk to the next.
 CHUNK_FRAMES: tuple[int, ...] = ()
 frame_programs = frame_plan = None
+# No block inputs are written for the collectives count of LTX-2's two streams (planning/hlo.py): `--plan`
+# reports its per-block collectives from the whole step.
+published_block = None
 
 # The members kept where every family keeps them (family.SHARED_LAYOUT), and this family's own.
 __getattr__, __dir__ = lazy_members(

@@ -130,18 +130,18 @@ class ConditionedVideo:
     video_tokens: int  # the video's own tokens, before the keyframes'
 
 
-def noise_scale(request: Request) -> float:
-    """LTX2ConditionPipeline's `noise_scale`: --noise_scale where a pass from given latents gives it, else the
-    pipeline's default, the schedule's first sigma (1 for its own schedule), also when given latents."""
-    given = request.option("noise_scale")
-    if given is not None:
-        return given
+def noise_scale(request: Request, given: bool) -> float:
+    """LTX2ConditionPipeline's `noise_scale`: --noise_scale where a pass from given latents gives it (a pass from
+    noise refuses it), else the pipeline's default, the schedule's first sigma (1 for its own schedule), also
+    when given latents."""
+    if given and request.option("noise_scale") is not None:
+        return request.option("noise_scale")
     sigmas = schedule_sigmas(request)
     return sigmas[0] if sigmas is not None else 1.0
 
 
 def conditioned_video(
-    source, request: Request, embeds, config: dict[str, Any], fps: float, generator, given=None
+    source, request: Request, embeds, config: dict[str, Any], fps: float, generator, given: torch.Tensor | None = None
 ) -> ConditionedVideo | None:
     """LTX2ConditionPipeline's `prepare_latents` from stage 1's condition latents, the noise drawn from
     `generator`: from zeros, or with `latents=` from an earlier pass's latents (`given`: normalised, (1, C, F,
@@ -191,7 +191,7 @@ def conditioned_video(
         placed = ", ".join(f"latent frame {index} at {held}" for index, held in zip(indices, strengths, strict=True))
         log(f"conditions: {placed}; {latents.shape[1] - video_tokens} keyframe tokens after the video's {video_tokens}")
     noise = randn_tensor(latents.shape, generator=generator, dtype=torch.float32)
-    scaled_mask = (1.0 - mask) * noise_scale(request)
+    scaled_mask = (1.0 - mask) * noise_scale(request, given is not None)
     latents = noise * scaled_mask + latents * (1 - scaled_mask)
     return ConditionedVideo(latents, mask.squeeze(-1), clean, coords, video_tokens)
 

@@ -118,7 +118,8 @@ OPTIONS = (
         "noise_scale",
         "float",
         "a pass from given latents (--start_latents) starts from noise_scale x noise + (1 - noise_scale) x latents, "
-        "as the pipeline's noise_scale (default 0)",
+        "as the pipeline's noise_scale (default 0; for a conditioned video the schedule's first sigma, 1 without "
+        "--sigmas, as LTX2ConditionPipeline's)",
         start_only=True,
     ),
     Option(

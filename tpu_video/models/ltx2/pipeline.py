@@ -18,7 +18,7 @@ from tpu_video.engine.encoders import DeviceTextEncoder
 from tpu_video.engine.guidance import BATCH
 from utils import Request
 
-from .conditions import conditioned_video, noise_scale, planning_conditions
+from .conditions import condition_count, conditioned_video, noise_scale, planning_conditions
 from .config import (
     MAX_SEQUENCE_LENGTH,
     audio_frames,
@@ -224,19 +224,19 @@ def start_from(source, request: Request, tensors: dict[str, torch.Tensor], embed
     patch = (config["patch_size"], config["patch_size_t"])
     video, audio = normalized(tensors, vae_statistics(source, planning=False))
     generator = torch.Generator("cpu").manual_seed(request.seed)
-    fps = conditioning_frame_rate(float(request.fps), resolve_guidance(request, config).motion_speed)
-    conditioned = conditioned_video(source, request, embeds, config, fps, generator, given=video)
-    if conditioned is not None:
-        audio = LTX2Pipeline._create_noised_state(audio, noise_scale(request), generator)
-        return torch.cat([conditioned.latents.flatten(1), audio.flatten(1)], dim=1)
-    scale = request.option("noise_scale") or 0.0
-    if scale and image_to_video(source):
-        kept = torch.zeros_like(video[:, :1])
-        kept[:, :, 0] = 1.0
-        video = LTX2Pipeline._create_noised_state(video, scale * (1 - kept), generator)
-    video = LTX2Pipeline._pack_latents(video, *patch)
-    if scale and not image_to_video(source):
-        video = LTX2Pipeline._create_noised_state(video, scale, generator)
-    if scale:
+    if condition_count(embeds):
+        fps = conditioning_frame_rate(float(request.fps), resolve_guidance(request, config).motion_speed)
+        video = conditioned_video(source, request, embeds, config, fps, generator, given=video).latents
+        scale = noise_scale(request, given=True)
+    else:
+        scale = request.option("noise_scale") or 0.0
+        if scale and image_to_video(source):
+            kept = torch.zeros_like(video[:, :1])
+            kept[:, :, 0] = 1.0
+            video = LTX2Pipeline._create_noised_state(video, scale * (1 - kept), generator)
+        video = LTX2Pipeline._pack_latents(video, *patch)
+        if scale and not image_to_video(source):
+            video = LTX2Pipeline._create_noised_state(video, scale, generator)
+    if scale:  # drawn after the video's noise; at 0 the pipeline's draw changes nothing
         audio = LTX2Pipeline._create_noised_state(audio, scale, generator)
     return torch.cat([video.flatten(1), audio.flatten(1)], dim=1)

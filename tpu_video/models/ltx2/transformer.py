@@ -32,9 +32,6 @@ from .guidance import Guidance
 SPLASH_BLOCK_SIZES = {"block_q": 512, "block_kv": 512, "block_kv_compute": 512}
 ROPES = ("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")
 ATTENTIONS = r"(attn1|attn2|audio_attn1|audio_attn2|audio_to_video_attn|video_to_audio_attn)"
-# No block inputs are written for the collectives count of LTX-2's two streams: `--plan` reports its
-# per-block collectives from the whole step (family.Family.published_block).
-published_block = None
 MASK_THRESHOLD = -9000.0  # the connectors' own binarisation threshold (attn_mask_binarize_threshold)
 
 

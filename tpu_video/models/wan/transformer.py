@@ -19,7 +19,8 @@ from ..family import PublishedBlock
 # prompt not at all.
 SPLASH_BLOCK_SIZES = {"block_q": 512, "block_kv": 512, "block_kv_compute": 512}
 
-# The text the blocks attend to: the pipeline's prompt layout, valid tokens then zeros up to 512.
+# The text the blocks attend to: the pipeline's prompt layout, valid tokens then zeros up to 512. Kept here, not
+# in config.py, so published_block can read it: config imports vace, which imports this module.
 MAX_SEQUENCE_LENGTH = 512
 # Each block's positional inputs: video tokens (on sp between blocks), prompt tokens, its modulation
 # (batch, 6, width), and the final norm's input: all unsplit along the width. Left free, the

@@ -8,6 +8,27 @@ import torch
 from ..tiny import t5_encoder_kwargs, t5_tokenizer
 
 
+def tiny_animate_transformer(seed: int = 0) -> torch.nn.Module:
+    """A random tiny WanAnimateTransformer3DModel: tiny_transformer's blocks with 36 input channels (noise, and
+    the reference and previous-segment latents with their masks) and an image embedder, a 16-pixel motion encoder
+    (two residual blocks), a face encoder and a face adapter after blocks 0 and 2 (of 4). Not a preset yet: the
+    stages do not run Animate."""
+    animate = {
+        "in_channels": 36,
+        "latent_channels": 16,
+        "image_dim": 12,
+        "motion_encoder_channel_sizes": {"4": 16, "8": 16, "16": 16},
+        "motion_encoder_size": 16,
+        "motion_style_dim": 8,
+        "motion_dim": 4,
+        "motion_encoder_dim": 16,
+        "face_encoder_hidden_dim": 16,
+        "face_encoder_num_heads": 2,
+        "inject_face_latents_blocks": 2,
+    }
+    return tiny_transformer(seed, "WanAnimateTransformer3DModel", num_layers=4, **animate).eval()
+
+
 def tiny_transformer(
     seed: int = 0, cls: str = "WanTransformer3DModel", num_layers: int = 2, **image_to_video
 ) -> torch.nn.Module:

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from sharding import COLUMN, COLUMN_BIAS, DP, MODULATION, REPLICATED, SP, RuleTable, megatron_rules
+from sharding import COLUMN, COLUMN_BIAS, DP, MODULATION, REPLICATED, ROW, SP, RuleTable, megatron_rules
 from tpu_video.attention.calls import mark_cross_attention
 from tpu_video.engine.guidance import Guided, cfg_combination
 
@@ -62,15 +62,24 @@ def transformer_rules(tp_mode: str = "megatron") -> RuleTable:
     run's tokens) stays replicated. Replicated: the patch, time and text embedders and the output layers.
     VACE (WanVACETransformer3DModel, optional rules): its VACE blocks are laid out as the main ones; their
     input and output projections (width x width, one all-reduce each were they split) and the control's
-    patch embedding stay replicated."""
+    patch embedding stay replicated. Animate (WanAnimateTransformer3DModel, optional rules): its face adapters'
+    cross-attentions (video tokens to each frame's face tokens) Megatron like the blocks' attentions, their
+    per-head norms replicated; the pose patch embedding, the motion encoder (small convolutions and linears
+    over the face frames) and the face encoder replicated."""
     block = r"(vace_)?blocks\.\d+\."
-    optional_rules = (  # image-to-video's and VACE's
+    row = ROW if tp_mode == "megatron" else REPLICATED
+    optional_rules = (  # image-to-video's, VACE's and Animate's
         (block + r"attn2\.add_[kv]_proj\.weight", COLUMN),
         (block + r"attn2\.add_[kv]_proj\.bias", COLUMN_BIAS),
         (block + r"attn2\.norm_added_k\.weight", COLUMN_BIAS),
         (r"condition_embedder\.image_embedder\..*", REPLICATED),
         (r"vace_blocks\.\d+\.proj_(in|out)\.(weight|bias)", REPLICATED),
         (r"vace_patch_embedding\.(weight|bias)", REPLICATED),
+        (r"face_adapter\.\d+\.to_[qkv]\.weight", COLUMN),
+        (r"face_adapter\.\d+\.to_[qkv]\.bias", COLUMN_BIAS),
+        (r"face_adapter\.\d+\.to_out\.weight", row),
+        (r"face_adapter\.\d+\.(to_out\.bias|norm_[qk]\.weight)", REPLICATED),
+        (r"(pose_patch_embedding|motion_encoder|face_encoder)\..*", REPLICATED),
     )
     rules = (
         megatron_rules(block, r"attn[12]\.to_[qkv]", r"attn[12]\.to_out\.0", "ffn", tp_mode)

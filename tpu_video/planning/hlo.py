@@ -100,16 +100,14 @@ def measure(
     table and inputs laid out as stage 2 lays them; `sp_mode` is how attention uses `sp`
     (attention.sp_modes.SP_MODES); Splash runs with the family's tiles."""
     family = models.FAMILIES[family_name]
-    block = family.published_block(video_tokens, 2, functools.partial(placement.abstract, mesh=mesh))
+    abstract = functools.partial(placement.abstract, mesh=mesh)
+    block = family.published_block(video_tokens, 2, abstract)
     table = family.transformer_rules(tp_mode)
     params = dict(block.model.named_parameters())
     prefix = f"{block.blocks}.0."
     specs = {name[len(prefix) :]: spec for name, spec in table.assign(list(params)).items() if name.startswith(prefix)}
     module = getattr(block.model, block.blocks)[0]
-    weights = {
-        name: placement.abstract(params[prefix + name].shape, torch.float32, spec, mesh=mesh)
-        for name, spec in specs.items()
-    }
+    weights = {name: abstract(params[prefix + name].shape, torch.float32, spec) for name, spec in specs.items()}
     video, text = NamedSharding(mesh, P(DP, SP, None)), NamedSharding(mesh, P(DP, None, None))
 
     def run_block(weights, *inputs):

@@ -128,6 +128,7 @@ class ConditionedVideo:
     clean: torch.Tensor  # (1, tokens, C): the conditions' latents where held, zeros elsewhere
     keyframe_coords: torch.Tensor | None  # (1, 3, keyframe tokens, 2): the appended tokens' positions
     video_tokens: int  # the video's own tokens, before the keyframes'
+    placed: str  # where each condition is held and how strongly, for the run's log
 
 
 def noise_scale(request: Request, given: bool) -> float:
@@ -187,13 +188,12 @@ def conditioned_video(
         latents = torch.cat([latents, *(packed[n] for n in keyframes)], dim=1)
         mask = torch.cat([mask, *(torch.full((1, packed[n].shape[1], 1), float(strengths[n])) for n in keyframes)], 1)
         clean = torch.cat([clean, *(packed[n] for n in keyframes)], dim=1)
-    if given is None:  # said once: a pass from given latents builds the loop's own latents too
-        placed = ", ".join(f"latent frame {index} at {held}" for index, held in zip(indices, strengths, strict=True))
-        log(f"conditions: {placed}; {latents.shape[1] - video_tokens} keyframe tokens after the video's {video_tokens}")
+    placed = ", ".join(f"latent frame {index} at {held}" for index, held in zip(indices, strengths, strict=True))
+    placed += f"; {latents.shape[1] - video_tokens} keyframe tokens after the video's {video_tokens}"
     noise = randn_tensor(latents.shape, generator=generator, dtype=torch.float32)
     scaled_mask = (1.0 - mask) * noise_scale(request, given is not None)
     latents = noise * scaled_mask + latents * (1 - scaled_mask)
-    return ConditionedVideo(latents, mask.squeeze(-1), clean, coords, video_tokens)
+    return ConditionedVideo(latents, mask.squeeze(-1), clean, coords, video_tokens, placed)
 
 
 def check_condition_size(conditions: list[torch.Tensor], height: int, width: int) -> None:

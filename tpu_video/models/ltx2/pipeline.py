@@ -120,6 +120,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     image = embeds.get(IMAGE_LATENTS)
     conditioned = conditioned_video(source, request, embeds, config, fps, generator)
     if conditioned is not None:  # LTX2ConditionPipeline: packed draws, keyframe tokens after the video's
+        log(f"conditions: {conditioned.placed}")
         video, video_tokens = conditioned.latents, conditioned.video_tokens
         audio = randn_tensor((1, audio_length, audio_vae["latent_channels"] * mel_bins), generator=generator)
     else:

@@ -198,8 +198,19 @@ def test_help_and_flag_errors_import_no_heavy_library(tmp_path):
         result = run_script(script, ["--no_such_flag"], extra_pythonpath=blocked)
         assert result.returncode == 2 and "unrecognized arguments: --no_such_flag" in result.stderr, result.stderr
     # The help still names every preset, family option and media input (read from the families' declarations).
-    help_text = run_script("stage1_text_encoder.py", ["--help"], extra_pythonpath=blocked).stdout
-    for words in ("tiny-wan2.1-vace", "tiny-ltx2.3", "--control_video", "--sigmas", "--scheduler"):
+    unwrapped = {"COLUMNS": "1000"}  # argparse wraps help at hyphens otherwise ("tiny-" / "ltx2.3")
+    help_text = run_script(
+        "stage1_text_encoder.py", ["--help"], env_overrides=unwrapped, extra_pythonpath=blocked
+    ).stdout
+    for words in (
+        "tiny-wan2.1-vace",
+        "tiny-ltx2.3",
+        "tiny-wan2.2-animate",
+        "--control_video",
+        "--pose_video",
+        "--sigmas",
+        "--scheduler",
+    ):
         assert words in help_text
     # A run past parsing does need them: the block is in effect.
     result = run_script("stage1_text_encoder.py", [*TINY, "--output_dir", tmp_path / "out"], extra_pythonpath=blocked)

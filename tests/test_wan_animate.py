@@ -1,21 +1,47 @@
-"""Wan Animate's transformer (diffusers' WanAnimateTransformer3DModel: Wan 2.1 blocks, a motion encoder over the
-face frames, a face encoder, face adapters after every other block) under torchax: the stock module, jitted and
-laid out by Wan's rule table on the mesh, against its eager forward. The stages do not run Animate yet (issue
-notes); this holds what they will build on: no patch is needed, and every new weight has a layout."""
+"""Wan Animate (tpu_video/models/wan/animate.py; diffusers' WanAnimatePipeline and WanAnimateTransformer3DModel:
+Wan 2.1 blocks, a motion encoder over the face frames, a face encoder, face adapters after every other block).
+
+Its transformer under torchax: the stock module, jitted and laid out by Wan's rule table on the mesh, against
+its eager forward (fp32, 1e-5 relative). The stages on the tiny Animate preset against the pipeline run eagerly
+on the same components, folder, decoded videos and image: the latents where the pipeline returns them and the
+final frames, 1e-4 relative (as tests/test_wan.py: the staged run batches [cond, uncond] where the pipeline
+makes two calls).
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import sharding
-from helpers import Sample, attention_plan, relative_error
+import stage1_text_encoder
+import stage2_transformer
+import stage3_vae_decoder
+from helpers import (
+    Sample,
+    attention_plan,
+    decoded_frames,
+    expect_user_error,
+    relative_error,
+    run_stage,
+    write_image,
+    write_video,
+)
+from tpu_video import models
 from tpu_video.models import wan
 from tpu_video.runtime import placement
 from tpu_video.runtime.sdpa import attention_backend
 from tpu_video.runtime.torchax_runtime import TorchaxRuntime
+from utils import read_config, read_tensors
 
 TOLERANCE = 1e-5  # fp32, relative (Frobenius)
+STAGES_TOLERANCE = 1e-4
+MODEL = "tiny-wan2.2-animate"
+PROMPT, NEGATIVE, SEED = "a dancer on a stage", "blurry", 3
+REQUEST = {"height": 32, "width": 48, "num_inference_steps": 4}
+SEGMENT = 9  # frames; the pose video's 7 are padded to it (reflected), the output cut back to 7
 LATENT_FRAMES = 3  # the segment's; the model also gets the reference image's frame first
 
 
@@ -27,7 +53,7 @@ def animate_inputs(batch: int = 2) -> dict[str, torch.Tensor]:
         "hidden_states": torch.randn(batch, 36, LATENT_FRAMES + 1, 4, 6, generator=generator),
         "timestep": torch.tensor([700] * batch),
         "encoder_hidden_states": torch.randn(batch, 8, 32, generator=generator),
-        "encoder_hidden_states_image": torch.randn(batch, 5, 12, generator=generator),
+        "encoder_hidden_states_image": torch.randn(batch, 5, 16, generator=generator),
         "pose_hidden_states": torch.randn(batch, 16, LATENT_FRAMES, 4, 6, generator=generator),
         "face_pixel_values": torch.rand(batch, 3, 4 * (LATENT_FRAMES - 1) + 1, 16, 16, generator=generator) * 2 - 1,
     }
@@ -59,3 +85,127 @@ def test_every_animate_weight_has_a_layout():
     assert layouts["face_adapter.1.to_out.weight"] == sharding.ROW
     assert layouts["motion_encoder.conv_in.weight"] == layouts["face_encoder.conv2.weight"] == sharding.REPLICATED
     assert wan.transformer_rules("replicated_out").assign(names)["face_adapter.1.to_out.weight"] == sharding.REPLICATED
+
+
+def square(t, y, x):
+    """A face video's frames: a bright square moving right on grey."""
+    inside = (abs(y - 12) < 5) & (abs(x - 8 - t) < 5)
+    return np.repeat((np.where(inside, 230, 90))[..., None], 3, axis=-1)
+
+
+def person(t, y, x):
+    """A mask video: white (redraw) on a block that moves a pixel a frame, black elsewhere."""
+    return np.repeat((((abs(x - 20 - t) < 8) & (y > 6)) * 255)[..., None], 3, axis=-1)
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("animate")
+    write_video(folder / "pose.mp4", frames=7, height=32, width=48)
+    write_video(folder / "face.mp4", frames=7, height=24, width=24, pattern=square)  # resized to the encoder's 16
+    write_video(folder / "background.mp4", frames=7, height=32, width=48, pattern=lambda t, y, x: square(t, y, x) // 2)
+    write_video(folder / "mask.mp4", frames=7, height=32, width=48, pattern=person)
+    write_video(folder / "short_face.mp4", frames=5, height=16, width=16)
+    write_image(folder / "character.png", 40, 56, seed=4)  # another size: resized with the pipeline's fill
+    return folder
+
+
+def reference(media, output_type, mode="animate", guidance_scale=1.0):
+    """WanAnimatePipeline on the preset's saved folder, the media files and the test's request."""
+    from diffusers import WanAnimatePipeline
+
+    pipe = WanAnimatePipeline.from_pretrained(models.materialize_preset(MODEL), torch_dtype=torch.float32)
+    replace = {}
+    if mode == "replace":
+        replace = {
+            name: decoded_frames(media / f"{name.split('_')[0]}.mp4") for name in ("background_video", "mask_video")
+        }
+    return pipe(
+        image=Image.open(media / "character.png").convert("RGB"),
+        pose_video=decoded_frames(media / "pose.mp4"),
+        face_video=decoded_frames(media / "face.mp4"),
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        segment_frame_length=SEGMENT,
+        mode=mode,
+        guidance_scale=guidance_scale,
+        output_type=output_type,
+        generator=torch.Generator("cpu").manual_seed(SEED),
+        **replace,
+        **REQUEST,
+    ).frames
+
+
+def stage1_argv(out, media, *extra) -> list[str]:
+    argv = ["--model", MODEL, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--seed", SEED, "--dtype", "fp32"]
+    argv += ["--image", media / "character.png", "--pose_video", media / "pose.mp4", "--face_video", media / "face.mp4"]
+    argv += ["--segment_frame_length", SEGMENT, "--output_dir", out]
+    argv += [f"--{key}={value}" for key, value in REQUEST.items()]
+    return [str(item) for item in (*argv, *extra)]
+
+
+@pytest.mark.parametrize(
+    "mode, guidance, mesh",
+    [
+        ("animate", 2.0, ["--attention", "splash", "--dp", 2, "--sp", 2, "--tp", 2, "--scan_blocks", "on"]),
+        ("replace", 1.0, ["--attention", "xla", "--sp", 2, "--tp", 4]),
+    ],
+)
+def test_animate_matches_the_pipeline(tmp_path, media, mode, guidance, mesh):
+    """Animate with guidance (the face blanked in the unconditional branch) on a dp 2 x sp 2 x tp 2 Splash mesh
+    with the blocks between face adapters scanned; replace (the background outside the mask) at the pipeline's
+    default scale 1 on sp 2 x tp 4. Stage 3 decodes the 9-frame segment and keeps the pose video's 7 frames."""
+    out = tmp_path / mode
+    extra = ["--mode", mode, "--guidance_scale", guidance]
+    if mode == "replace":
+        extra += ["--background_video", media / "background.mp4", "--mask_video", media / "mask.mp4"]
+    run_stage(stage1_text_encoder, stage1_argv(out, media, *extra))
+    run_stage(stage2_transformer, [str(item) for item in ["--input_dir", out, "--executables", "off", *mesh]])
+    run_stage(stage3_vae_decoder, ["--input_dir", str(out), "--backend", "torch", "--save_frames"])
+    config = read_config(out, needs="stage3")
+    assert config["stage1"]["task"] == "animate" and config["mode"] == mode and config["num_frames"] == 7
+    assert config["stage2"]["frames_kept"] == 7 and config["stage3"]["frames"] == 7
+    embeds = read_tensors(out, config["stage1"])
+    assert embeds["animate_reference"].shape == (1, 20, 4, 4, 6)  # the character's frame and the segment's 3
+    assert embeds["face_pixels"].shape == (1, 3, SEGMENT, 16, 16)
+
+    # The pipeline's latent output keeps the character's frame and is de-normalised for its VAE (stage 2's are
+    # in the transformer's space, as stage 2 records; stage 3 undoes it): compared in the VAE's space.
+    expected = reference(media, "latent", mode, guidance)
+    assert expected.shape == (1, 16, 4, 4, 6)
+    normalization = config["stage2"]["latents_normalization"]
+    mean, std = (torch.tensor(normalization[key]).view(1, 16, 1, 1, 1) for key in ("latents_mean", "latents_std"))
+    latents = read_tensors(out, config["stage2"])["latents"] / (1.0 / std) + mean  # the pipeline's expression
+    assert relative_error(latents, expected[:, :, 1:]) <= STAGES_TOLERANCE
+    frames = read_tensors(out, config["stage3"]["frames_file"])["frames_float"]
+    expected_frames = torch.from_numpy(reference(media, "np", mode, guidance)[0])
+    assert frames.shape == expected_frames.shape == (7, 32, 48, 3)
+    assert relative_error(frames, expected_frames) <= STAGES_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--face_video", "short_face.mp4"], "--face_video has 5 frames and --pose_video 7"),
+        (["--mode", "replace", "--mask_video", "mask.mp4"], "--mode replace: give --background_video and --mask_video"),
+        (["--background_video", "background.mp4"], "--background_video: only --mode replace uses it"),
+        (["--segment_frame_length", 5], "7 frames make more than one segment of --segment_frame_length 5"),
+        (["--segment_frame_length", 8], "--segment_frame_length 8 must be 4n+1"),
+        (["--prev_segment_conditioning_frames", 2], "must be 1 or 5"),
+        (["--prev_segment_conditioning_frames", 5], "must exceed twice --prev_segment_conditioning_frames 5"),
+        (["--image", None], "is Wan Animate: give the character with --image PATH"),
+    ],
+    ids=["face-length", "replace-without-background", "background-when-animating", "two-segments",
+         "segment-length", "conditioning-frames", "segment-too-short", "no-image"],
+)  # fmt: skip
+def test_bad_animate_requests_are_refused_before_loading(capsys, tmp_path, media, extra, message):
+    """One error line, exit 2, nothing written, before any weights load."""
+    argv = stage1_argv(tmp_path / "out", media)
+    for flag, value in zip(extra[::2], extra[1::2], strict=True):
+        if flag in argv:  # the test's own value replaced (None: the flag left out)
+            at = argv.index(flag)
+            del argv[at : at + 2]
+        if value is not None:
+            argv += [flag, str(media / value) if str(value).endswith(".mp4") else str(value)]
+    expect_user_error(capsys, stage1_text_encoder, argv, message)
+    assert not (tmp_path / "out").exists()

@@ -68,6 +68,7 @@ class ValidatedRun:
 UNCACHED_TASKS = {
     "v2v": "video-to-video runs the end of the schedule",
     "vace": "a VACE transformer adds its control hints between the cached blocks",
+    "animate": "an Animate transformer adds the face's motion between the cached blocks",
 }
 
 

@@ -166,6 +166,10 @@ def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vae
             chunk_frames,
             vae=vaes[source.location, dtype],
         )
+    kept = config["stage2"].get("frames_kept")  # Wan Animate: its segment is longer than the pose video
+    if kept is not None and kept < len(frames):
+        log(f"keeping the first {kept} of the {len(frames)} decoded frames (the video's; the rest pad the segment)")
+        frames = frames[:kept]
     if not torch.isfinite(frames).all():
         raise UserError(
             f"the decoded frames hold NaN or Inf: the VAE overflowed in {dtype_name} (try --dtype fp32), or the "

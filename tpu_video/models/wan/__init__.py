@@ -1,6 +1,6 @@
 """Wan 2.1 and 2.2, text- and image-to-video (diffusers `WanPipeline`, `WanImageToVideoPipeline`; TI2V-5B),
-video-to-video and VACE (`WanVACEPipeline`): the family's `models.family.Family` members, gathered from its
-parts.
+video-to-video, VACE (`WanVACEPipeline`) and Animate (`WanAnimatePipeline`): the family's
+`models.family.Family` members, gathered from its parts.
 
 - `declarations`: what the stages' parsers read (its name, pipeline classes, options, media inputs, tiny
   presets), no torch imported; the other members are imported on first use (`models.family.lazy_members`);
@@ -11,7 +11,8 @@ parts.
 - `pipeline`: stage 1's prompt encoding (UMT5) and stage 2's loop over one or two experts;
 - `i2v`: image-to-video (CLIP tokens, the first and last frames' VAE latents); `ti2v`: TI2V-5B's
   per-token timesteps and image latents; `v2v`: video-to-video (`--video`, `--strength`); `vace`: VACE
-  (`--control_video`, `--mask`, `--reference_images`, `--conditioning_scale`);
+  (`--control_video`, `--mask`, `--reference_images`, `--conditioning_scale`); `animate`: Animate (`--image`,
+  `--pose_video`, `--face_video`, `--mode`, `--background_video`, `--mask_video`; one segment);
 - `vae`: stage 3's frame programs (one latent frame per call, the stock decode's cache carried);
 - `presets`: the tiny random presets' components; `published`: the published checkpoints' configs for `--plan`.
 """

@@ -12,7 +12,7 @@ from utils import Request
 
 from .. import common
 from ..common import folder_flow_shift
-from . import ti2v, vace
+from . import animate, ti2v, vace
 from .declarations import DEFAULT_STRENGTH, PIPELINE_CLASSES
 
 LORA_LOADER = "WanLoraLoaderMixin"  # reads adapter files and converts the original Wan and musubi formats
@@ -28,8 +28,9 @@ TI2V_FP32_COPIES = 14.5
 
 
 def request_defaults(source) -> dict[str, Any]:
-    """The pipeline's defaults; the flow shift as the folder's scheduler records it."""
-    return {**DEFAULTS, "flow_shift": folder_flow_shift(source), **source.preset_defaults}
+    """The pipeline's defaults (Animate's own); the flow shift as the folder's scheduler records it."""
+    defaults = {**DEFAULTS, **animate.DEFAULTS} if animate.is_animate(source) else DEFAULTS
+    return {**defaults, "flow_shift": folder_flow_shift(source), **source.preset_defaults}
 
 
 def transformer_components(source) -> tuple[str, ...]:
@@ -39,11 +40,15 @@ def transformer_components(source) -> tuple[str, ...]:
 
 def depth_overrides(source, component: str, num_layers: int) -> dict[str, Any]:
     """A transformer config at `num_layers` blocks: a VACE transformer's hint layers index its blocks, so those
-    past the depth go too."""
+    past the depth go too. Animate builds num_layers // inject_face_latents_blocks face adapters and calls one after
+    every inject-th block from block 0: a depth that is no multiple of it gets one, after its first block."""
     overrides: dict[str, Any] = {"num_layers": num_layers}
-    layers = source.load_config(component).get("vace_layers")
-    if layers is not None:
-        overrides["vace_layers"] = [layer for layer in layers if layer < num_layers]
+    config = source.load_config(component)
+    if config.get("vace_layers") is not None:
+        overrides["vace_layers"] = [layer for layer in config["vace_layers"] if layer < num_layers]
+    every = config.get("inject_face_latents_blocks")
+    if every is not None and num_layers % every:  # fewer adapters than the blocks that call one: one, after block 0
+        overrides["inject_face_latents_blocks"] = num_layers
     return overrides
 
 
@@ -60,14 +65,18 @@ def validate_request(source, request: Request) -> None:
         value = getattr(request, key)
         if value <= 0 or value % multiple:
             raise UserError(f"--{key} {value} must be a positive multiple of {multiple}")
-    if request.num_frames < 1 or (request.num_frames - 1) % temporal:
+    if animate.is_animate(source):  # any length: the segment is 4n+1 frames, the pose video padded to it
+        animate.check_request(source, request)
+    elif request.num_frames < 1 or (request.num_frames - 1) % temporal:
         raise UserError(f"--num_frames {request.num_frames} must be {temporal}n+1 (e.g. 81)")
     # The rotary embedding holds rope_max_seq_len positions per axis (diffusers' WanRotaryPosEmbed).
     positions = source.load_config("transformer").get("rope_max_seq_len", 1024)
-    for key, count in zip(("num_frames", "height", "width"), token_grid(source, request), strict=True):
+    frames = ("segment_frame_length", animate.segment(request)[0]) if animate.is_animate(source) else None
+    given = (frames or ("num_frames", request.num_frames), ("height", request.height), ("width", request.width))
+    for (key, value), count in zip(given, token_grid(source, request), strict=True):
         if count > positions:
             raise UserError(
-                f"--{key} {getattr(request, key)} makes {count} token positions along it, more than the "
+                f"--{key} {value} makes {count} token positions along it, more than the "
                 f"{positions} the transformer's rotary embedding holds (rope_max_seq_len)"
             )
     vace.check_request(source, request)
@@ -98,6 +107,8 @@ def token_grid(source, request: Request) -> tuple[int, int, int]:
     patch = source.load_config("transformer")["patch_size"]
     spatial, temporal = vae["scale_factor_spatial"], vae["scale_factor_temporal"]
     latent_frames = (request.num_frames - 1) // temporal + 1
+    if animate.is_animate(source):  # the segment's, and the character's frame
+        latent_frames = animate.latent_frames(source, request)
     return latent_frames // patch[0], request.height // (spatial * patch[1]), request.width // (spatial * patch[2])
 
 
@@ -130,6 +141,8 @@ def stock_pipeline(source, **components):
     names = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer", "transformer_2")
     if image_to_video(source):
         names += ("image_encoder", "image_processor")
+    if animate.is_animate(source):  # one transformer, a CLIP encoder
+        names = (*names[:5], "image_encoder", "image_processor")
     known = source.index.get("_class_name")
     cls = getattr(diffusers, known if known in PIPELINE_CLASSES else "WanPipeline")
     pipe = cls(**{**dict.fromkeys(names), **components})

@@ -1,6 +1,7 @@
 """What the stages' parsers read of Wan, importing no torch: its name, pipeline classes, options, media inputs
-(image-to-video's frames, video-to-video's video, VACE's control video, mask and reference images) and tiny
-presets (the package's other members load on first use: models.family.lazy_members)."""
+(image-to-video's frames, video-to-video's video, VACE's control video, mask and reference images, Animate's
+character image, pose, face, background and mask videos) and tiny presets (the package's other members load
+on first use: models.family.lazy_members)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,18 @@ import functools
 
 from tpu_video.cli.options import Option
 from tpu_video.engine.inputs import MediaInput, image_input, video_input
-from tpu_video.engine.videos import read_image_or_video
+from tpu_video.engine.videos import read_image_or_video, read_video
 
 from ..common import IMAGE, LAST_IMAGE
 from ..family import Preset, preset_builder
 
 NAME = "wan"
-PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline")
+PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline", "WanAnimatePipeline")
 # --scheduler's names for the flow-matching samplers a Wan folder's scheduler config can build.
 SCHEDULERS = ("unipc", "euler")
 DEFAULT_STRENGTH = 0.8  # WanVideoToVideoPipeline.__call__'s
+ANIMATE_MODES = ("animate", "replace")
+SEGMENT_FRAMES = 77  # WanAnimatePipeline.__call__'s segment_frame_length
 OPTIONS = (
     Option(
         "guidance_scale_2",
@@ -44,6 +47,29 @@ OPTIONS = (
         "floats",
         "Wan VACE: how strongly the control steers, one number or one per VACE layer (default 1.0, the pipeline's)",
         metavar="SCALE",
+    ),
+    Option(
+        "mode",
+        "str",
+        "Wan Animate: animate the --image character with the pose and face videos' motion, or replace the person "
+        "of --background_video (where --mask_video is white) with it (default animate, the pipeline's)",
+        choices=ANIMATE_MODES,
+        with_input="pose_video",
+        input_default="animate",
+    ),
+    Option(
+        "segment_frame_length",
+        "int",
+        f"Wan Animate: the frames the transformer denoises at once, 4n+1 (default {SEGMENT_FRAMES}, the pipeline's)",
+        with_input="pose_video",
+        input_default=SEGMENT_FRAMES,
+    ),
+    Option(
+        "prev_segment_conditioning_frames",
+        "int",
+        "Wan Animate: how many of a segment's last frames condition the next, 1 or 5 (default 1, the pipeline's)",
+        with_input="pose_video",
+        input_default=1,
     ),
 )
 
@@ -80,7 +106,41 @@ REFERENCE_IMAGES = image_input(
     many=True,
 )
 VACE_INPUTS = (CONTROL_VIDEO, MASK, REFERENCE_IMAGES)
-MEDIA_INPUTS = (IMAGE, LAST_IMAGE, VIDEO, *VACE_INPUTS)
+
+ANIMATE_TASK = "animate"
+POSE_VIDEO = video_input(
+    "pose_video",
+    "Wan Animate: the pose video (rendered skeletons) whose motion the --image character follows; its frames "
+    "are the video's",
+    task=ANIMATE_TASK,
+)
+FACE_VIDEO = MediaInput(
+    "face_video",
+    "Wan Animate: the face video (the driving face, cropped), as many frames as --pose_video",
+    read_video,
+    kind="face video",  # read at the motion encoder's size, not the video's
+    task=ANIMATE_TASK,
+    timed=True,
+)
+BACKGROUND_VIDEO = video_input(
+    "background_video", "Wan Animate, --mode replace: the video whose person the character replaces", ANIMATE_TASK
+)
+MASK_VIDEO = video_input(
+    "mask_video",
+    "Wan Animate, --mode replace: where --background_video is redrawn (white) and kept (black)",
+    ANIMATE_TASK,
+)
+CHARACTER = image_input(
+    "image", "Wan Animate: the character", "is Wan Animate: give the character with --image PATH", ANIMATE_TASK
+)
+ANIMATE_INPUTS = (
+    POSE_VIDEO.required_here(),
+    FACE_VIDEO.required_here(),
+    CHARACTER.required_here(),
+    BACKGROUND_VIDEO,
+    MASK_VIDEO,
+)
+MEDIA_INPUTS = (IMAGE, LAST_IMAGE, VIDEO, *VACE_INPUTS, *ANIMATE_INPUTS[:2], BACKGROUND_VIDEO, MASK_VIDEO)
 
 _built = functools.partial(preset_builder, f"{__package__}.presets")
 TINY_DEFAULTS = {"height": 32, "width": 48, "num_frames": 5, "fps": 16, "num_inference_steps": 6}
@@ -90,6 +150,7 @@ PRESETS = {
     "tiny-wan2.1-i2v": Preset(NAME, _built("tiny_i2v_pipeline", "2.1"), TINY_DEFAULTS),
     "tiny-wan2.2-i2v": Preset(NAME, _built("tiny_i2v_pipeline", "2.2"), TINY_DEFAULTS),
     "tiny-wan2.1-vace": Preset(NAME, _built("tiny_vace_pipeline"), TINY_DEFAULTS),
+    "tiny-wan2.2-animate": Preset(NAME, _built("tiny_animate_pipeline"), {**TINY_DEFAULTS, "fps": 30}),
     # TI2V-5B's layout; sizes are multiples of 32 (16x VAE, 2x2 patches)
     "tiny-wan2.2-ti2v": Preset(NAME, _built("tiny_ti2v_pipeline"), {**TINY_DEFAULTS, "height": 64, "width": 96}),
 }

@@ -15,9 +15,9 @@ from tpu_video.engine.inputs import MediaInput
 from utils import Request
 
 from ..common import IMAGE, LAST_IMAGE
-from . import ti2v, v2v, vace
+from . import animate, ti2v, v2v, vace
 from .config import image_to_video, stock_pipeline
-from .declarations import VACE_INPUTS
+from .declarations import ANIMATE_INPUTS, VACE_INPUTS
 
 
 def media_inputs(source) -> tuple[MediaInput, ...]:
@@ -26,6 +26,8 @@ def media_inputs(source) -> tuple[MediaInput, ...]:
     embedder takes one image; diffusers 0.42.1 fails on a last frame there (image batch 2, text batch 1)."""
     if vace.is_vace(source):
         return VACE_INPUTS
+    if animate.is_animate(source):
+        return ANIMATE_INPUTS
     if ti2v.expand_timesteps(source):  # TI2V-5B: text-to-video, or image-to-video with --image
         return (IMAGE,)
     if not image_to_video(source):
@@ -40,9 +42,11 @@ def encode_inputs(source, request: Request, images: dict[str, Any], runtime) -> 
     loads the VAE and image encoder in float32): the CLIP embeddings of the image(s) where the transformer
     has an image embedder (`image_embeds`), and `condition`: the first-frame mask and the normalised VAE
     latents of [image, zeros..., last image] (`prepare_latents`; its noise is drawn in stage 2). TI2V-5B:
-    tpu_video/models/ti2v.py. Video-to-video: v2v.py. VACE: vace.py."""
+    tpu_video/models/ti2v.py. Video-to-video: v2v.py. VACE: vace.py. Animate: animate.py."""
     if vace.is_vace(source):
         return vace.encode(source, request, images)
+    if animate.is_animate(source):
+        return animate.encode(source, request, images, runtime)
     if "video" in images:
         return v2v.encode_video(source, request, images["video"])
     if ti2v.expand_timesteps(source):
@@ -102,6 +106,8 @@ def inputs_on_runtime(source) -> bool:
 
 
 def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
-    """Stage 1, before any weights load: VACE's inputs (vace.check_inputs); the others need no more checks."""
+    """Stage 1, before any weights load: VACE's and Animate's inputs; the others need no more checks."""
     if vace.is_vace(source):
         vace.check_inputs(source, request, inputs)
+    if animate.is_animate(source):
+        animate.check_inputs(source, request, inputs)

@@ -30,7 +30,7 @@ from tpu_video.engine.guidance import BATCH
 from utils import Request
 
 from ..common import flow_scheduler
-from . import ti2v, v2v, vace
+from . import animate, ti2v, v2v, vace
 from .config import cfg_enabled, image_to_video, stock_pipeline, transformer_components
 from .i2v import image_conditioning
 from .transformer import MAX_SEQUENCE_LENGTH, GuidedTransformer, transformer_rules
@@ -56,6 +56,8 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
     embeds = {name: torch.zeros(shape, dtype=dtype) for name in ("prompt_embeds", "negative_prompt_embeds")}
     if vace.is_vace(source):
         embeds[vace.CONTROL] = vace.planning_control(source, request)
+    if animate.is_animate(source):
+        embeds.update(animate.planning_embeds(source, request))
     if image_to_video(source):
         vae = source.load_config("vae")
         spatial, temporal = vae["scale_factor_spatial"], vae["scale_factor_temporal"]
@@ -87,11 +89,10 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     )
     names = transformer_components(source)
     per_token = ti2v.expand_timesteps(source)
-    control = vace.is_vace(source)
+    control, animating = vace.is_vace(source), animate.is_animate(source)
+    guided_class = vace.GuidedVACE if control else animate.GuidedAnimate if animating else GuidedTransformer
     guided = tuple(
-        (vace.GuidedVACE if control else GuidedTransformer)(
-            transformers[name], dtype, do_cfg, scale, runtime.constrain, per_token, runtime.barrier
-        )
+        guided_class(transformers[name], dtype, do_cfg, scale, runtime.constrain, per_token, runtime.barrier)
         for name, scale in zip(names, scales, strict=False)
     )
     prompt_embeds = embeds["prompt_embeds"].to(dtype)
@@ -103,21 +104,19 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     conditioning = image_conditioning(source, embeds, dtype)
     # WanPipeline's noise draw; the image-to-video pipeline draws the same, with the VAE's channel count
     # (its transformer's input adds the condition's channels); VACE's adds a latent frame per reference image.
-    channels = source.load_config("vae")["z_dim"] if conditioning else transformers["transformer"].config.in_channels
+    vae_channels = conditioning or animating
+    channels = source.load_config("vae")["z_dim"] if vae_channels else transformers["transformer"].config.in_channels
     references = 0
     if control:  # the control latents and per-layer scales, and the reference frames' extra noise
         conditioning, references = vace.loop_inputs(source, request, embeds, dtype, transformers[names[0]])
-    latents = WanPipeline.prepare_latents(
-        stock_pipeline(source),
-        1,
-        channels,
-        request.height,
-        request.width,
-        request.num_frames + references * source.load_config("vae")["scale_factor_temporal"],
-        NOISE_DTYPE,
-        "cpu",
-        generator,
-    )
+    pipe, height, width = stock_pipeline(source), request.height, request.width
+    if animating:  # the segment's noise with the character's latent frame first (WanAnimatePipeline's own draw)
+        conditioning, references = animate.loop_inputs(embeds, dtype, do_cfg), 1
+        length = animate.segment(request)[0]
+        latents = pipe.prepare_latents(1, channels, height, width, length, NOISE_DTYPE, "cpu", generator)
+    else:
+        frames = request.num_frames + references * source.load_config("vae")["scale_factor_temporal"]
+        latents = WanPipeline.prepare_latents(pipe, 1, channels, height, width, frames, NOISE_DTYPE, "cpu", generator)
     first = 0  # video-to-video starts part way through the schedule, from the video's noised latents
     if v2v.VIDEO_LATENTS in embeds:
         timesteps, latents, first = v2v.loop_start(scheduler, request, embeds, latents)
@@ -156,10 +155,13 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
         where = f"from step {switch[0] + 1} of {len(timesteps)}" if switch else "never (the schedule stays above it)"
         log(f"two experts: transformer_2 takes over at timesteps below {boundary:g}, {where}")
     extra = {"experts": list(names), "boundary_timestep": boundary, "expert_2_from_step": switch[0] if switch else None}
+    if animating:  # the segment's decode is cut back to the pose video's length
+        extra["frames_kept"] = request.num_frames
 
     def finish(latents):
         latents = ti2v_parts["finish"](latents) if ti2v_parts else latents
-        latents = latents[:, :, references:]  # VACE: the reference frames dropped, as before the pipeline's decode
+        # VACE's reference frames and Animate's character frame dropped, as before the pipelines' decodes
+        latents = latents[:, :, references:]
         return {"latents": latents}, latents_record(scheduler, do_cfg, latents_normalization(source), **extra)
 
     return loop, finish
@@ -171,8 +173,10 @@ def start_from(source, request: Request, tensors: dict[str, torch.Tensor], embed
     not yet."""
     if ti2v.expand_timesteps(source):
         raise UserError("--start_latents: Wan TI2V-5B denoises from noise only (its first frame joins the noise)")
-    if vace.is_vace(source):  # the pipeline's latents= would hold the reference frames stage 2 drops
-        raise UserError("--start_latents: Wan VACE denoises from noise only here")
+    if vace.is_vace(source) or animate.is_animate(source):  # latents= would hold the frames stage 2 drops
+        raise UserError(
+            f"--start_latents: Wan {'VACE' if vace.is_vace(source) else 'Animate'} denoises from noise only here"
+        )
     return tensors["latents"].to(NOISE_DTYPE)
 
 

@@ -10,13 +10,13 @@ from ..tiny import t5_encoder_kwargs, t5_tokenizer
 
 def tiny_animate_transformer(seed: int = 0) -> torch.nn.Module:
     """A random tiny WanAnimateTransformer3DModel: tiny_transformer's blocks with 36 input channels (noise, and
-    the reference and previous-segment latents with their masks) and an image embedder, a 16-pixel motion encoder
-    (two residual blocks), a face encoder and a face adapter after blocks 0 and 2 (of 4). Not a preset yet: the
-    stages do not run Animate."""
+    the reference and previous-segment latents with their masks) and an image embedder (the tiny CLIP's width),
+    a 16-pixel motion encoder (two residual blocks), a face encoder and a face adapter after blocks 0 and 2 (of
+    4)."""
     animate = {
         "in_channels": 36,
         "latent_channels": 16,
-        "image_dim": 12,
+        "image_dim": 16,
         "motion_encoder_channel_sizes": {"4": 16, "8": 16, "16": 16},
         "motion_encoder_size": 16,
         "motion_style_dim": 8,
@@ -118,21 +118,27 @@ def tiny_ti2v_pipeline(seed: int = 0):
 WAN_I2V_CHANNELS = 16 + 4 + 16  # noise latents, the first-frame mask (4 frames per latent frame), image latents
 
 
+def tiny_clip(seed: int):
+    """A tiny CLIP vision encoder (width 16, 32-pixel images of 8-pixel patches) and its image processor."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(seed)
+    sizes = {"hidden_size": 16, "intermediate_size": 32, "image_size": 32, "patch_size": 8}
+    config = CLIPVisionConfig(num_hidden_layers=2, num_attention_heads=2, **sizes)
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return CLIPVisionModel(config).eval(), processor
+
+
 def tiny_i2v_pipeline(version: str, seed: int = 0):
     """WanImageToVideoPipeline with the tiny Wan components. "2.1": one transformer with an image embedder
     fed by a tiny CLIP vision encoder; "2.2": two experts (boundary 0.9, the A14B value) and no image encoder."""
     from diffusers import WanImageToVideoPipeline
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
     base = tiny_pipeline("2.1", seed)
     image_encoder = image_processor = None
     extra = {}
     if version == "2.1":
-        torch.manual_seed(seed + 4)
-        sizes = {"hidden_size": 16, "intermediate_size": 32, "image_size": 32, "patch_size": 8}
-        config = CLIPVisionConfig(num_hidden_layers=2, num_attention_heads=2, **sizes)
-        image_encoder = CLIPVisionModel(config).eval()
-        image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        image_encoder, image_processor = tiny_clip(seed + 4)
         extra = {"image_dim": 16, "added_kv_proj_dim": 128}
     two_experts = version == "2.2"
     return WanImageToVideoPipeline(
@@ -164,3 +170,16 @@ def tiny_vace_pipeline(seed: int = 0):
     )
     components = {key: getattr(base, key) for key in ("tokenizer", "text_encoder", "vae", "scheduler")}
     return WanVACEPipeline(**components, transformer=transformer)
+
+
+def tiny_animate_pipeline(seed: int = 0):
+    """WanAnimatePipeline with the tiny Wan components, the tiny CLIP and tiny_animate_transformer."""
+    from diffusers import WanAnimatePipeline
+
+    base = tiny_pipeline("2.1", seed)
+    image_encoder, image_processor = tiny_clip(seed + 4)
+    components = {key: getattr(base, key) for key in ("tokenizer", "text_encoder", "vae", "scheduler")}
+    transformer = tiny_animate_transformer(seed + 7)
+    return WanAnimatePipeline(
+        **components, image_encoder=image_encoder, image_processor=image_processor, transformer=transformer
+    )

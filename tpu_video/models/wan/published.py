@@ -1,7 +1,7 @@
 """Wan's published checkpoints (2.1 T2V 1.3B and 14B, 2.1 I2V 480p/720p, 2.2 T2V and I2V A14B, 2.2
-TI2V-5B, 2.1 VACE 1.3B and 14B), their configs kept in code for `--plan` (offline, architecture only). Each
-entry maps a component to (library, class, config.json values); pipeline-level values (boundary_ratio,
-expand_timesteps) as they are."""
+TI2V-5B, 2.1 VACE 1.3B and 14B, 2.2 Animate 14B), their configs kept in code for `--plan` (offline,
+architecture only). Each entry maps a component to (library, class, config.json values); pipeline-level
+values (boundary_ratio, expand_timesteps) as they are."""
 
 from __future__ import annotations
 
@@ -47,6 +47,21 @@ WAN_SCHEDULER = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, 
 WAN_I2V_14B_TRANSFORMER = {**WAN_14B_TRANSFORMER, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120}
 # Wan 2.2 I2V A14B's two experts: 36 input channels, no image embedder.
 WAN22_I2V_TRANSFORMER = {**WAN_14B_TRANSFORMER, "in_channels": 36}
+# Wan 2.2 Animate 14B: the I2V 14B's blocks (with CLIP image keys and values) and 36 input channels (noise, and
+# the character's and the condition frames' latents behind their masks), a pose patch embedding, a motion encoder
+# over 512-pixel face frames and a face adapter after every fifth block (its diffusers config.json).
+WAN_ANIMATE_14B_TRANSFORMER = {
+    **WAN_I2V_14B_TRANSFORMER,
+    "latent_channels": 16,
+    "motion_encoder_size": 512,
+    "motion_style_dim": 512,
+    "motion_dim": 20,
+    "motion_encoder_dim": 512,
+    "face_encoder_hidden_dim": 1024,
+    "face_encoder_num_heads": 4,
+    "inject_face_latents_blocks": 5,
+    "motion_encoder_batch_size": 8,
+}
 # OpenCLIP ViT-H/14, Wan 2.1 I2V's image encoder (CLIPVisionConfig kwargs): 257 tokens of width 1280.
 CLIP_VIT_H_14 = {
     "hidden_size": 1280,
@@ -217,6 +232,17 @@ def _wan_vace(transformer: dict[str, Any], vace_layers: list[int]) -> dict[str, 
     }
 
 
+def _wan_animate() -> dict[str, Any]:
+    """A WanAnimatePipeline: the Animate transformer and the I2V models' CLIP image encoder. The scheduler's flow
+    shift (here the T2V folders' 3.0) only sets the default --flow_shift; a plan does not depend on it."""
+    return {
+        **_wan(WAN_ANIMATE_14B_TRANSFORMER),
+        "_class_name": ("diffusers", "WanAnimatePipeline"),
+        "transformer": ("diffusers", "WanAnimateTransformer3DModel", WAN_ANIMATE_14B_TRANSFORMER),
+        "image_encoder": ("transformers", "CLIPVisionModel", CLIP_VIT_H_14),
+    }
+
+
 def _wan(transformer: dict[str, Any], boundary_ratio: float | None = None) -> dict[str, Any]:
     """A Wan T2V pipeline; with `boundary_ratio`, Wan 2.2's two experts (pipeline-level config keys are
     plain values, components are (library, class, config) tuples)."""
@@ -243,4 +269,5 @@ PUBLISHED: dict[str, dict[str, Any]] = {
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": _wan_ti2v(),
     "Wan-AI/Wan2.1-VACE-1.3B-diffusers": _wan_vace(WAN_13B_TRANSFORMER, list(range(0, 30, 2))),
     "Wan-AI/Wan2.1-VACE-14B-diffusers": _wan_vace(WAN_14B_TRANSFORMER, list(range(0, 40, 5))),
+    "Wan-AI/Wan2.2-Animate-14B-Diffusers": _wan_animate(),
 }

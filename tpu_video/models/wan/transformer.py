@@ -99,6 +99,15 @@ def transformer_rules(tp_mode: str = "megatron") -> RuleTable:
     return RuleTable(f"wan-transformer/{tp_mode}", rules, optional)
 
 
+def spans_after(layers, blocks: int) -> list[tuple[int, int]]:
+    """The runs of blocks [first, end) of `blocks` that a forward adding something to the video tokens after
+    each block of `layers` (VACE's hints, Animate's face adapters) adds nothing inside: each ends with such a
+    block or with the last block (a block scan's spans)."""
+    ends = [layer + 1 for layer in sorted(layers) if layer + 1 <= blocks] + [blocks]
+    starts = [0, *ends[:-1]]
+    return sorted({(first, end) for first, end in zip(starts, ends, strict=True) if end > first})
+
+
 class GuidedTransformer(Guided):
     """One expert's denoiser evaluation: [cond, uncond] as one batch of 2 (on `dp`), where the pipeline
     makes two batch-1 calls, and its guidance expression with this expert's scale."""

@@ -25,7 +25,7 @@ from tpu_video.engine.guidance import cfg_combination
 from utils import Request
 
 from ..common import constrain_block_inputs
-from .transformer import BLOCK_INPUTS, GuidedTransformer
+from .transformer import BLOCK_INPUTS, GuidedTransformer, spans_after
 
 CONTROL = "vace_control"  # stage 1's tensor: [inactive latents, reactive latents, mask] on channels
 
@@ -211,10 +211,7 @@ class GuidedVACE(GuidedTransformer):
         """The runs of main blocks [first, end) the stock forward adds no hint inside: a hint is added after
         block i for i in vace_layers, so each span ends with a hinted block (its blocks after the first hand
         their input on, and the hint lands on the span's output) or with the last block."""
-        hinted = sorted(self.transformer.config.vace_layers)
-        ends = [layer + 1 for layer in hinted if layer + 1 <= blocks] + [blocks]
-        starts = [0, *ends[:-1]]
-        return sorted({(first, end) for first, end in zip(starts, ends, strict=True) if end > first})
+        return spans_after(self.transformer.config.vace_layers, blocks)
 
     def __init__(self, transformer, dtype, do_cfg, guidance_scale, constrain=None, per_token=False, barrier=None):
         super().__init__(transformer, dtype, do_cfg, guidance_scale, constrain, per_token, barrier)

@@ -176,16 +176,19 @@ def collectives_in(jax_function, shapes, mesh, layout=("dp",)) -> list[str]:
     return [name for name in ("all-reduce", "all-gather", "collective-permute", "all-to-all") if f" {name}" in hlo]
 
 
-def stop_stage2_after(monkeypatch, argv: list[str], steps: int) -> None:
-    """Run stage 2 in this process and stop it after `steps` steps as SIGTERM does (the guard saves a
-    checkpoint, then raises Stopped); the test then resumes it with --resume."""
+def stop_stage2_after(monkeypatch, argv: list[str], steps: int, said: str | None = None) -> None:
+    """Run stage 2 in this process and stop it after `steps` steps (counted over all its loops: Wan Animate's
+    segments) as SIGTERM does (the guard saves a checkpoint, then raises Stopped, whose message holds `said`,
+    by default "after step <steps> of"); the test then resumes it with --resume."""
     from tpu_video.cli import Stopped
     from tpu_video.engine.guard import DenoiseGuard
 
     after_step = DenoiseGuard.after_step
+    done = []
 
     def stop_after(self, index, total, tensors, **kwargs):
-        self.stop_requested = index == steps - 1
+        done.append(index)
+        self.stop_requested = len(done) == steps
         return after_step(self, index, total, tensors, **kwargs)
 
     import stage2_transformer
@@ -193,7 +196,7 @@ def stop_stage2_after(monkeypatch, argv: list[str], steps: int) -> None:
 
     with monkeypatch.context() as patch:
         patch.setattr(DenoiseGuard, "after_step", stop_after)
-        with pytest.raises(Stopped, match=f"after step {steps} of"):
+        with pytest.raises(Stopped, match=said or f"after step {steps} of"):
             try:
                 stage2_transformer.main([str(arg) for arg in argv])
             finally:

@@ -26,6 +26,7 @@ from helpers import (
     expect_user_error,
     relative_error,
     run_stage,
+    stop_stage2_after,
     write_image,
     write_video,
 )
@@ -41,7 +42,7 @@ STAGES_TOLERANCE = 1e-4
 MODEL = "tiny-wan2.2-animate"
 PROMPT, NEGATIVE, SEED = "a dancer on a stage", "blurry", 3
 REQUEST = {"height": 32, "width": 48, "num_inference_steps": 4}
-SEGMENT = 9  # frames; the pose video's 7 are padded to it (reflected), the output cut back to 7
+SEGMENT = 5  # frames: the pose video's 7 make two segments (1 carried over), padded (reflected) to 9, cut back to 7
 LATENT_FRAMES = 3  # the segment's; the model also gets the reference image's frame first
 
 
@@ -152,9 +153,10 @@ def stage1_argv(out, media, *extra) -> list[str]:
     ],
 )
 def test_animate_matches_the_pipeline(tmp_path, media, mode, guidance, mesh):
-    """Animate with guidance (the face blanked in the unconditional branch) on a dp 2 x sp 2 x tp 2 Splash mesh
-    with the blocks between face adapters scanned; replace (the background outside the mask) at the pipeline's
-    default scale 1 on sp 2 x tp 4. Stage 3 decodes the 9-frame segment and keeps the pose video's 7 frames."""
+    """Two segments, the second conditioned on the first's decoded last frame. Animate with guidance (the face
+    blanked in the unconditional branch) on a dp 2 x sp 2 x tp 2 Splash mesh with the blocks between face
+    adapters scanned; replace (the background outside the mask) at the pipeline's default scale 1 on sp 2 x tp 4.
+    Stage 3 decodes each segment, joins them and keeps the pose video's 7 frames."""
     out = tmp_path / mode
     extra = ["--mode", mode, "--guidance_scale", guidance]
     if mode == "replace":
@@ -164,23 +166,38 @@ def test_animate_matches_the_pipeline(tmp_path, media, mode, guidance, mesh):
     run_stage(stage3_vae_decoder, ["--input_dir", str(out), "--backend", "torch", "--save_frames"])
     config = read_config(out, needs="stage3")
     assert config["stage1"]["task"] == "animate" and config["mode"] == mode and config["num_frames"] == 7
-    assert config["stage2"]["frames_kept"] == 7 and config["stage3"]["frames"] == 7
+    assert config["stage2"]["segments"] == {"count": 2, "overlap_frames": 1, "frames_kept": 7}
+    assert config["stage3"]["frames"] == 7
     embeds = read_tensors(out, config["stage1"])
-    assert embeds["animate_reference"].shape == (1, 20, 4, 4, 6)  # the character's frame and the segment's 3
-    assert embeds["face_pixels"].shape == (1, 3, SEGMENT, 16, 16)
+    assert embeds["animate_condition"].shape == (1, 20, 2, 4, 6)  # the first segment's 2 latent frames
+    assert embeds["pose_latents"].shape == (2, 16, 2, 4, 6) and embeds["face_pixels"].shape == (1, 3, 9, 16, 16)
 
-    # The pipeline's latent output keeps the character's frame and is de-normalised for its VAE (stage 2's are
-    # in the transformer's space, as stage 2 records; stage 3 undoes it): compared in the VAE's space.
+    # The pipeline returns the last segment's latents, with the character's frame and de-normalised for its VAE
+    # (stage 2's are in the transformer's space, as stage 2 records; stage 3 undoes it): compared there.
     expected = reference(media, "latent", mode, guidance)
-    assert expected.shape == (1, 16, 4, 4, 6)
+    assert expected.shape == (1, 16, 3, 4, 6)
     normalization = config["stage2"]["latents_normalization"]
     mean, std = (torch.tensor(normalization[key]).view(1, 16, 1, 1, 1) for key in ("latents_mean", "latents_std"))
-    latents = read_tensors(out, config["stage2"])["latents"] / (1.0 / std) + mean  # the pipeline's expression
-    assert relative_error(latents, expected[:, :, 1:]) <= STAGES_TOLERANCE
+    latents = read_tensors(out, config["stage2"])["latents"]
+    assert latents.shape == (2, 16, 2, 4, 6)  # one segment per row
+    assert relative_error(latents[1:] / (1.0 / std) + mean, expected[:, :, 1:]) <= STAGES_TOLERANCE
     frames = read_tensors(out, config["stage3"]["frames_file"])["frames_float"]
     expected_frames = torch.from_numpy(reference(media, "np", mode, guidance)[0])
     assert frames.shape == expected_frames.shape == (7, 32, 48, 3)
     assert relative_error(frames, expected_frames) <= STAGES_TOLERANCE
+
+
+def test_an_animate_run_stopped_in_its_second_segment_resumes_to_the_same_latents(tmp_path, media, monkeypatch):
+    """SIGTERM after step 2 of the second segment: the checkpoint holds the first segment's latents too, and
+    --resume rebuilds the second segment's condition from them and goes on from its step 2 (the same mesh and
+    programs: bit-identical to the run that was not stopped)."""
+    out, whole = tmp_path / "run", tmp_path / "whole"
+    run_stage(stage1_text_encoder, stage1_argv(out, media, "--guidance_scale", 2.0))
+    run_stage(stage2_transformer, ["--input_dir", str(out), "--output_dir", str(whole), "--executables", "off"])
+    stop_stage2_after(monkeypatch, ["--input_dir", out, "--executables", "off"], steps=6, said="after step 2 of 4")
+    run_stage(stage2_transformer, ["--input_dir", str(out), "--executables", "off", "--resume"])
+    latents = read_tensors(out, read_config(out)["stage2"])["latents"]
+    assert torch.equal(latents, read_tensors(whole, read_config(whole)["stage2"])["latents"])
 
 
 @pytest.mark.parametrize(
@@ -189,14 +206,14 @@ def test_animate_matches_the_pipeline(tmp_path, media, mode, guidance, mesh):
         (["--face_video", "short_face.mp4"], "--face_video has 5 frames and --pose_video 7"),
         (["--mode", "replace", "--mask_video", "mask.mp4"], "--mode replace: give --background_video and --mask_video"),
         (["--background_video", "background.mp4"], "--background_video: only --mode replace uses it"),
-        (["--segment_frame_length", 5], "7 frames make more than one segment of --segment_frame_length 5"),
         (["--segment_frame_length", 8], "--segment_frame_length 8 must be 4n+1"),
         (["--prev_segment_conditioning_frames", 2], "must be 1 or 5"),
         (["--prev_segment_conditioning_frames", 5], "must exceed twice --prev_segment_conditioning_frames 5"),
+        (["--num_frames", 1], "the pose video must have more frames than --prev_segment_conditioning_frames 1"),
         (["--image", None], "is Wan Animate: give the character with --image PATH"),
     ],
-    ids=["face-length", "replace-without-background", "background-when-animating", "two-segments",
-         "segment-length", "conditioning-frames", "segment-too-short", "no-image"],
+    ids=["face-length", "replace-without-background", "background-when-animating", "segment-length",
+         "conditioning-frames", "segment-too-short", "one-frame", "no-image"],
 )  # fmt: skip
 def test_bad_animate_requests_are_refused_before_loading(capsys, tmp_path, media, extra, message):
     """One error line, exit 2, nothing written, before any weights load."""

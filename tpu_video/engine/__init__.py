@@ -3,7 +3,8 @@
 
 Stage 2: `denoise` (the loop: load, place, compile, step), `guard` (its NaN checks, checkpoints and
 `--resume`), `guidance` (the CFG batch), `batching` (several videos as one batch) and `batch_folders` (many
-videos per run on disk), `passes` (a denoise that starts from an earlier pass's latents), the step caches
+videos per run on disk), `passes` (a denoise that starts from an earlier pass's latents), `segments` (a video
+denoised as several loops in order, each built from the one before), the step caches
 (`cache_schedule`, `step_cache`, `cached_blocks`, `mag_ratios`), `scanned_blocks` (identical blocks as one
 scan), `quantize` (int8 and fp8 weights), `lora` and `lora_files` (adapters fused before placement),
 `direct_load` (weights read from their files straight to the devices) and `meta` (models on the meta device

@@ -23,7 +23,7 @@ from sharding import DP
 from tpu_video.cli import log
 from tpu_video.runtime.interface import Timer
 
-from . import scanned_blocks
+from . import scanned_blocks, segments
 from .denoise import DenoiseLoop, DenoiseOptions, load_transformers, place_denoisers, run_denoise_loop
 from .passes import started
 from .step_cache import is_batched_state
@@ -273,6 +273,7 @@ def denoise_group(
             for video in members
         ]
         loops = [started(loop, video.start_latents) for (loop, _), video in zip(built, members, strict=True)]
+        loops, finished = segments.resumed(loops, [video.guard for video in members])
         loop, timer = batched_loop(loops), timer if number == 1 else Timer()
         reused = placed is not None
         if placed is None:
@@ -280,15 +281,11 @@ def denoise_group(
                 placed = place_denoisers(loop, runtime, options)
         guard = BatchGuard([video.guard for video in videos], size, stop)
         batch_options = dataclasses.replace(options, guard=guard, warmup_steps=0 if reused else options.warmup_steps)
-        latents, cache = run_denoise_loop(loop, runtime, timer, batch_options, placed)
-        record = {
-            "number": number,
-            "of": len(batches),
-            "size": size,
-            "padding": size - len(videos),
-            "folders": [video.output_dir.name for video in videos],  # configs hold no host paths
-            "program": "reused" if reused else "compiled",
-        }
+        run = functools.partial(run_denoise_loop, runtime=runtime, timer=timer, placed=placed)
+        latents, cache = segments.run_in_order(loops, finished, batched_loop, run, batch_options)
+        record = {"number": number, "of": len(batches), "size": size, "padding": size - len(videos)}
+        record["folders"] = [video.output_dir.name for video in videos]  # configs hold no host paths
+        record["program"] = "reused" if reused else "compiled"
         timing = timer.finish()
         record["videos_per_hour"] = round(3600 * len(videos) / timing["total"], 1)  # this batch's rate
         step_cache = {**cache.record(), **timer.median_steps()} if cache is not None else None

@@ -9,6 +9,7 @@ stays in PyTorch on the host, exactly as the pipelines run it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import torch
 
 from sharding import Layout
 from tpu_video.cli import UserError, log, logging_enabled
-from tpu_video.engine import scanned_blocks
+from tpu_video.engine import scanned_blocks, segments
 from tpu_video.engine.cache_schedule import CacheSettings
 from tpu_video.engine.direct_load import load_direct
 from tpu_video.engine.guard import DenoiseGuard
@@ -99,6 +100,8 @@ class DenoiseLoop:
     separate cache contexts (the step cache keeps one state per expert and branch). `noise_state`: the
     generator's state before the loop drew its initial noise, where its sampler draws from the generator
     while stepping (a pass from given latents goes on from it: the pipeline's `latents=` path draws none).
+    `then(latents)`: the video's next loop, built from this one's final latents (Wan Animate's next segment:
+    tpu_video/engine/segments.py); None for a video's last.
     """
 
     guided: tuple[torch.nn.Module, ...]
@@ -116,6 +119,7 @@ class DenoiseLoop:
     timestep_input: Callable[[int, torch.Tensor], torch.Tensor] = lambda i, t: t.reshape(1)
     cache_branches: tuple[str, ...] = ("batch",)
     noise_state: torch.Tensor | None = None
+    then: Callable[[torch.Tensor], DenoiseLoop] | None = None
 
     def experts_used(self) -> list[int]:
         return sorted({self.expert(i, t) for i, t in enumerate(self.timesteps)})
@@ -156,9 +160,12 @@ def place_denoisers(loop: DenoiseLoop, runtime: Runtime, options: DenoiseOptions
     return [runtime.compile(guided, rules.nested("transformer.")) for guided in loop.guided]
 
 
-def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options: DenoiseOptions, placed=None):
+def run_denoise_loop(
+    loop: DenoiseLoop, runtime: Runtime, timer: Timer, options: DenoiseOptions, placed=None, resume: bool = True
+):
     """Place and compile the guided denoisers (unless `placed` holds them already), warm each up, then run
-    (or resume) the timed steps; the final latents on the host, and the step cache (or None)."""
+    (or, with `resume`, resume from the guard's checkpoint) the timed steps; the final latents on the host, and
+    the step cache (or None)."""
     with timer.phase("place"):
         if placed is None:
             placed = place_denoisers(loop, runtime, options)
@@ -183,7 +190,7 @@ def run_denoise_loop(loop: DenoiseLoop, runtime: Runtime, timer: Timer, options:
 
     guard = options.guard
     start = 0
-    if guard is not None and guard.restored is not None:  # --resume: the loop state after step `start`
+    if resume and guard is not None and guard.restored is not None:  # --resume: the loop state after step `start`
         start, state = guard.restored
         state = dict(state)
         latents = state.pop("latents")
@@ -226,10 +233,13 @@ def denoise(
     loop, finish = family.denoise_loop(
         source, request, embeds, dtype, transformers, runtime, options.tp_mode, planning=False
     )
-    loop = started(loop, start_latents)
-    latents, cache = run_denoise_loop(loop, runtime, timer, options)
+    loops, finished = segments.resumed([started(loop, start_latents)], [options.guard])
+    with timer.phase("place"):
+        placed = place_denoisers(loops[0], runtime, options)
+    run = functools.partial(run_denoise_loop, runtime=runtime, timer=timer, placed=placed)
+    latents, cache = segments.run_in_order(loops, finished, lambda loops: loops[0], run, options)
     tensors, record = finish(latents)
-    return tensors, {**record, **scanned_blocks.record(loop, options.scan_blocks)}, cache
+    return tensors, {**record, **scanned_blocks.record(loops[0], options.scan_blocks)}, cache
 
 
 def latents_record(scheduler, do_cfg: bool, normalization: dict[str, Any], **extra) -> dict[str, Any]:

@@ -138,6 +138,20 @@ def checked_video(args, input_dir: Path) -> Video:
     return Video(input_dir, output_dir, output_name, *fields)
 
 
+def joined_segments(decode_one, latents: torch.Tensor, config: dict) -> torch.Tensor:
+    """A video stage 2 made in segments (its record's `segments`): each row of the latents decoded apart, the
+    first `overlap_frames` of every segment after the first dropped (the previous segment's last frames, which
+    it was conditioned on), the rest joined and cut to `frames_kept` (the pose video's length)."""
+    joined = config["stage2"]["segments"]
+    pieces = [decode_one(latents[index : index + 1]) for index in range(joined["count"])]
+    frames = torch.cat([pieces[0], *(piece[joined["overlap_frames"] :] for piece in pieces[1:])])
+    log(
+        f"{joined['count']} segment(s) of {len(pieces[0])} frames decoded and joined: {len(frames)} frames, "
+        f"the first {joined['frames_kept']} kept (the video's; the rest pad the last segment)"
+    )
+    return frames[: joined["frames_kept"]]
+
+
 def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vaes: dict) -> None:
     """Decode one folder's latents (with the VAE `vaes` holds for its model, loaded on first use) and write
     its mp4, preview, frames and config section as a single run does."""
@@ -153,23 +167,13 @@ def decode_and_write(args, video: Video, runtime, backend: str, reason: str, vae
     if (source.location, dtype) not in vaes:
         with timer.phase("load"):
             vaes[source.location, dtype] = source.load("vae", dtype=dtype).eval()
+    vae = vaes[source.location, dtype]
+    fields = (video.normalization, dtype, runtime, timer, args.tiling, chunk_frames)
     with runtime.precision(dtype):
-        frames = decode(
-            family,
-            source,
-            latents,
-            video.normalization,
-            dtype,
-            runtime,
-            timer,
-            args.tiling,
-            chunk_frames,
-            vae=vaes[source.location, dtype],
-        )
-    kept = config["stage2"].get("frames_kept")  # Wan Animate: its segment is longer than the pose video
-    if kept is not None and kept < len(frames):
-        log(f"keeping the first {kept} of the {len(frames)} decoded frames (the video's; the rest pad the segment)")
-        frames = frames[:kept]
+        if "segments" in config["stage2"]:  # Wan Animate: one segment per row, each decoded as the pipeline does
+            frames = joined_segments(lambda one: decode(family, source, one, *fields, vae=vae), latents, config)
+        else:
+            frames = decode(family, source, latents, *fields, vae=vae)
     if not torch.isfinite(frames).all():
         raise UserError(
             f"the decoded frames hold NaN or Inf: the VAE overflowed in {dtype_name} (try --dtype fp32), or the "

@@ -11,8 +11,8 @@ video-to-video, VACE (`WanVACEPipeline`) and Animate (`WanAnimatePipeline`): the
 - `pipeline`: stage 1's prompt encoding (UMT5) and stage 2's loop over one or two experts;
 - `i2v`: image-to-video (CLIP tokens, the first and last frames' VAE latents); `ti2v`: TI2V-5B's
   per-token timesteps and image latents; `v2v`: video-to-video (`--video`, `--strength`); `vace`: VACE
-  (`--control_video`, `--mask`, `--reference_images`, `--conditioning_scale`); `animate`: Animate (`--image`,
-  `--pose_video`, `--face_video`, `--mode`, `--background_video`, `--mask_video`; one segment);
+  (`--control_video`, `--mask`, `--reference_images`, `--conditioning_scale`); `animate`: Animate's segments
+  and guided call, `animate_inputs`: its stage 1 (`--image`, `--pose_video`, `--face_video`, `--mode`, ...);
 - `vae`: stage 3's frame programs (one latent frame per call, the stock decode's cache carried);
 - `presets`: the tiny random presets' components; `published`: the published checkpoints' configs for `--plan`.
 """

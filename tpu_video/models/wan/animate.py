@@ -1,39 +1,39 @@
 """Wan Animate (`WanAnimatePipeline`, `WanAnimateTransformer3DModel`): a character image moved by a pose video
 and a face video (`--mode animate`), or put in place of the person of a background video where a mask video is
-white (`--mode replace`).
+white (`--mode replace`). Stage 1's inputs and encodes: animate_inputs.py.
 
-The pipeline denoises the video in segments of `segment_frame_length` frames, each after the first conditioned
-on the last frames of the one before (decoded and VAE-encoded again inside its loop). This build runs one
-segment: pose videos of at most `segment_frame_length` frames (padded to it as the pipeline pads them, the
-output cut back to the pose video's length); a longer one is refused before anything loads.
-
-Stage 1 runs the pipeline's own preprocessing and encodes on the host CPU in float32 (as its example loads the
-VAE): the character's CLIP tokens (`image_embeds`), its VAE latents behind the image-to-video mask with the
-segment's condition latents behind theirs (`animate_reference`: zeros, or the background outside the mask),
-the pose video's VAE latents (`pose_latents`) and the face video's pixels at the motion encoder's size
-(`face_pixels`). Stage 2 draws one more latent frame than the segment has (the reference's), concatenates the
-reference on channels each step, runs the unconditional branch with the face blanked to -1 (the pipeline's
-guidance, off at its default scale 1) and drops that frame at the end; stage 3 decodes the segment and keeps the
-pose video's frames (`frames_kept`).
+The pipeline pads the videos (reflected) to a whole number of segments of `segment_frame_length` frames, each
+after the first starting with the last `prev_segment_conditioning_frames` of the one before, and denoises them in
+order: each from its own noise with one latent frame more (the character's) and a fresh scheduler, the reference
+(the character's latents, then the segment's condition latents) concatenated on channels every step, the
+unconditional branch with the face blanked to -1 (the pipeline's guidance, off at its default scale 1). Between
+two segments it decodes the one just made and VAE-encodes its last frames (in `replace` mode followed by the
+background) as the next one's condition: stage 2 does that on the host CPU in float32, as the pipeline's example
+runs its VAE (`Segments`; tpu_video/engine/segments.py runs the segments and keeps them in checkpoints). Stage 2
+writes every segment's latents without the character's frame, one per row of `latents`; stage 3 decodes them one
+by one, drops each later segment's first frames (the previous ones' repeated) and keeps the pose video's length.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import torch
 
 from tpu_video.cli import UserError, log
+from tpu_video.engine.denoise import NOISE_DTYPE
 from tpu_video.engine.guidance import BATCH, cfg_combination
 from utils import Request
 
 from .declarations import SEGMENT_FRAMES
 from .transformer import GuidedTransformer, spans_after
 
-REFERENCE = "animate_reference"  # [i2v mask, latents] on channels; the character's frame, then the segment's
-POSE = "pose_latents"
-FACE = "face_pixels"
+# Stage 1's tensors: [i2v mask, latents] on channels for the character (one frame) and the first segment's
+# condition; every segment's pose latents (one per row); the padded face, background and mask videos' pixels.
+CHARACTER, CONDITION, POSE, FACE = "animate_character", "animate_condition", "pose_latents", "face_pixels"
+BACKGROUND, MASK = "background_pixels", "mask_pixels"
 DEFAULTS = {"height": 720, "width": 1280, "fps": 30, "num_inference_steps": 20, "guidance_scale": 1.0}
 
 
@@ -48,13 +48,23 @@ def segment(request: Request) -> tuple[int, int]:
     return (SEGMENT_FRAMES if length is None else length), (1 if previous is None else previous)
 
 
+def segments(request: Request) -> tuple[int, int]:
+    """(how many segments, the frames they cover): the pipeline's count for the pose video's frames
+    (--num_frames), padded to the next whole segment."""
+    length, previous = segment(request)
+    step = length - previous
+    last = (request.num_frames - previous) % step
+    target = request.num_frames + (step - last if last else 0)
+    return target // step, target
+
+
 def latent_frames(source, request: Request) -> int:
     """The transformer's frames: the segment's latent frames and the character's one before them."""
     return (segment(request)[0] - 1) // source.load_config("vae")["scale_factor_temporal"] + 2
 
 
 def check_request(source, request: Request) -> None:
-    """The segment options, and one segment's worth of frames (the pose video's: --num_frames)."""
+    """The segment options, and a pose video longer than the frames a segment carries over."""
     length, previous = segment(request)
     temporal = source.load_config("vae")["scale_factor_temporal"]
     if length < 1 or (length - 1) % temporal:
@@ -71,109 +81,73 @@ def check_request(source, request: Request) -> None:
             f"--num_frames {request.num_frames}: the pose video must have more frames than "
             f"--prev_segment_conditioning_frames {previous}"
         )
-    if request.num_frames > length:
-        fits = (request.num_frames - 1 + temporal - 1) // temporal * temporal + 1
-        raise UserError(
-            f"--pose_video: {request.num_frames} frames make more than one segment of --segment_frame_length "
-            f"{length}; this build runs one segment: give --segment_frame_length {fits} (the frames x height x "
-            f"width the transformer holds at once) or --num_frames {length} (the pose video's first frames)"
-        )
 
 
-def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
-    """Before any weights load: pose and face videos of one length, and the background and mask videos with
-    --mode replace only, of that length too."""
-    mode = request.option("mode") or "animate"
-    pose = len(inputs["pose_video"])
-    named = {name: inputs[name] for name in ("face_video", "background_video", "mask_video") if name in inputs}
-    for name, frames in named.items():
-        if len(frames) != pose:
-            raise UserError(
-                f"--{name} has {len(frames)} frames and --pose_video {pose}: give videos of the same length (the "
-                "preprocessing that makes them from one driving video does)"
+class Segments:
+    """One video's segments for stage 2: each segment's loop (from `make(conditioning, noise)`, the family's
+    loop over a fresh scheduler), built as the one before finishes (`DenoiseLoop.then`), and stage 2's tensors
+    from all of them."""
+
+    def __init__(self, source, request: Request, embeds: dict, dtype, do_cfg: bool, generator, pipeline, decoder):
+        """`pipeline(**components)`: the source's pipeline object holding those (config.stock_pipeline);
+        `decoder(vae)`: the family's decoder of stage-2 latents (pipeline.Decoder, with their normalisation)."""
+        self.source, self.request, self.embeds, self.dtype, self.do_cfg = source, request, embeds, dtype, do_cfg
+        self.generator, self.pipeline, self.decoder = generator, pipeline, decoder
+        self.length, self.previous = segment(request)
+        self.count = segments(request)[0]
+        self.done: list[torch.Tensor] = []  # the finished segments' final latents
+        self.make = None
+        self.vae = None  # (the pipeline, the decoder) on the host, loaded for the first segment after the first
+
+    def first(self, make) -> Any:
+        self.make = make
+        if self.count > 1:
+            log(
+                f"Animate: {self.count} segments of {self.length} frames, {self.previous} carried from each to the next"
             )
-    replace = [name for name in ("background_video", "mask_video") if name in inputs]
-    if mode == "replace" and len(replace) < 2:
-        raise UserError("--mode replace: give --background_video and --mask_video (the person to replace, where)")
-    if mode == "animate" and replace:
-        raise UserError(f"--{replace[0]}: only --mode replace uses it (--mode is animate)")
+        return self._loop(0, self.embeds[CONDITION])
 
+    def _loop(self, index: int, condition: torch.Tensor):
+        start = index * (self.length - self.previous)
+        face = self.embeds[FACE][:, :, start : start + self.length].to(self.dtype)
+        inputs = [
+            (torch.cat([self.embeds[CHARACTER], condition], dim=2).float(), ()),  # joined to the latents, then cast
+            (self.embeds["image_embeds"].to(self.dtype), ()),
+            (self.embeds[POSE][index : index + 1].to(self.dtype), ()),
+            (torch.cat([face, face * 0 - 1]) if self.do_cfg else face, BATCH),  # the pipeline's blank face
+        ]
+        sizes = (1, self.source.load_config("vae")["z_dim"], self.request.height, self.request.width, self.length)
+        noise = self.pipeline().prepare_latents(*sizes, NOISE_DTYPE, "cpu", self.generator)
+        loop = self.make(inputs, noise)
+        return dataclasses.replace(loop, then=self._next if index + 1 < self.count else None)
 
-def encode(source, request: Request, inputs: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
-    """The pipeline's conditioning for the first segment, by its own methods, in float32 on the host CPU."""
-    from diffusers import WanAnimatePipeline
+    def _next(self, latents: torch.Tensor):
+        """The next segment's loop, conditioned on this one's decoded last frames."""
+        self.done.append(latents)
+        index = len(self.done)
+        start, end = index * (self.length - self.previous), index * (self.length - self.previous) + self.length
+        pipe, decoder = self.vae = self.vae or self._load_vae()
+        replace = self.request.option("mode") == "replace"
+        background, mask = (self.embeds[key][:, :, start:end] if replace else None for key in (BACKGROUND, MASK))
+        log(f"Animate: segment {index} decoded and its last {self.previous} frame(s) VAE-encoded on the host CPU")
+        with torch.no_grad():
+            frames = decoder(latents[:, :, 1:])
+            condition = pipe.prepare_prev_segment_cond_latents(
+                frames[:, :, -self.previous :], background, mask, 1, self.length, start, self.request.height,
+                self.request.width, self.previous, "replace" if replace else "animate", device="cpu",
+            )  # fmt: skip
+        return self._loop(index, condition)
 
-    from tpu_video.engine.encoders import DeviceImageEncoder
-    from tpu_video.engine.meta import meta_module
+    def _load_vae(self):
+        """The pipeline (for its condition encode) and the decoder, with the VAE in float32 on the host."""
+        vae = self.source.load("vae", dtype=torch.float32).eval()
+        return self.pipeline(vae=vae), self.decoder(vae)
 
-    length, previous = segment(request)
-    mode = request.option("mode") or "animate"
-    height, width, frames = request.height, request.width, request.num_frames
-    pipe = WanAnimatePipeline(
-        tokenizer=None,
-        text_encoder=None,
-        vae=source.load("vae", dtype=torch.float32).eval(),
-        scheduler=None,
-        image_processor=source.load("image_processor"),
-        image_encoder=DeviceImageEncoder(source.load("image_encoder", dtype=torch.float32).eval(), runtime),
-        transformer=meta_module(source, "transformer", torch.float32),  # the pipeline reads its patch and face sizes
-    )
-    face_size = pipe.transformer.config.motion_encoder_size
-    log(
-        f"Animate ({mode}): the character and {frames} pose frames (padded to the {length}-frame segment) "
-        f"VAE-encoded on the host CPU at {height}x{width}; the face frames resized to {face_size}x{face_size}"
-    )
-
-    def video(name, processor=pipe.video_processor, size=(height, width)):
-        padded = pipe.pad_video_frames(inputs[name][:frames], length)
-        return processor.preprocess_video(padded, height=size[0], width=size[1]).float()
-
-    with torch.no_grad():
-        image = inputs["image"]
-        pixels = pipe.vae_image_processor.preprocess(image, height=height, width=width, resize_mode="fill").float()
-        character = pipe.prepare_reference_image_latents(pixels, 1, device="cpu")
-        background = mask = None
-        if mode == "replace":
-            background, mask = video("background_video"), video("mask_video", pipe.video_processor_for_mask)
-        condition = pipe.prepare_prev_segment_cond_latents(
-            None, background, mask, 1, length, 0, height, width, previous, mode, device="cpu"
-        )
-        return {
-            "image_embeds": pipe.encode_image(image, "cpu").float(),
-            REFERENCE: torch.cat([character, condition], dim=2),
-            POSE: pipe.prepare_pose_latents(video("pose_video"), 1, device="cpu"),
-            FACE: video("face_video", size=(face_size, face_size)),
-        }
-
-
-def planning_embeds(source, request: Request) -> dict[str, torch.Tensor]:
-    """Zeros of stage 1's Animate tensors' shapes (to plan before encoding)."""
-    vae, transformer = source.load_config("vae"), source.load_config("transformer")
-    spatial, frames = vae["scale_factor_spatial"], latent_frames(source, request)
-    grid = (request.height // spatial, request.width // spatial)
-    vision = source.load_config("image_encoder")
-    tokens = (vision["image_size"] // vision["patch_size"]) ** 2 + 1  # CLIP: patches and the class token
-    face = transformer["motion_encoder_size"]
-    return {
-        "image_embeds": torch.zeros(1, tokens, transformer["image_dim"]),
-        REFERENCE: torch.zeros(1, vae["scale_factor_temporal"] + vae["z_dim"], frames, *grid),  # mask, latents
-        POSE: torch.zeros(1, vae["z_dim"], frames - 1, *grid),
-        FACE: torch.zeros(1, 3, segment(request)[0], face, face),
-    }
-
-
-def loop_inputs(embeds: dict, dtype: torch.dtype, do_cfg: bool) -> list[tuple[torch.Tensor, tuple]]:
-    """The guided transformer's inputs after the prompt: the reference (float32, joined to the latents before
-    the cast, as the pipeline does), the CLIP tokens and pose latents in the transformer's dtype, and the face
-    frames per branch (the unconditional branch's blanked to -1, the pipeline's `face * 0 - 1`)."""
-    face = embeds[FACE].to(dtype)
-    faces = torch.cat([face, face * 0 - 1]) if do_cfg else face
-    return [
-        (embeds[REFERENCE].float(), ()),
-        (embeds["image_embeds"].to(dtype), ()),
-        (embeds[POSE].to(dtype), ()),
-        (faces, BATCH),
-    ]
+    def finish(self, latents: torch.Tensor, record: dict) -> tuple[dict, dict]:
+        """Every segment's latents without the character's frame, one per row, and how stage 3 joins them."""
+        every = torch.cat([*self.done, latents])[:, :, 1:]
+        joined = {"count": self.count, "overlap_frames": self.previous, "frames_kept": self.request.num_frames}
+        return {"latents": every}, {**record, "segments": joined}
 
 
 class GuidedAnimate(GuidedTransformer):

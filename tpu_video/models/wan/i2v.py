@@ -15,7 +15,7 @@ from tpu_video.engine.inputs import MediaInput
 from utils import Request
 
 from ..common import IMAGE, LAST_IMAGE
-from . import animate, ti2v, v2v, vace
+from . import animate, animate_inputs, ti2v, v2v, vace
 from .config import image_to_video, stock_pipeline
 from .declarations import ANIMATE_INPUTS, VACE_INPUTS
 
@@ -46,7 +46,7 @@ def encode_inputs(source, request: Request, images: dict[str, Any], runtime) -> 
     if vace.is_vace(source):
         return vace.encode(source, request, images)
     if animate.is_animate(source):
-        return animate.encode(source, request, images, runtime)
+        return animate_inputs.encode(source, request, images, runtime)
     if "video" in images:
         return v2v.encode_video(source, request, images["video"])
     if ti2v.expand_timesteps(source):
@@ -110,4 +110,4 @@ def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
     if vace.is_vace(source):
         vace.check_inputs(source, request, inputs)
     if animate.is_animate(source):
-        animate.check_inputs(source, request, inputs)
+        animate_inputs.check_inputs(source, request, inputs)

@@ -19,6 +19,7 @@ ti2v.py.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from tpu_video.engine.guidance import BATCH
 from utils import Request
 
 from ..common import flow_scheduler
-from . import animate, ti2v, v2v, vace
+from . import animate, animate_inputs, ti2v, v2v, vace
 from .config import cfg_enabled, image_to_video, stock_pipeline, transformer_components
 from .i2v import image_conditioning
 from .transformer import MAX_SEQUENCE_LENGTH, GuidedTransformer, transformer_rules
@@ -57,7 +58,7 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
     if vace.is_vace(source):
         embeds[vace.CONTROL] = vace.planning_control(source, request)
     if animate.is_animate(source):
-        embeds.update(animate.planning_embeds(source, request))
+        embeds.update(animate_inputs.planning_embeds(source, request))
     if image_to_video(source):
         vae = source.load_config("vae")
         spatial, temporal = vae["scale_factor_spatial"], vae["scale_factor_temporal"]
@@ -81,7 +82,6 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     giving stage 2's latents and record. Latents stay float32 between steps, as in the pipeline."""
     from diffusers import WanPipeline
 
-    scheduler = flow_scheduler(source, request.flow_shift, request.option("scheduler"))
     do_cfg = cfg_enabled(request.guidance_scale)
     scales = (
         request.guidance_scale,
@@ -99,70 +99,82 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     if do_cfg:
         prompt_embeds = torch.cat([prompt_embeds, embeds["negative_prompt_embeds"].to(dtype)])
     generator = torch.Generator("cpu").manual_seed(request.seed)
-    scheduler.set_timesteps(request.num_inference_steps, device="cpu")
-    timesteps = scheduler.timesteps
-    conditioning = image_conditioning(source, embeds, dtype)
-    # WanPipeline's noise draw; the image-to-video pipeline draws the same, with the VAE's channel count
-    # (its transformer's input adds the condition's channels); VACE's adds a latent frame per reference image.
-    vae_channels = conditioning or animating
-    channels = source.load_config("vae")["z_dim"] if vae_channels else transformers["transformer"].config.in_channels
-    references = 0
-    if control:  # the control latents and per-layer scales, and the reference frames' extra noise
-        conditioning, references = vace.loop_inputs(source, request, embeds, dtype, transformers[names[0]])
-    pipe, height, width = stock_pipeline(source), request.height, request.width
-    if animating:  # the segment's noise with the character's latent frame first (WanAnimatePipeline's own draw)
-        conditioning, references = animate.loop_inputs(embeds, dtype, do_cfg), 1
-        length = animate.segment(request)[0]
-        latents = pipe.prepare_latents(1, channels, height, width, length, NOISE_DTYPE, "cpu", generator)
-    else:
-        frames = request.num_frames + references * source.load_config("vae")["scale_factor_temporal"]
-        latents = WanPipeline.prepare_latents(pipe, 1, channels, height, width, frames, NOISE_DTYPE, "cpu", generator)
-    first = 0  # video-to-video starts part way through the schedule, from the video's noised latents
-    if v2v.VIDEO_LATENTS in embeds:
-        timesteps, latents, first = v2v.loop_start(scheduler, request, embeds, latents)
+
+    def scheduled():
+        scheduler = flow_scheduler(source, request.flow_shift, request.option("scheduler"))
+        scheduler.set_timesteps(request.num_inference_steps, device="cpu")
+        return scheduler
+
+    scheduler = scheduled()
     boundary = boundary_timestep(source, scheduler)
-    ti2v_parts = ti2v.loop_parts(source, embeds, latents) if per_token else {}
 
     def expert(i, t) -> int:
         return 0 if boundary is None or t >= boundary else 1
 
-    def step(i, t, noise_pred, latents, carry):
-        latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-        return latents, multistep_state(scheduler)
+    def loop_for(scheduler, conditioning, latents, first: int = 0, **parts) -> DenoiseLoop:
+        """The loop from `latents` over `scheduler`'s timesteps from index `first` (video-to-video starts part
+        way through), with the guided transformer's inputs after the prompt (`conditioning`)."""
 
-    def on_start(start, carry):
-        # WanPipeline sets 0; the video-to-video pipeline sets none, so its scheduler finds the truncated
-        # schedule's first timestep at `first`; --resume continues `start` steps later.
-        scheduler.set_begin_index(first + start)
-        restore_multistep_state(scheduler, carry)
+        def step(i, t, noise_pred, latents, carry):
+            latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+            return latents, multistep_state(scheduler)
 
-    loop = DenoiseLoop(
-        guided=guided,
-        expert=expert,
-        rules=transformer_rules(tp_mode),
-        static_inputs=((prompt_embeds, BATCH), *conditioning),
-        timesteps=timesteps,
-        latents=latents,
-        generator=generator,
-        step=step,
-        on_start=on_start,
-        expert_names=tuple(names),
-        cache_branches=("cond", "uncond") if do_cfg else ("cond",),  # the pipeline's cache contexts
-        **{key: ti2v_parts[key] for key in ("timestep_input", "model_input") if key in ti2v_parts},
-    )
-    switch = [i for i, t in enumerate(timesteps) if expert(i, t) == 1]
+        def on_start(start, carry):
+            # WanPipeline sets 0; the video-to-video pipeline sets none, so its scheduler finds the truncated
+            # schedule's first timestep at `first`; --resume continues `start` steps later.
+            scheduler.set_begin_index(first + start)
+            restore_multistep_state(scheduler, carry)
+
+        return DenoiseLoop(
+            guided=guided,
+            expert=expert,
+            rules=transformer_rules(tp_mode),
+            static_inputs=((prompt_embeds, BATCH), *conditioning),
+            timesteps=scheduler.timesteps[first:],
+            latents=latents,
+            generator=generator,
+            step=step,
+            on_start=on_start,
+            expert_names=tuple(names),
+            cache_branches=("cond", "uncond") if do_cfg else ("cond",),  # the pipeline's cache contexts
+            **parts,
+        )
+
+    extra = {"experts": list(names), "boundary_timestep": boundary}
+    record = functools.partial(latents_record, scheduler, do_cfg, latents_normalization(source))
+    if animating:  # segments in order, each from its own noise and a fresh scheduler, as the pipeline runs them
+        decoder = functools.partial(Decoder, normalization=latents_normalization(source))
+        pipeline = functools.partial(stock_pipeline, source)
+        segments = animate.Segments(source, request, embeds, dtype, do_cfg, generator, pipeline, decoder)
+        loop = segments.first(lambda conditioning, latents: loop_for(scheduled(), conditioning, latents))
+        return loop, lambda latents: segments.finish(latents, record(**extra))
+    conditioning = image_conditioning(source, embeds, dtype)
+    # WanPipeline's noise draw; the image-to-video pipeline draws the same, with the VAE's channel count
+    # (its transformer's input adds the condition's channels); VACE's adds a latent frame per reference image.
+    channels = source.load_config("vae")["z_dim"] if conditioning else transformers["transformer"].config.in_channels
+    references = 0
+    if control:  # the control latents and per-layer scales, and the reference frames' extra noise
+        conditioning, references = vace.loop_inputs(source, request, embeds, dtype, transformers[names[0]])
+    frames = request.num_frames + references * source.load_config("vae")["scale_factor_temporal"]
+    sizes = (1, channels, request.height, request.width, frames)
+    latents = WanPipeline.prepare_latents(stock_pipeline(source), *sizes, NOISE_DTYPE, "cpu", generator)
+    first = 0  # video-to-video starts part way through the schedule, from the video's noised latents
+    if v2v.VIDEO_LATENTS in embeds:
+        latents, first = v2v.loop_start(scheduler, request, embeds, latents)
+    ti2v_parts = ti2v.loop_parts(source, embeds, latents) if per_token else {}
+    parts = {key: ti2v_parts[key] for key in ("timestep_input", "model_input") if key in ti2v_parts}
+    loop = loop_for(scheduler, conditioning, latents, first, **parts)
+    switch = [i for i, t in enumerate(loop.timesteps) if expert(i, t) == 1]
     if boundary is not None:
-        where = f"from step {switch[0] + 1} of {len(timesteps)}" if switch else "never (the schedule stays above it)"
+        steps = len(loop.timesteps)
+        where = f"from step {switch[0] + 1} of {steps}" if switch else "never (the schedule stays above it)"
         log(f"two experts: transformer_2 takes over at timesteps below {boundary:g}, {where}")
-    extra = {"experts": list(names), "boundary_timestep": boundary, "expert_2_from_step": switch[0] if switch else None}
-    if animating:  # the segment's decode is cut back to the pose video's length
-        extra["frames_kept"] = request.num_frames
+    extra["expert_2_from_step"] = switch[0] if switch else None
 
     def finish(latents):
         latents = ti2v_parts["finish"](latents) if ti2v_parts else latents
-        # VACE's reference frames and Animate's character frame dropped, as before the pipelines' decodes
-        latents = latents[:, :, references:]
-        return {"latents": latents}, latents_record(scheduler, do_cfg, latents_normalization(source), **extra)
+        latents = latents[:, :, references:]  # VACE: the reference frames dropped, as before the pipeline's decode
+        return {"latents": latents}, record(**extra)
 
     return loop, finish
 

@@ -7,8 +7,6 @@ A14B (two experts) and TI2V-5B have no video-to-video pipeline in diffusers 0.42
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from tpu_video.cli import UserError, log
@@ -47,8 +45,8 @@ def encode_video(source, request: Request, frames: list) -> dict[str, torch.Tens
     return {VIDEO_LATENTS: (latents - mean) * std}
 
 
-def loop_start(scheduler, request: Request, embeds: dict, noise: torch.Tensor) -> tuple[Any, torch.Tensor, int]:
-    """The truncated schedule, the first latents (the video's, noised to its first timestep as the pipeline's
+def loop_start(scheduler, request: Request, embeds: dict, noise: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The first latents (the video's, noised to the truncated schedule's first timestep as the pipeline's
     prepare_latents does, before any step sets the scheduler's index) and the schedule index it starts at."""
     first = strength_steps(request)[0] * scheduler.order  # where the pipeline's truncated schedule starts
     timesteps = scheduler.timesteps[first:]
@@ -62,7 +60,7 @@ def loop_start(scheduler, request: Request, embeds: dict, noise: torch.Tensor) -
         latents = scheduler.scale_noise(video, start, noise)
     steps = len(scheduler.timesteps)
     log(f"video-to-video: steps {first + 1} to {steps} of {steps} (--strength {request.option('strength')})")
-    return timesteps, latents, first
+    return latents, first
 
 
 def media_video(source) -> tuple[MediaInput, ...]:

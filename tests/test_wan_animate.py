@@ -10,6 +10,8 @@ makes two calls).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -108,7 +110,7 @@ def media(tmp_path_factory):
     return folder
 
 
-def reference(media, mode="animate", guidance_scale=1.0) -> tuple[list[torch.Tensor], torch.Tensor]:
+def reference(media, mode="animate", guidance_scale=1.0, pose="pose.mp4") -> tuple[list[torch.Tensor], torch.Tensor]:
     """WanAnimatePipeline on the preset's saved folder, the media files and the test's request: each segment's
     final latents (before the pipeline de-normalises them for its decode: seen at each segment's last step) and
     the video's frames."""
@@ -129,7 +131,7 @@ def reference(media, mode="animate", guidance_scale=1.0) -> tuple[list[torch.Ten
 
     frames = pipe(
         image=Image.open(media / "character.png").convert("RGB"),
-        pose_video=decoded_frames(media / "pose.mp4"),
+        pose_video=decoded_frames(media / pose),
         face_video=decoded_frames(media / "face.mp4"),
         prompt=PROMPT,
         negative_prompt=NEGATIVE,
@@ -201,6 +203,32 @@ def test_an_animate_run_stopped_in_its_second_segment_resumes_to_the_same_latent
     run_stage(stage2_transformer, ["--input_dir", str(out), "--executables", "off", "--resume"])
     latents = read_tensors(out, read_config(out)["stage2"])["latents"]
     assert torch.equal(latents, read_tensors(whole, read_config(whole)["stage2"])["latents"])
+
+
+def test_animate_videos_of_one_character_batch_as_the_pipeline_runs_each(tmp_path, media):
+    """Two videos of the same character (its CLIP tokens the same: one row for the batch) with different pose
+    videos (one row each), guidance 2, as one stage-2 batch of 2 on the default mesh: each video's segments equal
+    the pipeline run alone."""
+    entries = [
+        {"name": "one", "pose_video": str(media / "pose.mp4")},
+        {"name": "two", "pose_video": str(media / "background.mp4")},
+    ]
+    (tmp_path / "list.jsonl").write_text("".join(json.dumps({"prompt": PROMPT, **entry}) + "\n" for entry in entries))
+    argv = stage1_argv(tmp_path / "out", media, "--guidance_scale", "2")
+    at = argv.index("--pose_video")
+    del argv[at : at + 2]
+    at = argv.index("--prompt")
+    argv[at : at + 2] = ["--prompts", str(tmp_path / "list.jsonl")]
+    run_stage(stage1_text_encoder, argv)
+    run_stage(stage2_transformer, ["--input_dir", str(tmp_path / "out"), "--executables", "off", "--batch_size", "2"])
+    for name, pose in (("one", "pose.mp4"), ("two", "background.mp4")):
+        folder = tmp_path / "out" / name
+        config = read_config(folder)
+        assert config["stage2"]["batch"]["size"] == 2 and config["stage2"]["batch"]["padding"] == 0
+        latents = read_tensors(folder, config["stage2"])["latents"]
+        expected, _ = reference(media, guidance_scale=2.0, pose=pose)
+        for row, segment in enumerate(expected):
+            assert relative_error(latents[row : row + 1], segment[:, :, 1:]) <= STAGES_TOLERANCE, (name, row)
 
 
 @pytest.mark.parametrize(

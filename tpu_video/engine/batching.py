@@ -282,7 +282,7 @@ def denoise_group(
         guard = BatchGuard([video.guard for video in videos], size, stop)
         batch_options = dataclasses.replace(options, guard=guard, warmup_steps=0 if reused else options.warmup_steps)
         run = functools.partial(run_denoise_loop, runtime=runtime, timer=timer, placed=placed)
-        latents, cache = segments.run_in_order(loops, finished, batched_loop, run, batch_options)
+        latents, cache = segments.run_in_order(loops, finished, batched_loop, run, batch_options, timer)
         record = {"number": number, "of": len(batches), "size": size, "padding": size - len(videos)}
         record["folders"] = [video.output_dir.name for video in videos]  # configs hold no host paths
         record["program"] = "reused" if reused else "compiled"

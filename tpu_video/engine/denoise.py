@@ -161,10 +161,10 @@ def place_denoisers(loop: DenoiseLoop, runtime: Runtime, options: DenoiseOptions
 
 
 def run_denoise_loop(
-    loop: DenoiseLoop, runtime: Runtime, timer: Timer, options: DenoiseOptions, placed=None, resume: bool = True
+    loop: DenoiseLoop, runtime: Runtime, timer: Timer, options: DenoiseOptions, placed=None, restore: bool = True
 ):
     """Place and compile the guided denoisers (unless `placed` holds them already), warm each up, then run
-    (or, with `resume`, resume from the guard's checkpoint) the timed steps; the final latents on the host, and
+    (or, with `restore`, resume from the guard's checkpoint) the timed steps; the final latents on the host, and
     the step cache (or None)."""
     with timer.phase("place"):
         if placed is None:
@@ -190,7 +190,7 @@ def run_denoise_loop(
 
     guard = options.guard
     start = 0
-    if resume and guard is not None and guard.restored is not None:  # --resume: the loop state after step `start`
+    if restore and guard is not None and guard.restored is not None:  # --resume: the loop state after step `start`
         start, state = guard.restored
         state = dict(state)
         latents = state.pop("latents")
@@ -237,7 +237,7 @@ def denoise(
     with timer.phase("place"):
         placed = place_denoisers(loops[0], runtime, options)
     run = functools.partial(run_denoise_loop, runtime=runtime, timer=timer, placed=placed)
-    latents, cache = segments.run_in_order(loops, finished, lambda loops: loops[0], run, options)
+    latents, cache = segments.run_in_order(loops, finished, lambda loops: loops[0], run, options, timer)
     tensors, record = finish(latents)
     return tensors, {**record, **scanned_blocks.record(loops[0], options.scan_blocks)}, cache
 

@@ -18,6 +18,13 @@ if TYPE_CHECKING:  # annotations only: denoise.py runs these
 FINISHED = "segments.finished."  # carry keys: the latents of each loop before this one
 
 
+def position(guard) -> int:
+    """How many of a video's loops its restored checkpoint (if any) had finished: videos resume together only at
+    the same loop and step."""
+    state = guard.restored[1] if guard is not None and guard.restored is not None else {}
+    return sum(key.startswith(FINISHED) for key in state)
+
+
 def resumed(loops: list[DenoiseLoop], guards: list) -> tuple[list[DenoiseLoop], list[list[torch.Tensor]]]:
     """Each video's loop that its restored checkpoint (of its guard, if any) was saved in, and the latents of
     the loops it finished before."""
@@ -52,18 +59,23 @@ def run_in_order(
     join: Callable[[list[DenoiseLoop]], DenoiseLoop],
     run: Callable[..., tuple[torch.Tensor, Any]],
     options,
+    timer,
 ) -> tuple[torch.Tensor, Any]:
     """Run the videos' loops, `join`ed into one, then their next loops while they have them. `run(loop,
-    options=, resume=)` runs one (denoise.run_denoise_loop on the placed programs): the first resumes a restored
-    checkpoint and warms up as `options` say; the later ones start at their first step, warm already. Returns
-    the last loops' final latents and `run`'s second value (the step cache)."""
+    options=, restore=)` runs one (denoise.run_denoise_loop on the placed programs): the first restores a
+    checkpoint and warms up as `options` say; the later ones start at their first step, warm already. The work
+    between loops (`then`: Wan Animate's decode and encode) is timed as `between_loops`. Returns the last loops'
+    final latents and `run`'s second value (the step cache)."""
     first = True
     while True:
         joined = join([keeping(loop, done) for loop, done in zip(loops, finished, strict=True)])
-        latents, other = run(joined, options=options, resume=first)
+        latents, other = run(joined, options=options, restore=first)
+        if {loop.then is None for loop in loops} != {loops[0].then is None}:
+            raise ValueError("a batch joins videos at the same loop of the same count")
         if loops[0].then is None:
             return latents, other
         first, options = False, dataclasses.replace(options, warmup_steps=0)
         for video, done in enumerate(finished):
             done.append(latents[video : video + 1])
-        loops = [loop.then(latents[video : video + 1]) for video, loop in enumerate(loops)]
+        with timer.phase("between_loops"):
+            loops = [loop.then(latents[video : video + 1]) for video, loop in enumerate(loops)]

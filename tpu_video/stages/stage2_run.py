@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tpu_video import models
 from tpu_video.cli import UserError, log, parse_dtype, refuse_planning_flags, set_logging
-from tpu_video.engine import batch_folders, lora
+from tpu_video.engine import batch_folders, lora, segments
 from tpu_video.engine.batching import default_batch_size, denoise_group, group_key
 from tpu_video.engine.cache_schedule import check_family_runs
 from tpu_video.engine.denoise import DenoiseOptions, denoise
@@ -127,9 +127,9 @@ def denoise_batches(args, runs: list[ValidatedRun], processes) -> None:
             log(f"--batch_size {size}: this group has {len(members)} video(s), so batches of {len(members)}")
             size = len(members)
         runtime, backend, options, record = runtime_for(args, first, processes, size)
-        by_start: dict[int, list[ValidatedRun]] = {}  # videos stopped after the same step batch together
-        for run in members:
-            by_start.setdefault(run.guard.start_step, []).append(run)
+        by_start: dict[tuple, list[ValidatedRun]] = {}  # videos stopped after the same step batch together
+        for run in members:  # and in the same of their loops (Wan Animate's segments)
+            by_start.setdefault((segments.position(run.guard), run.guard.start_step), []).append(run)
         batches = [same[i : i + size] for same in by_start.values() for i in range(0, len(same), size)]
 
         def write(run, tensors, info, timer, timing, batch, step_cache, record=record, group=number, runtime=runtime):

@@ -143,6 +143,8 @@ def joined_segments(decode_one, latents: torch.Tensor, config: dict) -> torch.Te
     first `overlap_frames` of every segment after the first dropped (the previous segment's last frames, which
     it was conditioned on), the rest joined and cut to `frames_kept` (the pose video's length)."""
     joined = config["stage2"]["segments"]
+    if len(latents) != joined["count"]:
+        raise UserError(f"stage 2 recorded {joined['count']} segments; its latents hold {len(latents)}: rerun stage 2")
     pieces = [decode_one(latents[index : index + 1]) for index in range(joined["count"])]
     frames = torch.cat([pieces[0], *(piece[joined["overlap_frames"] :] for piece in pieces[1:])])
     log(

@@ -9,7 +9,7 @@ order: each from its own noise with one latent frame more (the character's) and 
 unconditional branch with the face blanked to -1 (the pipeline's guidance, off at its default scale 1). Between
 two segments it decodes the one just made and VAE-encodes its last frames (in `replace` mode followed by the
 background) as the next one's condition: stage 2 does that on the host CPU in float32, as the pipeline's example
-runs its VAE (`Segments`; tpu_video/engine/segments.py runs the segments and keeps them in checkpoints). Stage 2
+runs its VAE (`SegmentLoops`; tpu_video/engine/segments.py runs the segments and keeps them in checkpoints). Stage 2
 writes every segment's latents without the character's frame, one per row of `latents`; stage 3 decodes them one
 by one, drops each later segment's first frames (the previous ones' repeated) and keeps the pose video's length.
 """
@@ -41,17 +41,17 @@ def is_animate(source) -> bool:
     return source.index.get("_class_name") == "WanAnimatePipeline"
 
 
-def segment(request: Request) -> tuple[int, int]:
+def segment_options(request: Request) -> tuple[int, int]:
     """(segment_frame_length, prev_segment_conditioning_frames) as the request sets them."""
     length = request.option("segment_frame_length")
     previous = request.option("prev_segment_conditioning_frames")
     return (SEGMENT_FRAMES if length is None else length), (1 if previous is None else previous)
 
 
-def segments(request: Request) -> tuple[int, int]:
+def segment_count(request: Request) -> tuple[int, int]:
     """(how many segments, the frames they cover): the pipeline's count for the pose video's frames
     (--num_frames), padded to the next whole segment."""
-    length, previous = segment(request)
+    length, previous = segment_options(request)
     step = length - previous
     last = (request.num_frames - previous) % step
     target = request.num_frames + (step - last if last else 0)
@@ -60,12 +60,12 @@ def segments(request: Request) -> tuple[int, int]:
 
 def latent_frames(source, request: Request) -> int:
     """The transformer's frames: the segment's latent frames and the character's one before them."""
-    return (segment(request)[0] - 1) // source.load_config("vae")["scale_factor_temporal"] + 2
+    return (segment_options(request)[0] - 1) // source.load_config("vae")["scale_factor_temporal"] + 2
 
 
 def check_request(source, request: Request) -> None:
     """The segment options, and a pose video longer than the frames a segment carries over."""
-    length, previous = segment(request)
+    length, previous = segment_options(request)
     temporal = source.load_config("vae")["scale_factor_temporal"]
     if length < 1 or (length - 1) % temporal:
         raise UserError(f"--segment_frame_length {length} must be {temporal}n+1 (e.g. {SEGMENT_FRAMES})")
@@ -83,7 +83,7 @@ def check_request(source, request: Request) -> None:
         )
 
 
-class Segments:
+class SegmentLoops:
     """One video's segments for stage 2: each segment's loop (from `make(conditioning, noise)`, the family's
     loop over a fresh scheduler), built as the one before finishes (`DenoiseLoop.then`), and stage 2's tensors
     from all of them."""
@@ -93,8 +93,8 @@ class Segments:
         `decoder(vae)`: the family's decoder of stage-2 latents (pipeline.Decoder, with their normalisation)."""
         self.source, self.request, self.embeds, self.dtype, self.do_cfg = source, request, embeds, dtype, do_cfg
         self.generator, self.pipeline, self.decoder = generator, pipeline, decoder
-        self.length, self.previous = segment(request)
-        self.count = segments(request)[0]
+        self.length, self.previous = segment_options(request)
+        self.count = segment_count(request)[0]
         self.done: list[torch.Tensor] = []  # the finished segments' final latents
         self.make = None
         self.vae = None  # (the pipeline, the decoder) on the host, loaded for the first segment after the first
@@ -129,7 +129,7 @@ class Segments:
         pipe, decoder = self.vae = self.vae or self._load_vae()
         replace = self.request.option("mode") == "replace"
         background, mask = (self.embeds[key][:, :, start:end] if replace else None for key in (BACKGROUND, MASK))
-        log(f"Animate: segment {index} decoded and its last {self.previous} frame(s) VAE-encoded on the host CPU")
+        log(f"Animate: segment {index} of {self.count} decoded, its last {self.previous} frame(s) encoded (host CPU)")
         with torch.no_grad():
             frames = decoder(latents[:, :, 1:])
             condition = pipe.prepare_prev_segment_cond_latents(
@@ -174,13 +174,15 @@ class GuidedAnimate(GuidedTransformer):
         model_input = torch.cat([latents, reference], dim=1)
 
         def predict(model_input):
-            copies = model_input.shape[0] // len(image_embeds)  # both branches (a batch: each video's, in order)
+            def every_sample(tensor):  # one per video, or one for all (the same in every video of a batch)
+                return tensor.repeat(model_input.shape[0] // len(tensor), *[1] * (tensor.dim() - 1))
+
             return self.transformer(
                 hidden_states=model_input,
                 timestep=timestep.expand(model_input.shape[0]),
                 encoder_hidden_states=prompt_embeds,
-                encoder_hidden_states_image=image_embeds.repeat(copies, 1, 1),
-                pose_hidden_states=pose_latents.repeat(copies, 1, 1, 1, 1),
+                encoder_hidden_states_image=every_sample(image_embeds),
+                pose_hidden_states=every_sample(pose_latents),
                 face_pixel_values=face_pixels,
                 return_dict=False,
             )[0]

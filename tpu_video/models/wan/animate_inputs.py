@@ -16,7 +16,7 @@ import torch
 from tpu_video.cli import UserError, log
 from utils import Request
 
-from .animate import BACKGROUND, CHARACTER, CONDITION, FACE, MASK, POSE, latent_frames, segment, segments
+from .animate import BACKGROUND, CHARACTER, CONDITION, FACE, MASK, POSE, latent_frames, segment_count, segment_options
 
 
 def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
@@ -45,8 +45,8 @@ def encode(source, request: Request, inputs: dict[str, Any], runtime) -> dict[st
     from tpu_video.engine.encoders import DeviceImageEncoder
     from tpu_video.engine.meta import meta_module
 
-    length, previous = segment(request)
-    count, target = segments(request)
+    length, previous = segment_options(request)
+    count, target = segment_count(request)
     mode = request.option("mode") or "animate"
     height, width, frames = request.height, request.width, request.num_frames
     pipe = WanAnimatePipeline(
@@ -97,7 +97,7 @@ def planning_embeds(source, request: Request) -> dict[str, torch.Tensor]:
     vision = source.load_config("image_encoder")
     tokens = (vision["image_size"] // vision["patch_size"]) ** 2 + 1  # CLIP: patches and the class token
     face, channels = transformer["motion_encoder_size"], vae["scale_factor_temporal"] + vae["z_dim"]  # mask, latents
-    count, target = segments(request)
+    count, target = segment_count(request)
     return {
         "image_embeds": torch.zeros(1, tokens, transformer["image_dim"]),
         CHARACTER: torch.zeros(1, channels, 1, *grid),

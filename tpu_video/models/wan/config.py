@@ -71,7 +71,7 @@ def validate_request(source, request: Request) -> None:
         raise UserError(f"--num_frames {request.num_frames} must be {temporal}n+1 (e.g. 81)")
     # The rotary embedding holds rope_max_seq_len positions per axis (diffusers' WanRotaryPosEmbed).
     positions = source.load_config("transformer").get("rope_max_seq_len", 1024)
-    frames = ("segment_frame_length", animate.segment(request)[0]) if animate.is_animate(source) else None
+    frames = ("segment_frame_length", animate.segment_options(request)[0]) if animate.is_animate(source) else None
     given = (frames or ("num_frames", request.num_frames), ("height", request.height), ("width", request.width))
     for (key, value), count in zip(given, token_grid(source, request), strict=True):
         if count > positions:
@@ -134,8 +134,8 @@ def image_to_video(source) -> bool:
 
 
 def stock_pipeline(source, **components):
-    """The source's pipeline (WanPipeline, WanImageToVideoPipeline or WanVACEPipeline) holding only the given
-    components, with the source's VAE geometry."""
+    """The source's pipeline (WanPipeline, WanImageToVideoPipeline, WanVACEPipeline or WanAnimatePipeline)
+    holding only the given components, with the source's VAE geometry."""
     import diffusers
 
     names = ("tokenizer", "text_encoder", "vae", "scheduler", "transformer", "transformer_2")

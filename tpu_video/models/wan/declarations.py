@@ -140,7 +140,7 @@ ANIMATE_INPUTS = (
     BACKGROUND_VIDEO,
     MASK_VIDEO,
 )
-MEDIA_INPUTS = (IMAGE, LAST_IMAGE, VIDEO, *VACE_INPUTS, *ANIMATE_INPUTS[:2], BACKGROUND_VIDEO, MASK_VIDEO)
+MEDIA_INPUTS = (IMAGE, LAST_IMAGE, VIDEO, *VACE_INPUTS, POSE_VIDEO, FACE_VIDEO, BACKGROUND_VIDEO, MASK_VIDEO)
 
 _built = functools.partial(preset_builder, f"{__package__}.presets")
 TINY_DEFAULTS = {"height": 32, "width": 48, "num_frames": 5, "fps": 16, "num_inference_steps": 6}

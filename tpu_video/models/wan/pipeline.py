@@ -145,9 +145,9 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     if animating:  # segments in order, each from its own noise and a fresh scheduler, as the pipeline runs them
         decoder = functools.partial(Decoder, normalization=latents_normalization(source))
         pipeline = functools.partial(stock_pipeline, source)
-        segments = animate.Segments(source, request, embeds, dtype, do_cfg, generator, pipeline, decoder)
-        loop = segments.first(lambda conditioning, latents: loop_for(scheduled(), conditioning, latents))
-        return loop, lambda latents: segments.finish(latents, record(**extra))
+        chain = animate.SegmentLoops(source, request, embeds, dtype, do_cfg, generator, pipeline, decoder)
+        loop = chain.first(lambda conditioning, latents: loop_for(scheduled(), conditioning, latents))
+        return loop, lambda latents: chain.finish(latents, record(**extra))
     conditioning = image_conditioning(source, embeds, dtype)
     # WanPipeline's noise draw; the image-to-video pipeline draws the same, with the VAE's channel count
     # (its transformer's input adds the condition's channels); VACE's adds a latent frame per reference image.

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:  # annotations only: denoise.py runs these
-    from .denoise import DenoiseLoop
+DenoiseLoop = Any  # a denoise.DenoiseLoop (not imported: denoise.py imports this module)
 
 FINISHED = "segments.finished."  # carry keys: the latents of each loop before this one
 

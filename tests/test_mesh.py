@@ -54,9 +54,18 @@ def published_facts():
     return {hub_id: facts_of(hub_id) for hub_id in models.PUBLISHED}
 
 
+@pytest.fixture(scope="module")
+def default_branches():
+    """Each published model's samples per step at its pipeline's defaults (2 with CFG; Wan Animate's scale 1: 1)."""
+    requests = {hub_id: default_request(hub_id, {}) for hub_id in models.PUBLISHED}
+    return {hub_id: family.guidance_branches(source, request) for hub_id, (request, source, family) in requests.items()}
+
+
 @pytest.mark.parametrize("branches", [2, 1], ids=["cfg", "no-cfg"])
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-def test_every_published_model_gets_a_valid_default_mesh(published_facts, topology, branches):
+def test_every_published_model_gets_a_valid_default_mesh(published_facts, default_branches, topology, branches):
+    """A valid mesh for every model, and one that fits at as many samples as its defaults run (more, as Wan
+    Animate 14B's 720p segment with CFG on v5e-8, may pass 85% of HBM: the choice says so)."""
     target = tpus.parse_target(topology)
     for hub_id, facts in published_facts.items():
         choice = default_mesh(
@@ -67,6 +76,9 @@ def test_every_published_model_gets_a_valid_default_mesh(published_facts, topolo
             device_memory=target.hbm_per_device,
         )
         assert_valid(choice, target.devices, facts, branches, target.devices_per_host)
+        if branches > default_branches[hub_id] and not choice.fits:
+            assert "more than 85% of it on every mesh" in choice.why, (hub_id, choice.why)
+            continue
         assert choice.fits, (hub_id, choice.why)
         assert choice.estimate == facts.bytes_per_device(choice.shape, branches) <= MEMORY_SHARE * target.hbm_per_device
 

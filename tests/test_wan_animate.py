@@ -110,13 +110,19 @@ def media(tmp_path_factory):
     return folder
 
 
-def reference(media, mode="animate", guidance_scale=1.0, pose="pose.mp4") -> tuple[list[torch.Tensor], torch.Tensor]:
-    """WanAnimatePipeline on the preset's saved folder, the media files and the test's request: each segment's
-    final latents (before the pipeline de-normalises them for its decode: seen at each segment's last step) and
-    the video's frames."""
+def animate_pipeline():
     from diffusers import WanAnimatePipeline
 
-    pipe = WanAnimatePipeline.from_pretrained(models.materialize_preset(MODEL), torch_dtype=torch.float32)
+    return WanAnimatePipeline.from_pretrained(models.materialize_preset(MODEL), torch_dtype=torch.float32)
+
+
+def reference(
+    media, mode="animate", guidance_scale=1.0, pose="pose.mp4", pipe=None
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """WanAnimatePipeline (the preset's saved folder, or `pipe`) on the media files and the test's request: each
+    segment's final latents (before the pipeline de-normalises them for its decode: seen at each segment's last
+    step) and the video's frames."""
+    pipe = pipe or animate_pipeline()
     replace = {}
     if mode == "replace":
         replace = {
@@ -229,6 +235,47 @@ def test_animate_videos_of_one_character_batch_as_the_pipeline_runs_each(tmp_pat
         expected, _ = reference(media, guidance_scale=2.0, pose=pose)
         for row, segment in enumerate(expected):
             assert relative_error(latents[row : row + 1], segment[:, :, 1:]) <= STAGES_TOLERANCE, (name, row)
+
+
+def test_animate_quantized_and_with_an_adapter_matches_the_pipeline_so_changed(tmp_path, media):
+    """One stage-1 folder, two stage 2s on the default mesh of 8 devices: `--quantize int8_weight` converts every
+    linear of the blocks and the face adapters, against the pipeline whose linears hold the same dequantized
+    weights (tests/test_quantize.py's scheme); `--lora` with an adapter on the blocks' attention and FFN
+    projections and the face adapters' projections, against WanAnimatePipeline.load_lora_weights of the file."""
+    import re
+
+    from helpers import dequantized, diffusers_file
+
+    out = tmp_path / "run"
+    run_stage(stage1_text_encoder, stage1_argv(out, media))
+    targets = (
+        r"blocks\.\d+\.((attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)|ffn\.net\.(0\.proj|2))|face_adapter\.\d+\.to_[qkv]"
+    )
+    adapter = diffusers_file(tmp_path, "animate.safetensors", MODEL, seed=11, targets=targets)
+    for name, flags in {"quantized": ["--quantize", "int8_weight"], "adapter": ["--lora", str(adapter)]}.items():
+        argv = ["--input_dir", str(out), "--output_dir", str(tmp_path / name), "--executables", "off", *flags]
+        run_stage(stage2_transformer, argv)
+    plain, _ = reference(media)
+    quantized = animate_pipeline()
+    names = [
+        name
+        for name, module in quantized.transformer.named_modules()
+        if type(module) is torch.nn.Linear and re.match(r"(blocks|face_adapter)\.\d+\.", name)
+    ]
+    assert len([name for name in names if name.startswith("face_adapter")]) == 2 * 4  # q, k, v, out in each
+    for name in names:
+        parent, _, attribute = name.rpartition(".")
+        owner = quantized.transformer.get_submodule(parent)
+        setattr(owner, attribute, dequantized(getattr(owner, attribute), "int8_weight"))
+    with_adapter = animate_pipeline()
+    with_adapter.load_lora_weights(adapter)
+    for name, pipe in (("quantized", quantized), ("adapter", with_adapter)):
+        latents = read_tensors(tmp_path / name, read_config(tmp_path / name)["stage2"])["latents"]
+        expected, _ = reference(media, pipe=pipe)
+        for row, segment in enumerate(expected):
+            error = relative_error(latents[row : row + 1], segment[:, :, 1:])
+            assert error <= STAGES_TOLERANCE, (name, row)
+            assert relative_error(latents[row : row + 1], plain[row][:, :, 1:]) > 10 * error, (name, row)  # it acts
 
 
 @pytest.mark.parametrize(

@@ -125,7 +125,8 @@ class SegmentLoops:
         """The next segment's loop, conditioned on this one's decoded last frames."""
         self.done.append(latents)
         index = len(self.done)
-        start, end = index * (self.length - self.previous), index * (self.length - self.previous) + self.length
+        start = index * (self.length - self.previous)
+        end = start + self.length
         pipe, decoder = self.vae = self.vae or self._load_vae()
         replace = self.request.option("mode") == "replace"
         background, mask = (self.embeds[key][:, :, start:end] if replace else None for key in (BACKGROUND, MASK))

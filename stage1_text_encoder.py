@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Stage 1: encode the prompt and negative prompt with the pipeline's own text encoder(s), and the media
 inputs the model takes (image-to-video: `--image`, `--last_image`; Wan video-to-video: `--video`; Wan VACE:
-`--control_video`, `--mask`, `--reference_images`; LTX-2's keyframes and clips: `--condition`, placed by the
-ltx2 options `--condition_index` and `--condition_strength`) with its image encoder and VAE.
+`--control_video`, `--mask`, `--reference_images`; Wan Animate: `--image`, `--pose_video`, `--face_video`,
+`--background_video`, `--mask_video`; LTX-2's keyframes and clips: `--condition`, placed by the ltx2 options
+`--condition_index` and `--condition_strength`) with its image encoder and VAE.
 
 Writes stage1_embeddings.safetensors and starts a new generation_config.json holding the request. With
 `--prompts FILE` (or `--seeds` for one prompt) it writes one such folder per entry under --output_dir, and

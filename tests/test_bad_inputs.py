@@ -334,6 +334,7 @@ CASES = [
     s2("s2-dp-1.5", "argparse", ["--dp", "1.5"], "argument --dp: invalid int value: '1.5'"),
     s3("s3-backend-choice", "argparse", ["--backend", "jax"], "argument --backend: invalid choice: 'jax'"),
     s2("s2-stage1-flag", "argparse", ["--condition_strength", "0.5"], "--condition_strength is stage 1's"),
+    s2("s2-stage1-flag-prefix", "argparse", ["--mode", "replace"], "--mode is stage 1's"),  # begins --model
     s3("s3-stage1-flag", "argparse", ["--image", "IMAGE"], "--image is stage 1's (it changes what stage 1 encodes)"),
     s2("s2-threshold-minus-1", "nonsense", ["--cache", "magcache", "--cache_threshold=-1"], "must be greater than 0"),
     s2(

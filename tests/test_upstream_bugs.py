@@ -282,6 +282,42 @@ def test_jax_0_10_2_cpu_executables_from_the_compilation_cache_fail_when_loaded_
     assert workaround.returncode == 0 and float(workaround.stdout) == 512.0, workaround.stderr[-2000:]
 
 
+SAVED_QR = """
+import pickle, sys
+import jax, jax.numpy as jnp
+from jax.experimental import serialize_executable
+x = jnp.eye(4) + 1.0
+if sys.argv[1] == "save":
+    compiled = jax.jit(lambda x: jnp.linalg.qr(x)[0]).lower(x).compile()
+    pickle.dump(serialize_executable.serialize(compiled), open(sys.argv[2], "wb"))
+else:
+    if sys.argv[1] == "workaround":
+        from tpu_video.workarounds.jax import lapack_ready
+        lapack_ready()
+    payload, in_tree, out_tree = pickle.load(open(sys.argv[2], "rb"))
+    one = jax.devices()[:1]
+    compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree, execution_devices=one)
+    print(float(compiled(x)[0, 0]))
+"""
+
+
+def test_jax_0_10_2_a_saved_cpu_program_calling_lapack_crashes_when_run_in_a_new_process(tmp_path):
+    """A QR (Wan Animate's motion encoder) compiled, saved and loaded in a new process crashes when run, unless
+    jaxlib's LAPACK kernels were set up first. Workaround: workarounds.jax.lapack_ready, before the executable
+    store loads a program (tpu_video/runtime/executables.py)."""
+    script, saved = tmp_path / "qr.py", tmp_path / "qr.pkl"
+    script.write_text(SAVED_QR)
+
+    def python(*argv):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+        return subprocess.run([sys.executable, script, *argv, saved], capture_output=True, text=True, env=env)
+
+    assert python("save").returncode == 0
+    broken, workaround = python("load"), python("workaround")
+    assert broken.returncode == -11, (broken.returncode, broken.stderr[-2000:])  # SIGSEGV
+    assert workaround.returncode == 0 and abs(float(workaround.stdout) + 0.7559) < 1e-3, workaround.stderr[-2000:]
+
+
 def test_torchax_0_0_13_drops_in_place_updates_made_through_a_view():
     """diffusers' LTX-2 `apply_split_rotary_emb` writes both halves of its output with `addcmul_` on slices;
     under torchax the output keeps the unrotated values. Workaround: workarounds.torchax.split_rotary_emb

@@ -287,7 +287,7 @@ def test_animate_quantized_and_with_an_adapter_matches_the_pipeline_so_changed(t
         (["--segment_frame_length", 8], "--segment_frame_length 8 must be 4n+1"),
         (["--prev_segment_conditioning_frames", 2], "must be 1 or 5"),
         (["--prev_segment_conditioning_frames", 5], "must exceed twice --prev_segment_conditioning_frames 5"),
-        (["--num_frames", 1], "the pose video must have more frames than --prev_segment_conditioning_frames 1"),
+        (["--num_frames", 1], "1 frame(s) (--num_frames) must be more than --prev_segment_conditioning_frames 1"),
         (["--image", None], "is Wan Animate: give the character with --image PATH"),
     ],
     ids=["face-length", "replace-without-background", "background-when-animating", "segment-length",

@@ -67,6 +67,8 @@ class StageArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         unknown = message.removeprefix("unrecognized arguments: ").split() if "unrecognized" in message else []
+        if message.startswith("ambiguous option: "):  # another stage's flag that begins one of ours (--mode)
+            unknown = message.split()[2:3]
         owned = [self.elsewhere[flag.split("=")[0]] for flag in unknown if flag.split("=")[0] in self.elsewhere]
         print(f"error: {owned[0] if owned else message} (see {self.prog} --help)", file=sys.stderr, flush=True)
         sys.exit(2)

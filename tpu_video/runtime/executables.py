@@ -22,6 +22,7 @@ from pathlib import Path
 from tpu_video.cli import UserError, log
 from tpu_video.cli.folders import cache_root
 from tpu_video.runtime.program_key import digest
+from tpu_video.workarounds.jax import lapack_ready
 
 ENTRY_FORMAT = 1
 SUFFIX = ".executable"
@@ -92,6 +93,7 @@ class ExecutableStore:
                 raise ValueError("it is not an entry of this store's format for this key")
             if hashlib.sha256(entry["payload"]).hexdigest() != entry["payload_sha256"]:
                 raise ValueError("its bytes do not match their digest")
+            lapack_ready()  # a CPU program calling LAPACK crashes when run without it (workarounds/jax.py)
             executable = serialize_executable.deserialize_and_load(
                 entry["payload"], entry["in_tree"], entry["out_tree"], execution_devices=list(devices)
             )

@@ -147,9 +147,14 @@ def joined_segments(decode_one, latents: torch.Tensor, config: dict) -> torch.Te
         raise UserError(f"stage 2 recorded {joined['count']} segments; its latents hold {len(latents)}: rerun stage 2")
     pieces = [decode_one(latents[index : index + 1]) for index in range(joined["count"])]
     frames = torch.cat([pieces[0], *(piece[joined["overlap_frames"] :] for piece in pieces[1:])])
+    padding = (
+        f"; the last {len(frames) - joined['frames_kept']} pad the last segment"
+        if len(frames) > joined["frames_kept"]
+        else ""
+    )
     log(
         f"{joined['count']} segment(s) of {len(pieces[0])} frames decoded and joined: {len(frames)} frames, "
-        f"the first {joined['frames_kept']} kept (the video's; the rest pad the last segment)"
+        f"the first {joined['frames_kept']} kept (the pose video's{padding})"
     )
     return frames[: joined["frames_kept"]]
 

@@ -4,6 +4,8 @@
 - `coordination_client`: JAX has no public key-value API for its coordination service.
 - `without_compilation_cache`: an executable the persistent compilation cache returned (on CPU) saves
   into bytes that load in a new process but fail when run.
+- `lapack_ready`: a saved CPU program that calls LAPACK (a QR: Wan Animate's motion encoder) crashes when
+  loaded and run in a new process, unless jaxlib's LAPACK kernels were set up first.
 - Multi-host stage 2 turns JAX's preemption service off (tpu_video/runtime/distributed.py, `Processes.start`):
   it swallows SIGTERM in C++ and only logs it; tests/test_multihost.py shows a SIGTERM still stops a run.
 JAX is imported inside the functions, so importing this module needs no JAX.
@@ -71,3 +73,17 @@ def coordination_client():
     from jax._src import distributed
 
     return distributed.global_state.client
+
+
+def lapack_ready() -> None:
+    """Set up jaxlib's CPU LAPACK kernels, as lowering a linear-algebra op does, before a saved program runs.
+
+    JAX 0.10.2: jaxlib fills in its LAPACK function table (from scipy) only when a program using it is lowered
+    (jax._src.lax.linalg.initialize_lapack). A program loaded by the executable store in a new process skips
+    the lowering, and its first call of a LAPACK kernel crashes the process (SIGSEGV in
+    jax::QrFactorizationKernel, lapack_sgeqrf_ffi: Wan Animate's motion encoder runs torch.linalg.qr).
+    tests/test_upstream_bugs.py checks the crash still happens without this; delete this and its call in
+    tpu_video/runtime/executables.py once that canary fails."""
+    from jax._src.lax.linalg import initialize_lapack
+
+    initialize_lapack()

@@ -78,7 +78,7 @@ def check_request(source, request: Request) -> None:
         )
     if request.num_frames <= previous:
         raise UserError(
-            f"--num_frames {request.num_frames}: the pose video must have more frames than "
+            f"the pose video's {request.num_frames} frame(s) (--num_frames) must be more than "
             f"--prev_segment_conditioning_frames {previous}"
         )
 

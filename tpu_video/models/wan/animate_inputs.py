@@ -63,6 +63,10 @@ def encode(source, request: Request, inputs: dict[str, Any], runtime) -> dict[st
         f"Animate ({mode}): the character and {frames} pose frames (padded to {target}: {count} segment(s) of "
         f"{length}) VAE-encoded on the host CPU at {height}x{width}; the face frames resized to {face_size}x{face_size}"
     )
+    temporal = source.load_config("vae")["scale_factor_temporal"]
+    enough = (frames - 1 + temporal - 1) // temporal * temporal + 1  # the shortest 4n+1 segment holding them
+    if count == 1 and enough < length:
+        log(f"note: --segment_frame_length {enough} would hold the {frames} frames with less padding (less work)")
 
     def video(name, processor=pipe.video_processor, size=(height, width)):
         padded = pipe.pad_video_frames(inputs[name][:frames], target)

@@ -54,6 +54,7 @@ OPTIONS = (
         "Wan Animate: animate the --image character with the pose and face videos' motion, or replace the person "
         "of --background_video (where --mask_video is white) with it (default animate, the pipeline's)",
         choices=ANIMATE_MODES,
+        later=False,  # stage 1 encoded the inputs for it
         with_input="pose_video",
         input_default="animate",
     ),
@@ -61,6 +62,7 @@ OPTIONS = (
         "segment_frame_length",
         "int",
         f"Wan Animate: the frames the transformer denoises at once, 4n+1 (default {SEGMENT_FRAMES}, the pipeline's)",
+        later=False,  # stage 1 encoded the inputs for it
         with_input="pose_video",
         input_default=SEGMENT_FRAMES,
     ),
@@ -68,6 +70,7 @@ OPTIONS = (
         "prev_segment_conditioning_frames",
         "int",
         "Wan Animate: how many of a segment's last frames condition the next, 1 or 5 (default 1, the pipeline's)",
+        later=False,  # stage 1 encoded the inputs for it
         with_input="pose_video",
         input_default=1,
     ),

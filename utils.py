@@ -261,12 +261,7 @@ def stage2_normalization(stage2: dict[str, Any], vae_scaling_factor: Callable[[]
 REQUEST_OPTIONS = (
     Option("height", "int", "video height in pixels"),
     Option("width", "int", "video width in pixels"),
-    Option(
-        "num_frames",
-        "int",
-        "frames (8n+1: CogVideoX, LTX-2; 4n+1: HunyuanVideo-1.5, Wan; LTX-2.5: its guess; Wan Animate: any, the "
-        "pose video's)",
-    ),
+    Option("num_frames", "int", "frames (8n+1: CogVideoX, LTX-2; 4n+1: HunyuanVideo-1.5, Wan; LTX-2.5: its guess)"),
     Option("fps", "int", "frames per second of the mp4"),
     Option("num_inference_steps", "int", "denoising steps"),
     Option(

@@ -340,6 +340,23 @@ def dequantized(linear: torch.nn.Linear, scheme: str) -> torch.nn.Linear:
     return linear
 
 
+def dequantize_linears(transformer: torch.nn.Module, pattern: str, scheme: str) -> list[str]:
+    """Every torch.nn.Linear of `transformer` whose name matches `pattern` (re.match) given the scheme's
+    dequantized weights in place (a pipeline's reference for a quantized run); their names."""
+    import re
+
+    names = [
+        name
+        for name, module in transformer.named_modules()
+        if type(module) is torch.nn.Linear and re.match(pattern, name)
+    ]
+    for name in names:
+        parent, _, attribute = name.rpartition(".")
+        owner = transformer.get_submodule(parent)
+        setattr(owner, attribute, dequantized(getattr(owner, attribute), scheme))
+    return names
+
+
 def ltx2_reference(model, config: dict, output_type: str, adapters=(), **arguments):
     """LTX-2's pipeline's (video, audio) for the folder's request (prompts, seed, size), with LoRA `adapters`
     ((file, scale), ...) loaded its own way (load_lora_weights, set_adapters). `model`: a preset's name, or

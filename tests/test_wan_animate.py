@@ -242,9 +242,7 @@ def test_animate_quantized_and_with_an_adapter_matches_the_pipeline_so_changed(t
     linear of the blocks and the face adapters, against the pipeline whose linears hold the same dequantized
     weights (tests/test_quantize.py's scheme); `--lora` with an adapter on the blocks' attention and FFN
     projections and the face adapters' projections, against WanAnimatePipeline.load_lora_weights of the file."""
-    import re
-
-    from helpers import dequantized, diffusers_file
+    from helpers import dequantize_linears, diffusers_file
 
     out = tmp_path / "run"
     run_stage(stage1_text_encoder, stage1_argv(out, media))
@@ -257,16 +255,8 @@ def test_animate_quantized_and_with_an_adapter_matches_the_pipeline_so_changed(t
         run_stage(stage2_transformer, argv)
     plain, _ = reference(media)
     quantized = animate_pipeline()
-    names = [
-        name
-        for name, module in quantized.transformer.named_modules()
-        if type(module) is torch.nn.Linear and re.match(r"(blocks|face_adapter)\.\d+\.", name)
-    ]
+    names = dequantize_linears(quantized.transformer, r"(blocks|face_adapter)\.\d+\.", "int8_weight")
     assert len([name for name in names if name.startswith("face_adapter")]) == 2 * 4  # q, k, v, out in each
-    for name in names:
-        parent, _, attribute = name.rpartition(".")
-        owner = quantized.transformer.get_submodule(parent)
-        setattr(owner, attribute, dequantized(getattr(owner, attribute), "int8_weight"))
     with_adapter = animate_pipeline()
     with_adapter.load_lora_weights(adapter)
     for name, pipe in (("quantized", quantized), ("adapter", with_adapter)):

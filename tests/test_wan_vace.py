@@ -134,9 +134,7 @@ def test_vace_quantized_and_with_an_adapter_matches_the_pipeline_so_changed(tmp_
     too), against the pipeline whose linears hold the same dequantized weights (tests/test_quantize.py's
     scheme); `--lora` with an adapter on both lists of blocks' attention and FFN projections, against
     WanVACEPipeline.load_lora_weights of the same file."""
-    import re
-
-    from helpers import dequantized, diffusers_file
+    from helpers import dequantize_linears, diffusers_file
 
     out = tmp_path / "run"
     stage1(out, media, "--control_video", media / "control.mp4", "--reference_images", media / "ref1.png")
@@ -151,17 +149,9 @@ def test_vace_quantized_and_with_an_adapter_matches_the_pipeline_so_changed(tmp_
     plain = reference(media, "latent", **call)[:, :, 1:]
 
     quantized = vace_pipeline()
-    names = [
-        name
-        for name, module in quantized.transformer.named_modules()
-        if type(module) is torch.nn.Linear and re.match(r"(vace_)?blocks\.", name)
-    ]
+    names = dequantize_linears(quantized.transformer, r"(vace_)?blocks\.", "int8_weight")
     vace = [name for name in names if name.startswith("vace_blocks")]
     assert len(vace) == 2 * (10 + 1) + 1  # attention and FFN, proj_out in each, proj_in in the first
-    for name in names:
-        parent, _, attribute = name.rpartition(".")
-        owner = quantized.transformer.get_submodule(parent)
-        setattr(owner, attribute, dequantized(getattr(owner, attribute), "int8_weight"))
     with_adapter = vace_pipeline()
     with_adapter.load_lora_weights(adapter)
     for name, pipe in (("quantized", quantized), ("adapter", with_adapter)):

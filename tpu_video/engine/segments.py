@@ -17,11 +17,15 @@ DenoiseLoop = Any  # a denoise.DenoiseLoop (not imported: denoise.py imports thi
 FINISHED = "segments.finished."  # carry keys: the latents of each loop before this one
 
 
+def _restored(guard) -> dict:
+    """The tensors of the guard's restored checkpoint (none without one)."""
+    return guard.restored[1] if guard is not None and guard.restored is not None else {}
+
+
 def position(guard) -> int:
     """How many of a video's loops its restored checkpoint (if any) had finished: videos resume together only at
     the same loop and step."""
-    state = guard.restored[1] if guard is not None and guard.restored is not None else {}
-    return sum(key.startswith(FINISHED) for key in state)
+    return sum(key.startswith(FINISHED) for key in _restored(guard))
 
 
 def resumed(loops: list[DenoiseLoop], guards: list) -> tuple[list[DenoiseLoop], list[list[torch.Tensor]]]:
@@ -30,7 +34,7 @@ def resumed(loops: list[DenoiseLoop], guards: list) -> tuple[list[DenoiseLoop], 
     rebuilt, finished = [], []
     for loop, guard in zip(loops, guards, strict=True):
         done: list[torch.Tensor] = []
-        state = guard.restored[1] if guard is not None and guard.restored is not None else {}
+        state = _restored(guard)
         while f"{FINISHED}{len(done)}" in state:
             done.append(state[f"{FINISHED}{len(done)}"])
             loop = loop.then(done[-1])

@@ -93,6 +93,7 @@ class SegmentLoops:
         `decoder(vae)`: the family's decoder of stage-2 latents (pipeline.Decoder, with their normalisation)."""
         self.source, self.request, self.embeds, self.dtype, self.do_cfg = source, request, embeds, dtype, do_cfg
         self.generator, self.pipeline, self.decoder = generator, pipeline, decoder
+        self.noise = pipeline()  # its prepare_latents draws each segment's noise
         self.length, self.previous = segment_options(request)
         self.count = segment_count(request)[0]
         self.done: list[torch.Tensor] = []  # the finished segments' final latents
@@ -117,7 +118,7 @@ class SegmentLoops:
             (torch.cat([face, face * 0 - 1]) if self.do_cfg else face, BATCH),  # the pipeline's blank face
         ]
         sizes = (1, self.source.load_config("vae")["z_dim"], self.request.height, self.request.width, self.length)
-        noise = self.pipeline().prepare_latents(*sizes, NOISE_DTYPE, "cpu", self.generator)
+        noise = self.noise.prepare_latents(*sizes, NOISE_DTYPE, "cpu", self.generator)
         loop = self.make(inputs, noise)
         return dataclasses.replace(loop, then=self._next if index + 1 < self.count else None)
 

@@ -17,6 +17,7 @@ from tpu_video.cli import UserError, log
 from utils import Request
 
 from .animate import BACKGROUND, CHARACTER, CONDITION, FACE, MASK, POSE, latent_frames, segment_count, segment_options
+from .config import stock_pipeline
 
 
 def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
@@ -40,8 +41,6 @@ def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
 
 def encode(source, request: Request, inputs: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
     """The pipeline's conditioning, by its own methods, in float32 on the host CPU."""
-    from diffusers import WanAnimatePipeline
-
     from tpu_video.engine.encoders import DeviceImageEncoder
     from tpu_video.engine.meta import meta_module
 
@@ -49,11 +48,9 @@ def encode(source, request: Request, inputs: dict[str, Any], runtime) -> dict[st
     count, target = segment_count(request)
     mode = request.option("mode") or "animate"
     height, width, frames = request.height, request.width, request.num_frames
-    pipe = WanAnimatePipeline(
-        tokenizer=None,
-        text_encoder=None,
+    pipe = stock_pipeline(
+        source,
         vae=source.load("vae", dtype=torch.float32).eval(),
-        scheduler=None,
         image_processor=source.load("image_processor"),
         image_encoder=DeviceImageEncoder(source.load("image_encoder", dtype=torch.float32).eval(), runtime),
         transformer=meta_module(source, "transformer", torch.float32),  # the pipeline reads its patch and face sizes

@@ -283,7 +283,7 @@ def test_stage1_torchax_backend_equals_torch_backend(tmp_path, model, prompt):
     [
         ("tiny-cogvideox-i2v", 1),  # the VAE encode of the image
         ("tiny-hunyuanvideo15-i2v", 2),  # SigLIP and the VAE encode
-        ("tiny-wan2.1-i2v", 1),  # CLIP; the condition video's VAE encode stays on the host
+        ("tiny-wan2.1-i2v", 2),  # CLIP; the condition video's VAE encode, 4 frames per call
         ("tiny-wan2.2-ti2v", 1),  # the Wan 2.2 VAE encode of the image
     ],
 )

@@ -16,6 +16,7 @@ from tpu_video import models
 from tpu_video.engine.decode import LATENTS_WIDTH_SPLIT, decode
 from tpu_video.engine.meta import meta_module
 from tpu_video.models.wan import vae as wan_vae
+from tpu_video.models.wan import vae_encode as wan_vae_encode
 from tpu_video.runtime import placement
 from tpu_video.runtime.interface import Timer, TorchRuntime
 from tpu_video.runtime.torchax_runtime import TorchaxRuntime
@@ -59,12 +60,60 @@ def test_cache_layout_is_the_same_after_the_second_frame():
     source, _ = models.resolve_model("Wan-AI/Wan2.1-T2V-14B-Diffusers", configs_only=True)
     vae = meta_module(source, "vae", torch.bfloat16)
     frame = torch.zeros(1, 16, 1, 60, 104, dtype=torch.bfloat16, device="meta")
-    layout = wan_vae.cache_layout(vae, frame)
+    layout = wan_vae.decoder_layout(vae, frame)
     assert layout[0][0] == (None,) * len(layout[0][0]) and wan_vae.REP in layout[1][0]
     cache: list = [None] * len(layout[0][0])
     for index in range(4):
         vae.decoder(vae.post_quant_conv(frame), feat_cache=cache, feat_idx=[0], first_chunk=index == 0)
     assert wan_vae._slot_kinds(cache) == layout[2][0] and wan_vae.REP not in layout[2][0]
+
+
+@pytest.mark.parametrize("model", ["Wan-AI/Wan2.1-T2V-14B-Diffusers", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"])
+def test_encoder_cache_is_the_same_after_the_second_chunk(model):
+    """What the encoder's three programs rest on (vae_encode.py): from the second call on, the stock encoder's
+    cache has tensors in the same slots, and from the third on of the same shapes (a fourth call on the meta
+    device sees what the third saw), where the second call's differ (one frame in a causal convolution's slot,
+    not two)."""
+    source, _ = models.resolve_model(model, configs_only=True)
+    vae = meta_module(source, "vae", torch.bfloat16)
+    layout = wan_vae_encode.encoder_layout(vae, (1, 3, 81, 64, 96))
+    assert layout[0][0] == (None,) * len(layout[0][0]) and "tensor" in layout[1][0] and layout[1][0] == layout[2][0]
+    shapes = [[tensor.shape for tensor in tensors] for _, tensors in layout]
+    assert shapes[1] != shapes[2]
+    chunk = torch.zeros(1, 3, wan_vae_encode.ENCODE_FRAMES, 64, 96, dtype=torch.bfloat16, device="meta")
+    if vae.config.patch_size is not None:
+        from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
+
+        chunk = patchify(chunk, patch_size=vae.config.patch_size)
+    cache = list(layout[2][1])
+    vae.encoder(chunk, feat_cache=cache, feat_idx=[0])
+    assert [tensor.shape for tensor in cache] == shapes[2]
+
+
+@pytest.mark.parametrize("preset, mesh", [("tiny-wan2.1", (2, 2, 2)), ("tiny-wan2.2-ti2v", (1, 1, 1))])
+def test_coder_programs_equal_the_stock_encode_and_decode(preset, mesh):
+    """Wan Animate's work between segments (wan/vae.py: coder_programs, one VAE placed for both): a video's
+    encode one chunk of frames per call (the first frame, then 4 at a time: first, second, steady twice; the
+    13th frame left out as the stock encode leaves it) equals `vae.encode`'s posterior, and the decode its
+    `decode`, fp32, 1e-5 relative; on stage 2's dp/sp/tp mesh the pixels split along width over all 8 devices
+    (48 columns; the 3 latent ones kept whole), on one device whole; the Wan 2.2 VAE patchifies first."""
+    from tpu_video.engine.decode import split_over_mesh
+
+    source, family = models.resolve_model(preset)
+    vae = source.load("vae", dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(5)
+    pixels = torch.rand(1, 3, 14, 32, 48, generator=generator) * 2 - 1
+    latents = torch.randn(1, vae.config.z_dim, 3, 2, 3, generator=generator)
+    decoder = family.Decoder(vae, family.latents_normalization(source))
+    with torch.no_grad():
+        expected_posterior = vae.encode(pixels).latent_dist.parameters
+        expected_video = decoder(latents)
+    runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(*mesh)))
+    layout = split_over_mesh(pixels.shape, runtime.mesh)
+    decode, encode = wan_vae_encode.coder_programs(source, decoder, latents.shape, pixels.shape, runtime, layout)
+    assert relative_error(encode(pixels), expected_posterior) <= TOLERANCE
+    assert relative_error(decode(latents), expected_video) <= TOLERANCE
+    assert len(runtime.placements) == 1
 
 
 @pytest.fixture(scope="module")

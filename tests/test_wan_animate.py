@@ -294,3 +294,37 @@ def test_bad_animate_requests_are_refused_before_loading(capsys, tmp_path, media
             argv += [flag, str(media / value) if str(value).endswith(".mp4") else str(value)]
     expect_user_error(capsys, stage1_text_encoder, argv, message)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_plan_between_segments_compiles_each_program_a_segment_calls():
+    """`--plan`'s view of the work between segments (wan/vae.py: coder_plan; planning/between_loops.py): the six
+    programs compile from the planned meta inputs on stage 2's 8-device mesh (XLA:CPU here: the TPU compiler's
+    rows for the 14B are in docs/planning.md), each program beside the step's arguments, with the calls one
+    77-frame segment makes (20 latent frames: 1, 1, 18; encoded as 1 frame then 19 chunks of 4)."""
+    import functools
+    from types import SimpleNamespace
+
+    from tpu_video.engine.decode import split_over_mesh
+    from tpu_video.engine.meta import meta_module
+    from tpu_video.planning.between_loops import plan_between_loops
+    from tpu_video.planning.plan import Compiled, compile_module
+    from tpu_video.planning.tpus import parse_target
+
+    source, family = models.resolve_model(MODEL)
+    runtime = TorchaxRuntime(placement.make_mesh(sharding.MeshShape(2, 2, 2)))
+    decoder = family.Decoder(meta_module(source, "vae", torch.float32), family.latents_normalization(source))
+    latents_shape, pixels_shape = (1, 16, 20, 4, 16), (1, 3, 77, 32, 128)
+    layout = split_over_mesh(latents_shape, runtime.mesh)
+    module, inputs, calls = wan.vae_encode.coder_plan(decoder, latents_shape, pixels_shape, runtime, layout)
+    loop = SimpleNamespace(between_plan=lambda runtime: (module, inputs, calls, wan.animate.VAE_ATTENTION))
+    step = Compiled(seconds=0.0, memory={"arguments": 3 * 2**30})
+    compiling = functools.partial(
+        compile_module, rules=sharding.REPLICATED_TABLE, mesh=runtime.mesh, env=runtime.env
+    )  # as stage 2's plan compiles them (planning/plan.py: plan_stage2)
+    report = plan_between_loops(loop, runtime, parse_target("v6e-8"), step, compiling)
+    assert report["calls"] == {
+        "first": 1, "second": 1, "steady": 18, "encode_first": 1, "encode_second": 1, "encode_steady": 18
+    }  # fmt: skip
+    assert report["fits"] and report["resident_bytes"] == 3 * 2**30
+    assert all(need > 3 * 2**30 for need in report["hbm_bytes_per_program"].values())
+    assert report["flops_per_device"] > 0

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from sharding import DP, SP
+from sharding import AXES, DP, SP
 from tpu_video.runtime.interface import Runtime, Timer, TorchRuntime
 
 # Stage 3: (B, C, F, H, W) latents split along width over the mesh's `sp` axis, or along height; or
@@ -33,6 +33,15 @@ def latents_split(shape, devices: int) -> tuple[str | None, tuple]:
     if shape[-2] % devices == 0:
         return "height", LATENTS_HEIGHT_SPLIT
     return (UNEVEN_WIDTH if shape[-1] >= devices else None), LATENTS_WIDTH_SPLIT
+
+
+def split_over_mesh(shape, mesh) -> tuple:
+    """`latents_split`'s layout over every device of a dp/sp/tp mesh (stage 2's, decoding and encoding Wan
+    Animate's segments): the split dimension over all three axes."""
+    if mesh is None:
+        return ()
+    _, layout = latents_split(shape, mesh.devices.size)
+    return tuple(AXES if axis == SP else axis for axis in layout)
 
 
 def decode(
@@ -86,9 +95,9 @@ def frame_batches(frames: int, size: int) -> list[tuple[int, int]]:
 
 
 def decode_in_chunks(programs, names: list[str], spans: list[tuple[int, int]], latents, runtime, layout):
-    """Stage 3's host loop over frame chunks (the families' frame programs): chunk i, latent frames
-    `spans[i]`, through the program `names[i]` with the state the previous call returned; the video
-    (B, 3, frames, H, W) on the host."""
+    """The host loop over frame chunks (the families' frame programs; Wan's encoder programs): chunk i, frames
+    `spans[i]` of `latents`, through the program `names[i]` with the state the previous call returned; the
+    outputs joined along frames on the host (stage 3: the video (B, 3, frames, H, W))."""
     pieces, state = [], ()
     for name, (start, end) in zip(names, spans, strict=True):
         inputs = runtime.to_device(latents[:, :, start:end].contiguous(), layout)

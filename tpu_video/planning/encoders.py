@@ -188,8 +188,8 @@ def plan_stage1(family, source, request, inputs: dict, dtype: torch.dtype, targe
     fields = {"programs": [program["name"] for program in programs], "largest_program": largest["name"]}
     if planning.stand_ins:
         fields["stand_ins"] = {component: f"{preset}'s tokenizer" for component, preset in planning.stand_ins.items()}
-    if inputs and not images_planned:  # a run's image encoder and VAE encodes then run on the host's CPU too
-        fields["images"] = "not planned: this model encodes its images or video partly on the host CPU"
+    if inputs and not images_planned:  # the family's inputs_on_runtime says this plan cannot run its encodes
+        fields["images"] = "not planned: this plan does not compile this model's image or video encodes yet"
     report = base_report(1, target, mesh, request, dtype, largest["compiled"], **fields)
     report["compile_seconds"] = round(sum(program["compiled"].seconds for program in programs), 1)
     report["hbm_bytes_per_device"]["other_encoders_weights"] = resident - largest["weights"]

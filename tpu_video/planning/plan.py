@@ -10,6 +10,7 @@ Nothing about a TPU in this repository is claimed without this compiler.
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import jax
 import torch
 from jax.sharding import Mesh
 
-from sharding import TP
+from sharding import REPLICATED_TABLE, TP
 from tpu_video.attention.plan import AttentionPlan
 from tpu_video.engine.meta import attention_heads, meta_module, meta_transformers, weight_facts
 from tpu_video.engine.settings import NO_QUANTIZATION, Quantization
@@ -337,6 +338,12 @@ def plan_stage2(
     if cache != "none":
         report["step_cache"] = _cached_step_report(cache, target, cached, cached_calls)
         report["fits"] = report["fits"] and report["step_cache"]["fits"]
+    if loop.between_plan is not None:  # Wan Animate's VAE between segments
+        from tpu_video.planning.between_loops import plan_between_loops
+
+        compiling = functools.partial(compile_module, rules=REPLICATED_TABLE, mesh=mesh, env=runtime.env, store=store)
+        report["between_loops"] = plan_between_loops(loop, runtime, target, full, compiling)
+        report["fits"] = report["fits"] and report["between_loops"]["fits"]
     return report
 
 
@@ -380,7 +387,7 @@ def plan_stage3(
     as the family's frame programs; the report as a dict. The latents' shape comes from the family's own
     stage-2 loop (built around a one-block meta transformer), so it is the shape stage 2 writes. `rows` > 1
     (benchmarks/vae_split.py): height split `rows` ways and width the rest, on a rows x devices/rows mesh."""
-    from sharding import REPLICATED_TABLE, MeshShape
+    from sharding import MeshShape
     from tpu_video.engine.decode import LATENTS_GRID_SPLIT, UNEVEN_WIDTH, latents_split
     from tpu_video.runtime.torchax_runtime import TorchaxRuntime
 
@@ -422,8 +429,6 @@ def _plan_frame_programs(
 ):
     """Stage 3 in frame chunks (the family's frame programs, as `--backend torchax` runs them): each program
     the video calls compiled; memory is the largest program's, the lower bound adds every call."""
-    from sharding import REPLICATED_TABLE
-
     module, inputs, calls = family.frame_plan(source, decoder, latents.shape, runtime, layout, fields["chunk_frames"])
     calls = {name: count for name, count in calls.items() if count}
     compiled = {

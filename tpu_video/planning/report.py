@@ -130,3 +130,16 @@ def print_report(report: dict[str, Any]) -> None:
             )
         else:
             print(f"  cached step ({cached['kind']}): does not fit, needs {gib(memory['total'])}")
+    between = report.get("between_loops")
+    if between and "hbm_bytes_per_program" in between:
+        sizes = ", ".join(
+            f"{name} x{between['calls'][name]} {gib(size)}" for name, size in between["hbm_bytes_per_program"].items()
+        )
+        verdict = "fits" if between["fits"] else "does NOT fit"
+        print(
+            f"  between segments (the VAE's decode and encode in fp32), HBM per device with the step's arguments: "
+            f"{sizes}; {verdict}; at least {between['seconds_lower_bound']:.3g} s per segment at peak bf16"
+        )
+    elif between:
+        needs = gib(between["hbm_bytes_per_device"])
+        print(f"  between segments (the VAE's decode and encode): does NOT fit, needs {needs}")

@@ -36,9 +36,7 @@ def fit_spec(layout: Layout | PartitionSpec, shape: Sequence[int], mesh: Mesh) -
     dimension is then replicated."""
     fitted = []
     for dim, axes in zip(shape, tuple(layout) + (None,) * (len(shape) - len(layout)), strict=False):
-        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        size = math.prod(mesh.shape[name] for name in names)
-        fitted.append(axes if names and dim % size == 0 else None)
+        fitted.append(axes if axes and dim % axes_size(mesh, axes) == 0 else None)
     return P(*fitted)
 
 
@@ -233,7 +231,12 @@ def constraint_spec(layout: Layout | PartitionSpec, shape: Sequence[int], mesh: 
     if not uneven:
         return fit_spec(layout, shape, mesh)
     dims = zip(shape, tuple(layout), strict=False)  # a spec may name fewer dimensions than the tensor has
-    return P(*(axes if axes is None or dim >= mesh.shape[axes] else None for dim, axes in dims))
+    return P(*(axes if axes is None or dim >= axes_size(mesh, axes) else None for dim, axes in dims))
+
+
+def axes_size(mesh: Mesh, axes: str | Sequence[str]) -> int:
+    """The devices along one mesh axis or a tuple of them."""
+    return math.prod(mesh.shape[name] for name in ((axes,) if isinstance(axes, str) else axes))
 
 
 def constrain(tensor: torch.Tensor, mesh: Mesh, layout: Layout, uneven: bool = False) -> torch.Tensor:

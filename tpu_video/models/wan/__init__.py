@@ -14,6 +14,7 @@ video-to-video, VACE (`WanVACEPipeline`) and Animate (`WanAnimatePipeline`): the
   (`--control_video`, `--mask`, `--reference_images`, `--conditioning_scale`); `animate`: Animate's segments
   and guided call, `animate_inputs`: its stage 1 (`--image`, `--pose_video`, `--face_video`, `--mode`, ...);
 - `vae`: stage 3's frame programs (one latent frame per call, the stock decode's cache carried);
+  `vae_encode`: whole videos encoded the same way (stage 1's encodes, Animate's VAE between segments);
 - `presets`: the tiny random presets' components; `published`: the published checkpoints' configs for `--plan`.
 """
 

@@ -8,8 +8,9 @@ order: each from its own noise with one latent frame more (the character's) and 
 (the character's latents, then the segment's condition latents) concatenated on channels every step, the
 unconditional branch with the face blanked to -1 (the pipeline's guidance, off at its default scale 1). Between
 two segments it decodes the one just made and VAE-encodes its last frames (in `replace` mode followed by the
-background) as the next one's condition: stage 2 does that on the host CPU in float32, as the pipeline's example
-runs its VAE (`SegmentLoops`; tpu_video/engine/segments.py runs the segments and keeps them in checkpoints). Stage 2
+background) as the next one's condition: stage 2 does that on its own devices in float32, as the pipeline's example
+runs its VAE, one frame chunk per program call (`SegmentLoops`, wan/vae.py's `coder_programs`;
+tpu_video/engine/segments.py runs the segments and keeps them in checkpoints). Stage 2
 writes every segment's latents without the character's frame, one per row of `latents`; stage 3 decodes them one
 by one, drops each later segment's first frames (the previous ones' repeated) and keeps the pose video's length.
 """
@@ -22,11 +23,15 @@ from typing import Any
 
 import torch
 
+from tpu_video.attention.plan import AttentionPlan
 from tpu_video.cli import UserError, log
+from tpu_video.engine.decode import split_over_mesh
 from tpu_video.engine.denoise import NOISE_DTYPE
 from tpu_video.engine.guidance import BATCH, cfg_combination
+from tpu_video.engine.meta import meta_module
 from utils import Request
 
+from . import vae_encode
 from .declarations import SEGMENT_FRAMES
 from .transformer import GuidedTransformer, spans_after
 
@@ -34,6 +39,8 @@ from .transformer import GuidedTransformer, spans_after
 # condition; every segment's pose latents (one per row); the padded face, background and mask videos' pixels.
 CHARACTER, CONDITION, POSE, FACE = "animate_character", "animate_condition", "pose_latents", "face_pixels"
 BACKGROUND, MASK = "background_pixels", "mask_pixels"
+VAE_ATTENTION = AttentionPlan("xla")  # the VAE's one-head attention over a frame's pixels: plain, as in stage 3
+_CODER: dict = {}  # the VAE's programs between segments, placed once (SegmentLoops._coder)
 DEFAULTS = {"height": 720, "width": 1280, "fps": 30, "num_inference_steps": 20, "guidance_scale": 1.0}
 
 
@@ -88,17 +95,17 @@ class SegmentLoops:
     loop over a fresh scheduler), built as the one before finishes (`DenoiseLoop.then`), and stage 2's tensors
     from all of them."""
 
-    def __init__(self, source, request: Request, embeds: dict, dtype, do_cfg: bool, generator, pipeline, decoder):
+    def __init__(self, source, request: Request, embeds, dtype, do_cfg: bool, generator, pipeline, decoder, runtime):
         """`pipeline(**components)`: the source's pipeline object holding those (config.stock_pipeline);
-        `decoder(vae)`: the family's decoder of stage-2 latents (pipeline.Decoder, with their normalisation)."""
+        `decoder(vae)`: the family's decoder of stage-2 latents (pipeline.Decoder, with their normalisation);
+        `runtime`: stage 2's, where the work between segments runs too."""
         self.source, self.request, self.embeds, self.dtype, self.do_cfg = source, request, embeds, dtype, do_cfg
-        self.generator, self.pipeline, self.decoder = generator, pipeline, decoder
+        self.generator, self.pipeline, self.decoder, self.runtime = generator, pipeline, decoder, runtime
         self.noise = pipeline()  # its prepare_latents draws each segment's noise
         self.length, self.previous = segment_options(request)
         self.count = segment_count(request)[0]
         self.done: list[torch.Tensor] = []  # the finished segments' final latents
         self.make = None
-        self.vae = None  # (the pipeline, the decoder) on the host, loaded for the first segment after the first
 
     def first(self, make) -> Any:
         self.make = make
@@ -120,7 +127,7 @@ class SegmentLoops:
         sizes = (1, self.source.load_config("vae")["z_dim"], self.request.height, self.request.width, self.length)
         noise = self.noise.prepare_latents(*sizes, NOISE_DTYPE, "cpu", self.generator)
         loop = self.make(inputs, noise)
-        return dataclasses.replace(loop, then=self._next if index + 1 < self.count else None)
+        return dataclasses.replace(loop, then=self._next if index + 1 < self.count else None, between_plan=self._plan)
 
     def _next(self, latents: torch.Tensor):
         """The next segment's loop, conditioned on this one's decoded last frames."""
@@ -128,22 +135,49 @@ class SegmentLoops:
         index = len(self.done)
         start = index * (self.length - self.previous)
         end = start + self.length
-        pipe, decoder = self.vae = self.vae or self._load_vae()
+        segment = latents[:, :, 1:]  # the character's frame dropped, as the pipeline decodes
+        pipe, decode = self._coder()
         replace = self.request.option("mode") == "replace"
         background, mask = (self.embeds[key][:, :, start:end] if replace else None for key in (BACKGROUND, MASK))
-        log(f"Animate: segment {index} of {self.count} decoded, its last {self.previous} frame(s) encoded (host CPU)")
-        with torch.no_grad():
-            frames = decoder(latents[:, :, 1:])
+        log(f"Animate: segment {index} of {self.count} decoded, its last {self.previous} frame(s) encoded")
+        with torch.no_grad(), self.runtime.attention(VAE_ATTENTION), self.runtime.precision(torch.float32):
+            frames = decode(segment)
             condition = pipe.prepare_prev_segment_cond_latents(
                 frames[:, :, -self.previous :], background, mask, 1, self.length, start, self.request.height,
                 self.request.width, self.previous, "replace" if replace else "animate", device="cpu",
             )  # fmt: skip
         return self._loop(index, condition)
 
-    def _load_vae(self):
-        """The pipeline (for its condition encode) and the decoder, with the VAE in float32 on the host."""
-        vae = self.source.load("vae", dtype=torch.float32).eval()
-        return self.pipeline(vae=vae), self.decoder(vae)
+    def _shapes(self) -> tuple[tuple, tuple]:
+        """(a segment's latents without the character's frame, its pixels), one video's."""
+        vae = self.source.load_config("vae")
+        spatial, height, width = vae["scale_factor_spatial"], self.request.height, self.request.width
+        frames = latent_frames(self.source, self.request) - 1
+        return (1, vae["z_dim"], frames, height // spatial, width // spatial), (1, 3, self.length, height, width)
+
+    def _coder(self):
+        """The pipeline (its condition encode) holding a stand-in VAE whose encode runs on the runtime, and the
+        decode on the runtime: wan/vae.py's programs with the VAE in float32 (as the pipeline's example loads
+        it), the frames split over every device. Placed once per runtime and segment size: a batch's videos
+        share it (`_CODER`)."""
+        latents_shape, pixels_shape = self._shapes()
+        key = (self.runtime, self.source.location, latents_shape, pixels_shape)
+        if _CODER.get("key") != key:
+            _CODER.clear()
+            layout = split_over_mesh(latents_shape, getattr(self.runtime, "mesh", None))
+            vae = self.source.load("vae", dtype=torch.float32).eval()
+            decode, encode = vae_encode.coder_programs(
+                self.source, self.decoder(vae), latents_shape, pixels_shape, self.runtime, layout
+            )
+            _CODER.update(key=key, coder=(self.pipeline(vae=vae_encode.ChunkedEncoder(vae, encode)), decode))
+        return _CODER["coder"]
+
+    def _plan(self, runtime):
+        """`DenoiseLoop.between_plan`: the decode and encode between two segments, as `_coder` builds them."""
+        latents_shape, pixels_shape = self._shapes()
+        decoder = self.decoder(meta_module(self.source, "vae", torch.float32))
+        layout = split_over_mesh(latents_shape, runtime.mesh)
+        return (*vae_encode.coder_plan(decoder, latents_shape, pixels_shape, runtime, layout), VAE_ATTENTION)
 
     def finish(self, latents: torch.Tensor, record: dict) -> tuple[dict, dict]:
         """Every segment's latents without the character's frame, one per row, and how stage 3 joins them."""

@@ -1,6 +1,6 @@
-"""Wan Animate's stage 1 (animate.py has the rest): its inputs checked before any weights load, and the
-pipeline's own preprocessing and encodes, in float32 on the host CPU as its example loads the VAE (the CLIP
-encoder runs on the runtime): the character's CLIP tokens (`image_embeds`, its next-to-last layer), the
+"""Wan Animate's stage 1 (animate.py has the rest): its inputs checked before any weights load, and the pipeline's
+own preprocessing and encodes, in float32 as its example loads the VAE, on stage 1's runtime (the VAE one chunk of
+frames per program call: vae_encode.py): the character's CLIP tokens (`image_embeds`, its next-to-last layer), the
 character resized to the request (the pipeline's fill) and VAE-encoded behind the image-to-video mask, the first
 segment's condition latents behind theirs (zeros in `animate` mode; in `replace` mode the background, with the
 inverted mask on the latent grid), every segment's pose latents, and the padded face video's pixels at the motion
@@ -18,6 +18,7 @@ from utils import Request
 
 from .animate import BACKGROUND, CHARACTER, CONDITION, FACE, MASK, POSE, latent_frames, segment_count, segment_options
 from .config import stock_pipeline
+from .vae_encode import device_encoder
 
 
 def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
@@ -40,7 +41,7 @@ def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:
 
 
 def encode(source, request: Request, inputs: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
-    """The pipeline's conditioning, by its own methods, in float32 on the host CPU."""
+    """The pipeline's conditioning, by its own methods, in float32 (the VAE and CLIP on `runtime`)."""
     from tpu_video.engine.encoders import DeviceImageEncoder
     from tpu_video.engine.meta import meta_module
 
@@ -48,9 +49,10 @@ def encode(source, request: Request, inputs: dict[str, Any], runtime) -> dict[st
     count, target = segment_count(request)
     mode = request.option("mode") or "animate"
     height, width, frames = request.height, request.width, request.num_frames
+    vae = source.load("vae", dtype=torch.float32).eval()
     pipe = stock_pipeline(
         source,
-        vae=source.load("vae", dtype=torch.float32).eval(),
+        vae=device_encoder(source, vae, runtime, request.height, request.width),
         image_processor=source.load("image_processor"),
         image_encoder=DeviceImageEncoder(source.load("image_encoder", dtype=torch.float32).eval(), runtime),
         transformer=meta_module(source, "transformer", torch.float32),  # the pipeline reads its patch and face sizes
@@ -58,7 +60,7 @@ def encode(source, request: Request, inputs: dict[str, Any], runtime) -> dict[st
     face_size = pipe.transformer.config.motion_encoder_size
     log(
         f"Animate ({mode}): the character and {frames} pose frames (padded to {target}: {count} segment(s) of "
-        f"{length}) VAE-encoded on the host CPU at {height}x{width}; the face frames resized to {face_size}x{face_size}"
+        f"{length}) VAE-encoded at {height}x{width}; the face frames resized to {face_size}x{face_size}"
     )
     temporal = source.load_config("vae")["scale_factor_temporal"]
     enough = (frames - 1 + temporal - 1) // temporal * temporal + 1  # the shortest 4n+1 segment holding them

@@ -18,6 +18,7 @@ from ..common import IMAGE, LAST_IMAGE
 from . import animate, animate_inputs, ti2v, v2v, vace
 from .config import image_to_video, stock_pipeline
 from .declarations import ANIMATE_INPUTS, VACE_INPUTS
+from .vae_encode import device_encoder
 
 
 def media_inputs(source) -> tuple[MediaInput, ...]:
@@ -38,23 +39,24 @@ def media_inputs(source) -> tuple[MediaInput, ...]:
 
 
 def encode_inputs(source, request: Request, images: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
-    """The pipeline's image conditioning, computed by its own methods in float32 on the host (its example
-    loads the VAE and image encoder in float32): the CLIP embeddings of the image(s) where the transformer
-    has an image embedder (`image_embeds`), and `condition`: the first-frame mask and the normalised VAE
-    latents of [image, zeros..., last image] (`prepare_latents`; its noise is drawn in stage 2). TI2V-5B:
-    tpu_video/models/ti2v.py. Video-to-video: v2v.py. VACE: vace.py. Animate: animate.py."""
+    """The pipeline's image conditioning, computed by its own methods in float32 (its example loads the VAE and
+    image encoder in float32; both run on the runtime, the VAE through vae_encode.py): the CLIP embeddings of the
+    image(s) where the transformer has an image embedder (`image_embeds`), and `condition`: the first-frame mask and
+    the normalised VAE latents of [image, zeros..., last image] (`prepare_latents`; its noise is drawn in stage 2).
+    TI2V-5B: tpu_video/models/ti2v.py. Video-to-video: v2v.py. VACE: vace.py. Animate: animate.py."""
     if vace.is_vace(source):
-        return vace.encode(source, request, images)
+        return vace.encode(source, request, images, runtime)
     if animate.is_animate(source):
         return animate_inputs.encode(source, request, images, runtime)
     if "video" in images:
-        return v2v.encode_video(source, request, images["video"])
+        return v2v.encode_video(source, request, images["video"], runtime)
     if ti2v.expand_timesteps(source):
         vae = DeviceVAEEncoder(source.load("vae", dtype=torch.float32).eval(), runtime)
         return ti2v.encode_image(source, request, images["image"], vae)
     config = source.load_config("transformer")
-    components = {"vae": source.load("vae", dtype=torch.float32).eval()}
-    log(f"the condition video ({request.num_frames} frames) is VAE-encoded on the host CPU (as large as a decode)")
+    vae = source.load("vae", dtype=torch.float32).eval()
+    components = {"vae": device_encoder(source, vae, runtime, request.height, request.width)}
+    log(f"the condition video ({request.num_frames} frames) is VAE-encoded 4 frames per program call")
     if config.get("image_dim") is not None:
         encoder = source.load("image_encoder", dtype=torch.float32).eval()
         components["image_encoder"] = DeviceImageEncoder(encoder, runtime)
@@ -101,7 +103,8 @@ def image_conditioning(source, embeds, dtype) -> list[tuple[torch.Tensor, tuple]
 
 
 def inputs_on_runtime(source) -> bool:
-    """Only TI2V-5B's image conditioning runs wholly on the runtime (the I2V models VAE-encode on the host)."""
+    """Whether stage 1's `--plan` compiles the image conditioning: TI2V-5B's (one program); the I2V models' video
+    encodes (vae_encode.py's chunk programs) are not planned yet."""
     return ti2v.expand_timesteps(source)
 
 

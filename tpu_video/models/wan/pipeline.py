@@ -145,7 +145,7 @@ def denoise_loop(source, request: Request, embeds, dtype, transformers, runtime,
     if animating:  # segments in order, each from its own noise and a fresh scheduler, as the pipeline runs them
         decoder = functools.partial(Decoder, normalization=latents_normalization(source))
         pipeline = functools.partial(stock_pipeline, source)
-        chain = animate.SegmentLoops(source, request, embeds, dtype, do_cfg, generator, pipeline, decoder)
+        chain = animate.SegmentLoops(source, request, embeds, dtype, do_cfg, generator, pipeline, decoder, runtime)
         loop = chain.first(lambda conditioning, latents: loop_for(scheduled(), conditioning, latents))
         return loop, lambda latents: chain.finish(latents, record(**extra))
     conditioning = image_conditioning(source, embeds, dtype)

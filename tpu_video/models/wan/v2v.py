@@ -16,6 +16,7 @@ from utils import Request
 from . import ti2v
 from .config import image_to_video, stock_pipeline, strength_steps
 from .declarations import VIDEO
+from .vae_encode import device_encoder
 
 VIDEO_LATENTS = "video_latents"
 
@@ -26,8 +27,9 @@ def takes_video(source) -> bool:
     return one and not image_to_video(source) and not ti2v.expand_timesteps(source)
 
 
-def encode_video(source, request: Request, frames: list) -> dict[str, torch.Tensor]:
-    """The pipeline's preprocessing and VAE encode of the first `num_frames` frames in float32 on the host:
+def encode_video(source, request: Request, frames: list, runtime) -> dict[str, torch.Tensor]:
+    """The pipeline's preprocessing and VAE encode of the first `num_frames` frames in float32 on `runtime`
+    (vae_encode.py: 4 frames per program call):
     `video_latents`, the mode of the VAE's latents normalised with its config's mean and std (the
     pipeline's expressions, so the same rounding)."""
     from diffusers.pipelines.wan.pipeline_wan_video2video import retrieve_latents
@@ -36,9 +38,10 @@ def encode_video(source, request: Request, frames: list) -> dict[str, torch.Tens
     pipe = stock_pipeline(source, vae=vae)
     size = {"height": request.height, "width": request.width}
     video = pipe.video_processor.preprocess_video(frames[: request.num_frames], **size)
-    log(f"--video: {request.num_frames} frames VAE-encoded on the host CPU at {request.height}x{request.width}")
+    log(f"--video: {request.num_frames} frames VAE-encoded at {request.height}x{request.width}")
+    encoder = device_encoder(source, vae, runtime, request.height, request.width)
     with torch.no_grad():
-        latents = retrieve_latents(vae.encode(video.to(dtype=torch.float32)), sample_mode="argmax").float()
+        latents = retrieve_latents(encoder.encode(video.to(dtype=torch.float32)), sample_mode="argmax").float()
     shape = (1, vae.config.z_dim, 1, 1, 1)
     mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.dtype)
     std = 1.0 / torch.tensor(vae.config.latents_std).view(shape).to(latents.dtype)

@@ -2,13 +2,14 @@
 to keep and the part to redraw, and reference images, steer a Wan 2.1 text-to-video transformer through
 its VACE blocks, whose hints join the main blocks at `vace_layers` (scaled by `--conditioning_scale`).
 
-Stage 1 runs the pipeline's own preprocessing on the host CPU in float32 (its example loads the VAE in
-float32): `preprocess_conditions` (the control video at its own size, the mask thresholded, the reference
-images letterboxed on white), `prepare_video_latents` (the VAE latents of the kept and redrawn parts, each
-reference image's latents prepended as a frame) and `prepare_masks` (the mask rearranged 8 x 8 into
-channels, interpolated to the latent frames): `vace_control`, as the transformer takes it. Without a control
-video the pipeline conditions on a zero video and a mask of ones (only the references steer). Stage 2 draws
-noise for the reference frames too and drops them at the end, as the pipeline does before its decode.
+Stage 1 runs the pipeline's own preprocessing in float32 (its example loads the VAE in float32; the VAE's
+encodes run on the runtime one chunk of frames per call, vae_encode.py): `preprocess_conditions` (the control
+video at its own size, the mask thresholded, the reference images letterboxed on white), `prepare_video_latents`
+(the VAE latents of the kept and redrawn parts, each reference image's latents prepended as a frame) and
+`prepare_masks` (the mask rearranged 8 x 8 into channels, interpolated to the latent frames): `vace_control`, as
+the transformer takes it. Without a control video the pipeline conditions on a zero video and a mask of ones
+(only the references steer). Stage 2 draws noise for the reference frames too and drops them at the end, as the
+pipeline does before its decode.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from utils import Request
 
 from ..common import constrain_block_inputs
 from .transformer import BLOCK_INPUTS, GuidedTransformer, spans_after
+from .vae_encode import device_encoder
 
 CONTROL = "vace_control"  # stage 1's tensor: [inactive latents, reactive latents, mask] on channels
 
@@ -129,8 +131,9 @@ def latent_frames(source, request: Request) -> int:
     return (request.num_frames - 1) // source.load_config("vae")["scale_factor_temporal"] + 1
 
 
-def encode(source, request: Request, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The pipeline's conditioning, by its own methods, in float32 on the host CPU: `vace_control`."""
+def encode(source, request: Request, inputs: dict[str, Any], runtime) -> dict[str, torch.Tensor]:
+    """The pipeline's conditioning, by its own methods, in float32 (the VAE on `runtime`, 4 frames per program
+    call: vae_encode.py): `vace_control`."""
     from diffusers import WanVACEPipeline
 
     from tpu_video.engine.meta import meta_module
@@ -143,9 +146,10 @@ def encode(source, request: Request, inputs: dict[str, Any]) -> dict[str, torch.
     vae = source.load("vae", dtype=torch.float32).eval()
     transformer = meta_module(source, "transformer", torch.float32)  # the pipeline reads its patch size
     pipe = WanVACEPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=None, transformer=transformer)
+    pipe.vae = device_encoder(source, vae, runtime, request.height, request.width)  # after __init__ read the VAE
     what = [f"{frames} control frames" if video is not None else "a zero control video (no --control_video)"]
     what += [f"{len(inputs['reference_images'])} reference image(s)"] if inputs.get("reference_images") else []
-    log(f"VACE: {' and '.join(what)} VAE-encoded on the host CPU at {request.height}x{request.width}")
+    log(f"VACE: {' and '.join(what)} VAE-encoded at {request.height}x{request.width}")
     size = f"{request.height}x{request.width}"
     for name, given in (("control_video", video), ("mask", mask)):
         if given is not None and given[0].size != (request.width, request.height):

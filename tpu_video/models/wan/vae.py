@@ -1,5 +1,5 @@
 """Wan's stage-3 decode on JAX devices one latent frame per call, the decoder's causal-conv cache carried
-between calls as explicit inputs and outputs.
+between calls as explicit inputs and outputs (vae_encode.py: the encode the same way).
 
 The stock `AutoencoderKLWan._decode` already runs its decoder one latent frame at a time (`first_chunk` on
 the first), keeping `feat_cache`: for each causal convolution the last frames it saw, and for each temporal
@@ -26,16 +26,25 @@ def _slot_kinds(cache: list) -> tuple[str | None, ...]:
     return tuple(None if slot is None else REP if isinstance(slot, str) else "tensor" for slot in cache)
 
 
-def cache_layout(vae, frame: torch.Tensor) -> list[tuple[tuple, list[torch.Tensor]]]:
-    """Per program: the cache's slot kinds on entry and the tensors it receives, from three decoder calls
-    on `frame` (one normalised latent frame; on the meta device for shapes only)."""
-    cache: list = [None] * vae._cached_conv_counts["decoder"]
+def cache_layout(slots: int, call, chunks: list[torch.Tensor]) -> list[tuple[tuple, list[torch.Tensor]]]:
+    """Per program: the cache's slot kinds on entry and the tensors it receives, from `call(chunk, cache,
+    index)` on each of `chunks` in turn (on the meta device for shapes only) with a cache of `slots` slots."""
+    cache: list = [None] * slots
     layout = []
     with torch.no_grad():
-        for index in range(len(PROGRAMS)):
+        for index, chunk in enumerate(chunks):
             layout.append((_slot_kinds(cache), [slot for slot in cache if torch.is_tensor(slot)]))
-            vae.decoder(vae.post_quant_conv(frame), feat_cache=cache, feat_idx=[0], first_chunk=index == 0)
+            call(chunk, cache, index)
     return layout
+
+
+def decoder_layout(vae, frame: torch.Tensor) -> list[tuple[tuple, list[torch.Tensor]]]:
+    """`cache_layout` of the decoder's three calls on `frame` (one normalised latent frame)."""
+
+    def call(frame, cache, index):
+        vae.decoder(vae.post_quant_conv(frame), feat_cache=cache, feat_idx=[0], first_chunk=index == 0)
+
+    return cache_layout(vae._cached_conv_counts["decoder"], call, [frame] * len(PROGRAMS))
 
 
 class FramePrograms(torch.nn.Module):
@@ -79,13 +88,13 @@ def program_of(index: int) -> str:
 
 
 def meta_frame(decoder: torch.nn.Module, shape) -> torch.Tensor:
-    """A normalised latent frame of the VAE's dtype on the meta device, for `cache_layout`."""
+    """A normalised latent frame of the VAE's dtype on the meta device, for `decoder_layout`."""
     return torch.zeros(shape[0], shape[1], 1, *shape[3:], dtype=decoder.latents_mean.dtype, device="meta")
 
 
 def place(decoder: torch.nn.Module, meta_vae, latents_shape, runtime, layout):
     """The three frame programs with the VAE's weights placed (replicated) on `runtime`."""
-    kinds = [kinds for kinds, _ in cache_layout(meta_vae, meta_frame(decoder, latents_shape))]
+    kinds = [kinds for kinds, _ in decoder_layout(meta_vae, meta_frame(decoder, latents_shape))]
     return runtime.compile(FramePrograms(decoder, kinds, runtime.constrain, layout), methods=PROGRAMS)
 
 
@@ -94,7 +103,7 @@ def plan_inputs(decoder: torch.nn.Module, meta_vae, latents_shape, runtime, layo
     the cache it receives, all split along width as `layout` says; shapes on the meta device), and how often
     a video of `latents_shape` calls each."""
     frame = meta_frame(decoder, latents_shape)
-    layouts = cache_layout(meta_vae, frame)
+    layouts = decoder_layout(meta_vae, frame)
     module = FramePrograms(decoder, [kinds for kinds, _ in layouts], runtime.constrain, layout)
     inputs = {
         name: [(frame, layout), *((t, layout) for t in cache)]
@@ -111,7 +120,11 @@ def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, lay
 
     meta_vae = meta_module(source, "vae", decoder.latents_mean.dtype)
     programs = place(decoder, meta_vae, latents_shape, runtime, layout)
-    frames = latents_shape[2]
+    return frame_decode(programs, latents_shape[2], runtime, layout)
+
+
+def frame_decode(programs, frames: int, runtime, layout):
+    """The decode of `frames` latent frames through placed frame programs, one per call."""
     names, spans = [program_of(index) for index in range(frames)], [(index, index + 1) for index in range(frames)]
     return lambda latents: decode_in_chunks(programs, names, spans, latents, runtime, layout)
 

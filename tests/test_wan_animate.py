@@ -187,8 +187,16 @@ def test_animate_matches_the_pipeline(tmp_path, media, mode, guidance, mesh):
     embeds = read_tensors(out, config["stage1"])
     assert embeds["animate_condition"].shape == (1, 20, 2, 4, 6)  # the first segment's 2 latent frames
     assert embeds["pose_latents"].shape == (2, 16, 2, 4, 6) and embeds["face_pixels"].shape == (1, 3, 9, 16, 16)
+    pipe = animate_pipeline()
+    if mode == "replace":  # kept as the 8-bit values the processors start from: their pixels again, bit for bit
+        for name, processor in (("background", pipe.video_processor), ("mask", pipe.video_processor_for_mask)):
+            padded = pipe.pad_video_frames(decoded_frames(media / f"{name}.mp4"), 9)
+            processed = processor.preprocess_video(padded, height=32, width=48).float()
+            stored = embeds[f"{name}_pixels"]
+            assert stored.dtype == torch.uint8 and stored.shape == processed.shape
+            assert torch.equal(wan.animate.processed_pixels(stored, name == "background"), processed)
 
-    expected, expected_frames = reference(media, mode, guidance)
+    expected, expected_frames = reference(media, mode, guidance, pipe=pipe)
     latents = read_tensors(out, config["stage2"])["latents"]
     assert latents.shape == (2, 16, 2, 4, 6) and len(expected) == 2  # one segment per row, no character frame
     for row, segment in enumerate(expected):  # each (1, 16, 3, 4, 6)

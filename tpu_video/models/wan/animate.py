@@ -39,6 +39,24 @@ from .transformer import GuidedTransformer, spans_after
 # condition; every segment's pose latents (one per row); the padded face, background and mask videos' pixels.
 CHARACTER, CONDITION, POSE, FACE = "animate_character", "animate_condition", "pose_latents", "face_pixels"
 BACKGROUND, MASK = "background_pixels", "mask_pixels"
+
+
+def stored_pixels(pixels: torch.Tensor, normalized: bool) -> torch.Tensor:
+    """The background or mask video's processed pixels as stage 1 writes them: the 8-bit values they came from
+    (the pipeline's processors resize the frames in PIL, then divide by 255, and the video's map to [-1, 1]),
+    a quarter of float32's bytes."""
+    return ((pixels + 1) / 2 if normalized else pixels).mul(255).round().to(torch.uint8)
+
+
+def processed_pixels(stored: torch.Tensor, normalized: bool) -> torch.Tensor:
+    """`stored_pixels` back, as the processors compute them (the same operations: bit for bit); float32 as
+    written by stage 1 before 2026-11-28, as it is."""
+    if stored.dtype != torch.uint8:
+        return stored
+    pixels = stored.to(torch.float32) / 255.0
+    return 2.0 * pixels - 1.0 if normalized else pixels
+
+
 VAE_ATTENTION = AttentionPlan("xla")  # the VAE's one-head attention over a frame's pixels: plain, as in stage 3
 _CODER: dict = {}  # the VAE's programs between segments, placed once (SegmentLoops._coder)
 DEFAULTS = {"height": 720, "width": 1280, "fps": 30, "num_inference_steps": 20, "guidance_scale": 1.0}
@@ -138,7 +156,10 @@ class SegmentLoops:
         segment = latents[:, :, 1:]  # the character's frame dropped, as the pipeline decodes
         pipe, decode = self._coder()
         replace = self.request.option("mode") == "replace"
-        background, mask = (self.embeds[key][:, :, start:end] if replace else None for key in (BACKGROUND, MASK))
+        background, mask = (
+            processed_pixels(self.embeds[key][:, :, start:end], key == BACKGROUND) if replace else None
+            for key in (BACKGROUND, MASK)
+        )
         log(f"Animate: segment {index} of {self.count} decoded, its last {self.previous} frame(s) encoded")
         with torch.no_grad(), self.runtime.attention(VAE_ATTENTION), self.runtime.precision(torch.float32):
             frames = decode(segment)

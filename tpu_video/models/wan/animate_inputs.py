@@ -16,7 +16,18 @@ import torch
 from tpu_video.cli import UserError, log
 from utils import Request
 
-from .animate import BACKGROUND, CHARACTER, CONDITION, FACE, MASK, POSE, latent_frames, segment_count, segment_options
+from .animate import (
+    BACKGROUND,
+    CHARACTER,
+    CONDITION,
+    FACE,
+    MASK,
+    POSE,
+    latent_frames,
+    segment_count,
+    segment_options,
+    stored_pixels,
+)
 from .config import stock_pipeline
 from .vae_encode import device_encoder
 
@@ -83,7 +94,7 @@ def encode(source, request: Request, inputs: dict[str, Any], runtime) -> dict[st
         background = mask = None
         if mode == "replace":
             background, mask = video("background_video"), video("mask_video", pipe.video_processor_for_mask)
-            tensors[BACKGROUND], tensors[MASK] = background, mask
+            tensors[BACKGROUND], tensors[MASK] = stored_pixels(background, True), stored_pixels(mask, False)
             background, mask = background[:, :, :length], mask[:, :, :length]
         tensors[CONDITION] = pipe.prepare_prev_segment_cond_latents(
             None, background, mask, 1, length, 0, height, width, previous, mode, device="cpu"

@@ -2,7 +2,7 @@
 tpu_video/models/cogvideox/vae.py: the stock frame batches; tpu_video/models/hunyuanvideo15/vae.py: chunks of any
 length) against diffusers' `vae.decode` run eagerly in PyTorch, fp32: the frames within 1e-5 relative, on 1 and 8 CPU
 devices, for the Wan 2.1, Wan 2.2 (TI2V-5B), CogVideoX 1.5 and 1.0 and HunyuanVideo-1.5 VAEs; through the real stage-3
-CLI, where it is the torchax default."""
+CLI, where it is the torchax default. Also Wan's encode the same way (tpu_video/models/wan/vae_encode.py)."""
 
 from __future__ import annotations
 
@@ -92,11 +92,12 @@ def test_encoder_cache_is_the_same_after_the_second_chunk(model):
 
 @pytest.mark.parametrize("preset, mesh", [("tiny-wan2.1", (2, 2, 2)), ("tiny-wan2.2-ti2v", (1, 1, 1))])
 def test_coder_programs_equal_the_stock_encode_and_decode(preset, mesh):
-    """Wan Animate's work between segments (wan/vae.py: coder_programs, one VAE placed for both): a video's
+    """Wan Animate's work between segments (vae_encode.py: coder_programs, one VAE placed for both): a video's
     encode one chunk of frames per call (the first frame, then 4 at a time: first, second, steady twice; the
-    13th frame left out as the stock encode leaves it) equals `vae.encode`'s posterior, and the decode its
+    14th frame left out as the stock encode leaves it) equals `vae.encode`'s posterior, and the decode its
     `decode`, fp32, 1e-5 relative; on stage 2's dp/sp/tp mesh the pixels split along width over all 8 devices
-    (48 columns; the 3 latent ones kept whole), on one device whole; the Wan 2.2 VAE patchifies first."""
+    (48 columns; the 3 latent ones kept whole: the layout is the pixels' here, where a run takes the latents',
+    so that the split is exercised at this size), on one device whole; the Wan 2.2 VAE patchifies first."""
     from tpu_video.engine.decode import split_over_mesh
 
     source, family = models.resolve_model(preset)

@@ -305,10 +305,11 @@ def test_bad_animate_requests_are_refused_before_loading(capsys, tmp_path, media
 
 
 def test_the_plan_between_segments_compiles_each_program_a_segment_calls():
-    """`--plan`'s view of the work between segments (wan/vae.py: coder_plan; planning/between_loops.py): the six
-    programs compile from the planned meta inputs on stage 2's 8-device mesh (XLA:CPU here: the TPU compiler's
-    rows for the 14B are in docs/planning.md), each program beside the step's arguments, with the calls one
-    77-frame segment makes (20 latent frames: 1, 1, 18; encoded as 1 frame then 19 chunks of 4)."""
+    """`--plan`'s view of the work between segments (wan/vae_encode.py: coder_plan; planning/between_loops.py): the six
+    programs compile from the planned meta inputs on stage 2's 8-device mesh (XLA:CPU here; the TPU compiler's
+    numbers for the 14B are in docs/planning.md#wan-animate), each program beside the step's arguments, the later
+    segments' steps beside the VAE's weights, with the calls one 77-frame segment makes (20 latent frames: 1, 1,
+    18; encoded as 1 frame then 19 chunks of 4)."""
     import functools
     from types import SimpleNamespace
 
@@ -325,7 +326,7 @@ def test_the_plan_between_segments_compiles_each_program_a_segment_calls():
     layout = split_over_mesh(latents_shape, runtime.mesh)
     module, inputs, calls = wan.vae_encode.coder_plan(decoder, latents_shape, pixels_shape, runtime, layout)
     loop = SimpleNamespace(between_plan=lambda runtime: (module, inputs, calls, wan.animate.VAE_ATTENTION))
-    step = Compiled(seconds=0.0, memory={"arguments": 3 * 2**30})
+    step = Compiled(seconds=0.0, memory={"arguments": 3 * 2**30, "total": 4 * 2**30})
     compiling = functools.partial(
         compile_module, rules=sharding.REPLICATED_TABLE, mesh=runtime.mesh, env=runtime.env
     )  # as stage 2's plan compiles them (planning/plan.py: plan_stage2)
@@ -335,4 +336,6 @@ def test_the_plan_between_segments_compiles_each_program_a_segment_calls():
     }  # fmt: skip
     assert report["fits"] and report["resident_bytes"] == 3 * 2**30
     assert all(need > 3 * 2**30 for need in report["hbm_bytes_per_program"].values())
+    weights = sum(parameter.numel() * 4 for parameter in decoder.vae.parameters())  # float32, on every device
+    assert report["weights_bytes"] == weights and report["later_steps_hbm_bytes_per_device"] == 4 * 2**30 + weights
     assert report["flops_per_device"] > 0

@@ -185,6 +185,7 @@ def batched_loop(loops: list[DenoiseLoop]) -> DenoiseLoop:
         expert_names=first.expert_names,
         timestep_input=first.timestep_input,
         cache_branches=first.cache_branches,
+        between_plan=first.between_plan,
     )
 
 

@@ -94,7 +94,7 @@ def frame_batches(frames: int, size: int) -> list[tuple[int, int]]:
     return [(0 if i == 0 else size * i + rest, size * (i + 1) + rest) for i in range(max(frames // size, 1))]
 
 
-def decode_in_chunks(programs, names: list[str], spans: list[tuple[int, int]], latents, runtime, layout):
+def run_in_chunks(programs, names: list[str], spans: list[tuple[int, int]], latents, runtime, layout):
     """The host loop over frame chunks (the families' frame programs; Wan's encoder programs): chunk i, frames
     `spans[i]` of `latents`, through the program `names[i]` with the state the previous call returned; the
     outputs joined along frames on the host (stage 3: the video (B, 3, frames, H, W))."""

@@ -101,8 +101,9 @@ class DenoiseLoop:
     generator's state before the loop drew its initial noise, where its sampler draws from the generator
     while stepping (a pass from given latents goes on from it: the pipeline's `latents=` path draws none).
     `then(latents)`: the video's next loop, built from this one's final latents (Wan Animate's next segment:
-    tpu_video/engine/segments.py); None for a video's last. `between_plan(runtime)`, for `--plan`: the programs
-    the work between two loops compiles, (module, {method: its (tensor, layout) inputs}, the attention plan).
+    tpu_video/engine/segments.py); None for a video's last. `between_plan(runtime)`, for `--plan` where `then` is
+    set: the programs the work between two loops compiles, (module, {method: its (tensor, layout) inputs},
+    {method: its calls}, the attention plan).
     """
 
     guided: tuple[torch.nn.Module, ...]
@@ -121,7 +122,7 @@ class DenoiseLoop:
     cache_branches: tuple[str, ...] = ("batch",)
     noise_state: torch.Tensor | None = None
     then: Callable[[torch.Tensor], DenoiseLoop] | None = None
-    between_plan: Callable[[Any], tuple[torch.nn.Module, dict, Any]] | None = None
+    between_plan: Callable[[Any], tuple[torch.nn.Module, dict, dict, Any]] | None = None
 
     def experts_used(self) -> list[int]:
         return sorted({self.expert(i, t) for i, t in enumerate(self.timesteps)})

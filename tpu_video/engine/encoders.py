@@ -47,17 +47,15 @@ class _EncoderOutputs(torch.nn.Module):
         return (output.last_hidden_state, *output.hidden_states)
 
 
-class OnRuntime(torch.nn.Module):
+class StandIn(torch.nn.Module):
     """A stand-in for a pipeline component whose work runs compiled on a runtime: it has the component's
     `config` and `dtype`, and says its `device` is the host, where the pipelines put its inputs (they ask
     the module, diffusers' get_module_execution_device, which would otherwise find the weights' 'jax' device)."""
 
-    def __init__(self, module: torch.nn.Module, runtime: Runtime, jitted_side: torch.nn.Module, rules=None) -> None:
+    def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()
         self.config = module.config
         self.module_dtype = module.dtype
-        self.runtime = runtime
-        self.jitted = runtime.compile(jitted_side, rules)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -66,6 +64,15 @@ class OnRuntime(torch.nn.Module):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+
+class OnRuntime(StandIn):
+    """A StandIn whose work is one module compiled on a runtime (`jitted`)."""
+
+    def __init__(self, module: torch.nn.Module, runtime: Runtime, jitted_side: torch.nn.Module, rules=None) -> None:
+        super().__init__(module)
+        self.runtime = runtime
+        self.jitted = runtime.compile(jitted_side, rules)
 
 
 class DeviceTextEncoder(OnRuntime):
@@ -135,11 +142,17 @@ class DeviceVAEEncoder(OnRuntime):
         super().__init__(vae, runtime, _Moments(vae))
 
     def encode(self, pixels, return_dict: bool = True):
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-        from diffusers.models.modeling_outputs import AutoencoderKLOutput
-
         (parameters,) = self.jitted(*self.runtime.to_device((pixels,)))
-        return AutoencoderKLOutput(latent_dist=DiagonalGaussianDistribution(self.runtime.to_host(parameters)))
+        return vae_output(self.runtime.to_host(parameters), return_dict)
+
+
+def vae_output(parameters: torch.Tensor, return_dict: bool = True):
+    """What a diffusers VAE's `encode` returns for its posterior's parameters (mean and log-variance)."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+    from diffusers.models.modeling_outputs import AutoencoderKLOutput
+
+    posterior = DiagonalGaussianDistribution(parameters)
+    return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
 
 
 def t5_prompt_encoder(pipe, max_sequence_length: int, runtime, dtype: torch.dtype):

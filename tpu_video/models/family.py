@@ -157,9 +157,9 @@ class Family(Protocol):
         embeddings, VAE latents of the conditioning frames), computed as the pipeline computes it; tensors
         named as stage 2 reads them."""
 
-    def inputs_on_runtime(self, source: ModelSource) -> bool:
-        """Whether encode_inputs runs every model it uses on the runtime (stage 1's `--plan` compiles them);
-        False where part of it runs on the host CPU, which a plan without weights cannot run."""
+    def plans_inputs(self, source: ModelSource) -> bool:
+        """Whether stage 1's `--plan` runs encode_inputs and compiles its programs: every model it uses runs on
+        the runtime in programs the planning runtime compiles; False otherwise (the report says so)."""
 
     def denoise_loop(
         self,
@@ -212,7 +212,7 @@ SHARED_LAYOUT = {
         "request_defaults",
         "validate_request",
     ),
-    "i2v": ("encode_inputs", "inputs_on_runtime", "media_inputs"),
+    "i2v": ("encode_inputs", "plans_inputs", "media_inputs"),
     "pipeline": ("denoise_loop", "planning_embeds", "prompt_encoder", "start_from"),
     "transformer": ("SPLASH_BLOCK_SIZES", "published_block", "transformer_rules"),
 }

@@ -166,7 +166,7 @@ def plan_stage1(family, source, request, inputs: dict, dtype: torch.dtype, targe
     mesh = topology_mesh(target, MeshShape(tp=target.devices))
     runtime = PlanningRuntime(mesh, store)
     planning = MetaSource(source, family)
-    images_planned = bool(inputs) and family.inputs_on_runtime(source)
+    images_planned = bool(inputs) and family.plans_inputs(source)
     try:
         with runtime.precision(dtype):
             family.prompt_encoder(planning, dtype, runtime)(request)
@@ -188,7 +188,7 @@ def plan_stage1(family, source, request, inputs: dict, dtype: torch.dtype, targe
     fields = {"programs": [program["name"] for program in programs], "largest_program": largest["name"]}
     if planning.stand_ins:
         fields["stand_ins"] = {component: f"{preset}'s tokenizer" for component, preset in planning.stand_ins.items()}
-    if inputs and not images_planned:  # the family's inputs_on_runtime says this plan cannot run its encodes
+    if inputs and not images_planned:  # the family's plans_inputs says so
         fields["images"] = "not planned: this plan does not compile this model's image or video encodes yet"
     report = base_report(1, target, mesh, request, dtype, largest["compiled"], **fields)
     report["compile_seconds"] = round(sum(program["compiled"].seconds for program in programs), 1)

@@ -138,7 +138,8 @@ def print_report(report: dict[str, Any]) -> None:
         verdict = "fits" if between["fits"] else "does NOT fit"
         print(
             f"  between segments (the VAE's decode and encode in fp32), HBM per device with the step's arguments: "
-            f"{sizes}; {verdict}; at least {between['seconds_lower_bound']:.3g} s per segment at peak bf16"
+            f"{sizes}; later segments' steps with the VAE's weights {gib(between['later_steps_hbm_bytes_per_device'])}"
+            f"; {verdict}; at least {between['seconds_lower_bound']:.3g} s per segment at peak bf16"
         )
     elif between:
         needs = gib(between["hbm_bytes_per_device"])

@@ -90,7 +90,7 @@ def encode_and_write(args, dtype, source, family, video: Video, encode, runtime,
     if video.predict_frames is not None:  # the length the checkpoint picks from the prompt, recorded as asked
         request = dataclasses.replace(request, num_frames=video.predict_frames(request, embeddings))
         models.validate_request(family, source, request)
-    if video.inputs:  # image encoders and single-image VAE encodes on the runtime, fp32 matmuls (family.encode_inputs)
+    if video.inputs:  # image encoders and VAE encodes on the runtime, fp32 matmuls (family.encode_inputs)
         log(f"encoding {', '.join(f'--{name}' for name in video.inputs)} on {runtime.describe()}")
         with timer.phase("encode_inputs"), torch.no_grad(), runtime.precision(torch.float32):
             embeddings.update(family.encode_inputs(source, request, video.inputs, runtime))

@@ -109,6 +109,6 @@ def planning_embeds(source, request: Request, dtype: torch.dtype) -> dict[str, t
     return {"image_latent_parameters": torch.zeros(shape, dtype=dtype)}
 
 
-def inputs_on_runtime(source) -> bool:
-    """Every model of encode_inputs runs on the runtime."""
+def plans_inputs(source) -> bool:
+    """Stage 1's `--plan` compiles every model of encode_inputs."""
     return True

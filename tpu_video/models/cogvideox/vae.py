@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.utils import _pytree
 
-from tpu_video.engine.decode import decode_in_chunks, frame_batches
+from tpu_video.engine.decode import frame_batches, run_in_chunks
 
 CHUNK_FRAMES = (2,)  # latent frames per call: the stock decode's frame batch
 PROGRAMS = ("first", "steady")
@@ -67,7 +67,7 @@ def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, lay
     programs = runtime.compile(BatchPrograms(decoder, spec, runtime.constrain, layout), methods=PROGRAMS)
     spans = frame_batches(latents_shape[2], decoder.vae.num_latent_frames_batch_size)
     names = ["first"] + ["steady"] * (len(spans) - 1)
-    return lambda latents: decode_in_chunks(programs, names, spans, latents, runtime, layout)
+    return lambda latents: run_in_chunks(programs, names, spans, latents, runtime, layout)
 
 
 def frame_plan(source, decoder: torch.nn.Module, latents_shape, runtime, layout, chunk_frames: int = 2):

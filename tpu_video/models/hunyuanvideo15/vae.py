@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tpu_video.engine.decode import decode_in_chunks, frame_batches
+from tpu_video.engine.decode import frame_batches, run_in_chunks
 
 from ..common import recorded_scaling_factor
 
@@ -204,7 +204,7 @@ def frame_programs(source, decoder: Decoder, latents_shape, runtime, layout, chu
     spans = frame_batches(latents_shape[2], chunk_frames)
     programs = runtime.compile(FramePrograms(decoder, latents_shape[2], runtime.constrain, layout), methods=PROGRAMS)
     names = ["first"] + ["steady"] * (len(spans) - 1)
-    return lambda latents: decode_in_chunks(programs, names, spans, latents, runtime, layout)
+    return lambda latents: run_in_chunks(programs, names, spans, latents, runtime, layout)
 
 
 def frame_plan(source, decoder: Decoder, latents_shape, runtime, layout, chunk_frames: int):

@@ -27,7 +27,7 @@ def media_inputs(source) -> tuple[MediaInput, ...]:
     return (IMAGE.required_here(),) if image_to_video(source) else (CONDITION,)
 
 
-def inputs_on_runtime(source) -> bool:
+def plans_inputs(source) -> bool:
     return True  # the re-encode is a host step before the model; the VAE encode runs on the runtime
 
 

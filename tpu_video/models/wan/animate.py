@@ -9,7 +9,7 @@ order: each from its own noise with one latent frame more (the character's) and 
 unconditional branch with the face blanked to -1 (the pipeline's guidance, off at its default scale 1). Between
 two segments it decodes the one just made and VAE-encodes its last frames (in `replace` mode followed by the
 background) as the next one's condition: stage 2 does that on its own devices in float32, as the pipeline's example
-runs its VAE, one frame chunk per program call (`SegmentLoops`, wan/vae.py's `coder_programs`;
+runs its VAE, one frame chunk per program call (`SegmentLoops`, vae_encode.py's `coder_programs`;
 tpu_video/engine/segments.py runs the segments and keeps them in checkpoints). Stage 2
 writes every segment's latents without the character's frame, one per row of `latents`; stage 3 decodes them one
 by one, drops each later segment's first frames (the previous ones' repeated) and keeps the pose video's length.
@@ -145,7 +145,8 @@ class SegmentLoops:
         sizes = (1, self.source.load_config("vae")["z_dim"], self.request.height, self.request.width, self.length)
         noise = self.noise.prepare_latents(*sizes, NOISE_DTYPE, "cpu", self.generator)
         loop = self.make(inputs, noise)
-        return dataclasses.replace(loop, then=self._next if index + 1 < self.count else None, between_plan=self._plan)
+        more = index + 1 < self.count
+        return dataclasses.replace(loop, then=self._next if more else None, between_plan=self._plan if more else None)
 
     def _next(self, latents: torch.Tensor):
         """The next segment's loop, conditioned on this one's decoded last frames."""
@@ -178,7 +179,7 @@ class SegmentLoops:
 
     def _coder(self):
         """The pipeline (its condition encode) holding a stand-in VAE whose encode runs on the runtime, and the
-        decode on the runtime: wan/vae.py's programs with the VAE in float32 (as the pipeline's example loads
+        decode on the runtime: vae_encode.py's programs with the VAE in float32 (as the pipeline's example loads
         it), the frames split over every device. Placed once per runtime and segment size: a batch's videos
         share it (`_CODER`)."""
         latents_shape, pixels_shape = self._shapes()
@@ -201,7 +202,9 @@ class SegmentLoops:
         return (*vae_encode.coder_plan(decoder, latents_shape, pixels_shape, runtime, layout), VAE_ATTENTION)
 
     def finish(self, latents: torch.Tensor, record: dict) -> tuple[dict, dict]:
-        """Every segment's latents without the character's frame, one per row, and how stage 3 joins them."""
+        """Every segment's latents without the character's frame, one per row, and how stage 3 joins them. The
+        VAE's programs between segments are let go (the devices' memory back for the next batch's steps)."""
+        _CODER.clear()
         every = torch.cat([*self.done, latents])[:, :, 1:]
         joined = {"count": self.count, "overlap_frames": self.previous, "frames_kept": self.request.num_frames}
         return {"latents": every}, {**record, "segments": joined}

@@ -56,7 +56,7 @@ def encode_inputs(source, request: Request, images: dict[str, Any], runtime) -> 
     config = source.load_config("transformer")
     vae = source.load("vae", dtype=torch.float32).eval()
     components = {"vae": device_encoder(source, vae, runtime, request.height, request.width)}
-    log(f"the condition video ({request.num_frames} frames) is VAE-encoded 4 frames per program call")
+    log(f"the condition video ({request.num_frames} frames) is VAE-encoded one chunk of frames at a time")
     if config.get("image_dim") is not None:
         encoder = source.load("image_encoder", dtype=torch.float32).eval()
         components["image_encoder"] = DeviceImageEncoder(encoder, runtime)
@@ -102,7 +102,7 @@ def image_conditioning(source, embeds, dtype) -> list[tuple[torch.Tensor, tuple]
     return inputs
 
 
-def inputs_on_runtime(source) -> bool:
+def plans_inputs(source) -> bool:
     """Whether stage 1's `--plan` compiles the image conditioning: TI2V-5B's (one program); the I2V models' video
     encodes (vae_encode.py's chunk programs) are not planned yet."""
     return ti2v.expand_timesteps(source)

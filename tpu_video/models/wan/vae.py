@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tpu_video.engine.decode import decode_in_chunks
+from tpu_video.engine.decode import run_in_chunks
 
 CHUNK_FRAMES = (1,)  # latent frames per call that equal the stock decode
 PROGRAMS = ("first", "second", "steady")
@@ -126,7 +126,7 @@ def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, lay
 def frame_decode(programs, frames: int, runtime, layout):
     """The decode of `frames` latent frames through placed frame programs, one per call."""
     names, spans = [program_of(index) for index in range(frames)], [(index, index + 1) for index in range(frames)]
-    return lambda latents: decode_in_chunks(programs, names, spans, latents, runtime, layout)
+    return lambda latents: run_in_chunks(programs, names, spans, latents, runtime, layout)
 
 
 def frame_plan(source, decoder: torch.nn.Module, latents_shape, runtime, layout, chunk_frames: int = 1):

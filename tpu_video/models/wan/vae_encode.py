@@ -12,26 +12,29 @@ from __future__ import annotations
 
 import torch
 
-from tpu_video.engine.decode import decode_in_chunks
+from tpu_video.engine.decode import run_in_chunks
+from tpu_video.engine.encoders import StandIn, vae_output
 
-from .vae import PROGRAMS, FramePrograms, cache_layout, decoder_layout, frame_decode, meta_frame, program_of
+from .vae import (
+    PROGRAMS,
+    FramePrograms,
+    cache_layout,
+    decoder_layout,
+    frame_decode,
+    meta_frame,
+    plan_inputs,
+    program_of,
+)
 
 ENCODE_FRAMES = 4  # pixel frames per encoder call after the first (AutoencoderKLWan._encode)
 ENCODER_PROGRAMS = tuple(f"encode_{name}" for name in PROGRAMS)
 
 
-class EncoderPrograms(torch.nn.Module):
-    """The stock encode of one chunk of frames as three methods (`ENCODER_PROGRAMS`), one per cache layout: the
-    Wan 2.2 VAE's patchify (per pixel, so per chunk as over the video), the encoder with the cache given as
-    tensors, quant_conv (one frame wide, likewise); returns (the chunk's posterior parameters, the cache's
-    tensors), all pinned to `layout`."""
-
-    def __init__(self, vae: torch.nn.Module, encoder_kinds: list[tuple], constrain, layout) -> None:
-        super().__init__()
-        self.vae = vae
-        self.encoder_kinds = encoder_kinds
-        self.constrain = constrain
-        self.layout = layout
+class EncoderMethods:
+    """The stock encode of one chunk of frames as three methods (`ENCODER_PROGRAMS`), one per cache layout
+    (`encoder_kinds`), on the module's `vae`: the Wan 2.2 VAE's patchify (per pixel, so per chunk as over the
+    video), the encoder with the cache given as tensors, quant_conv (one frame wide, likewise); returns (the
+    chunk's posterior parameters, the cache's tensors), all pinned to `layout`."""
 
     def _chunk(self, program: int, pixels, cache):
         from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
@@ -54,13 +57,20 @@ class EncoderPrograms(torch.nn.Module):
         return self._chunk(2, pixels, cache)
 
 
-class CoderPrograms(FramePrograms):
-    """FramePrograms and EncoderPrograms' methods on one VAE, placed once for both (Animate between segments)."""
+class EncoderPrograms(EncoderMethods, torch.nn.Module):
+    """The encoder's three programs alone (stage 1's encodes)."""
 
-    _chunk, encode_first, encode_second, encode_steady = (
-        EncoderPrograms._chunk, EncoderPrograms.encode_first, EncoderPrograms.encode_second,
-        EncoderPrograms.encode_steady,
-    )  # fmt: skip
+    def __init__(self, vae: torch.nn.Module, encoder_kinds: list[tuple], constrain, layout) -> None:
+        super().__init__()
+        self.vae = vae
+        self.encoder_kinds = encoder_kinds
+        self.constrain = constrain
+        self.layout = layout
+
+
+class CoderPrograms(EncoderMethods, FramePrograms):
+    """FramePrograms and the encoder's three programs on one VAE, placed once for both (Animate between
+    segments)."""
 
     def __init__(self, decoder: torch.nn.Module, kinds: list[tuple], encoder_kinds: list[tuple], constrain, layout):
         super().__init__(decoder, kinds, constrain, layout)
@@ -100,7 +110,7 @@ def _encode(programs, runtime, layout):
     def encode(pixels: torch.Tensor) -> torch.Tensor:
         spans = encode_spans(pixels.shape[2])
         names = [f"encode_{program_of(index)}" for index in range(len(spans))]
-        return decode_in_chunks(programs, names, spans, pixels, runtime, layout)
+        return run_in_chunks(programs, names, spans, pixels, runtime, layout)
 
     return encode
 
@@ -134,42 +144,28 @@ def device_encoder(source, vae: torch.nn.Module, runtime, height: int, width: in
 
 
 def coder_plan(decoder: torch.nn.Module, latents_shape, pixels_shape, runtime, layout) -> tuple:
-    """For --plan: CoderPrograms on a meta VAE (`decoder.vae`) and the (tensor, layout) inputs of each of its six
-    programs, and how often a segment calls each."""
+    """For --plan: CoderPrograms on a meta VAE (`decoder.vae`), the (tensor, layout) inputs of each of its six
+    programs (meta tensors), and how often a segment calls each."""
     vae = decoder.vae
-    frame = meta_frame(decoder, latents_shape)
-    decode, encode = decoder_layout(vae, frame), encoder_layout(vae, pixels_shape)
-    module = CoderPrograms(decoder, [k for k, _ in decode], [k for k, _ in encode], runtime.constrain, layout)
-    inputs, calls = {}, {}
-    for name, (_, cache) in zip(PROGRAMS, decode, strict=True):
-        inputs[name] = [(frame, layout), *((tensor, layout) for tensor in cache)]
+    _, inputs, calls = plan_inputs(decoder, vae, latents_shape, runtime, layout)  # the decode's, as stage 3 plans it
+    encode = encoder_layout(vae, pixels_shape)
+    kinds = [kinds for kinds, _ in decoder_layout(vae, meta_frame(decoder, latents_shape))]
+    module = CoderPrograms(decoder, kinds, [k for k, _ in encode], runtime.constrain, layout)
     for index, (name, (_, cache)) in enumerate(zip(ENCODER_PROGRAMS, encode, strict=True)):
-        chunk = torch.zeros(*pixels_shape[:2], 1 if index == 0 else ENCODE_FRAMES, *pixels_shape[3:], device="meta")
-        inputs[name] = [(chunk.to(vae.dtype), layout), *((tensor, layout) for tensor in cache)]
-    for names, count in ((PROGRAMS, latents_shape[2]), (ENCODER_PROGRAMS, len(encode_spans(pixels_shape[2])))):
-        calls.update(zip(names, (1, min(count - 1, 1), max(count - 2, 0)), strict=True))
+        shape = (*pixels_shape[:2], 1 if index == 0 else ENCODE_FRAMES, *pixels_shape[3:])
+        inputs[name] = [(torch.zeros(shape, dtype=vae.dtype, device="meta"), layout), *((t, layout) for t in cache)]
+    chunks = len(encode_spans(pixels_shape[2]))
+    calls.update(zip(ENCODER_PROGRAMS, (1, min(chunks - 1, 1), max(chunks - 2, 0)), strict=True))
     return module, inputs, calls
 
 
-class ChunkedEncoder(torch.nn.Module):
+class ChunkedEncoder(StandIn):
     """A stand-in for the Wan VAE where a pipeline only encodes with it (`vae.encode(x).latent_dist`, `vae.config`,
-    `vae.dtype`), the encode done by `encode` (`device_encoder`, `coder_programs`); like engine.encoders.OnRuntime
-    it says its device is the host, where the pipelines put its inputs."""
+    `vae.dtype`), the encode done by `encode` (`device_encoder`, `coder_programs`)."""
 
     def __init__(self, vae: torch.nn.Module, encode) -> None:
-        super().__init__()
-        self.config, self.vae_dtype, self._encode = vae.config, vae.dtype, encode
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.vae_dtype
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
+        super().__init__(vae)
+        self._encode = encode
 
     def encode(self, pixels, return_dict: bool = True):
-        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-        from diffusers.models.modeling_outputs import AutoencoderKLOutput
-
-        return AutoencoderKLOutput(latent_dist=DiagonalGaussianDistribution(self._encode(pixels)))
+        return vae_output(self._encode(pixels), return_dict)

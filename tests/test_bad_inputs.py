@@ -376,6 +376,13 @@ CASES = [
         "acts only with stage 1's --image or --condition",
     ),
     ltx2("s1-image-crf-on-wan", "tiny-wan2.1-i2v", ["--image", "IMAGE", "--image_crf", "20"], "wan does not take it"),
+    Case(
+        "s1-animate-mode-on-t2v",
+        "user errors",
+        "stage1",
+        ("--model", "tiny-wan2.1", "--prompt", "a cat", "--output_dir", "OUT", "--mode", "replace"),
+        "--mode replace acts only with stage 1's --pose_video, which this --model does not take",
+    ),
     ltx2("s1-ltx2-i2v-crf-52", "tiny-ltx2-i2v", ["--image", "IMAGE", "--image_crf", "52"], "H.264's range"),
     ltx2("s1-ltx2-distilled-30", "tiny-ltx2", ["--sigmas", "distilled", "--num_inference_steps", "30"], "8 steps"),
     ltx2("s1-ltx2-sigmas-unknown", "tiny-ltx2", ["--sigmas", "dev"], "invalid choice: 'dev'"),

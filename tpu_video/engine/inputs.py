@@ -72,7 +72,7 @@ def frames_from_inputs(
         return None
     name, frames = counts[0]
     if given is not None and given > frames:
-        raise UserError(f"--num_frames {given}: --{name} has {frames} frames")
+        raise UserError(f"--num_frames {given}: --{name} has {frames} frames; give at most {frames}, or leave it out")
     if given is not None:
         return None
     step = steps.get(name, 1)

@@ -147,15 +147,20 @@ def input_defaults(family: Family, source, inputs) -> dict[str, Any]:
     return {name: value(source) if callable(value) else value for name, value in values.items()}
 
 
-def check_option_inputs(family: Family, request, inputs) -> None:
+def check_option_inputs(family: Family, request, inputs, accepted=None) -> None:
     """An option that acts only with a media input (Option.with_input), set without it, is refused: it would
-    change nothing. `inputs`: the names stage 1 was given (or recorded)."""
+    change nothing. `inputs`: the names stage 1 was given (or recorded); `accepted`: the media inputs the model
+    takes, where known (the error then says when it takes none of the option's)."""
     for option in family.OPTIONS:
         value = request.option(option.name)
         if option.inputs and value is not None and not set(option.inputs) & set(inputs):
             given = " or ".join(f"--{name}" for name in option.inputs)
             shown = " ".join(map(str, value)) if isinstance(value, list) else value
-            raise UserError(f"--{option.name} {shown} acts only with stage 1's {given}")
+            never = accepted is not None and not set(option.inputs) & {media.name for media in accepted}
+            raise UserError(
+                f"--{option.name} {shown} acts only with stage 1's {given}"
+                + (", which this --model does not take" if never else "")
+            )
 
 
 def options_of(family_name: str | None) -> tuple[Option, ...]:

@@ -67,7 +67,7 @@ def checked_video(args, source, family, output_dir: Path, where: str = "") -> Vi
             defaults["num_frames"] = frames
         defaults.update(models.input_defaults(family, source, values))
         request = request_from_flags(args, family, args.model, defaults)
-        models.check_option_inputs(family, request, values)
+        models.check_option_inputs(family, request, values, accepted)
         for option in family.OPTIONS:  # a later pass's option is stored for stage 2, which refuses it from noise
             if option.start_only and request.option(option.name) is not None:
                 log(f"note: {models.start_only_flag(family, request, option)} acts only on a {models.LATER_PASS}")

@@ -274,8 +274,9 @@ def denoise_group(
             for video in members
         ]
         loops = [started(loop, video.start_latents) for (loop, _), video in zip(built, members, strict=True)]
-        loops, finished = segments.resumed(loops, [video.guard for video in members])
-        loop, timer = batched_loop(loops), timer if number == 1 else Timer()
+        timer = timer if number == 1 else Timer()
+        loops, finished = segments.resumed(loops, [video.guard for video in members], timer)
+        loop = batched_loop(loops)
         reused = placed is not None
         if placed is None:
             with timer.phase("place"):

@@ -236,7 +236,7 @@ def denoise(
     loop, finish = family.denoise_loop(
         source, request, embeds, dtype, transformers, runtime, options.tp_mode, planning=False
     )
-    loops, finished = segments.resumed([started(loop, start_latents)], [options.guard])
+    loops, finished = segments.resumed([started(loop, start_latents)], [options.guard], timer)
     with timer.phase("place"):
         placed = place_denoisers(loops[0], runtime, options)
     run = functools.partial(run_denoise_loop, runtime=runtime, timer=timer, placed=placed)

@@ -28,16 +28,17 @@ def position(guard) -> int:
     return sum(key.startswith(FINISHED) for key in _restored(guard))
 
 
-def resumed(loops: list[DenoiseLoop], guards: list) -> tuple[list[DenoiseLoop], list[list[torch.Tensor]]]:
+def resumed(loops: list[DenoiseLoop], guards: list, timer) -> tuple[list[DenoiseLoop], list[list[torch.Tensor]]]:
     """Each video's loop that its restored checkpoint (of its guard, if any) was saved in, and the latents of
-    the loops it finished before."""
+    the loops it finished before; the work between loops it replays is timed as `between_loops`."""
     rebuilt, finished = [], []
     for loop, guard in zip(loops, guards, strict=True):
         done: list[torch.Tensor] = []
         state = _restored(guard)
         while f"{FINISHED}{len(done)}" in state:
             done.append(state[f"{FINISHED}{len(done)}"])
-            loop = loop.then(done[-1])
+            with timer.phase("between_loops"):
+                loop = loop.then(done[-1])
         rebuilt.append(loop)
         finished.append(done)
     return rebuilt, finished

@@ -111,10 +111,11 @@ def test_a_stage3_run_keys_its_frame_programs_as_the_plan_saved_them_and_loads_t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny-wan2.1", "tiny-hunyuanvideo15-i2v", "tiny-ltx2"])
+@pytest.mark.parametrize("model", ["tiny-wan2.1-i2v", "tiny-hunyuanvideo15-i2v", "tiny-ltx2"])
 def test_a_stage1_run_keys_its_encoder_programs_as_the_plan_saved_them_and_loads_them(tmp_path, monkeypatch, model):
-    """Stage 1's device programs (UMT5; or Qwen2.5-VL, ByT5 on the quoted text, SigLIP and the VAE encode of
-    the image; or Gemma 3 and LTX-2's text connectors): the plan pointed at this host's devices saves the keys
+    """Stage 1's device programs (UMT5, CLIP and the condition video's VAE encode in chunk programs, the cache
+    each returns taken back by the next as laid out; or Qwen2.5-VL, ByT5 on the quoted text, SigLIP and the VAE
+    encode of the image; or Gemma 3 and LTX-2's text connectors): the plan pointed at this host's devices saves the keys
     a `--backend torchax` run computes, and a run given them loads every one and writes the embeddings the run
     that compiled its own wrote."""
     run_store, plan_store, report_path = tmp_path / "run", tmp_path / "plan", tmp_path / "plan.json"
@@ -127,7 +128,7 @@ def test_a_stage1_run_keys_its_encoder_programs_as_the_plan_saved_them_and_loads
     run_stage(stage1_text_encoder, [*argv, *planned, "--output_dir", tmp_path / "unused"])
     report = json.loads(report_path.read_text())
     assert report["stage"] == 1 and report["fits"] and not (tmp_path / "unused").exists()
-    programs = {"tiny-wan2.1": 1, "tiny-hunyuanvideo15-i2v": 4, "tiny-ltx2": 2}  # LTX-2: Gemma, the connectors
+    programs = {"tiny-wan2.1-i2v": 4, "tiny-hunyuanvideo15-i2v": 4, "tiny-ltx2": 2}  # Wan: 5 frames, 2 chunks
     assert report["executables"]["saved"] == len(keys(run_store)) == programs[model]
     assert keys(plan_store) == keys(run_store)
 

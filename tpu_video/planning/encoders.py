@@ -10,6 +10,7 @@ builds for that request, keyed as it keys them (tests/test_plan_executables.py).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, NoReturn
 
 import torch
@@ -92,14 +93,18 @@ class PlanningRuntime(TorchaxRuntime):
     def compile(self, module: torch.nn.Module, rules: Any = None, methods: tuple[str, ...] = ("forward",)):
         if callable(rules):
             rules = rules(dict(self.mesh.shape))
-        return _Compiling(self, module, rules or REPLICATED_TABLE)
+        if methods == ("forward",):
+            return _Compiling(self, module, rules or REPLICATED_TABLE)
+        weights = _weight_bytes(module, rules or REPLICATED_TABLE, self.mesh)  # once for all its programs
+        calls = {name: _Compiling(self, module, rules or REPLICATED_TABLE, name, weights) for name in methods}
+        return SimpleNamespace(**calls)  # each method its own program, as a run's compiled module
 
     def to_device(self, tree, layout: tuple | None = None):
         wrap = lambda value: _Input(value, layout or ()) if isinstance(value, torch.Tensor) else value  # noqa: E731
         return torch.utils._pytree.tree_map(wrap, tree)
 
     def to_host(self, tensor) -> torch.Tensor:
-        return tensor  # the zeros a planned call returned
+        return tensor.tensor if isinstance(tensor, _Input) else tensor  # the zeros a planned call returned
 
 
 def _weight_bytes(module: torch.nn.Module, rules, mesh) -> int:
@@ -115,15 +120,16 @@ INNER = ("encoder", "vae", "connectors")  # where a compiled module (tpu_video/e
 
 
 class _Compiling(torch.nn.Module):
-    """A module as a planning runtime's `compile` returns it: each call with a new input signature is compiled
-    (and saved); every call returns zeros shaped as the program's outputs. It holds the module, as a run's
-    compiled module does (pipelines ask for its parameters' dtype)."""
+    """A module's `method` as a planning runtime's `compile` returns it: each call with a new input signature is
+    compiled (and saved); every call returns zeros shaped and laid out as the program's outputs (`to_host` gives
+    the zeros; a later call given them compiles for that layout, as a run's does). It holds the module, as a
+    run's compiled module does (pipelines ask for its parameters' dtype)."""
 
-    def __init__(self, runtime: PlanningRuntime, module: torch.nn.Module, rules) -> None:
+    def __init__(self, runtime: PlanningRuntime, module: torch.nn.Module, rules, method="forward", weights=None):
         super().__init__()
-        self.module, self.rules = module, rules
+        self.module, self.rules, self.method = module, rules, method
         self.runtime = [runtime]  # not a submodule
-        self.weights = _weight_bytes(module, rules, runtime.mesh)
+        self.weights = _weight_bytes(module, rules, runtime.mesh) if weights is None else weights
         self.seen: dict[tuple, dict[str, Any]] = {}
 
     def forward(self, *args):
@@ -136,18 +142,25 @@ class _Compiling(torch.nn.Module):
         )
         if signature not in self.seen:
             runtime = self.runtime[0]
-            compiled = compile_module(self.module, self.rules, inputs, runtime.mesh, runtime.env, store=runtime.store)
+            compiled = compile_module(
+                self.module, self.rules, inputs, runtime.mesh, runtime.env, self.method, store=runtime.store
+            )
             inner = next((getattr(self.module, name) for name in INNER if hasattr(self.module, name)), self.module)
             shapes = ", ".join(str(list(tensor.shape)) for tensor, _ in inputs if isinstance(tensor, torch.Tensor))
-            name = f"{type(inner).__name__} ({shapes})"
-            program = {"name": name, "module": id(self), "weights": self.weights, "calls": 0, "compiled": compiled}
+            method = "" if self.method == "forward" else f".{self.method}"
+            name = f"{type(inner).__name__}{method} ({shapes})"
+            module = id(self.module)  # its weights counted once, whatever its programs
+            program = {"name": name, "module": module, "weights": self.weights, "calls": 0, "compiled": compiled}
             self.seen[signature] = program
             runtime.programs.append(self.seen[signature])
         program = self.seen[signature]
         program["calls"] += 1
         if program["compiled"].refused:
             raise _Refused(program)
-        return tuple(torch.zeros(output.shape, dtype=j2t_dtype(output.dtype)) for output in program["compiled"].outputs)
+        return tuple(  # laid out as the program returns them, for a call that takes them back (a carried cache)
+            _Input(torch.zeros(output.shape, dtype=j2t_dtype(output.dtype)), tuple(output.sharding.spec))
+            for output in program["compiled"].outputs
+        )
 
 
 class _Refused(Exception):

@@ -169,7 +169,9 @@ class Describer:
         if isinstance(obj, (set, frozenset)):
             return ["set", sorted(json.dumps(self(v, path), default=str) for v in obj)]
         if hasattr(obj, "program_fingerprint"):  # objects that say what of them a program reads
-            return [qualified(type(obj)), self(obj.program_fingerprint(), f"{path}.program_fingerprint()")]
+            # named by the method that says it: a subclass that keeps it (planning's runtime) keys as its base
+            said_by = qualified(type(obj).program_fingerprint)
+            return [said_by, self(obj.program_fingerprint(), f"{path}.program_fingerprint()")]
         if isinstance(obj, functools.partial):
             return ["partial", self(obj.func, path), self(obj.args, path), self(obj.keywords, path)]
         if isinstance(obj, types.MethodType):

@@ -103,9 +103,9 @@ def image_conditioning(source, embeds, dtype) -> list[tuple[torch.Tensor, tuple]
 
 
 def plans_inputs(source) -> bool:
-    """Whether stage 1's `--plan` compiles the image conditioning: TI2V-5B's (one program); the I2V models' video
-    encodes (vae_encode.py's chunk programs) are not planned yet."""
-    return ti2v.expand_timesteps(source)
+    """Stage 1's `--plan` compiles every model of encode_inputs: CLIP, the VAE's encodes (TI2V-5B's one program,
+    the others' chunk programs: vae_encode.py)."""
+    return True
 
 
 def check_inputs(source, request: Request, inputs: dict[str, Any]) -> None:

@@ -146,7 +146,8 @@ class _Compiling(torch.nn.Module):
                 self.module, self.rules, inputs, runtime.mesh, runtime.env, self.method, store=runtime.store
             )
             inner = next((getattr(self.module, name) for name in INNER if hasattr(self.module, name)), self.module)
-            shapes = ", ".join(str(list(tensor.shape)) for tensor, _ in inputs if isinstance(tensor, torch.Tensor))
+            shapes = [str(list(tensor.shape)) for tensor, _ in inputs if isinstance(tensor, torch.Tensor)]
+            shapes = ", ".join(shapes if len(shapes) <= 3 else [shapes[0], f"{len(shapes) - 1} carried tensors"])
             method = "" if self.method == "forward" else f".{self.method}"
             name = f"{type(inner).__name__}{method} ({shapes})"
             module = id(self.module)  # its weights counted once, whatever its programs

@@ -147,8 +147,10 @@ class _Compiling(torch.nn.Module):
             )
             inner = next((getattr(self.module, name) for name in INNER if hasattr(self.module, name)), self.module)
             shapes = [str(list(tensor.shape)) for tensor, _ in inputs if isinstance(tensor, torch.Tensor)]
-            shapes = ", ".join(shapes if len(shapes) <= 3 else [shapes[0], f"{len(shapes) - 1} carried tensors"])
             method = "" if self.method == "forward" else f".{self.method}"
+            if method and len(shapes) > 3:  # a chunk program: its input, then the cache the call before returned
+                shapes = [shapes[0], f"{len(shapes) - 1} carried tensors"]
+            shapes = ", ".join(shapes)
             name = f"{type(inner).__name__}{method} ({shapes})"
             module = id(self.module)  # its weights counted once, whatever its programs
             program = {"name": name, "module": module, "weights": self.weights, "calls": 0, "compiled": compiled}

@@ -109,8 +109,12 @@ def plan_inputs(decoder: torch.nn.Module, meta_vae, latents_shape, runtime, layo
         name: [(frame, layout), *((t, layout) for t in cache)]
         for name, (_, cache) in zip(PROGRAMS, layouts, strict=True)
     }
-    frames = latents_shape[2]
-    return module, inputs, {"first": 1, "second": min(frames - 1, 1), "steady": max(frames - 2, 0)}
+    return module, inputs, dict(zip(PROGRAMS, program_calls(latents_shape[2]), strict=True))
+
+
+def program_calls(chunks: int) -> tuple[int, int, int]:
+    """How often a video of `chunks` chunks calls the first, second and steady programs."""
+    return 1, min(chunks - 1, 1), max(chunks - 2, 0)
 
 
 def frame_programs(source, decoder: torch.nn.Module, latents_shape, runtime, layout, chunk_frames: int = 1):

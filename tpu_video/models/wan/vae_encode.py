@@ -23,6 +23,7 @@ from .vae import (
     frame_decode,
     meta_frame,
     plan_inputs,
+    program_calls,
     program_of,
 )
 
@@ -92,16 +93,19 @@ def encoder_layout(vae, pixels_shape) -> list[tuple[tuple, list[torch.Tensor]]]:
     """`cache_layout` of the encoder's first three calls on videos of `pixels_shape` (any frame count; meta `vae`)."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
 
-    chunks = []
-    for frames in (1, ENCODE_FRAMES, ENCODE_FRAMES):
-        chunk = torch.zeros(*pixels_shape[:2], frames, *pixels_shape[3:], dtype=vae.dtype, device="meta")
-        patch = vae.config.patch_size
-        chunks.append(chunk if patch is None else patchify(chunk, patch_size=patch))
+    chunks = [meta_chunk(pixels_shape, frames, vae.dtype) for frames in (1, ENCODE_FRAMES, ENCODE_FRAMES)]
+    if vae.config.patch_size is not None:
+        chunks = [patchify(chunk, patch_size=vae.config.patch_size) for chunk in chunks]
 
     def call(chunk, cache, index):
         vae.encoder(chunk, feat_cache=cache, feat_idx=[0])
 
     return cache_layout(vae._cached_conv_counts["encoder"], call, chunks)
+
+
+def meta_chunk(pixels_shape, frames: int, dtype: torch.dtype) -> torch.Tensor:
+    """`frames` frames of a video of `pixels_shape` on the meta device (shapes only)."""
+    return torch.zeros(*pixels_shape[:2], frames, *pixels_shape[3:], dtype=dtype, device="meta")
 
 
 def _encode(programs, runtime, layout):
@@ -147,15 +151,13 @@ def coder_plan(decoder: torch.nn.Module, latents_shape, pixels_shape, runtime, l
     """For --plan: CoderPrograms on a meta VAE (`decoder.vae`), the (tensor, layout) inputs of each of its six
     programs (meta tensors), and how often a segment calls each."""
     vae = decoder.vae
-    _, inputs, calls = plan_inputs(decoder, vae, latents_shape, runtime, layout)  # the decode's, as stage 3 plans it
+    frames, inputs, calls = plan_inputs(decoder, vae, latents_shape, runtime, layout)  # as stage 3 plans them
     encode = encoder_layout(vae, pixels_shape)
-    kinds = [kinds for kinds, _ in decoder_layout(vae, meta_frame(decoder, latents_shape))]
-    module = CoderPrograms(decoder, kinds, [k for k, _ in encode], runtime.constrain, layout)
+    module = CoderPrograms(decoder, frames.kinds, [kinds for kinds, _ in encode], runtime.constrain, layout)
     for index, (name, (_, cache)) in enumerate(zip(ENCODER_PROGRAMS, encode, strict=True)):
-        shape = (*pixels_shape[:2], 1 if index == 0 else ENCODE_FRAMES, *pixels_shape[3:])
-        inputs[name] = [(torch.zeros(shape, dtype=vae.dtype, device="meta"), layout), *((t, layout) for t in cache)]
-    chunks = len(encode_spans(pixels_shape[2]))
-    calls.update(zip(ENCODER_PROGRAMS, (1, min(chunks - 1, 1), max(chunks - 2, 0)), strict=True))
+        chunk = meta_chunk(pixels_shape, 1 if index == 0 else ENCODE_FRAMES, vae.dtype)
+        inputs[name] = [(chunk, layout), *((tensor, layout) for tensor in cache)]
+    calls.update(zip(ENCODER_PROGRAMS, program_calls(len(encode_spans(pixels_shape[2]))), strict=True))
     return module, inputs, calls
 
 

@@ -22,10 +22,11 @@ import torch
 import helpers
 import stage1_text_encoder
 import stage2_transformer
+from cache_reference import IntervalReference, computed_calls, mag_config, per_context_configs
 from helpers import expect_user_error, relative_error, run_stage
 from tpu_video import models
 from tpu_video.cli import Stopped, run_ended
-from tpu_video.engine import cache_schedule, cached_blocks
+from tpu_video.engine import cache_schedule
 from tpu_video.engine.cache_schedule import CacheSettings, schedule
 from tpu_video.engine.guard import DenoiseGuard
 from tpu_video.engine.mag_ratios import MAG_RATIOS_FILE
@@ -64,47 +65,11 @@ def pipeline_latents(pipe, request, guidance_scale: float = 6.0, **extra):
     ).frames
 
 
-def computed_calls(transformer) -> list[bool]:
-    """Record, per call of `transformer`, whether its last block really ran (diffusers' skips do not)."""
-    calls = []
-    transformer.register_forward_pre_hook(lambda module, args: calls.append(False))
-    blocks = cached_blocks.block_list(transformer)
-
-    def ran(module, args):
-        calls[-1] = True
-
-    blocks[-1].norm1.register_forward_pre_hook(ran)
-    return calls
-
-
-def per_context_configs(transformer, configs: dict) -> None:
-    """Give each diffusers cache context of `transformer` its own MagCacheConfig (diffusers shares one)."""
-
-    class ByContext:
-        def __init__(self, manager) -> None:
-            self.manager = manager
-
-        def __getattr__(self, key):
-            return getattr(configs[self.manager.context.name], key)
-
-    transformer.enable_cache(next(iter(configs.values())))
-    for block in cached_blocks.block_list(transformer):
-        for hook in block._diffusers_hook.hooks.values():
-            if hasattr(hook, "state_manager"):
-                hook.config = ByContext(hook.state_manager)
-
-
 def printed_calibrations(text: str) -> list[list[float]]:
     """The ratio lists diffusers' MagCache prints when a calibration run ends, in order."""
     lines = text.splitlines()
     found = [lines[i + 1] for i, line in enumerate(lines) if "[MagCache] Calibration Complete" in line]
     return [json.loads(line) for line in found]
-
-
-def mag_config(ratios, steps: int, **settings):
-    from diffusers.hooks import MagCacheConfig
-
-    return MagCacheConfig(num_inference_steps=steps, mag_ratios=list(ratios), **settings)
 
 
 # The host-side schedules --------------------------------------------------------------------------------
@@ -302,41 +267,6 @@ def test_magcache_checkpoint_resume_is_bit_identical(tmp_path, monkeypatch, caps
 # The interval cache --------------------------------------------------------------------------------------
 
 
-class IntervalReference:
-    """The interval cache from its definition, as hooks on an eager CogVideoX transformer's blocks: every
-    call runs the first and last block; on reusing steps the deep blocks' output is their input plus the
-    residuals (video and text tokens) from the last step that ran them."""
-
-    def __init__(self, transformer, start: int, end: int, interval: int) -> None:
-        self.blocks = cached_blocks.block_list(transformer)
-        self.start, self.end, self.interval = start, end, interval
-        self.step, self.residual = -1, None
-        for index, block in enumerate(self.blocks):
-            block.forward = self.wrap(index, block.forward)
-
-    def wrap(self, index, forward):
-        def call(hidden_states, encoder_hidden_states, *args, **kwargs):
-            last = len(self.blocks) - 1
-            if index == 0:
-                self.step += 1
-            i = self.step
-            full = i < self.start or i >= self.end or (i - self.start) % self.interval == 0
-            if index in (0, last):
-                return forward(hidden_states, encoder_hidden_states, *args, **kwargs)
-            if not full:
-                if index == 1:
-                    return hidden_states + self.residual[0], encoder_hidden_states + self.residual[1]
-                return hidden_states, encoder_hidden_states
-            if index == 1:
-                self.entry = (hidden_states, encoder_hidden_states)
-            out = forward(hidden_states, encoder_hidden_states, *args, **kwargs)
-            if index == last - 1:
-                self.residual = (out[0] - self.entry[0], out[1] - self.entry[1])
-            return out
-
-        return call
-
-
 def test_interval_cache_equals_its_definition(tmp_path, four_layer_cogvideox):
     from diffusers import CogVideoXPipeline
 
@@ -346,7 +276,7 @@ def test_interval_cache_equals_its_definition(tmp_path, four_layer_cogvideox):
     assert section["step_cache"]["kind"] == "interval" and section["step_cache"]["schedule"] == "FFCCFCCF"
 
     pipe = CogVideoXPipeline.from_pretrained(four_layer_cogvideox, dtype=torch.float32)
-    IntervalReference(pipe.transformer, 1, 7, 3)
+    IntervalReference(pipe.transformer, 1, 7, 3, steps=8)
     expected = pipeline_latents(pipe, request, max_sequence_length=32)[:, 1:].permute(0, 2, 1, 3, 4)
     assert relative_error(latents, expected) <= TOLERANCE
 

@@ -245,6 +245,49 @@ def test_animate_videos_of_one_character_batch_as_the_pipeline_runs_each(tmp_pat
             assert relative_error(latents[row : row + 1], segment[:, :, 1:]) <= STAGES_TOLERANCE, (name, row)
 
 
+def test_animate_step_caches_equal_their_references_segment_by_segment(tmp_path, media):
+    """One stage-1 folder, two stage 2s on the default mesh of 8 devices, the blocks between face adapters
+    scanned: MagCache against diffusers' hooks on WanAnimatePipeline's transformer (its block given Wan's
+    registry entry, as our cache is given it), and the interval cache against its definition (the outer blocks
+    run apart: blocks 1-2 scanned). Each segment starts its cache again, as diffusers' state resets after
+    num_inference_steps calls; the face adapters still add to the video tokens after skipped blocks."""
+    from diffusers.models.transformers import transformer_wan, transformer_wan_animate
+
+    from cache_reference import IntervalReference, computed_calls, mag_config, register_block_as
+
+    out = tmp_path / "run"
+    run_stage(stage1_text_encoder, stage1_argv(out, media))
+    (tmp_path / "ratios.json").write_text(json.dumps([1.0] * 4))
+    caches = {  # MagCache skips at most one step in a row
+        "magcache": ["--cache_mag_ratios", tmp_path / "ratios.json", "--cache_retention_ratio", 0],
+        "interval": ["--cache_start_step", 1, "--cache_end_step", 4, "--cache_step_interval", 2],
+    }
+    caches["magcache"] += ["--cache_max_skip_steps", 1]
+    sections = {}
+    for kind, flags in caches.items():
+        argv = ["--input_dir", out, "--output_dir", tmp_path / kind, "--executables", "off", "--cache", kind]
+        run_stage(stage2_transformer, [str(item) for item in (*argv, *flags)])
+        sections[kind] = read_config(tmp_path / kind)["stage2"]
+        assert sections[kind]["scan_blocks"]["scanned"] == {"transformer": [1, 3]}
+    assert sections["magcache"]["step_cache"]["schedule"] == "FCFC"
+    assert sections["interval"]["step_cache"]["schedule"] == "FFCF"
+
+    register_block_as(transformer_wan_animate.WanTransformerBlock, transformer_wan.WanTransformerBlock)
+    hooked = animate_pipeline()
+    ran = computed_calls(hooked.transformer)
+    hooked.transformer.enable_cache(mag_config([1.0] * 4, 4, retention_ratio=0, max_skip_steps=1))
+    interval = animate_pipeline()
+    IntervalReference(interval.transformer, 1, 4, 2, steps=4, text=False)
+    plain, _ = reference(media)
+    for kind, pipe in (("magcache", hooked), ("interval", interval)):
+        expected, _ = reference(media, pipe=pipe)
+        latents = read_tensors(tmp_path / kind, sections[kind])["latents"]
+        for row, segment in enumerate(expected):
+            assert relative_error(latents[row : row + 1], segment[:, :, 1:]) <= STAGES_TOLERANCE, (kind, row)
+            assert relative_error(segment, plain[row]) > 10 * STAGES_TOLERANCE, (kind, row)  # the cache acts
+    assert ran == [True, False] * 4  # two segments of 4 steps, one call each
+
+
 def test_animate_quantized_and_with_an_adapter_matches_the_pipeline_so_changed(tmp_path, media):
     """One stage-1 folder, two stage 2s on the default mesh of 8 devices: `--quantize int8_weight` converts every
     linear of the blocks and the face adapters, against the pipeline whose linears hold the same dequantized

@@ -9,6 +9,8 @@ request's 32x48 by the pipeline's processor; strength 0.6 of 5 steps runs the la
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,7 @@ import torch
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
+from cache_reference import computed_calls, in_contexts, mag_config
 from helpers import decoded_frames, expect_user_error, relative_error, run_script, run_stage, write_video
 from tpu_video import models
 from tpu_video.cli import UserError
@@ -58,9 +61,13 @@ def test_video_to_video_matches_the_pipeline(capsys, tmp_path, video_file):
     assert record["kind"] == "video" and record["frames"] == 9 and record["size"] == [40, 56]
     assert record["processed_size"] == [32, 48]
 
-    pipe = WanVideoToVideoPipeline.from_pretrained(models.materialize_preset("tiny-wan2.1"), torch_dtype=torch.float32)
+    def v2v_pipeline():
+        folder = models.materialize_preset("tiny-wan2.1")
+        return WanVideoToVideoPipeline.from_pretrained(folder, torch_dtype=torch.float32)
 
-    def call(output_type):
+    pipe = v2v_pipeline()
+
+    def call(output_type, pipe=pipe):
         generator = torch.Generator("cpu").manual_seed(SEED)
         frames = decoded_frames(video_file)
         return pipe(
@@ -102,8 +109,26 @@ def test_video_to_video_matches_the_pipeline(capsys, tmp_path, video_file):
     expect_user_error(
         capsys, stage2_transformer, ["--input_dir", out, "--strength", "1.5"], "must be above 0 and at most 1"
     )
-    window = ["--cache", "interval", "--cache_start_step", 1, "--cache_end_step", 3, "--cache_step_interval", 2]
-    expect_user_error(capsys, stage2_transformer, ["--input_dir", out, *window], "the step caches do not take it")
+
+    # MagCache over the 3 steps that run, against diffusers' hooks given WanPipeline's cache contexts (cond, uncond).
+    (tmp_path / "ratios.json").write_text(json.dumps([1.0, 1.0, 1.0]))
+    cache = ["--cache", "magcache", "--cache_mag_ratios", tmp_path / "ratios.json", "--cache_retention_ratio", 0]
+    cache += ["--output_dir", tmp_path / "cached", "--executables", "off"]
+    run_stage(stage2_transformer, ["--input_dir", out, *cache])
+    section = read_config(tmp_path / "cached")["stage2"]
+    assert section["step_cache"]["schedule"] == "FCC"
+    hooked = v2v_pipeline()
+    ran = computed_calls(hooked.transformer)
+    hooked.transformer.enable_cache(mag_config([1.0] * 3, 3, retention_ratio=0))
+    in_contexts(hooked.transformer)
+    expected_cached = call("latent", pipe=hooked)
+    assert ran == [True, True, False, False, False, False]  # cond, uncond per step
+    cached = read_tensors(tmp_path / "cached", section)["latents"]
+    assert relative_error(cached, expected_cached) <= TOLERANCE
+    assert relative_error(cached, expected) > 100 * TOLERANCE  # the cache acts
+    # The interval cache's window counts the steps that run: past the third is refused before weights load.
+    window = ["--cache", "interval", "--cache_start_step", 1, "--cache_end_step", 4, "--cache_step_interval", 2]
+    expect_user_error(capsys, stage2_transformer, ["--input_dir", out, *window], "do not fit 3 steps")
 
 
 def test_a_folder_of_frames_reads_in_name_order_and_bad_videos_are_refused(tmp_path, video_file):

@@ -128,6 +128,32 @@ def test_vace_matches_the_pipeline(tmp_path, media):
     assert relative_error(frames, expected_frames) <= TOLERANCE
 
 
+def test_vace_magcache_equals_diffusers_hooks_with_the_hints_added_on_cached_steps(tmp_path, media):
+    """MagCache over the main blocks (the VACE blocks run every step and their hints are still added after
+    blocks 0 and 2 when the blocks are skipped, as under diffusers' hooks), the blocks between hints scanned,
+    on the default mesh of 8 devices, against WanVACEPipeline with `transformer.enable_cache`."""
+    from cache_reference import computed_calls, mag_config
+
+    out = tmp_path / "run"
+    inputs = ["--control_video", media / "control.mp4", "--mask", media / "mask.mp4", "--conditioning_scale", 0.7, 1.3]
+    stage1(out, media, *inputs, "--reference_images", media / "ref1.png", media / "ref2.png")
+    (tmp_path / "ratios.json").write_text(json.dumps([1.0] * 4))
+    cache = ["--cache", "magcache", "--cache_mag_ratios", tmp_path / "ratios.json", "--cache_retention_ratio", 0]
+    cache += ["--cache_max_skip_steps", 1, "--scan_blocks", "on"]
+    run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", *cache])
+    section = read_config(out)["stage2"]
+    assert section["step_cache"]["schedule"] == "FCFC"
+    assert section["scan_blocks"]["scanned"] == {"transformer": [1, 3]}
+    pipe = vace_pipeline()
+    ran = computed_calls(pipe.transformer)
+    pipe.transformer.enable_cache(mag_config([1.0] * 4, 4, retention_ratio=0, max_skip_steps=1))
+    expected = reference(media, "latent", scale=[0.7, 1.3], pipe=pipe)[:, :, 2:]
+    assert ran == [True, True, False, False] * 2  # cond, uncond per step
+    latents = read_tensors(out, section)["latents"]
+    assert relative_error(latents, expected) <= TOLERANCE
+    assert relative_error(latents, reference(media, "latent", scale=[0.7, 1.3])[:, :, 2:]) > 100 * TOLERANCE
+
+
 def test_vace_quantized_and_with_an_adapter_matches_the_pipeline_so_changed(tmp_path, media):
     """One stage-1 folder (a control video, one reference image), two stage 2s on the default mesh of 8
     devices: `--quantize int8_weight` converts every linear of the main and the VACE blocks (their projections

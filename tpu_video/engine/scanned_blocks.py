@@ -170,13 +170,21 @@ def _stack_weights(members: list[torch.nn.Module]) -> list[str]:
     return names
 
 
+def cut(span: tuple[int, int], edges: tuple[int, int]) -> list[tuple[int, int]]:
+    """`span` cut where an edge of the step cache's span falls inside it: a scan runs on one side of each edge
+    (a cached step runs the blocks outside the cached span and skips those inside)."""
+    first, end = span
+    points = sorted({first, end, *(edge for edge in edges if first < edge < end)})
+    return list(zip(points, points[1:], strict=False))
+
+
 def install(loop, setting: str, cache, scan):
     """`--scan_blocks setting` on every transformer of a DenoiseLoop (before anything is placed), over all
     its blocks, the span of the step cache `cache` (CacheSettings: the interval cache runs its outer blocks
     apart), or the spans the guided module's `scan_spans(blocks)` names (Wan VACE: the blocks between two
-    of its hints, each hint added after the last block of a span). A guided module's `scan_when_asked` (why)
-    keeps `auto` unrolled. Returns the loop's rule table with the stacked weights' layouts. `on` where the
-    blocks differ is an error."""
+    of its hints, each hint added after the last block of a span), cut at the cache's span. A guided module's
+    `scan_when_asked` (why) keeps `auto` unrolled. Returns the loop's rule table with the stacked weights'
+    layouts. `on` where the blocks differ is an error."""
     if setting == "off":
         return loop.rules
     names = set()
@@ -190,8 +198,9 @@ def install(loop, setting: str, cache, scan):
         if setting == "auto" and getattr(guided, "scan_when_asked", None):
             log(f"{type(transformer).__name__}: blocks unrolled ({guided.scan_when_asked}; --scan_blocks on scans)")
             continue
-        if hasattr(guided, "scan_spans"):  # no step cache takes such a model (stage2_inputs.UNCACHED_TASKS)
-            spans = [(first, end) for first, end in guided.scan_spans(len(blocks)) if end - first >= 2]
+        if hasattr(guided, "scan_spans"):
+            pieces = [piece for hinted in guided.scan_spans(len(blocks)) for piece in cut(hinted, span)]
+            spans = [(first, end) for first, end in pieces if end - first >= 2]
             why = None if spans else "no two of its blocks run in a row between its hints"
         else:
             spans, count = [span], span[1] - span[0]

@@ -122,6 +122,11 @@ def num_layers_only(source, component: str, num_layers: int) -> dict[str, Any]:
     return {"num_layers": num_layers}
 
 
+def every_step(source, request, task: str) -> int:
+    """Family.denoise_steps of a family whose loop runs the whole schedule."""
+    return request.num_inference_steps
+
+
 def fixed_length(source) -> None:
     """`frames_from_prompt` of a family whose video is always as long as the request says."""
     return None

@@ -107,6 +107,10 @@ class Family(Protocol):
         """The samples one step of one video runs as one batch: 2 where the pipeline runs classifier-free
         guidance at this request's scale, else 1; LTX-2 up to 4 (the default mesh's `dp` takes them)."""
 
+    def denoise_steps(self, source: ModelSource, request: Request, task: str) -> int:
+        """How many steps stage 2's loop runs for a request of this stage-1 `task` (Wan's video-to-video: the end
+        of the schedule); the step cache's window is checked against them before any weights load."""
+
     def activations(self, source: ModelSource, request: Request, dtype: torch.dtype) -> Any:
         """One sample's activation estimate (runtime.mesh.Activations: its video tokens and the family's
         copies fitted to the TPU compiler), which the default mesh adds to the weights."""

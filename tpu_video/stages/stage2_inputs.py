@@ -64,14 +64,6 @@ class ValidatedRun:
     earlier: dict = dataclasses.field(default_factory=dict)  # utils.earlier_overrides
 
 
-# Stage-1 tasks the step caches have not been checked against (their pipelines' hooks), and why.
-UNCACHED_TASKS = {
-    "v2v": "video-to-video runs the end of the schedule",
-    "vace": "a VACE transformer adds its control hints between the cached blocks",
-    "animate": "an Animate transformer adds the face's motion between the cached blocks",
-}
-
-
 def validated_run(
     args, processes, input_dir: Path, output_dir: Path, trace_dir: str | None, resume: bool
 ) -> ValidatedRun:
@@ -115,12 +107,10 @@ def validated_run(
     quantize = quantization(args)
     calibrated = (request.model_id, lora.identity(adapters), quantize.calibration_key())
     cache = cache_settings(args)
-    task = config["stage1"].get("task")
-    if cache.enabled and task in UNCACHED_TASKS:  # before the cache's own checks: no window would do
-        raise UserError(f"--cache: {UNCACHED_TASKS[task]}; the step caches do not take it yet")
     check_family_runs(family, cache)
     cache = with_mag_ratios(cache, args, input_dir, *calibrated)
-    check_window(cache, request.num_inference_steps)  # the steps the schedule will have, before weights load
+    steps = family.denoise_steps(source, request, config["stage1"].get("task", "t2v"))
+    check_window(cache, steps)  # the steps the loop will run, before weights load
     quantize.check_supported()
     if processes.is_main:
         ensure_writable_dir(output_dir, (STAGE2_FILE,))

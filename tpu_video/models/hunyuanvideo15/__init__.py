@@ -12,6 +12,7 @@
 - `presets`: the tiny random presets' components; `published`: the published checkpoints' configs for `--plan`.
 """
 
+from ..common import every_step as denoise_steps
 from ..common import fixed_length as frames_from_prompt
 from ..common import no_image_checks as check_inputs
 from ..common import no_upsample

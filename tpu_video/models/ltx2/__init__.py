@@ -21,6 +21,7 @@ the family's `models.family.Family` members, gathered from its parts.
 - `published`: Lightricks/LTX-2's configs, for --plan.
 """
 
+from ..common import every_step as denoise_steps
 from ..common import num_layers_only as depth_overrides
 from ..common import size_from_request as size_from_inputs  # the pipeline resizes the image to the request's size
 from ..family import lazy_members

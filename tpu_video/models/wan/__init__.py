@@ -33,7 +33,7 @@ Soundtrack = None  # no soundtrack
 __getattr__, __dir__ = lazy_members(
     __name__,
     {
-        "config": ("depth_overrides", "transformer_components"),
+        "config": ("denoise_steps", "depth_overrides", "transformer_components"),
         "i2v": ("check_inputs",),
         "pipeline": ("Decoder", "latents_normalization", "video_processor"),
         "vae": ("CHUNK_FRAMES", "frame_plan", "frame_programs"),

@@ -101,6 +101,11 @@ def strength_steps(request: Request) -> tuple[int, int]:
     return max(steps - init, 0), init
 
 
+def denoise_steps(source, request: Request, task: str) -> int:
+    """Family.denoise_steps: video-to-video runs the last `int(steps x strength)` steps, the rest every step."""
+    return strength_steps(request)[1] if task == "v2v" else request.num_inference_steps
+
+
 def token_grid(source, request: Request) -> tuple[int, int, int]:
     """The transformer's token positions along frames, height and width for the request's video."""
     vae = source.load_config("vae")

@@ -381,9 +381,9 @@ def test_interval_cache_batches_and_resumes_per_folder(tmp_path, four_layer_cogv
 
     real_after_step = batching.BatchGuard.after_step
 
-    def stopped_after_the_second_step(self, index, total, tensors, more=dict):
+    def stopped_after_the_second_step(self, index, total, tensors, **kwargs):
         self.stop.stop_requested = self.stop.stop_requested or index == 1  # as SIGTERM's handler does
-        return real_after_step(self, index, total, tensors, more)
+        return real_after_step(self, index, total, tensors, **kwargs)
 
     stopped = tmp_path / "stopped"
     shutil.copytree(out, stopped)

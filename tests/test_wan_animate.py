@@ -213,7 +213,9 @@ def test_an_animate_run_stopped_in_its_second_segment_resumes_to_the_same_latent
     out, whole = tmp_path / "run", tmp_path / "whole"
     run_stage(stage1_text_encoder, stage1_argv(out, media, "--guidance_scale", 2.0))
     run_stage(stage2_transformer, ["--input_dir", str(out), "--output_dir", str(whole), "--executables", "off"])
-    stop_stage2_after(monkeypatch, ["--input_dir", out, "--executables", "off"], steps=6, said="after step 2 of 4")
+    stop_stage2_after(
+        monkeypatch, ["--input_dir", out, "--executables", "off"], steps=6, said="after step 2 of 4 in segment 2 of 2"
+    )
     run_stage(stage2_transformer, ["--input_dir", str(out), "--executables", "off", "--resume"])
     latents = read_tensors(out, read_config(out)["stage2"])["latents"]
     assert torch.equal(latents, read_tensors(whole, read_config(whole)["stage2"])["latents"])

@@ -186,6 +186,7 @@ def batched_loop(loops: list[DenoiseLoop]) -> DenoiseLoop:
         timestep_input=first.timestep_input,
         cache_branches=first.cache_branches,
         between_plan=first.between_plan,
+        label=first.label,
     )
 
 
@@ -222,7 +223,7 @@ class BatchGuard:
             joined.update(_prefixed(rest, v))
         return steps.pop(), joined
 
-    def after_step(self, index: int, total: int, tensors: dict, more=dict) -> None:
+    def after_step(self, index: int, total: int, tensors: dict, more=dict, where: str = "") -> None:
         from tpu_video.cli import Stopped
 
         batch_more = functools.cache(more)  # fetched once, only if some video's checkpoint is written
@@ -242,7 +243,7 @@ class BatchGuard:
                 **_own(tensors, v),
             }
             try:
-                guard.after_step(index, total, own, more=functools.partial(own_more, v))
+                guard.after_step(index, total, own, more=functools.partial(own_more, v), where=where)
             except Stopped as stop:
                 stopped.append(stop)
         if stopped:

@@ -103,7 +103,8 @@ class DenoiseLoop:
     `then(latents)`: the video's next loop, built from this one's final latents (Wan Animate's next segment:
     tpu_video/engine/segments.py); None for a video's last. `between_plan(runtime)`, for `--plan` where `then` is
     set: the programs the work between two loops compiles, (module, {method: its (tensor, layout) inputs},
-    {method: its calls}, the attention plan).
+    {method: its calls}, the attention plan). `label` names the loop in the progress bar and the guard's
+    messages where a video has several ("segment 2 of 3").
     """
 
     guided: tuple[torch.nn.Module, ...]
@@ -122,6 +123,7 @@ class DenoiseLoop:
     cache_branches: tuple[str, ...] = ("batch",)
     noise_state: torch.Tensor | None = None
     then: Callable[[torch.Tensor], DenoiseLoop] | None = None
+    label: str = ""
     between_plan: Callable[[Any], tuple[torch.nn.Module, dict, dict, Any]] | None = None
 
     def experts_used(self) -> list[int]:
@@ -201,18 +203,20 @@ def run_denoise_loop(
         if cache is not None:
             cache.restore(state)
         carry.update(state)
-        log(f"resuming after step {start} of {len(timesteps)}")
+        log(f"resuming after step {start} of {len(timesteps)}{f' in {loop.label}' if loop.label else ''}")
     loop.on_start(start, carry)
     if cache is not None:
         log(cache.describe())
 
     steps = list(enumerate(timesteps))[start:]
-    for _, (i, t) in step_progress(steps, timer, trace=runtime.profile_trace()):
+    desc = f"denoise {loop.label}" if loop.label else "denoise"
+    for _, (i, t) in step_progress(steps, timer, desc, trace=runtime.profile_trace()):
         noise_pred = predict_noise(latents, i, t, loop.expert(i, t))
         latents, carry = loop.step(i, t, noise_pred, latents, carry)
         if guard is not None:
             state = {"latents": latents, "generator_state": loop.generator.get_state(), **carry}
-            guard.after_step(i, len(timesteps), state, more=cache.checkpoint if cache is not None else dict)
+            more = cache.checkpoint if cache is not None else dict
+            guard.after_step(i, len(timesteps), state, more=more, where=loop.label)
     if cache is not None:
         timer.step_kinds = cache.kinds  # one per timed step: "full" or "cached"
     return latents, cache

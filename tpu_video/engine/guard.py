@@ -97,12 +97,14 @@ class DenoiseGuard:
         metadata = {"next_step": str(next_step), "fingerprint": self.fingerprint, "batch_size": str(self.batch_size)}
         atomic_write(self.path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
-    def after_step(self, index: int, total: int, tensors: dict[str, torch.Tensor], more=dict) -> None:
+    def after_step(self, index: int, total: int, tensors: dict[str, torch.Tensor], more=dict, where: str = "") -> None:
         """Call with the loop state after step `index` (0-based) of `total`; `tensors["latents"]` is checked.
         `more()` gives further tensors to save, fetched only when a checkpoint is written (e.g. device state;
-        every process fetches them, since that may take a collective)."""
+        every process fetches them, since that may take a collective). `where` names the loop in the messages
+        (DenoiseLoop.label: Wan Animate's segment)."""
+        step = f"step {index + 1} of {total}{f' in {where}' if where else ''}"
         if not tensors["latents"].isfinite().all():
-            raise UserError(f"step {index + 1} of {total} produced NaN or Inf latents; nothing was written")
+            raise UserError(f"{step} produced NaN or Inf latents; nothing was written")
         done = index + 1
         stop = self.processes.any(f"stop/{done}", self.stop_requested)
         due = self.every and done % self.every == 0 and done < total
@@ -111,9 +113,7 @@ class DenoiseGuard:
         if stop:
             self.save(done, tensors)
             self.processes.agree(f"saved/{done}", None)  # no process leaves before the checkpoint exists
-            raise Stopped(
-                f"SIGTERM after step {done} of {total}; saved {self.path}. Continue with the same command plus --resume"
-            )
+            raise Stopped(f"SIGTERM after {step}; saved {self.path}. Continue with the same command plus --resume")
         if due:
             self.save(done, tensors)
 

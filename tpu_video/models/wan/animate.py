@@ -146,7 +146,10 @@ class SegmentLoops:
         noise = self.noise.prepare_latents(*sizes, NOISE_DTYPE, "cpu", self.generator)
         loop = self.make(inputs, noise)
         more = index + 1 < self.count
-        return dataclasses.replace(loop, then=self._next if more else None, between_plan=self._plan if more else None)
+        label = f"segment {index + 1} of {self.count}" if self.count > 1 else ""
+        return dataclasses.replace(
+            loop, then=self._next if more else None, between_plan=self._plan if more else None, label=label
+        )
 
     def _next(self, latents: torch.Tensor):
         """The next segment's loop, conditioned on this one's decoded last frames."""

@@ -366,14 +366,14 @@ def ltx2_reference(model, config: dict, output_type: str, adapters=(), **argumen
         pipe.load_lora_weights(file, adapter_name=f"adapter_{index}")
     if adapters:
         pipe.set_adapters([f"adapter_{index}" for index in range(len(adapters))], [s for _, s in adapters])
+    request = {key: config[key] for key in ("height", "width", "num_frames", "num_inference_steps")}
     output = pipe(
         prompt=config["prompt"],
         negative_prompt=config["negative_prompt"],
         generator=torch.Generator("cpu").manual_seed(config["seed"]),
         frame_rate=float(config["fps"]),
         output_type=output_type,
-        **{key: config[key] for key in ("height", "width", "num_frames", "num_inference_steps")},
-        **arguments,
+        **{**request, **arguments},  # `arguments` may replace a request value (num_frames=None: the duration head's)
     )
     return output.frames, output.audio
 

@@ -1,7 +1,7 @@
 """LTX-2.5 (Gemma 4, the prompt modulation as a fixed table, a duration head) against diffusers' LTX2Pipeline and
 LTX2ImageToVideoPipeline run eagerly on the tiny-ltx2.5 presets' components: the length the duration head picks
-when stage 1 is given no --num_frames, the image's H.264 round trip at LTX-2.5's CRF 18, stage 1 on torch and on
-torchax, stage 2 on the default mesh and with Splash on a split mesh, stage 3's decode.
+when stage 1 is given no --num_frames (after stage 1 on torch and on torchax), the image's H.264 round trip at
+LTX-2.5's CRF 18, stage 2 on the default mesh and with Splash on a split mesh, stage 3's decode.
 
 Tolerances as in tests/test_ltx2.py: fp32, 1e-5 relative (Frobenius) for the video and audio latents, the
 frames and the waveform.
@@ -60,21 +60,24 @@ def test_the_duration_head_picks_the_length_and_the_run_matches_the_pipeline(tmp
 
 def test_image_to_video_at_crf_18_on_torchax_and_splash_matches_the_pipeline(tmp_path):
     """LTX2ImageToVideoPipeline with a Gemma 4 checkpoint re-encodes the image at CRF 18 (diffusers'
-    resolve_default_image_crf), which stage 1 records as its default; Gemma 4 and the connectors on torchax,
-    stage 2 with Splash on sp 2 x tp 4, --num_frames given (the duration head not run)."""
+    resolve_default_image_crf), which stage 1 records as its default; Gemma 4 and the connectors on torchax, the
+    duration head on their outputs (no --num_frames: the pipeline, called without one, picks the same count),
+    stage 2 with Splash on sp 2 x tp 4."""
     from PIL import Image
 
     image = write_image(tmp_path / "first.png", 45, 61)
     out = tmp_path / "run"
     argv = ["--model", "tiny-ltx2.5-i2v", "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
-    argv += ["--seed", SEED, "--num_inference_steps", STEPS, "--num_frames", 9, "--image", image]
+    argv += ["--seed", SEED, "--num_inference_steps", STEPS, "--image", image]
     run_stage(stage1_text_encoder, [*argv, "--backend", "torchax", "--output_dir", out])
     stage2 = ["--attention", "splash", "--sp", "2", "--tp", "4"]
     run_stage(stage2_transformer, ["--input_dir", out, "--executables", "off", *stage2])
     config = read_config(out, needs="stage2")
-    assert config["image_crf"] == 18 and config["num_frames"] == 9 and "num_frames_from" not in config["stage1"]
+    assert config["image_crf"] == 18 and config["stage1"]["num_frames_from"].startswith("the prompt")
     tensors = read_tensors(out, config["stage2"])
-    video, audio = reference("tiny-ltx2.5-i2v", config, "latent", image=Image.open(image).convert("RGB"))
+    first = Image.open(image).convert("RGB")
+    video, audio = reference("tiny-ltx2.5-i2v", config, "latent", image=first, num_frames=None)
+    assert tensors["latents"].shape == video.shape and config["num_frames"] != 9  # not the preset's default
     assert relative_error(tensors["latents"], video) <= TOLERANCE
     assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
 

@@ -11,8 +11,8 @@ import torch
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
+from helpers import expect_user_error, pipeline, relative_error, run_stage
 from helpers import ltx2_reference as reference
-from helpers import pipeline, relative_error, run_stage
 from tpu_video import models
 from utils import Request, read_config, read_tensors
 
@@ -113,3 +113,28 @@ def test_the_two_stage_pipeline_matches_diffusers_pass_by_pass(tmp_path):
     saved = read_tensors(second, refined["stage3"]["frames_file"])
     assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
     assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
+
+
+def test_the_upsample_step_plans_for_a_tpu_and_refuses_a_family_without_one(tmp_path, capsys):
+    """`--upsample --plan` compiles the step's one program for v6e-8 (libtpu) from the model and the first pass's
+    request flags: the preset's own upsampler built from its config on the meta device, the first pass's latent
+    grid in, float32, every device on sp; a Wan model has no upsampler to plan."""
+    import json
+
+    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
+
+    out = tmp_path / "plan.json"
+    request = ["--height", 64, "--width", 96, "--num_frames", 9]
+    plan = ["--upsample", "--plan", "v6e-8", "--model", "tiny-ltx2.3", *request, "--plan_json", out]
+    run_stage(stage2_transformer, plan)
+    report = json.loads(out.read_text())
+    config = LTX2LatentUpsamplerModel.load_config(models.materialize_preset("tiny-ltx2.3") / "latent_upsampler")
+    assert report["fits"] and report["stage"] == 2 and report["mesh"] == {"dp": 1, "sp": 8, "tp": 1}
+    assert report["upsample"] == {"upsampler": "tiny-ltx2.3/latent_upsampler", "mid_channels": config["mid_channels"]}
+    assert report["programs"] == ["Upsample ([1, 8, 3, 4, 6])"] and report["dtype"] == "float32"  # the latent grid
+    assert report["upsampled_video"] == {"height": 128, "width": 192}
+    assert report["upsample_seconds_lower_bound"] > 0 and report["hbm_bytes_per_device"]["arguments"] > 0
+    assert "--upsample:" in capsys.readouterr().out
+    expect_user_error(
+        capsys, stage2_transformer, ["--upsample", "--plan", "v6e-8", "--model", "tiny-wan2.1"], "wan has no latent"
+    )

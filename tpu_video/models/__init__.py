@@ -213,6 +213,23 @@ def _publish_folder(target: Path, write) -> Path:
 PUBLISHED_FOLDER_LAYOUT = 3  # bump when materialize_published writes its folders differently
 
 
+def _write_config(folder: Path, library: str, class_name: str, config: dict[str, Any]) -> None:
+    """One published component's config files in `folder`, as its class saves them."""
+    cls = library_class(library, class_name)
+    folder.mkdir()
+    if not hasattr(cls, "config_name"):  # transformers: a model's config class writes its config.json,
+        written = cls.config_class(**config) if hasattr(cls, "config_class") else cls(**config)
+        written.save_pretrained(folder)  # an image processor its preprocessor_config.json
+        return
+    # The class's own defaults fill what the published config leaves to them.
+    defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(cls.__init__).parameters.items()
+        if parameter.default is not inspect.Parameter.empty and name != "self"
+    }
+    (folder / cls.config_name).write_text(json.dumps({"_class_name": class_name, **defaults, **config}))
+
+
 def materialize_published(hub_id: str) -> Path:
     """A diffusers folder with only the configs of a published pipeline (`PUBLISHED`): enough for
     `load_config`, schedulers and meta-device modules, never for weights."""
@@ -230,22 +247,10 @@ def materialize_published(hub_id: str) -> Path:
             if not isinstance(entry, tuple):  # a pipeline-level value (e.g. Wan 2.2's boundary_ratio)
                 index[component] = entry
                 continue
-            library, class_name, config = entry
-            index[component] = [library, class_name]
-            cls = library_class(library, class_name)
-            (folder / component).mkdir()
-            if not hasattr(cls, "config_name"):  # transformers: a model's config class writes its config.json,
-                written = cls.config_class(**config) if hasattr(cls, "config_class") else cls(**config)
-                written.save_pretrained(folder / component)  # an image processor its preprocessor_config.json
-                continue
-            # The class's own defaults fill what the published config leaves to them.
-            defaults = {
-                name: parameter.default
-                for name, parameter in inspect.signature(cls.__init__).parameters.items()
-                if parameter.default is not inspect.Parameter.empty and name != "self"
-            }
-            text = json.dumps({"_class_name": class_name, **defaults, **config})
-            (folder / component / cls.config_name).write_text(text)
+            index[component] = list(entry[:2])
+            _write_config(folder / component, *entry)
+        for subfolder, entry in pipeline.get("_subfolders", {}).items():  # kept beside the pipeline, not in its index
+            _write_config(folder / subfolder, *entry)
         (folder / "model_index.json").write_text(json.dumps(index))
 
     return _publish_folder(cache_root() / "published" / f"{hub_id.replace('/', '--')}-{digest}", write)

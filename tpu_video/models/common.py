@@ -133,9 +133,9 @@ def fixed_length(source) -> None:
 
 
 def no_upsample(family: str):
-    """`upsample` of a family without a latent upsampler between passes."""
+    """`upsample` (and `plan_upsample`) of a family without a latent upsampler between passes."""
 
-    def upsample(source, location, tensors, runtime, timer, *filters):
+    def upsample(*args, **kwargs):
         raise UserError(f"--upsample: {family} has no latent upsampler (LTX-2's two-stage pipeline has one)")
 
     return upsample

@@ -64,7 +64,9 @@ class Family(Protocol):
     NAME: str  # recorded as `model_family`
     PIPELINE_CLASSES: tuple[str, ...]  # model_index.json `_class_name`s this family runs
     PRESETS: dict[str, Preset]  # tiny presets by `--model` name
-    PUBLISHED: dict[str, dict[str, Any]]  # published hub ids: components' (library, class, config) for --plan
+    # Published hub ids: components' (library, class, config) for --plan; `_subfolders`: the same for folders kept
+    # beside the pipeline and not in its index (LTX-2's latent upsampler).
+    PUBLISHED: dict[str, dict[str, Any]]
     SPLASH_BLOCK_SIZES: dict[str, int]  # default Splash tiles (block_q, block_kv, block_kv_compute)
     # Every media input it may take (tpu_video.engine.inputs.MediaInput): stage 1's input flags; which of
     # them a checkpoint takes is media_inputs(source).
@@ -197,6 +199,11 @@ class Family(Protocol):
         """The step between two passes (stage 2's `--upsample`): the family's latent upsampler (from `location`,
         else the model's own) on stage-2 tensors: (the tensors, the spatial scale, the record); `filters`: the
         pipeline's AdaIN factor and tone-map ratio. UserError where the family has none."""
+
+    def plan_upsample(self, source: ModelSource, request: Request, location: str | None, runtime, *filters) -> dict:
+        """`--upsample --plan`: the upsampler's programs called on a planning runtime for the first pass of
+        `request` (a meta model from its config, zero latents); what the step would record. UserError as
+        `upsample`."""
 
     def planning_embeds(self, source: ModelSource, request: Request, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Zero stage-1 tensors of the shapes stage 1 would write (to plan before encoding)."""

@@ -160,10 +160,11 @@ class _Compiling(torch.nn.Module):
         program["calls"] += 1
         if program["compiled"].refused:
             raise _Refused(program)
-        return tuple(  # laid out as the program returns them, for a call that takes them back (a carried cache)
-            _Input(torch.zeros(output.shape, dtype=j2t_dtype(output.dtype)), tuple(output.sharding.spec))
-            for output in program["compiled"].outputs
-        )
+        def zeros(output) -> _Input:  # laid out as the program returns it, for a call that takes it back (a cache)
+            return _Input(torch.zeros(output.shape, dtype=j2t_dtype(output.dtype)), tuple(output.sharding.spec))
+
+        outputs = program["compiled"].outputs
+        return tuple(map(zeros, outputs)) if isinstance(outputs, tuple | list) else zeros(outputs)
 
 
 class _Refused(Exception):
@@ -191,6 +192,18 @@ def plan_stage1(family, source, request, inputs: dict, dtype: torch.dtype, targe
                 family.encode_inputs(planning, request, inputs, runtime)
     except _Refused:
         pass  # reported below, with what was compiled before it
+    fields = {}
+    if planning.stand_ins:
+        fields["stand_ins"] = {component: f"{preset}'s tokenizer" for component, preset in planning.stand_ins.items()}
+    if inputs and not images_planned:  # the family's plans_inputs says so
+        fields["images"] = "not planned: this plan does not compile this model's image or video encodes yet"
+    return programs_report(1, runtime, target, request, dtype, **fields)
+
+
+def programs_report(stage: int, runtime: PlanningRuntime, target: Target, request, dtype, **fields) -> dict[str, Any]:
+    """The plan of the programs `runtime` compiled (each module's weights resident while any program runs, as a
+    run loads them all first): the largest program's verdict, each program's HBM, calls and collectives, and
+    the FLOPs of all calls; the report stops at a program the compiler refused."""
     programs = runtime.programs
     resident = sum({p["module"]: p["weights"] for p in programs}.values())  # each module once, whatever its programs
     for program in programs:
@@ -201,14 +214,11 @@ def plan_stage1(family, source, request, inputs: dict, dtype: torch.dtype, targe
         return compiled.refused["required"] if compiled.refused else compiled.memory["total"]
 
     largest = max(programs, key=need)
-    fields = {"programs": [program["name"] for program in programs], "largest_program": largest["name"]}
-    if planning.stand_ins:
-        fields["stand_ins"] = {component: f"{preset}'s tokenizer" for component, preset in planning.stand_ins.items()}
-    if inputs and not images_planned:  # the family's plans_inputs says so
-        fields["images"] = "not planned: this plan does not compile this model's image or video encodes yet"
-    report = base_report(1, target, mesh, request, dtype, largest["compiled"], **fields)
+    fields = {"programs": [program["name"] for program in programs], "largest_program": largest["name"], **fields}
+    report = base_report(stage, target, runtime.mesh, request, dtype, largest["compiled"], **fields)
     report["compile_seconds"] = round(sum(program["compiled"].seconds for program in programs), 1)
-    report["hbm_bytes_per_device"]["other_encoders_weights"] = resident - largest["weights"]
+    if len({program["module"] for program in programs}) > 1:  # the other modules' weights, resident beside it
+        report["hbm_bytes_per_device"]["other_encoders_weights"] = resident - largest["weights"]
     if any(program["compiled"].refused for program in programs):
         report["fits"] = False
         return report

@@ -200,7 +200,7 @@ def add_flops(report: dict[str, Any], target: Target, xla: float, attention: flo
     """FLOPs per device and the step's lower bound at peak bf16; with `int8` (--quantize int8) also the bound
     with XLA's FLOPs (the int8 matmuls among them) at the int8 peak, still a lower bound."""
     report["flops_per_device"] = {"xla": xla, "attention": attention, "total": xla + attention}
-    what = STAGE_WORK[report["stage"]]
+    what = report.get("work", STAGE_WORK[report["stage"]])
     report[f"{what}_seconds_lower_bound"] = (xla + attention) / target.bf16_flops_per_device
     if int8:
         bound = xla / target.int8_ops_per_device + attention / target.bf16_flops_per_device

@@ -12,7 +12,7 @@ from tpu_video.planning.tpus import GIB
 from utils import atomic_write, strict_json
 
 DOES_NOT_FIT_EXIT_STATUS = 3
-STAGE_WORK = {1: "encode", 2: "step", 3: "decode"}  # what each stage's plan bounds the time of
+STAGE_WORK = {1: "encode", 2: "step", 3: "decode"}  # what each stage's plan bounds the time of (else its "work")
 
 
 def finish(report: dict[str, Any], json_path: str | None, store=None) -> None:
@@ -50,7 +50,13 @@ def print_report(report: dict[str, Any]) -> None:
     if saved:
         folder = saved["folder"]
         print(f"  saved {saved['saved']} program(s) in {folder}: copy it to the TPU VM, run with --executables DIR")
-    if report["stage"] == 1:
+    if "upsample" in report:
+        found = report["upsample"]
+        print(
+            f"  --upsample: {found['upsampler']} ({found['mid_channels']} middle channels), float32, the first pass's "
+            f"latents to {report['upsampled_video']['height']}x{report['upsampled_video']['width']}"
+        )
+    if "largest_program" in report:  # stage 1 and --upsample: the programs a run of the stage's own code compiled
         calls = ", ".join(f"{name} x{count}" for name, count in report.get("calls", {}).items())
         print(f"  programs: {calls or ', '.join(report['programs'])}; the largest: {report['largest_program']}")
         if report.get("images"):
@@ -93,10 +99,10 @@ def print_report(report: dict[str, Any]) -> None:
         text = "; ".join(
             f"{op} {v['count']} ops, {v['tensors']} tensors, {v['bytes'] / 2**20:.2f} MiB" for op, v in found.items()
         )
-        label = where if report["stage"] == 1 else where.replace("_", " ")  # stage 1: program names
+        label = where if "largest_program" in report else where.replace("_", " ")  # else program names
         print(f"  collectives {label}: {text or 'none'}")
     flops = report["flops_per_device"]
-    what = STAGE_WORK[report["stage"]]
+    what = report.get("work", STAGE_WORK[report["stage"]])
     print(
         f"  FLOPs per {what} per device: {flops['total']:.3e} ({flops['xla']:.3e} XLA + {flops['attention']:.3e} "
         f"attention); at peak bf16 that is at least {report[what + '_seconds_lower_bound']:.3f} s (a lower bound)"

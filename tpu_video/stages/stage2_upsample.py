@@ -40,35 +40,8 @@ def given_upsample_flags(args) -> list[str]:
 
 def check_flags(args, folders: list[Path]) -> None:
     """What a denoise takes and the step does not, refused up front (the request's flags belong to the pass
-    after it), and the filters' ranges."""
-    denoise_only = {
-        "--start_latents": args.start_latents,
-        "--resume": args.resume,
-        "--checkpoint_every": args.checkpoint_every,
-        "--lora": args.lora or args.lora_2,
-        "--cache": args.cache != "none" or args.enable_cache or args.cache_calibrate,
-        "--quantize": args.quantize != "none",
-        "--batch_size": args.batch_size,
-        "--plan": args.plan,
-        "--model": args.model,
-        "--dtype": args.dtype,
-        "--attention": args.attention != "auto",
-        "--dp/--sp/--tp": args.dp or args.sp or args.tp,
-        "--profile": args.profile or args.enable_profiler,
-        "--num_processes": args.num_processes,
-    }
-    given = [flag for flag, value in denoise_only.items() if value]  # each one's default is falsy
-    given += [f"--{name}" for name, value in request_flags(args).items() if value is not None]
-    if given:
-        raise UserError(
-            f"--upsample runs the latent upsampler alone; {given[0]} belongs to a denoise (give it to the pass "
-            "after it)"
-        )
-    refuse_planning_flags(args)
-    if not -10.0 <= args.adain_factor <= 10.0:
-        raise UserError(f"--adain_factor {args.adain_factor} must be from -10 to 10 (the pipeline's range; 0: off)")
-    if not 0.0 <= args.tone_map_compression_ratio <= 1.0:
-        raise UserError(f"--tone_map_compression_ratio {args.tone_map_compression_ratio} must be from 0 (off) to 1")
+    after it; a plan's `--model` and request flags name the first pass), and the filters' ranges."""
+    check_filters(args)
     if len(folders) != 1:
         raise UserError("--upsample: give one --input_dir (the pass whose latents it upsamples)")
     if not args.output_dir or Path(args.output_dir).resolve() == folders[0].resolve():
@@ -77,8 +50,65 @@ def check_flags(args, folders: list[Path]) -> None:
         )
 
 
+def check_filters(args, planning: bool = False) -> None:
+    denoise_only = {
+        "--start_latents": args.start_latents,
+        "--resume": args.resume,
+        "--checkpoint_every": args.checkpoint_every,
+        "--lora": args.lora or args.lora_2,
+        "--cache": args.cache != "none" or args.enable_cache or args.cache_calibrate,
+        "--quantize": args.quantize != "none",
+        "--batch_size": args.batch_size,
+        "--plan": args.plan and not planning,
+        "--model": args.model and not planning,
+        "--dtype": args.dtype,
+        "--attention": args.attention != "auto",
+        "--dp/--sp/--tp": args.dp or args.sp or args.tp,
+        "--profile": args.profile or args.enable_profiler,
+        "--num_processes": args.num_processes,
+    }
+    given = [flag for flag, value in denoise_only.items() if value]  # each one's default is falsy
+    if not planning:
+        given += [f"--{name}" for name, value in request_flags(args).items() if value is not None]
+    if given:
+        raise UserError(
+            f"--upsample runs the latent upsampler alone; {given[0]} belongs to a denoise (give it to the pass "
+            "after it)"
+        )
+    if not planning:
+        refuse_planning_flags(args)
+    if not -10.0 <= args.adain_factor <= 10.0:
+        raise UserError(f"--adain_factor {args.adain_factor} must be from -10 to 10 (the pipeline's range; 0: off)")
+    if not 0.0 <= args.tone_map_compression_ratio <= 1.0:
+        raise UserError(f"--tone_map_compression_ratio {args.tone_map_compression_ratio} must be from 0 (off) to 1")
+
+
+def upsample_plan(args) -> None:
+    """--upsample --plan TPU: the step compiled for a TPU slice, for the first pass of --input_dir (its stage-1
+    request) or of --model and the request flags; the report printed (and saved with --plan_json), exit 0 (fits)
+    or 3. Writes nothing else."""
+    from tpu_video.planning import flags
+    from tpu_video.planning import report as plan_report
+    from tpu_video.planning.upsample import plan_upsample_step
+
+    check_filters(args, planning=True)
+    target = flags.target_from_flag(args.plan)
+    store = flags.executables_to_save(args.save_executables, target)
+    folder = flags.plan_folder(args.input_dir, args.model)
+    request, source, family, _ = flags.request_to_plan(folder, args.model, request_flags(args), args.dtype)
+    larger, _ = request.with_overrides({"height": request.height * 2, "width": request.width * 2})
+    models.validate_request(family, source, larger)  # the refine's size, as the step checks it
+    filters = (args.adain_factor, args.tone_map_compression_ratio)
+    log(f"planning {family.NAME}'s --upsample for {target.name} ({target.topology}), every device on sp")
+    report = plan_upsample_step(family, source, request, args.latent_upsampler, filters, target, store)
+    plan_report.finish(report, args.plan_json, store)
+
+
 def upsample_main(args) -> None:
     from tpu_video.runtime.torchax_runtime import TorchaxRuntime
+
+    if args.plan:
+        return upsample_plan(args)
 
     folders = batch_folders.expand_folders(args.input_dir or [DEFAULT_OUTPUT_DIR])
     check_flags(args, folders)

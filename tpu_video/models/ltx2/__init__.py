@@ -46,6 +46,6 @@ __getattr__, __dir__ = lazy_members(
         "duration": ("frames_from_prompt",),
         "i2v": ("check_inputs",),
         "latents": ("Decoder", "latents_normalization", "upgrade_stage2", "video_processor"),
-        "upsampler": ("upsample",),
+        "upsampler": ("plan_upsample", "upsample"),
     },
 )

@@ -165,6 +165,22 @@ GEMMA3_12B = {
     },
 }
 
+# The x2 spatial latent upsampler (the `latent_upsampler` subfolder beside the pipeline: LTX2LatentUpsamplerModel
+# kwargs), as the conversion script's get_ltx2_spatial_latent_upsampler_config writes it and loads the published
+# weights into with strict=True: 1024 middle channels (the class default; ports of the original code default to
+# 512); LTX-2.0's rational resampler at scale 2, LTX-2.3's plain pixel shuffle.
+LTX2_UPSAMPLER = {
+    "in_channels": 128,
+    "mid_channels": 1024,
+    "num_blocks_per_stage": 4,
+    "dims": 3,
+    "spatial_upsample": True,
+    "temporal_upsample": False,
+    "rational_spatial_scale": 2.0,
+    "use_rational_resampler": True,
+}
+LTX23_UPSAMPLER = {**LTX2_UPSAMPLER, "use_rational_resampler": False}
+
 PUBLISHED: dict[str, dict[str, Any]] = {
     "Lightricks/LTX-2": {
         "_class_name": ("diffusers", "LTX2Pipeline"),
@@ -175,6 +191,7 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         "vocoder": ("ltx2", "LTX2Vocoder", LTX2_VOCODER),
         "text_encoder": ("transformers", "Gemma3ForConditionalGeneration", GEMMA3_12B),
         "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler", SCHEDULER),
+        "_subfolders": {"latent_upsampler": ("ltx2", "LTX2LatentUpsamplerModel", LTX2_UPSAMPLER)},
     },
 }
 PUBLISHED["Lightricks/LTX-2.3"] = {  # LTX-2.0's audio VAE, text encoder and scheduler
@@ -183,4 +200,5 @@ PUBLISHED["Lightricks/LTX-2.3"] = {  # LTX-2.0's audio VAE, text encoder and sch
     "connectors": ("ltx2", "LTX2TextConnectors", LTX23_CONNECTORS),
     "vae": ("diffusers", "AutoencoderKLLTX2Video", LTX23_VAE),
     "vocoder": ("ltx2", "LTX2VocoderWithBWE", LTX23_VOCODER),
+    "_subfolders": {"latent_upsampler": ("ltx2", "LTX2LatentUpsamplerModel", LTX23_UPSAMPLER)},
 }

@@ -16,10 +16,11 @@ from tpu_video.cli import UserError, log
 SUBFOLDER = "latent_upsampler"  # where the published LTX-2 repositories keep it
 
 
-def load_upsampler(source, location: str | None, dtype: torch.dtype):
+def load_upsampler(source, location: str | None, dtype: torch.dtype, meta: bool = False):
     """The upsampler: `location` a folder holding its config.json, or a model folder or hub id holding a
     `latent_upsampler` subfolder (default: the model's own), checked against the model's VAE before use.
-    The refine runs at twice the size: only a x2 spatial upsampler is taken."""
+    The refine runs at twice the size: only a x2 spatial upsampler is taken. `meta` (--plan): built from its
+    config on the meta device, no weights read (a published hub id's config is kept in code: published.py)."""
     from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
 
     where = location or source.location
@@ -44,10 +45,27 @@ def load_upsampler(source, location: str | None, dtype: torch.dtype):
     scale = config["rational_spatial_scale"] if config["use_rational_resampler"] else 2.0
     if not config["spatial_upsample"] or config["temporal_upsample"] or scale != 2.0:
         raise UserError(f"--latent_upsampler {named}: not a x2 spatial upsampler (the refine runs at twice the size)")
+    if meta:
+        with torch.device("meta"):
+            model = LTX2LatentUpsamplerModel.from_config(config).eval()  # float32, as the class builds it
+        return model if dtype == torch.float32 else model.to(dtype)
     try:
         return LTX2LatentUpsamplerModel.from_pretrained(where, subfolder=subfolder, torch_dtype=dtype).eval()
     except (OSError, ValueError) as err:
         raise UserError(f"--latent_upsampler {named}: its weights cannot be read ({type(err).__name__})") from None
+
+
+def plan_upsample(source, request, location, runtime, adain_factor=0.0, tone_map_compression_ratio=0.0) -> dict:
+    """--upsample --plan: the upsampler's program called on a planning runtime (which compiles it for the TPU) with
+    the first pass's video latents of `request`'s size, as `upsample` calls it; what the section would record."""
+    from .config import latent_grid
+
+    model = load_upsampler(source, location, torch.float32, meta=True)
+    program = runtime.compile(Upsample(model, adain_factor, tone_map_compression_ratio))
+    latents = torch.zeros(1, source.load_config("vae")["latent_channels"], *latent_grid(source, request))
+    with torch.no_grad(), runtime.precision(torch.float32):
+        program(runtime.to_device(latents))
+    return {"upsampler": location or named_default(source), "mid_channels": model.config.mid_channels}
 
 
 class Upsample(torch.nn.Module):
@@ -86,7 +104,7 @@ def upsample(source, location, tensors, runtime, timer, adain_factor=0.0, tone_m
     )
     with timer.phase("place"):
         program = runtime.compile(Upsample(model, adain_factor, tone_map_compression_ratio))
-    with timer.phase("upsample"), torch.no_grad():
+    with timer.phase("upsample"), torch.no_grad(), runtime.precision(torch.float32):  # fp32 matmuls on a TPU too
         video = runtime.to_host(program(runtime.to_device(tensors["latents"].float()))).float()
     named = (Path(location).name if Path(location).exists() else location) if location else named_default(source)
     record: dict[str, Any] = {

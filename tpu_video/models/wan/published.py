@@ -73,6 +73,15 @@ CLIP_VIT_H_14 = {
     "projection_dim": 1024,
     "hidden_act": "gelu",
 }
+# Its image processor (CLIPImageProcessor kwargs): 224-pixel crops, which make the encoder's 257 tokens; the mean
+# and std of CLIP's training images, the values every CLIP ViT processor carries (a plan depends only on the size).
+CLIP_IMAGE_PROCESSOR = {
+    "size": {"shortest_edge": 224},
+    "crop_size": {"height": 224, "width": 224},
+    "resample": 3,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
 
 
 # Wan 2.2 TI2V-5B: 24 heads x 128, 30 blocks, on the 48-channel Wan 2.2 VAE (residual blocks, 2x2
@@ -218,6 +227,7 @@ def _wan_i2v(transformer: dict[str, Any], shift: float, boundary_ratio: float | 
     }
     if "image_dim" in transformer:
         pipeline["image_encoder"] = ("transformers", "CLIPVisionModel", CLIP_VIT_H_14)
+        pipeline["image_processor"] = ("transformers", "CLIPImageProcessor", CLIP_IMAGE_PROCESSOR)
     return pipeline
 
 
@@ -240,6 +250,7 @@ def _wan_animate() -> dict[str, Any]:
         "_class_name": ("diffusers", "WanAnimatePipeline"),
         "transformer": ("diffusers", "WanAnimateTransformer3DModel", WAN_ANIMATE_14B_TRANSFORMER),
         "image_encoder": ("transformers", "CLIPVisionModel", CLIP_VIT_H_14),
+        "image_processor": ("transformers", "CLIPImageProcessor", CLIP_IMAGE_PROCESSOR),
     }
 
 

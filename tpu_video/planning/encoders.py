@@ -160,6 +160,7 @@ class _Compiling(torch.nn.Module):
         program["calls"] += 1
         if program["compiled"].refused:
             raise _Refused(program)
+
         def zeros(output) -> _Input:  # laid out as the program returns it, for a call that takes it back (a cache)
             return _Input(torch.zeros(output.shape, dtype=j2t_dtype(output.dtype)), tuple(output.sharding.spec))
 

@@ -58,12 +58,14 @@ def in_contexts(transformer, names=("cond", "uncond")) -> None:
     transformer.forward = named
 
 
-def register_block_as(block_class, registered_class) -> None:
-    """Give `block_class` the block-registry entry of `registered_class` (Wan Animate's copy of Wan's block,
-    which diffusers' registry leaves out, as its guided module's `block_streams` does for our cache)."""
+def register_block_as(block_class, registered_class, monkeypatch) -> None:
+    """Give `block_class` the block-registry entry of `registered_class` for one test (Wan Animate's copy of Wan's
+    block, which diffusers' registry leaves out, as its guided module's `block_streams` does for our cache)."""
     from diffusers.hooks._helpers import TransformerBlockRegistry
 
-    TransformerBlockRegistry.register(block_class, copy.copy(TransformerBlockRegistry.get(registered_class)))
+    entry = copy.copy(TransformerBlockRegistry.get(registered_class))
+    entry._cls = block_class
+    monkeypatch.setitem(TransformerBlockRegistry._registry, block_class, entry)
 
 
 class IntervalReference:

@@ -168,3 +168,15 @@ def _wan_parameter_names():
 def test_the_cache_span_is_the_scanned_span():
     assert cached_blocks.cache_span("interval", 30) == (1, 29)
     assert cached_blocks.cache_span("magcache", 30) == (0, 30)
+
+
+def test_a_scan_span_is_cut_where_the_step_cache_span_starts_or_ends_inside_it():
+    """Wan Animate 14B's face adapters after blocks 0, 5, ..., 35 make the spans (1, 6) ... (36, 40); the interval
+    cache's span (1, 39) ends inside the last, so the scan runs blocks 36-38 and block 39 runs apart."""
+    from tpu_video.engine.scanned_blocks import cut
+
+    assert cut((36, 40), (1, 39)) == [(36, 39), (39, 40)]
+    assert cut((0, 6), (1, 39)) == [(0, 1), (1, 6)]
+    assert cut((1, 6), (1, 39)) == [(1, 6)]  # an edge on the span's own edge cuts nothing
+    assert cut((2, 8), (3, 5)) == [(2, 3), (3, 5), (5, 8)]
+    assert cut((0, 40), (0, 40)) == [(0, 40)]  # MagCache caches every block

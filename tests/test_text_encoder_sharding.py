@@ -333,8 +333,8 @@ def test_published_text_encoders_are_kept_for_every_hub_id(family, component, pa
 
 
 def test_every_published_id_keeps_each_text_encoder_its_pipeline_takes():
-    """So stage 1's --plan of every hub id kept in code builds the published encoders (and HunyuanVideo-1.5
-    image-to-video's image processor); only tokenizers have stand-ins, and any other component missing from
+    """So stage 1's --plan of every hub id kept in code builds the published encoders (and the image processors of
+    HunyuanVideo-1.5 and Wan image-to-video); only tokenizers have stand-ins, and any other component missing from
     the configs kept is refused when stage 1 loads it."""
     import inspect
 
@@ -354,5 +354,7 @@ def test_every_published_id_keeps_each_text_encoder_its_pipeline_takes():
     source, family = models.resolve_model("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v", True)
     assert MetaSource(source, family).load("feature_extractor").size == {"height": 384, "width": 384}  # 729 tokens
     source, family = models.resolve_model("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", configs_only=True)
-    with pytest.raises(UserError, match="the configs kept in code for it have no 'image_processor'"):
-        MetaSource(source, family).load("image_processor")
+    processor = MetaSource(source, family).load("image_processor")
+    assert processor.crop_size == {"height": 224, "width": 224}  # the CLIP ViT-H/14 encoder's 16 x 16 + 1 tokens
+    with pytest.raises(UserError, match="the configs kept in code for it have no 'feature_extractor'"):
+        MetaSource(source, family).load("feature_extractor")

@@ -247,7 +247,7 @@ def test_animate_videos_of_one_character_batch_as_the_pipeline_runs_each(tmp_pat
             assert relative_error(latents[row : row + 1], segment[:, :, 1:]) <= STAGES_TOLERANCE, (name, row)
 
 
-def test_animate_step_caches_equal_their_references_segment_by_segment(tmp_path, media):
+def test_animate_step_caches_equal_their_references_segment_by_segment(tmp_path, media, monkeypatch):
     """One stage-1 folder, two stage 2s on the default mesh of 8 devices, the blocks between face adapters
     scanned: MagCache against diffusers' hooks on WanAnimatePipeline's transformer (its block given Wan's
     registry entry, as our cache is given it), and the interval cache against its definition (the outer blocks
@@ -271,10 +271,12 @@ def test_animate_step_caches_equal_their_references_segment_by_segment(tmp_path,
         run_stage(stage2_transformer, [str(item) for item in (*argv, *flags)])
         sections[kind] = read_config(tmp_path / kind)["stage2"]
         assert sections[kind]["scan_blocks"]["scanned"] == {"transformer": [1, 3]}
-    assert sections["magcache"]["step_cache"]["schedule"] == "FCFC"
+    assert sections["magcache"]["step_cache"]["schedule"] == "FCFC"  # each segment's
+    assert {"median full step", "median cached step"} <= set(sections["magcache"]["step_cache"])  # both segments'
+    assert "denoise" in sections["magcache"]["seconds"]
     assert sections["interval"]["step_cache"]["schedule"] == "FFCF"
 
-    register_block_as(transformer_wan_animate.WanTransformerBlock, transformer_wan.WanTransformerBlock)
+    register_block_as(transformer_wan_animate.WanTransformerBlock, transformer_wan.WanTransformerBlock, monkeypatch)
     hooked = animate_pipeline()
     ran = computed_calls(hooked.transformer)
     hooked.transformer.enable_cache(mag_config([1.0] * 4, 4, retention_ratio=0, max_skip_steps=1))

@@ -130,8 +130,9 @@ class DenoiseLoop:
         return sorted({self.expert(i, t) for i, t in enumerate(self.timesteps)})
 
 
-def step_progress(steps, timer: Timer, desc: str = "denoise", trace=None, trace_steps: int = 3):
-    """Yield (index, step) under a tqdm bar showing the last step's seconds, the running mean and ETA.
+def step_progress(steps, timer: Timer, desc: str = "denoise", trace=None, trace_steps: int = 3, label: str = ""):
+    """Yield (index, step) under a tqdm bar (`desc`, and `label` where given) showing the last step's seconds, the
+    running mean and ETA; the steps are timed as the phase `desc`.
 
     A step's time runs from one yield to the next, so it includes the device sync the caller does when
     it pulls the step's result back to the host. `trace` (a context manager, e.g. a profiler trace) is
@@ -140,7 +141,8 @@ def step_progress(steps, timer: Timer, desc: str = "denoise", trace=None, trace_
     from tqdm import tqdm
 
     tracing = contextlib.ExitStack()
-    bar = tqdm(total=len(steps), desc=desc, unit="step", dynamic_ncols=True, disable=not logging_enabled())
+    shown = f"{desc} {label}" if label else desc
+    bar = tqdm(total=len(steps), desc=shown, unit="step", dynamic_ncols=True, disable=not logging_enabled())
     with timer.phase(desc), tracing:
         for index, step in enumerate(steps):
             if index == 0 and trace is not None:
@@ -209,8 +211,7 @@ def run_denoise_loop(
         log(cache.describe())
 
     steps = list(enumerate(timesteps))[start:]
-    desc = f"denoise {loop.label}" if loop.label else "denoise"
-    for _, (i, t) in step_progress(steps, timer, desc, trace=runtime.profile_trace()):
+    for _, (i, t) in step_progress(steps, timer, trace=runtime.profile_trace(), label=loop.label):
         noise_pred = predict_noise(latents, i, t, loop.expert(i, t))
         latents, carry = loop.step(i, t, noise_pred, latents, carry)
         if guard is not None:
@@ -218,7 +219,7 @@ def run_denoise_loop(
             more = cache.checkpoint if cache is not None else dict
             guard.after_step(i, len(timesteps), state, more=more, where=loop.label)
     if cache is not None:
-        timer.step_kinds = cache.kinds  # one per timed step: "full" or "cached"
+        timer.step_kinds += cache.kinds  # one per timed step ("full" or "cached"), a video's loops in order
     return latents, cache
 
 

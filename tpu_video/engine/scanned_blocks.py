@@ -221,7 +221,7 @@ def install(loop, setting: str, cache, scan):
 
 def record(loop, setting: str) -> dict:
     """What the stage-2 section says: the flag, and per transformer the scanned blocks [first, end), a list of
-    them where several spans are scanned (Wan VACE), or None."""
+    them where several spans are scanned (Wan VACE and Animate), or None."""
     spans = {}
     for name, guided in zip(loop.expert_names, loop.guided, strict=True):
         scans = [list(scan.span) for scan in getattr(guided.transformer, "block_scans", [])]

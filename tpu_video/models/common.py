@@ -133,9 +133,13 @@ def fixed_length(source) -> None:
 
 
 def no_upsample(family: str):
-    """`upsample` (and `plan_upsample`) of a family without a latent upsampler between passes."""
+    """`upsample` and `plan_upsample` of a family without a latent upsampler between passes."""
+    why = f"--upsample: {family} has no latent upsampler (LTX-2's two-stage pipeline has one)"
 
-    def upsample(*args, **kwargs):
-        raise UserError(f"--upsample: {family} has no latent upsampler (LTX-2's two-stage pipeline has one)")
+    def upsample(source, location, tensors, runtime, timer, *filters):
+        raise UserError(why)
 
-    return upsample
+    def plan_upsample(source, request, location, runtime, *filters):
+        raise UserError(why)
+
+    return upsample, plan_upsample

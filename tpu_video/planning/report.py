@@ -99,7 +99,7 @@ def print_report(report: dict[str, Any]) -> None:
         text = "; ".join(
             f"{op} {v['count']} ops, {v['tensors']} tensors, {v['bytes'] / 2**20:.2f} MiB" for op, v in found.items()
         )
-        label = where if "largest_program" in report else where.replace("_", " ")  # else program names
+        label = where if "largest_program" in report else where.replace("_", " ")  # program names, or places
         print(f"  collectives {label}: {text or 'none'}")
     flops = report["flops_per_device"]
     what = report.get("work", STAGE_WORK[report["stage"]])

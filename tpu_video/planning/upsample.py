@@ -14,9 +14,9 @@ from tpu_video.planning.encoders import PlanningRuntime, programs_report
 from tpu_video.planning.tpus import Target, topology_mesh
 
 
-def plan_upsample_step(family, source, request, location, filters, target: Target, store=None) -> dict[str, Any]:
+def plan_upsample_step(family, source, request, location, filters, target: Target) -> dict[str, Any]:
     """The report of the upsampler's program for the first pass of `request` on `target` (float32, as it runs)."""
-    runtime = PlanningRuntime(topology_mesh(target, MeshShape(sp=target.devices)), store)
+    runtime = PlanningRuntime(topology_mesh(target, MeshShape(sp=target.devices)))
     record = family.plan_upsample(source, request, location, runtime, *filters)
     report = programs_report(2, runtime, target, request, torch.float32, work="upsample", upsample=record)
     report["upsampled_video"] = {"height": request.height * 2, "width": request.width * 2}

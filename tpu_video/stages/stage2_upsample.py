@@ -85,23 +85,34 @@ def check_filters(args, planning: bool = False) -> None:
 
 def upsample_plan(args) -> None:
     """--upsample --plan TPU: the step compiled for a TPU slice, for the first pass of --input_dir (its stage-1
-    request) or of --model and the request flags; the report printed (and saved with --plan_json), exit 0 (fits)
-    or 3. Writes nothing else."""
+    request) or of --model with --height, --width and --num_frames; the report printed (and saved with --plan_json),
+    exit 0 (fits) or 3. Writes nothing else."""
     from tpu_video.planning import flags
     from tpu_video.planning import report as plan_report
     from tpu_video.planning.upsample import plan_upsample_step
 
     check_filters(args, planning=True)
+    if args.save_executables:
+        raise UserError("--upsample --plan: --save_executables is not supported for the step (its key is unchecked)")
     target = flags.target_from_flag(args.plan)
-    store = flags.executables_to_save(args.save_executables, target)
-    folder = flags.plan_folder(args.input_dir, args.model)
-    request, source, family, _ = flags.request_to_plan(folder, args.model, request_flags(args), args.dtype)
+    folders = batch_folders.expand_folders(args.input_dir) if args.input_dir else []
+    if len(folders) > 1:
+        raise UserError("--upsample: give one --input_dir (the pass whose latents it upsamples)")
+    given = {name: value for name, value in request_flags(args).items() if value is not None}
+    if folders and given or set(given) - {"height", "width", "num_frames"}:
+        extra = sorted(given if folders else set(given) - {"height", "width", "num_frames"})[0]
+        raise UserError(
+            f"--upsample --plan: --{extra} does not apply; the step takes the first pass's size from --input_dir, "
+            "or from --model with --height, --width and --num_frames"
+        )
+    folder = folders[0] if folders else flags.plan_folder(None, args.model)
+    request, source, family, _ = flags.request_to_plan(folder, args.model, given, args.dtype)
     larger, _ = request.with_overrides({"height": request.height * 2, "width": request.width * 2})
     models.validate_request(family, source, larger)  # the refine's size, as the step checks it
     filters = (args.adain_factor, args.tone_map_compression_ratio)
     log(f"planning {family.NAME}'s --upsample for {target.name} ({target.topology}), every device on sp")
-    report = plan_upsample_step(family, source, request, args.latent_upsampler, filters, target, store)
-    plan_report.finish(report, args.plan_json, store)
+    report = plan_upsample_step(family, source, request, args.latent_upsampler, filters, target)
+    plan_report.finish(report, args.plan_json)
 
 
 def upsample_main(args) -> None:

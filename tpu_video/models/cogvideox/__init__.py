@@ -25,7 +25,7 @@ from ..family import lazy_members
 from .declarations import MEDIA_INPUTS, NAME, OPTIONS, PIPELINE_CLASSES, PRESETS
 from .published import PUBLISHED
 
-upsample = plan_upsample = no_upsample(NAME)
+upsample, plan_upsample = no_upsample(NAME)
 Soundtrack = None  # no soundtrack
 
 # The members kept where every family keeps them (family.SHARED_LAYOUT), and this family's own.

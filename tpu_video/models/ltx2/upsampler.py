@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -65,7 +64,7 @@ def plan_upsample(source, request, location, runtime, adain_factor=0.0, tone_map
     latents = torch.zeros(1, source.load_config("vae")["latent_channels"], *latent_grid(source, request))
     with torch.no_grad(), runtime.precision(torch.float32):
         program(runtime.to_device(latents))
-    return {"upsampler": location or named_default(source), "mid_channels": model.config.mid_channels}
+    return upsampler_record(source, location, model, adain_factor, tone_map_compression_ratio)
 
 
 class Upsample(torch.nn.Module):
@@ -93,6 +92,18 @@ def named_default(source) -> str:
     return f"{source.ref}/{SUBFOLDER}"
 
 
+def upsampler_record(source, location, model, adain_factor: float, tone_map_compression_ratio: float) -> dict:
+    """What the step's section (and its plan) says of the upsampler: a local folder by its name (no host paths in
+    a config), its middle channels and the filters."""
+    named = (Path(location).name if Path(location).exists() else location) if location else named_default(source)
+    return {
+        "upsampler": named,
+        "mid_channels": model.config.mid_channels,
+        "adain_factor": adain_factor,
+        "tone_map_compression_ratio": tone_map_compression_ratio,
+    }
+
+
 def upsample(source, location, tensors, runtime, timer, adain_factor=0.0, tone_map_compression_ratio=0.0):
     """Stage 2's tensors upsampled on `runtime` (one program, the weights replicated): (the new tensors, the
     spatial scale, what the section records)."""
@@ -106,11 +117,5 @@ def upsample(source, location, tensors, runtime, timer, adain_factor=0.0, tone_m
         program = runtime.compile(Upsample(model, adain_factor, tone_map_compression_ratio))
     with timer.phase("upsample"), torch.no_grad(), runtime.precision(torch.float32):  # fp32 matmuls on a TPU too
         video = runtime.to_host(program(runtime.to_device(tensors["latents"].float()))).float()
-    named = (Path(location).name if Path(location).exists() else location) if location else named_default(source)
-    record: dict[str, Any] = {
-        "upsampler": named,  # a local folder by its name (no host paths in a config)
-        "mid_channels": model.config.mid_channels,
-        "adain_factor": adain_factor,
-        "tone_map_compression_ratio": tone_map_compression_ratio,
-    }
+    record = upsampler_record(source, location, model, adain_factor, tone_map_compression_ratio)
     return {**tensors, "latents": video}, 2, record

@@ -207,6 +207,21 @@ def test_diffusers_0_42_1_block_registry_lacks_hunyuanvideo15():
     assert "HunyuanVideo15TransformerBlock" in result.stderr and "not registered" in result.stderr
 
 
+def test_diffusers_0_42_1_block_registry_lacks_wan_animates_copy_of_wans_block():
+    """transformer_wan_animate.py defines its own WanTransformerBlock (a copy of Wan's), which diffusers 0.42.1's
+    block registry leaves out, so its cache hooks cannot run on WanAnimateTransformer3DModel. Workaround:
+    models/wan/animate.py's GuidedAnimate.block_streams hands Wan's entry to our step cache and block scan (and
+    tests/cache_reference.register_block_as to the reference). A fresh process: registering is process-wide."""
+    code = (
+        "from diffusers.hooks._helpers import TransformerBlockRegistry as R\n"
+        "from diffusers.models.transformers.transformer_wan_animate import WanTransformerBlock as B\n"
+        "R.get(B)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode != 0, "diffusers registers the block now: GuidedAnimate.block_streams can go"
+    assert "not registered" in result.stderr
+
+
 def test_jax_0_10_2_splash_cannot_shard_a_local_window_mask_eight_ways():
     """jax 0.10.2's Splash mask preprocessing asserts (a bare `assert` in splash_attention_mask_info.py) when
     a local-window mask's 300 queries are split 8 ways. Workaround: `--sp_mode auto` runs Ulysses for a

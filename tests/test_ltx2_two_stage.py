@@ -148,3 +148,28 @@ def test_the_upsample_step_plans_for_a_tpu_and_refuses_a_family_without_one(tmp_
     expect_user_error(
         capsys, stage2_transformer, ["--upsample", "--plan", "v6e-8", "--model", "tiny-wan2.1"], "wan has no latent"
     )
+
+
+def test_the_upsampler_split_over_the_devices_equals_it_eagerly():
+    """The step's program (the upsampler and both filters) with the latents split along width over 8 CPU devices,
+    as the step places a latent width that 8 divides, against the same module run eagerly (fp32, 1e-5); the
+    two-stage test above holds the module to diffusers' upsample pipeline."""
+    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
+
+    from sharding import SP
+    from tpu_video.engine.decode import split_over_mesh
+    from tpu_video.models.ltx2.upsampler import Upsample, split_layout
+    from tpu_video.runtime.torchax_runtime import TorchaxRuntime
+
+    location = models.materialize_preset("tiny-ltx2.3") / "latent_upsampler"
+    module = Upsample(LTX2LatentUpsamplerModel.from_pretrained(location).eval(), 0.5, 0.3)
+    runtime = TorchaxRuntime.on_all_devices(SP, compile_cache=False, executables="off")
+    latents = torch.randn(1, 8, 3, 4, 16, generator=torch.Generator().manual_seed(2)) * 1.7 + 0.3
+    layout = split_layout(latents.shape, runtime)
+    assert layout == split_over_mesh(latents.shape, runtime.mesh) and layout[-1] is not None  # along width
+    assert split_layout((1, 8, 3, 4, 6), runtime) == ()  # 8 divides neither 4 nor 6: whole on every device
+    with torch.no_grad(), runtime.precision(torch.float32):
+        expected = module(latents)  # before placing moves the module's weights to the devices
+        split = runtime.to_host(runtime.compile(module)(runtime.to_device(latents, layout)))
+    assert split.shape == (1, 8, 3, 8, 32)
+    assert relative_error(split, expected) <= TOLERANCE

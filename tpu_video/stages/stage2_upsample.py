@@ -1,7 +1,8 @@
 """Stage 2's `--upsample`: the step between two passes (LTX-2's x2 latent upsampler) as a stage folder of its own.
 The input folder's stage-2 latents are read and checked, the family's upsampler runs on every device (weights
-replicated, one program), and the output folder gets the upsampled latents with the request at the new size:
-the next pass takes it as `--start_latents`, stage 3 can decode it, and rerunning the step redoes nothing else."""
+replicated, one program, the latents split where the family splits them), and the output folder gets the
+upsampled latents with the request at the new size: the next pass takes it as `--start_latents`, stage 3 can
+decode it, and rerunning the step redoes nothing else. `--plan` compiles the step for a TPU instead."""
 
 from __future__ import annotations
 

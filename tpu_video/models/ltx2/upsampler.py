@@ -63,7 +63,7 @@ def plan_upsample(source, request, location, runtime, adain_factor=0.0, tone_map
     program = runtime.compile(Upsample(model, adain_factor, tone_map_compression_ratio))
     latents = torch.zeros(1, source.load_config("vae")["latent_channels"], *latent_grid(source, request))
     with torch.no_grad(), runtime.precision(torch.float32):
-        program(runtime.to_device(latents))
+        program(runtime.to_device(latents, split_layout(latents.shape, runtime)))
     return upsampler_record(source, location, model, adain_factor, tone_map_compression_ratio)
 
 
@@ -88,6 +88,18 @@ class Upsample(torch.nn.Module):
         return upsampled
 
 
+def split_layout(shape, runtime) -> tuple:
+    """The first pass's latents split along width (else height) over every device where one of them divides
+    evenly, as stage 3 splits them, so each device upsamples its part (the convolutions' halos cross devices);
+    else whole on every device."""
+    from tpu_video.engine.decode import latents_split, split_over_mesh
+
+    mesh = getattr(runtime, "mesh", None)
+    if mesh is None or latents_split(shape, mesh.devices.size)[0] not in ("width", "height"):
+        return ()
+    return split_over_mesh(shape, mesh)
+
+
 def named_default(source) -> str:
     return f"{source.ref}/{SUBFOLDER}"
 
@@ -105,8 +117,8 @@ def upsampler_record(source, location, model, adain_factor: float, tone_map_comp
 
 
 def upsample(source, location, tensors, runtime, timer, adain_factor=0.0, tone_map_compression_ratio=0.0):
-    """Stage 2's tensors upsampled on `runtime` (one program, the weights replicated): (the new tensors, the
-    spatial scale, what the section records)."""
+    """Stage 2's tensors upsampled on `runtime` (one program, the weights replicated, the latents split as
+    `split_layout` says): (the new tensors, the spatial scale, what the section records)."""
     with timer.phase("load"):
         model = load_upsampler(source, location, torch.float32)
     log(
@@ -116,6 +128,7 @@ def upsample(source, location, tensors, runtime, timer, adain_factor=0.0, tone_m
     with timer.phase("place"):
         program = runtime.compile(Upsample(model, adain_factor, tone_map_compression_ratio))
     with timer.phase("upsample"), torch.no_grad(), runtime.precision(torch.float32):  # fp32 matmuls on a TPU too
-        video = runtime.to_host(program(runtime.to_device(tensors["latents"].float()))).float()
+        latents = tensors["latents"].float()
+        video = runtime.to_host(program(runtime.to_device(latents, split_layout(latents.shape, runtime)))).float()
     record = upsampler_record(source, location, model, adain_factor, tone_map_compression_ratio)
     return {**tensors, "latents": video}, 2, record

@@ -47,23 +47,35 @@ def plan_folder(input_dirs: list[str] | None, model: str | None) -> Path | None:
 
 
 def request_to_plan(input_dir: Path | None, model: str | None, flags: dict[str, Any], dtype: str | None):
-    """The request, model and stage-1 tensors a plan compiles for: from the stage folder if it has a
-    config (as a real run reads it; `flags` override), else from `model` with its defaults, the given
-    request flags and zero tensors of the shapes stage 1 writes. Published hub ids need no network."""
+    """The request, model and stage-1 tensors a plan compiles for (`planned_request`), the tensors from the
+    stage folder's files, else zeros of the shapes stage 1 writes."""
+    request, source, family = planned_request(input_dir, model, flags, dtype)
+    if has_config(input_dir):
+        return request, source, family, read_tensors(input_dir, read_config(input_dir, needs="stage1")["stage1"])
+    return request, source, family, family.planning_embeds(source, request, parse_dtype(request.dtype))
+
+
+def has_config(input_dir: Path | None) -> bool:
+    return input_dir is not None and (input_dir / CONFIG_FILE).is_file()
+
+
+def planned_request(input_dir: Path | None, model: str | None, flags: dict[str, Any], dtype: str | None):
+    """The request and model a plan compiles for: from the stage folder if it has a config (as a real run
+    reads it; `flags` override), else from `model` with its defaults and the given request flags. Published
+    hub ids need no network."""
     from tpu_video import models
 
-    if input_dir is not None and (input_dir / CONFIG_FILE).is_file():
+    if has_config(input_dir):
         config = read_config(input_dir, needs="stage1")
         stored = Request.from_config(config, input_dir / CONFIG_FILE)
         given = with_implied(models.options_of(stored.model_family), flags, stored)
         request, _ = stored.with_overrides({**given, "model_id": model})
         source, family = models.resolve_model_for_request(request, configs_only=True)
         models.validate_request(family, source, request)
-        return request, source, family, read_tensors(input_dir, config["stage1"])
+        return request, source, family
     if not model:
         raise UserError(f"--plan needs stage-1 files in {input_dir} or a --model to plan from")
-    request, source, family = default_request(model, flags, dtype)
-    return request, source, family, family.planning_embeds(source, request, parse_dtype(request.dtype))
+    return default_request(model, flags, dtype)
 
 
 def default_request(model: str, flags: dict[str, Any], dtype: str | None = None):

@@ -107,13 +107,20 @@ def upsample_plan(args) -> None:
             "or from --model with --height, --width and --num_frames"
         )
     folder = folders[0] if folders else flags.plan_folder(None, args.model)
-    request, source, family, _ = flags.request_to_plan(folder, args.model, given, args.dtype)
-    larger, _ = request.with_overrides({"height": request.height * 2, "width": request.width * 2})
-    models.validate_request(family, source, larger)  # the refine's size, as the step checks it
+    request, source, family = flags.planned_request(folder, args.model, given, args.dtype)
+    upsampled_request(family, source, request)  # the refine's size, checked as the step checks it
     filters = (args.adain_factor, args.tone_map_compression_ratio)
     log(f"planning {family.NAME}'s --upsample for {target.name} ({target.topology}), every device on sp")
     report = plan_upsample_step(family, source, request, args.latent_upsampler, filters, target)
     plan_report.finish(report, args.plan_json)
+
+
+def upsampled_request(family, source, request: Request):
+    """The request at the x2 upsampler's size (the family's checks refuse any other scale), checked as a pass at
+    that size is; with the overrides the section records."""
+    larger, overrides = request.with_overrides({"height": request.height * 2, "width": request.width * 2})
+    models.validate_request(family, source, larger)
+    return larger, overrides
 
 
 def upsample_main(args) -> None:
@@ -134,9 +141,7 @@ def upsample_main(args) -> None:
     tensors = read_tensors(input_dir, config["stage2"])
     hold_folder(output_dir, write=True)  # an existing output folder, before it is checked
     check_output_dir(output_dir, input_dir, config)
-    scale = 2  # the x2 upsampler (the family's checks refuse any other)
-    larger, overrides = request.with_overrides({"height": request.height * scale, "width": request.width * scale})
-    models.validate_request(family, source, larger)
+    larger, overrides = upsampled_request(family, source, request)
     timer = Timer()
     runtime = TorchaxRuntime.on_all_devices(SP, compile_cache=not args.no_compile_cache, executables=args.executables)
     filters = (args.adain_factor, args.tone_map_compression_ratio)

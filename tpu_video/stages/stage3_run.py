@@ -248,14 +248,14 @@ def plan_main(args) -> None:
     """--plan: compile the decode for a TPU slice, print the report, exit 0 (fits) or 3 (does not fit)."""
     from tpu_video.planning import plan
     from tpu_video.planning import report as plan_report
-    from tpu_video.planning.flags import executables_to_save, plan_folder, request_to_plan, target_from_flag
+    from tpu_video.planning.flags import executables_to_save, plan_folder, planned_request, target_from_flag
 
     target = target_from_flag(args.plan)
     store = executables_to_save(args.save_executables, target)
     flags = {key: getattr(args, key) for key in PLAN_REQUEST_KEYS}
     if args.input_dir and len(args.input_dir) > 1:
         raise UserError("--plan compiles one decode: give one --input_dir (or none, with --model)")
-    request, source, family, _ = request_to_plan(plan_folder(args.input_dir, args.model), args.model, flags, args.dtype)
+    request, source, family = planned_request(plan_folder(args.input_dir, args.model), args.model, flags, args.dtype)
     dtype = parse_dtype(args.dtype or request.dtype)
     chunk_frames = chunk_frames_choice(args, family, "torchax")  # what a TPU run would take
     log(f"planning the {family.NAME} decode for {target.name} ({target.topology}), tiling {args.tiling}")

@@ -54,17 +54,15 @@ def load_upsampler(source, location: str | None, dtype: torch.dtype, meta: bool 
         raise UserError(f"--latent_upsampler {named}: its weights cannot be read ({type(err).__name__})") from None
 
 
-def plan_upsample(source, request, location, runtime, adain_factor=0.0, tone_map_compression_ratio=0.0) -> dict:
-    """--upsample --plan: the upsampler's program called on a planning runtime (which compiles it for the TPU) with
-    the first pass's video latents of `request`'s size, as `upsample` calls it; what the section would record."""
+def plan_upsample(source, request, location, runtime, *filters) -> dict:
+    """--upsample --plan: `upsample` on a planning runtime (which compiles its program for the TPU) with the upsampler
+    built on the meta device and zero video latents of `request`'s first pass; what the section would record."""
+    from tpu_video.runtime.interface import Timer
+
     from .config import latent_grid
 
-    model = load_upsampler(source, location, torch.float32, meta=True)
-    program = runtime.compile(Upsample(model, adain_factor, tone_map_compression_ratio))
     latents = torch.zeros(1, source.load_config("vae")["latent_channels"], *latent_grid(source, request))
-    with torch.no_grad(), runtime.precision(torch.float32):
-        program(runtime.to_device(latents, split_layout(latents.shape, runtime)))
-    return upsampler_record(source, location, model, adain_factor, tone_map_compression_ratio)
+    return upsample(source, location, {"latents": latents}, runtime, Timer(), *filters, planning=True)[2]
 
 
 class Upsample(torch.nn.Module):
@@ -104,23 +102,14 @@ def named_default(source) -> str:
     return f"{source.ref}/{SUBFOLDER}"
 
 
-def upsampler_record(source, location, model, adain_factor: float, tone_map_compression_ratio: float) -> dict:
-    """What the step's section (and its plan) says of the upsampler: a local folder by its name (no host paths in
-    a config), its middle channels and the filters."""
-    named = (Path(location).name if Path(location).exists() else location) if location else named_default(source)
-    return {
-        "upsampler": named,
-        "mid_channels": model.config.mid_channels,
-        "adain_factor": adain_factor,
-        "tone_map_compression_ratio": tone_map_compression_ratio,
-    }
-
-
-def upsample(source, location, tensors, runtime, timer, adain_factor=0.0, tone_map_compression_ratio=0.0):
+def upsample(
+    source, location, tensors, runtime, timer, adain_factor=0.0, tone_map_compression_ratio=0.0, planning=False
+):
     """Stage 2's tensors upsampled on `runtime` (one program, the weights replicated, the latents split as
-    `split_layout` says): (the new tensors, the spatial scale, what the section records)."""
+    `split_layout` says): (the new tensors, the spatial scale, what the section records). `planning`: the
+    upsampler on the meta device (`plan_upsample`)."""
     with timer.phase("load"):
-        model = load_upsampler(source, location, torch.float32)
+        model = load_upsampler(source, location, torch.float32, meta=planning)
     log(
         f"the x2 latent upsampler from {location or named_default(source)}, in float32 (its filters: AdaIN "
         f"{adain_factor:g}, tone map {tone_map_compression_ratio:g})"
@@ -130,5 +119,11 @@ def upsample(source, location, tensors, runtime, timer, adain_factor=0.0, tone_m
     with timer.phase("upsample"), torch.no_grad(), runtime.precision(torch.float32):  # fp32 matmuls on a TPU too
         latents = tensors["latents"].float()
         video = runtime.to_host(program(runtime.to_device(latents, split_layout(latents.shape, runtime)))).float()
-    record = upsampler_record(source, location, model, adain_factor, tone_map_compression_ratio)
+    named = (Path(location).name if Path(location).exists() else location) if location else named_default(source)
+    record = {
+        "upsampler": named,  # a local folder by its name (no host paths in a config)
+        "mid_channels": model.config.mid_channels,
+        "adain_factor": adain_factor,
+        "tone_map_compression_ratio": tone_map_compression_ratio,
+    }
     return {**tensors, "latents": video}, 2, record

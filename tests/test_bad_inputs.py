@@ -388,6 +388,9 @@ CASES = [
     ltx2("s1-ltx2-sigmas-unknown", "tiny-ltx2", ["--sigmas", "dev"], "invalid choice: 'dev'"),
     ltx2("s1-sigmas-on-wan", "tiny-wan2.1", ["--sigmas", "distilled"], "--sigmas is an option of ltx2"),
     ltx2("s1-ltx2-noise-scale-2", "tiny-ltx2", ["--noise_scale", "2"], "must be from 0 (the latents as given) to 1"),
+    ltx2("s1-ltx2-system-prompt-alone", "tiny-ltx2", ["--system_prompt", "be brief"], "give --enhance_prompt too"),
+    ltx2("s1-ltx2.5-enhance-no-processor", "tiny-ltx2.5", ["--enhance_prompt"], "has no `processor` folder"),
+    ltx2("s1-enhance-prompt-on-wan", "tiny-wan2.1", ["--enhance_prompt"], "--enhance_prompt is an option of ltx2"),
     # tiny-ltx2: 9 frames, 3 latent frames (the tiny VAE compresses time 4x)
     ltx2("s1-ltx2-condition-index-3", "tiny-ltx2", ["--condition", "IMAGE", "--condition_index", "3"], "3 latent"),
     ltx2("s1-ltx2-condition-strength", "tiny-ltx2", ["--condition", "IMAGE", "--condition_strength", "1.5"], "0 (not"),

@@ -551,10 +551,14 @@ def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_
 
 
 def test_a_prompt_list_batches_each_video_as_the_pipeline_runs_it(tmp_path):
-    """Stage 1 `--prompts` (three entries with their own prompts, negative prompts and seeds), stage 2 in
-    batches of 2 of LTX-2.3 with all four passes (8 rows per step; the second batch padded with a copy):
-    each folder's video and audio latents within 1e-5 of the pipeline run for that entry alone; stage 3 over
-    the three folders (one soundtrack module, kept for all) gives the last one the pipeline's waveform."""
+    """Stage 1 `--prompts` (three entries with their own prompts, negative prompts and seeds) with
+    `--enhance_prompt` (the text encoder rewrites each prompt, sampling seeded by the entry's seed, with the Gemma 3
+    text-to-video instructions diffusers keeps), stage 2 in batches of 2 of LTX-2.3 with all four passes (8 rows
+    per step; the second batch padded with a copy): each folder's video and audio latents within 1e-5 of the
+    pipeline run for that entry alone with the same enhancement; stage 3 over the three folders (one soundtrack
+    module, kept for all) gives the last one the pipeline's waveform."""
+    from diffusers.pipelines.ltx2.utils import T2V_DEFAULT_SYSTEM_PROMPT
+
     from tpu_video.engine import batch_folders
 
     entries = [
@@ -566,15 +570,20 @@ def test_a_prompt_list_batches_each_video_as_the_pipeline_runs_it(tmp_path):
     listing.write_text("\n".join(json.dumps(entry) for entry in entries) + "\n")
     out = tmp_path / "batch"
     argv = ["--model", "tiny-ltx2.3", "--prompts", listing, "--dtype", "fp32", "--num_inference_steps", STEPS]
-    run_stage(stage1_text_encoder, [*argv, "--output_dir", out])
+    run_stage(stage1_text_encoder, [*argv, "--enhance_prompt", "--output_dir", out])
     argv = ["--input_dir", out, "--executables", "off", "--stg_blocks", "1", "--batch_size", "2"]
     run_stage(stage2_transformer, argv)
     folders = batch_folders.expand_folders([str(out)])
+    pipe = pipeline("tiny-ltx2.3")
+    arguments = {"spatio_temporal_guidance_blocks": [1], "enable_prompt_enhancement": True}
+    arguments["system_prompt"] = T2V_DEFAULT_SYSTEM_PROMPT
+    enhanced = [read_config(folder)["stage1"]["enhanced_prompt"] for folder in folders]
+    assert len(set(enhanced)) == 3 and not {entry["prompt"] for entry in entries} & set(enhanced)
     for folder in folders:
         config = read_config(folder, needs="stage2")
         assert config["stage2"]["batch"]["size"] == 2 and len(config["stage2"]["guidance"]["branches"]) == 4
         tensors = read_tensors(folder, config["stage2"])
-        video, audio = reference("tiny-ltx2.3", config, "latent", spatio_temporal_guidance_blocks=[1])
+        video, audio = reference(pipe, config, "latent", **arguments)
         assert relative_error(tensors["latents"], video) <= TOLERANCE, folder.name
         assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE, folder.name
     assert read_config(folders[2])["stage2"]["batch"]["padding"] == 1
@@ -583,7 +592,7 @@ def test_a_prompt_list_batches_each_video_as_the_pipeline_runs_it(tmp_path):
     config = read_config(folders[2], needs="stage3")
     assert config["stage3"]["audio"]["decoded_on"] == "torch on cpu"
     saved = read_tensors(folders[2], config["stage3"]["frames_file"])
-    frames, waveform = reference("tiny-ltx2.3", config, "np", spatio_temporal_guidance_blocks=[1])
+    frames, waveform = reference(pipe, config, "np", **arguments)
     assert relative_error(saved["frames_float"], torch.from_numpy(frames[0])) <= TOLERANCE
     assert relative_error(saved["waveform"], waveform[0]) <= TOLERANCE
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,18 +32,52 @@ def image_file(tmp_path_factory):
     return write_image(tmp_path_factory.mktemp("ltx2-image") / "first.png", 45, 61)
 
 
+SYSTEM_PROMPT = "Describe the video that starts from this image."
+ENHANCED = {"enable_prompt_enhancement": True, "system_prompt": SYSTEM_PROMPT}
+
+
+def enhancer_calls(monkeypatch) -> list[dict]:
+    """What each call of diffusers' enhance_prompt got (the seed it used: the generator's where one is given)
+    and returned. On the tiny text encoder the sampled text hardly depends on the instructions or the image
+    (its logits are nearly flat), so the arguments are compared as well as the text."""
+    from diffusers import LTX2ImageToVideoPipeline
+
+    calls, stock = [], LTX2ImageToVideoPipeline.enhance_prompt
+
+    def recorded(self, prompt, system_prompt, *args, seed=10, generator=None, image=None, **kwargs):
+        text = stock(self, prompt, system_prompt, *args, seed=seed, generator=generator, image=image, **kwargs)
+        used_seed = seed if generator is None else generator.initial_seed()
+        pixels = None if image is None else np.asarray(image).tobytes()
+        calls.append(
+            {"prompt": prompt, "system_prompt": system_prompt, "seed": used_seed, "image": pixels, "text": text}
+        )
+        return text
+
+    monkeypatch.setattr(LTX2ImageToVideoPipeline, "enhance_prompt", recorded)
+    return calls
+
+
 @pytest.mark.parametrize(
     "crf, stage1_flags, stage2_flags",
-    [(None, [], []), (0, ["--backend", "torchax"], ["--attention", "splash", "--sp", "2", "--tp", "4"])],
-    ids=["crf33-8-devices-and-decode", "no-recompress-torchax-stage1-splash"],
+    [
+        (None, [], []),
+        (
+            0,
+            ["--backend", "torchax", "--enhance_prompt", "--system_prompt", SYSTEM_PROMPT],
+            ["--attention", "splash", "--sp", "2", "--tp", "4"],
+        ),
+    ],
+    ids=["crf33-8-devices-and-decode", "no-recompress-torchax-stage1-enhanced-prompt-splash"],
 )
-def test_image_to_video_matches_the_pipeline(tmp_path, image_file, crf, stage1_flags, stage2_flags):
+def test_image_to_video_matches_the_pipeline(monkeypatch, tmp_path, image_file, crf, stage1_flags, stage2_flags):
     """LTX2ImageToVideoPipeline: stage 1's H.264 round trip (the default CRF 33, through PyAV) or none, and
     the VAE latents of the image (on torch, or on torchax, whose placed VAE's statistics are read before
-    placing); stage 2's first frame held at timestep zero and never stepped; stage 3's decode of the whole
-    video."""
+    placing); with torchax, the prompt enhancer too (the text encoder on the host, shown the image, with given
+    instructions), as the pipeline's enable_prompt_enhancement; stage 2's first frame held at timestep zero and
+    never stepped; stage 3's decode of the whole video."""
     from PIL import Image
 
+    calls = enhancer_calls(monkeypatch)
     out = tmp_path / "run"
     argv = ["--model", "tiny-ltx2-i2v", "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
     argv += ["--seed", SEED, "--num_inference_steps", STEPS, "--image", image_file, "--output_dir", out]
@@ -52,8 +87,14 @@ def test_image_to_video_matches_the_pipeline(tmp_path, image_file, crf, stage1_f
     assert config["image_crf"] == (33 if crf is None else crf) and config["stage1"]["task"] == "i2v"
     tensors = read_tensors(out, config["stage2"])
     image = Image.open(image_file).convert("RGB")
-    arguments = {"image": image, "image_crf": crf}
+    arguments = {"image": image, "image_crf": crf, **(ENHANCED if "--enhance_prompt" in stage1_flags else {})}
     video, audio = reference("tiny-ltx2-i2v", config, "latent", **arguments)
+    if "--enhance_prompt" in stage1_flags:
+        assert len(calls) == 2 and calls[0] == calls[1], "stage 1 and the pipeline enhance differently"
+        assert calls[0]["image"] == np.asarray(image).tobytes() and calls[0]["seed"] == SEED
+        assert config["stage1"]["enhanced_prompt"] == calls[0]["text"][0] != PROMPT
+    else:
+        assert not calls and "enhanced_prompt" not in config["stage1"]
     assert relative_error(tensors["latents"], video) <= TOLERANCE
     assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
     if crf is None:

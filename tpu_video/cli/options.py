@@ -14,8 +14,10 @@ from . import UserError, finite_float, flag_names
 
 # What each kind accepts in generation_config.json (bool is not a number here, though Python's int says so).
 # "floats", "ints": one number or several (a flag taking one or more; stored as a list).
-KIND_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "floats": (list,), "ints": (list,)}
+# "bool": a switch (a flag taking no value; stored as true when given).
+KIND_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "floats": (list,), "ints": (list,), "bool": (bool,)}
 KIND_WORDS = {
+    "bool": "true or false",
     "str": "a string",
     "int": "an integer",
     "float": "a number",
@@ -83,6 +85,11 @@ def add_options(group: argparse._ActionsContainer, options: tuple[Option, ...], 
     None, so what was not given is told apart from a default."""
     for option in options:
         if for_later_stage and not option.later:
+            continue
+        if option.kind == "bool":
+            group.add_argument(
+                *flag_names(f"--{option.name}"), dest=option.name, action="store_const", const=True, help=option.help
+            )
             continue
         group.add_argument(
             *flag_names(f"--{option.name}"),

@@ -132,6 +132,11 @@ def fixed_length(source) -> None:
     return None
 
 
+def no_prompt_enhancer(source, dtype, runtime) -> None:
+    """`prompt_enhancer` of a family whose pipelines encode the prompt as given."""
+    return None
+
+
 def no_upsample(family: str):
     """`upsample` and `plan_upsample` of a family without a latent upsampler between passes."""
     why = f"--upsample: {family} has no latent upsampler (LTX-2's two-stage pipeline has one)"

@@ -145,6 +145,13 @@ class Family(Protocol):
         request and its stage-1 tensors giving the frame count, which stage 1 records where --num_frames is not
         given; None for the others."""
 
+    def prompt_enhancer(
+        self, source: ModelSource, dtype: torch.dtype, runtime: Runtime
+    ) -> Callable[[Request, dict], str | None] | None:
+        """Pipelines that can rewrite the prompt before encoding it (LTX-2's prompt enhancer): a function of a
+        request and its media inputs giving the prompt stage 1 encodes and records (None where the request does
+        not ask), loading its model on first use and freeing it when dropped; None for the others."""
+
     def media_inputs(self, source: ModelSource) -> tuple[MediaInput, ...]:
         """Those of MEDIA_INPUTS this model takes (none for text-to-video), the ones it requires marked
         (`MediaInput.required_here`: an image-to-video pipeline's first frame)."""

@@ -43,6 +43,7 @@ class Video:
     task: str
     # The checkpoint picks the length from the prompt (family.frames_from_prompt), --num_frames not given.
     predict_frames: Callable[[Request, dict], int] | None = None
+    enhanced_prompt: str | None = None  # the prompt encoded instead of the request's (family.prompt_enhancer)
 
 
 def checked_video(args, source, family, output_dir: Path, where: str = "") -> Video:
@@ -85,8 +86,9 @@ def checked_video(args, source, family, output_dir: Path, where: str = "") -> Vi
 def encode_and_write(args, dtype, source, family, video: Video, encode, runtime, timer: Timer, adapters=()) -> None:
     """One video's stage 1: its prompts and media inputs encoded, its folder written as a single run writes it."""
     request, output_dir = video.request, video.output_dir
+    encoded = request if video.enhanced_prompt is None else dataclasses.replace(request, prompt=video.enhanced_prompt)
     with timer.phase("encode"), runtime.precision(dtype):
-        embeddings = encode(request)
+        embeddings = encode(encoded)
     if video.predict_frames is not None:  # the length the checkpoint picks from the prompt, recorded as asked
         request = dataclasses.replace(request, num_frames=video.predict_frames(request, embeddings))
         models.validate_request(family, source, request)
@@ -111,6 +113,8 @@ def encode_and_write(args, dtype, source, family, video: Video, encode, runtime,
     task = {"task": video.task, **({"inputs": video.records} if video.inputs else {})}
     if video.predict_frames is not None:
         task["num_frames_from"] = "the prompt (the checkpoint's duration head)"
+    if video.enhanced_prompt is not None:  # what was encoded; "prompts" keeps what was asked
+        task["enhanced_prompt"] = video.enhanced_prompt
     section = {**record, "prompts": prompts, "request": request.to_config(), **task}  # request: as stage 1 wrote it
     section.update(run_record(runtime, args.dtype, timer.finish(), versions))
     if adapters:  # fused into the text connectors (LTX-2); stage 2 checks its --lora against them
@@ -173,6 +177,12 @@ def run(args) -> None:
     runtime = open_runtime(args.backend, args.device, TP, not args.no_compile_cache, args.executables)
     log(f"loading the text encoders on {runtime.describe()} in {args.dtype}")
     timers = [Timer() for _ in videos]  # the first video's record holds the one load
+    enhance = family.prompt_enhancer(source, dtype, runtime)
+    if enhance is not None:  # before the text encoders load; the enhancer is freed with `enhance`
+        for video, timer in zip(videos, timers, strict=True):
+            with timer.phase("enhance"), torch.no_grad():
+                video.enhanced_prompt = enhance(video.request, video.inputs)
+        del enhance
     with timers[0].phase("load"), runtime.precision(dtype):
         encoded = lora_stage1.AdaptedSource(source, adapters, family) if adapters else source
         encode = family.prompt_encoder(encoded, dtype, runtime)

@@ -15,6 +15,7 @@
 from ..common import every_step as denoise_steps
 from ..common import fixed_length as frames_from_prompt
 from ..common import no_image_checks as check_inputs
+from ..common import no_prompt_enhancer as prompt_enhancer
 from ..common import no_upsample
 from ..common import num_layers_only as depth_overrides
 from ..common import one_transformer as transformer_components

@@ -11,12 +11,13 @@ the family's `models.family.Family` members, gathered from its parts.
 - `conditions`: images and clips at given latent frames (keyframes): stage 1's encodes, stage 2's first latents;
 - `crf`: the H.264 round trip of a conditioning image (PyAV);
 - `duration`: LTX-2.5's duration head, which picks the frame count in stage 1 where none is given;
+- `enhance`: the prompt enhancer, which rewrites the prompt in stage 1 (`--enhance_prompt`);
 - `pipeline`: stage 1's Gemma encoding and connectors, stage 2's loop over both streams;
 - `latents`: the VAEs' statistics, stage 2's de-normalisation and its record, the upgrade of older folders,
   stage 3's video decode;
 - `connectors`: stage 1's text connectors on the runtime (their float64 rotary tables from the host);
 - `audio`: stage 3's soundtrack (audio VAE and vocoder, one module);
-- `presets`: the tiny random presets' components;
+- `presets`: the tiny random presets' components (`tiny_text`: their tokenizer, Gemma and enhancer processor);
 - `upsampler`: the x2 latent upsampler between the two-stage pipeline's passes (stage 2's `--upsample`);
 - `published`: Lightricks/LTX-2's configs, for --plan.
 """
@@ -44,6 +45,7 @@ __getattr__, __dir__ = lazy_members(
         "audio": ("Soundtrack",),
         "config": ("transformer_components",),
         "duration": ("frames_from_prompt",),
+        "enhance": ("prompt_enhancer",),
         "i2v": ("check_inputs",),
         "latents": ("Decoder", "latents_normalization", "upgrade_stage2", "video_processor"),
         "upsampler": ("plan_upsample", "upsample"),

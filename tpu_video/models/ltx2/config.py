@@ -54,9 +54,15 @@ def check_release(source) -> None:
         raise UserError(f"--model {source.ref!r} has the text encoder {encoder}; supported: {SUPPORTED}")
 
 
+def has_component(source, name: str) -> bool:
+    """Whether the folder holds one of the pipelines' optional components (model_index.json names unset ones
+    with nulls)."""
+    return bool((source.index.get(name) or [None])[0])
+
+
 def has_duration_head(source) -> bool:
     """LTX-2.5's duration head: it picks the frame count from the prompt where --num_frames is not given."""
-    return bool((source.index.get("duration_head") or [None])[0])
+    return has_component(source, "duration_head")
 
 
 def validate_request(source, request: Request) -> None:

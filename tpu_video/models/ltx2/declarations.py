@@ -135,6 +135,25 @@ OPTIONS = (
         input_default=image_crf,
     ),
     Option(
+        "enhance_prompt",
+        "bool",
+        "rewrite the prompt with the model's prompt enhancer before encoding it, as the pipelines' "
+        "enable_prompt_enhancement (LTX-2.5: its own Gemma 4 enhancer; earlier releases: the text encoder; both in "
+        "PyTorch on the host, seeded with --seed; the text written is logged and recorded)",
+        later=False,
+        splits_batch=False,
+    ),
+    Option(
+        "system_prompt",
+        "str",
+        "with --enhance_prompt: the instructions the enhancer gets (default: the pipelines' LTX-2.5 prompts; for "
+        "earlier releases the Gemma 3 prompts diffusers keeps in pipelines/ltx2/utils.py), text- or image-to-video "
+        "by whether an image is given",
+        later=False,
+        splits_batch=False,
+        metavar="TEXT",
+    ),
+    Option(
         "condition_index",
         "ints",
         "with --condition: the latent frame each condition starts at, one per --condition (negative: from the "

@@ -19,6 +19,7 @@ from . import conditions
 from .config import image_to_video, vae_ratios
 from .crf import check_h264_size, recompress
 from .declarations import CONDITION
+from .enhance import check_enhancement
 
 IMAGE_LATENTS = "image_latents"  # (1, C, 1, H/32, W/32): the first frame's normalised VAE latents
 
@@ -34,7 +35,8 @@ def plans_inputs(source) -> bool:
 def check_inputs(source, request: Request, images: dict[str, Any]) -> None:
     """Stage 1, before the text encoder loads: the re-encode's PyAV is installed (without this check a missing
     extra stopped the run only after the text encode), and the image has the 2 x 2 pixels H.264 needs (its
-    helper crops to even sides: a side of 1 became 0 and an IndexError)."""
+    helper crops to even sides: a side of 1 became 0 and an IndexError); the prompt enhancer's flags."""
+    check_enhancement(source, request)
     if CONDITION.name in images:
         conditions.check_conditions(source, request, images[CONDITION.name])
     elif image_to_video(source) and (crf := request.option("image_crf")):  # crf 0: no image to check

@@ -1,6 +1,7 @@
-"""LTX-2's tiny presets: random components built in code (Gemma 3 or 4 with a tokenizer that needs no files, the
-text connectors, the audio-video transformer, the video and audio VAEs, the vocoder, and the x2 latent
-upsampler in the subfolder where the published repositories keep it), deterministic per seed.
+"""LTX-2's tiny presets: random components built in code (Gemma 3 or 4 with a tokenizer that needs no files and
+the prompt enhancer's processor: tiny_text.py; the text connectors, the audio-video transformer, the video and
+audio VAEs, the vocoder, and the x2 latent upsampler in the subfolder where the published repositories keep it),
+deterministic per seed.
 
 Three layouts: LTX-2.0's (one shared text projection, learnable registers, split RoPE in float64), LTX-2.3's
 (a text projection per stream, gated attention, prompt modulation, perturbed attention for spatio-temporal
@@ -15,41 +16,7 @@ from __future__ import annotations
 import torch
 
 from .published import SCHEDULER
-
-
-def gemma_tokenizer():
-    """A Gemma tokenizer built in code: Gemma's special tokens and single characters (no merges)."""
-    from transformers import GemmaTokenizer
-
-    vocab: dict[str, int] = {}
-    for token in ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "\u2581"):
-        vocab[token] = len(vocab)
-    for char in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'\"-:;()":
-        vocab[char] = len(vocab)
-    return GemmaTokenizer(vocab=vocab, merges=[])
-
-
-def tiny_text_encoder(tokenizer, seed: int, version: str = "2.0") -> torch.nn.Module:
-    """A random tiny Gemma3ForConditionalGeneration (LTX-2.5: Gemma4UnifiedForConditionalGeneration, a sliding
-    and a full-attention layer, the latter with 2 heads x 16 and keys as values): text 2 layers of 2 heads x 8
-    (one key/value head), sliding window 8; small vision (and audio) towers the stages never run (LTX-2
-    encodes text only)."""
-    import transformers
-
-    torch.manual_seed(seed)
-    text = {"vocab_size": len(tokenizer), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
-    text |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "sliding_window": 8}
-    if version == "2.5":  # as the published Gemma 4: the full-attention layer has its own head width and k = v
-        text |= {"global_head_dim": 16, "num_global_key_value_heads": 2, "attention_k_eq_v": True}
-        text |= {"layer_types": ["sliding_attention", "full_attention"]}
-        vision = {"patch_size": 4, "pooling_kernel_size": 2, "mm_embed_dim": 16, "mm_posemb_size": 8}
-        audio = {"audio_embed_dim": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
-        config = transformers.Gemma4UnifiedConfig(text_config=text, vision_config=vision, audio_config=audio)
-        return transformers.Gemma4UnifiedForConditionalGeneration(config).eval()
-    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
-    vision |= {"image_size": 28, "patch_size": 14}
-    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
-    return transformers.Gemma3ForConditionalGeneration(config).eval()
+from .tiny_text import gemma_tokenizer, tiny_processor, tiny_text_encoder, with_image_tokens
 
 
 def tiny_transformer(seed: int, version: str = "2.0", num_layers: int = 2) -> torch.nn.Module:
@@ -273,12 +240,19 @@ def tiny_pipeline(version: str = "2.0", seed: int = 0, image_to_video: bool = Fa
     from diffusers import FlowMatchEulerDiscreteScheduler, LTX2ImageToVideoPipeline, LTX2Pipeline
 
     tokenizer = gemma_tokenizer()
-    extra = {"duration_head": tiny_duration_head(seed + 6)} if version == "2.5" else {}
+    # Through LTX-2.3 the text encoder is the prompt enhancer (--enhance_prompt), with the processor's chat template;
+    # LTX-2.5's is a model of its own, with Gemma 4's processor (not built here: tiny_processor).
+    text_encoder = tiny_text_encoder(tokenizer, seed, version)
+    if version == "2.5":
+        extra = {"duration_head": tiny_duration_head(seed + 6)}
+    else:
+        extra = {"processor": tiny_processor()}
+        with_image_tokens(text_encoder, extra["processor"])
     pipe = (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
         vae=tiny_vae(seed + 1, version),
         audio_vae=tiny_audio_vae(seed + 2),
-        text_encoder=tiny_text_encoder(tokenizer, seed, version),
+        text_encoder=text_encoder,
         tokenizer=tokenizer,
         connectors=tiny_connectors(seed + 3, version),
         transformer=tiny_transformer(seed + 4, version),

@@ -19,6 +19,7 @@ video-to-video, VACE (`WanVACEPipeline`) and Animate (`WanAnimatePipeline`): the
 """
 
 from ..common import fixed_length as frames_from_prompt
+from ..common import no_prompt_enhancer as prompt_enhancer
 from ..common import no_upsample
 from ..common import size_from_request as size_from_inputs  # the pipeline resizes the image to the request's size
 from ..common import stage2_as_written as upgrade_stage2

@@ -378,6 +378,29 @@ def ltx2_reference(model, config: dict, output_type: str, adapters=(), **argumen
     return output.frames, output.audio
 
 
+def enhancer_calls(monkeypatch, pipeline_class: str) -> list[dict]:
+    """What each call of diffusers' enhance_prompt on `pipeline_class` (an LTX-2 pipeline's name) got (the seed it
+    used: the generator's where one is given) and returned. On the tiny text encoder the sampled text hardly
+    depends on the instructions or the image (its logits are nearly flat), so tests compare the arguments as well
+    as the text."""
+    import diffusers
+
+    cls = getattr(diffusers, pipeline_class)
+    calls, stock = [], cls.enhance_prompt
+
+    def recorded(self, prompt, system_prompt, *args, seed=10, generator=None, image=None, **kwargs):
+        text = stock(self, prompt, system_prompt, *args, seed=seed, generator=generator, image=image, **kwargs)
+        used_seed = seed if generator is None else generator.initial_seed()
+        pixels = None if image is None else np.asarray(image).tobytes()
+        calls.append(
+            {"prompt": prompt, "system_prompt": system_prompt, "seed": used_seed, "image": pixels, "text": text}
+        )
+        return text
+
+    monkeypatch.setattr(cls, "enhance_prompt", recorded)
+    return calls
+
+
 def write_video(path, frames: int = 9, height: int = 40, width: int = 56, pattern=None) -> None:
     """A smooth moving pattern (or `pattern(t, y, x)`: uint8 RGB frames) as an H.264 mp4 (lossy: both sides
     of a comparison read the same decoded frames)."""

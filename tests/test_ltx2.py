@@ -30,6 +30,7 @@ import stage3_vae_decoder
 from helpers import (
     dequantized,
     diffusers_file,
+    enhancer_calls,
     expect_user_error,
     peft_weights,
     pipeline,
@@ -550,7 +551,7 @@ def test_stage2_and_stage3_refuse_what_ltx2_cannot_run(capsys, tmp_path, stage1_
     expect_user_error(capsys, stage2_transformer, argv, expected)
 
 
-def test_a_prompt_list_batches_each_video_as_the_pipeline_runs_it(tmp_path):
+def test_a_prompt_list_batches_each_video_as_the_pipeline_runs_it(monkeypatch, tmp_path):
     """Stage 1 `--prompts` (three entries with their own prompts, negative prompts and seeds) with
     `--enhance_prompt` (the text encoder rewrites each prompt, sampling seeded by the entry's seed, with the Gemma 3
     text-to-video instructions diffusers keeps), stage 2 in batches of 2 of LTX-2.3 with all four passes (8 rows
@@ -568,6 +569,7 @@ def test_a_prompt_list_batches_each_video_as_the_pipeline_runs_it(tmp_path):
     ]
     listing = tmp_path / "list.jsonl"
     listing.write_text("\n".join(json.dumps(entry) for entry in entries) + "\n")
+    calls = enhancer_calls(monkeypatch, "LTX2Pipeline")
     out = tmp_path / "batch"
     argv = ["--model", "tiny-ltx2.3", "--prompts", listing, "--dtype", "fp32", "--num_inference_steps", STEPS]
     run_stage(stage1_text_encoder, [*argv, "--enhance_prompt", "--output_dir", out])
@@ -579,11 +581,16 @@ def test_a_prompt_list_batches_each_video_as_the_pipeline_runs_it(tmp_path):
     arguments["system_prompt"] = T2V_DEFAULT_SYSTEM_PROMPT
     enhanced = [read_config(folder)["stage1"]["enhanced_prompt"] for folder in folders]
     assert len(set(enhanced)) == 3 and not {entry["prompt"] for entry in entries} & set(enhanced)
-    for folder in folders:
+    asked = [(call["prompt"], call["system_prompt"], call["seed"], call["text"]) for call in calls]
+    told = [(entry["prompt"], T2V_DEFAULT_SYSTEM_PROMPT, entry["seed"]) for entry in entries]
+    assert [ask[:3] for ask in asked] == told and [ask[3] for ask in asked] == [[text] for text in enhanced]
+    assert all(call["image"] is None for call in calls)
+    for number, folder in enumerate(folders):
         config = read_config(folder, needs="stage2")
         assert config["stage2"]["batch"]["size"] == 2 and len(config["stage2"]["guidance"]["branches"]) == 4
         tensors = read_tensors(folder, config["stage2"])
         video, audio = reference(pipe, config, "latent", **arguments)
+        assert calls[-1] == calls[number], "the pipeline enhanced otherwise"
         assert relative_error(tensors["latents"], video) <= TOLERANCE, folder.name
         assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE, folder.name
     assert read_config(folders[2])["stage2"]["batch"]["padding"] == 1
@@ -705,3 +712,28 @@ def test_a_text_encoder_the_family_does_not_run_is_refused(capsys, tmp_path):
     (folder / "model_index.json").write_text(json.dumps(index))
     argv = ["--model", folder, "--prompt", "p", "--output_dir", tmp_path / "out"]
     expect_user_error(capsys, stage1_text_encoder, argv, "has the text encoder T5EncoderModel; supported: LTX-2.0")
+
+
+def test_the_enhancer_takes_the_pipelines_image_and_instructions_and_a_switch_is_a_boolean():
+    """Which image the enhancer is shown (i2v's; else the first condition's first frame, as
+    LTX2ConditionPipeline; else none), the instructions it gets by default (LTX-2.5's own for a folder with a
+    dedicated enhancer, else diffusers' Gemma 3 ones), and a hand-edited switch that is not true or false."""
+    from types import SimpleNamespace
+
+    from diffusers.pipelines.ltx2 import utils as ltx2_utils
+
+    from tpu_video.cli.options import Option
+    from tpu_video.models.ltx2 import enhance
+
+    first, second = object(), object()
+    assert enhance.first_image({"image": first, "condition": [[second]]}) is first
+    assert enhance.first_image({"condition": [[second, first], [first]]}) is second
+    assert enhance.first_image({}) is None
+    dedicated = SimpleNamespace(index={"prompt_enhancer": ["transformers", "Gemma4ForConditionalGeneration"]})
+    plain = SimpleNamespace(index={"prompt_enhancer": [None, None]})
+    assert enhance.default_system_prompt(dedicated, True) == ltx2_utils.LTX2_5_I2V_DEFAULT_SYSTEM_PROMPT
+    assert enhance.default_system_prompt(dedicated, False) == ltx2_utils.LTX2_5_T2V_DEFAULT_SYSTEM_PROMPT
+    assert enhance.default_system_prompt(plain, False) == ltx2_utils.T2V_DEFAULT_SYSTEM_PROMPT
+    Option("enhance_prompt", "bool", "").check(True)
+    with pytest.raises(UserError, match='enhance_prompt is "yes" in the request; it must be true or false'):
+        Option("enhance_prompt", "bool", "").check("yes")

@@ -15,7 +15,7 @@ import torch
 import stage1_text_encoder
 import stage2_transformer
 import stage3_vae_decoder
-from helpers import expect_user_error, pipeline, relative_error, run_stage, tiny_upsampler, write_image
+from helpers import enhancer_calls, expect_user_error, pipeline, relative_error, run_stage, tiny_upsampler, write_image
 from helpers import ltx2_reference as reference
 from tpu_video import models
 from tpu_video.cli import UserError
@@ -34,27 +34,6 @@ def image_file(tmp_path_factory):
 
 SYSTEM_PROMPT = "Describe the video that starts from this image."
 ENHANCED = {"enable_prompt_enhancement": True, "system_prompt": SYSTEM_PROMPT}
-
-
-def enhancer_calls(monkeypatch) -> list[dict]:
-    """What each call of diffusers' enhance_prompt got (the seed it used: the generator's where one is given)
-    and returned. On the tiny text encoder the sampled text hardly depends on the instructions or the image
-    (its logits are nearly flat), so the arguments are compared as well as the text."""
-    from diffusers import LTX2ImageToVideoPipeline
-
-    calls, stock = [], LTX2ImageToVideoPipeline.enhance_prompt
-
-    def recorded(self, prompt, system_prompt, *args, seed=10, generator=None, image=None, **kwargs):
-        text = stock(self, prompt, system_prompt, *args, seed=seed, generator=generator, image=image, **kwargs)
-        used_seed = seed if generator is None else generator.initial_seed()
-        pixels = None if image is None else np.asarray(image).tobytes()
-        calls.append(
-            {"prompt": prompt, "system_prompt": system_prompt, "seed": used_seed, "image": pixels, "text": text}
-        )
-        return text
-
-    monkeypatch.setattr(LTX2ImageToVideoPipeline, "enhance_prompt", recorded)
-    return calls
 
 
 @pytest.mark.parametrize(
@@ -77,7 +56,7 @@ def test_image_to_video_matches_the_pipeline(monkeypatch, tmp_path, image_file, 
     never stepped; stage 3's decode of the whole video."""
     from PIL import Image
 
-    calls = enhancer_calls(monkeypatch)
+    calls = enhancer_calls(monkeypatch, "LTX2ImageToVideoPipeline")
     out = tmp_path / "run"
     argv = ["--model", "tiny-ltx2-i2v", "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
     argv += ["--seed", SEED, "--num_inference_steps", STEPS, "--image", image_file, "--output_dir", out]

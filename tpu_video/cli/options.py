@@ -17,12 +17,12 @@ from . import UserError, finite_float, flag_names
 # "bool": a switch (a flag taking no value; stored as true when given).
 KIND_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "floats": (list,), "ints": (list,), "bool": (bool,)}
 KIND_WORDS = {
-    "bool": "true or false",
     "str": "a string",
     "int": "an integer",
     "float": "a number",
     "floats": "a list of numbers",
     "ints": "a list of integers",
+    "bool": "true or false",
 }
 FLAG_TYPES = {"str": str, "int": int, "float": finite_float, "floats": finite_float, "ints": int}
 LISTS = {"floats": "float", "ints": "int"}  # a list kind: the kind of its items

@@ -260,8 +260,9 @@ def materialize_preset(name: str) -> Path:
     """Save a preset's tiny random components once (save_pretrained) and return the folder.
 
     Presets then load through the same `from_pretrained` path as real models. The folder name carries a
-    hash of the component configs and of every saved tensor (parameters and persistent buffers, such as
-    LTX-2's latent statistics), so a changed preset never reuses a stale folder.
+    hash of the component configs (tokenizers and processors: their vocabulary, chat template and settings) and of
+    every saved tensor (parameters and persistent buffers, such as LTX-2's latent statistics), so a changed preset
+    never reuses a stale folder.
     """
     import torch
 
@@ -272,9 +273,14 @@ def materialize_preset(name: str) -> Path:
     configs = {}
     digest = hashlib.sha256()
     for key, component in sorted({**pipe.components, **extras}.items()):
-        config = getattr(component, "config", None)  # tokenizers have none; they are fixed by the code
+        config = getattr(component, "config", None)
         if config is not None:
             configs[key] = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        tokenizer = getattr(component, "tokenizer", component)  # a processor's, or the component itself
+        if hasattr(tokenizer, "get_vocab"):  # tokenizers and processors have no config: their vocabulary and template
+            configs[key] = {"vocab": tokenizer.get_vocab(), "chat_template": getattr(tokenizer, "chat_template", None)}
+            if tokenizer is not component:
+                configs[key]["processor"] = component.to_dict()
         if isinstance(component, torch.nn.Module):
             for tensor_name, tensor in component.state_dict().items():
                 digest.update(f"{key}.{tensor_name}:{tensor.dtype}:{list(tensor.shape)}".encode())

@@ -175,14 +175,14 @@ def run(args) -> None:
 
     # One prompt at a time: with --backend torchax every device goes to `tp` (heads and MLP columns).
     runtime = open_runtime(args.backend, args.device, TP, not args.no_compile_cache, args.executables)
-    log(f"loading the text encoders on {runtime.describe()} in {args.dtype}")
     timers = [Timer() for _ in videos]  # the first video's record holds the one load
     enhance = family.prompt_enhancer(source, dtype, runtime)
     if enhance is not None:  # before the text encoders load; the enhancer is freed with `enhance`
         for video, timer in zip(videos, timers, strict=True):
-            with timer.phase("enhance"), torch.no_grad():
+            with timer.phase("enhance"), torch.no_grad(), runtime.precision(dtype):
                 video.enhanced_prompt = enhance(video.request, video.inputs)
         del enhance
+    log(f"loading the text encoders on {runtime.describe()} in {args.dtype}")
     with timers[0].phase("load"), runtime.precision(dtype):
         encoded = lora_stage1.AdaptedSource(source, adapters, family) if adapters else source
         encode = family.prompt_encoder(encoded, dtype, runtime)

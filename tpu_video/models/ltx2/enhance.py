@@ -1,8 +1,8 @@
 """The prompt enhancer (stage 1's `--enhance_prompt`): the pipelines' own `enhance_prompt` rewrites the prompt
 before it is encoded, as `LTX2Pipeline` does when called with `enable_prompt_enhancement=True`. LTX-2.5 folders
 hold a dedicated enhancer (`prompt_enhancer`, Gemma 4); earlier releases use their text encoder (Gemma 3). Both
-need the folder's chat `processor`. It runs in PyTorch on the runtime's host device (the CPU under torchax),
-before the text encoders load, and is freed before they do."""
+need the folder's chat `processor`. It runs in PyTorch on the runtime's torch device (`--device`; the CPU under
+torchax), before the text encoders load, and is freed before they do."""
 
 from __future__ import annotations
 
@@ -22,9 +22,8 @@ def check_enhancement(source, request: Request) -> None:
     """Stage 1, before any weights load: refuse what the enhancer could not run."""
     if request.option("system_prompt") is not None and not request.option("enhance_prompt"):
         raise UserError("--system_prompt: it instructs the prompt enhancer; give --enhance_prompt too")
-    if request.option("enhance_prompt") and source.configs_only:
-        log("note: --enhance_prompt runs on the host before the encoders, in PyTorch: it is not planned")
-    elif request.option("enhance_prompt") and not has_component(source, PROCESSOR):
+    # Published configs kept for --plan list no processor; the enhancer is not planned (it runs in PyTorch).
+    if request.option("enhance_prompt") and not source.configs_only and not has_component(source, PROCESSOR):
         raise UserError(
             f"--enhance_prompt: {source.ref!r} has no `{PROCESSOR}` folder (the enhancer's chat template and image "
             "processing); the published LTX-2 folders keep one"
@@ -62,7 +61,9 @@ def prompt_enhancer(source, dtype: torch.dtype, runtime) -> Callable[[Request, d
         if not loaded:
             loaded.append(enhancing_pipeline(source, dtype))
         image = first_image(inputs)
-        system_prompt = request.option("system_prompt") or default_system_prompt(source, image is not None)
+        system_prompt = request.option("system_prompt")
+        if system_prompt is None:  # the pipelines' rule: only a missing one takes the default
+            system_prompt = default_system_prompt(source, image is not None)
         # The pipelines seed the enhancer with their generator's seed: the request's.
         [text] = loaded[0].enhance_prompt(
             prompt=request.prompt, system_prompt=system_prompt, seed=request.seed, device=runtime.device, image=image
@@ -77,8 +78,8 @@ def enhancing_pipeline(source, dtype: torch.dtype):
     """The source's pipeline holding only the enhancer and its processor."""
     try:
         processor = source.load(PROCESSOR)
-    except ImportError as err:  # Gemma 4's processor builds its video processor with torchvision
+    except ImportError as err:  # Gemma 4's processor builds a video processor, which needs torchvision
         raise UserError(f"--enhance_prompt: cannot load the `{PROCESSOR}` of {source.ref!r}: {err}") from None
     name = ENHANCER if has_component(source, ENHANCER) else "text_encoder"
-    log(f"loading the prompt enhancer ({name}) on the host")
+    log(f"loading the prompt enhancer ({name})")
     return stock_pipeline(source, processor=processor, **{name: source.load(name, dtype=dtype).eval()})

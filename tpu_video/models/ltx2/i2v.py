@@ -36,7 +36,7 @@ def check_inputs(source, request: Request, images: dict[str, Any]) -> None:
     """Stage 1, before the text encoder loads: the re-encode's PyAV is installed (without this check a missing
     extra stopped the run only after the text encode), and the image has the 2 x 2 pixels H.264 needs (its
     helper crops to even sides: a side of 1 became 0 and an IndexError); the prompt enhancer's flags."""
-    check_enhancement(source, request)
+    check_enhancement(source, request)  # every task's stage-1 check is this one
     if CONDITION.name in images:
         conditions.check_conditions(source, request, images[CONDITION.name])
     elif image_to_video(source) and (crf := request.option("image_crf")):  # crf 0: no image to check

@@ -93,29 +93,14 @@ def materialize_published(hub_id: str) -> Path:
     return _publish_folder(cache_root() / "published" / f"{hub_id.replace('/', '--')}-{digest}", write)
 
 
-# Folders this process materialized, by preset name: (the Preset, its folder). The hash below is over what the
-# code builds, which does not change while a process runs; building a preset again only to hash it took seconds
-# for every stage run and reference pipeline of a process.
-_MATERIALIZED: dict[str, tuple[Any, Path]] = {}
-
-
 def materialize_preset(name: str) -> Path:
     """Save a preset's tiny random components once (save_pretrained) and return the folder.
 
     Presets then load through the same `from_pretrained` path as real models. The folder name carries a
     hash of the component configs (tokenizers and processors: their vocabulary, chat template and settings) and of
     every saved tensor (parameters and persistent buffers, such as LTX-2's latent statistics), so a changed preset
-    never reuses a stale folder. A process builds each preset once (a replaced `PRESETS` entry is built again).
+    never reuses a stale folder.
     """
-    known = _MATERIALIZED.get(name)
-    if known is not None and known[0] is PRESETS[name] and (known[1] / "model_index.json").is_file():
-        return known[1]
-    folder = _materialize(name)
-    _MATERIALIZED[name] = (PRESETS[name], folder)
-    return folder
-
-
-def _materialize(name: str) -> Path:
     import torch
 
     pipe = PRESETS[name].build()

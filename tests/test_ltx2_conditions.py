@@ -191,3 +191,20 @@ def test_a_distilled_batch_of_conditioned_videos_matches_the_pipeline_video_by_v
         video, audio = reference(condition_pipeline(), config, "latent", **arguments)
         assert relative_error(tensors["latents"], video) <= TOLERANCE, folder.name
         assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE, folder.name
+
+
+def test_stage1_plans_the_condition_encodes_for_a_tpu(tmp_path, media):
+    """Stage 1's --plan with a keyframe compiles the VAE's encode of the image on v6e-8 (libtpu) beside Gemma and
+    the connectors; the normalisation after it reads the checkpoint's statistics, not the meta VAE's (a traceback
+    before 2026-11-28, as for image-to-video). One image keeps the compile short: a clip is the same program at
+    its frame count."""
+    import json
+
+    out = tmp_path / "plan.json"
+    argv = ["--model", "tiny-ltx2", "--prompt", PROMPT, "--num_frames", FRAMES, "--plan", "v6e-8"]
+    argv += ["--condition", media["last"], "--condition_index", -1, "--plan_json", out]
+    run_stage(stage1_text_encoder, [*argv, "--output_dir", tmp_path / "unused"])
+    report = json.loads(out.read_text())
+    encodes = {name: calls for name, calls in report["calls"].items() if name.startswith("AutoencoderKLLTX2Video")}
+    assert report["fits"] and "images" not in report
+    assert encodes == {"AutoencoderKLLTX2Video ([1, 3, 1, 64, 96])": 1}

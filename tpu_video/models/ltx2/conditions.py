@@ -25,6 +25,7 @@ from utils import Request
 from .config import latent_grid, schedule_sigmas, stock_pipeline, vae_ratios
 from .crf import check_h264_size
 from .declarations import CONDITION
+from .latents import latent_statistics
 
 CONDITION_LATENTS = "condition_latents_{}"  # (1, C, frames, H/32, W/32) per condition, normalised
 
@@ -96,8 +97,9 @@ def encode_conditions(source, request: Request, clips: list[list], runtime) -> d
     pixels, _, _, _ = pipe.preprocess_conditions(
         conditions, request.height, request.width, request.num_frames, device="cpu"
     )
-    # Read before the runtime places the VAE: placed (torchax) buffers cannot be used on the host.
-    mean, std = vae.latents_mean.clone(), vae.latents_std.clone()
+    # From the checkpoint, not the module: placed (torchax) buffers cannot be used on the host, and --plan's VAE is
+    # on the meta device.
+    mean, std = latent_statistics(source, "vae")
     encoder = DeviceVAEEncoder(vae, runtime)
     tensors = {}
     for number, clip in enumerate(pixels):

@@ -20,6 +20,7 @@ from .config import image_to_video, vae_ratios
 from .crf import check_h264_size, recompress
 from .declarations import CONDITION
 from .enhance import check_enhancement
+from .latents import latent_statistics
 
 IMAGE_LATENTS = "image_latents"  # (1, C, 1, H/32, W/32): the first frame's normalised VAE latents
 
@@ -56,8 +57,9 @@ def encode_inputs(source, request: Request, images: dict[str, Any], runtime) -> 
     processor = VideoProcessor(vae_scale_factor=vae_ratios(source)[0], resample="bilinear")
     image = recompress(images["image"], request.option("image_crf"))
     pixels = processor.preprocess(image, height=request.height, width=request.width).float()
-    # Read before the runtime places the VAE: placed (torchax) buffers cannot be used on the host.
-    mean, std = vae.latents_mean.clone(), vae.latents_std.clone()
+    # From the checkpoint, not the module: placed (torchax) buffers cannot be used on the host, and --plan's VAE is
+    # on the meta device.
+    mean, std = latent_statistics(source, "vae")
     posterior = DeviceVAEEncoder(vae, runtime).encode(pixels.unsqueeze(2)).latent_dist
     # The pipeline normalises without the VAE's scaling_factor (its de-normalisation uses it; 1.0 when published).
     latents = LTX2ImageToVideoPipeline._normalize_latents(posterior.mode(), mean, std)

@@ -37,6 +37,7 @@ from helpers import (
     relative_error,
     run_script,
     run_stage,
+    write_image,
 )
 from helpers import (
     ltx2_reference as reference,
@@ -297,19 +298,25 @@ class IntervalReference:
         return output
 
 
-@pytest.mark.parametrize("stg", [True, False], ids=["four-passes-scanned", "three-passes-unscanned"])
+@pytest.mark.parametrize("stg", [True, False], ids=["four-passes-scanned", "three-passes-unscanned-keyframe"])
 def test_interval_cache_equals_its_definition_on_both_streams(tmp_path, four_blocks, stg):
     """`--cache interval` on a 4-block LTX-2.3 on the default mesh: steps 2 and 3 of 6 run only the outer
     blocks and reuse the deep blocks' video and audio residuals; within 1e-5 of IntervalReference on the
     eager pipeline. With all four passes (dp 4) the two deep blocks run as one scan, the STG pass perturbing
-    the first of them; without STG (three passes) they run unscanned (`--scan_blocks off`)."""
-    from diffusers import LTX2Pipeline
+    the first of them; without STG (three passes) they run unscanned (`--scan_blocks off`), and the video has a
+    keyframe at its last latent frame (`--condition`: its tokens after the video's, in the residual too; against
+    LTX2ConditionPipeline with the same hooks)."""
+    from diffusers import LTX2ConditionPipeline, LTX2Pipeline
+    from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition
+    from PIL import Image
 
     folder = four_blocks
     out = tmp_path / "run"
     argv = ["--model", folder, "--prompt", PROMPT, "--negative_prompt", NEGATIVE, "--dtype", "fp32"]
     argv += ["--height", 64, "--width", 64, "--num_frames", 9, "--seed", SEED, "--num_inference_steps", 6]
-    run_stage(stage1_text_encoder, [*argv, "--output_dir", out])
+    keyframe = None if stg else write_image(tmp_path / "keyframe.png", 40, 52)
+    conditioned = [] if stg else ["--condition", keyframe, "--condition_index", -1, "--image_crf", 0]
+    run_stage(stage1_text_encoder, [*argv, *conditioned, "--output_dir", out])
     window = ["--cache_start_step", 1, "--cache_end_step", 5, "--cache_step_interval", 3]
     terms = ["--stg_blocks", "1"] if stg else ["--stg_scale", 0, "--audio_stg_scale", 0, "--scan_blocks", "off"]
     argv = ["--input_dir", out, "--executables", "off", *terms, "--cache", "interval", *window]
@@ -319,13 +326,17 @@ def test_interval_cache_equals_its_definition_on_both_streams(tmp_path, four_blo
     assert config["stage2"]["mesh"]["dp"] == (4 if stg else 1)
     assert config["stage2"]["scan_blocks"]["scanned"]["transformer"] == ([1, 3] if stg else None)
     tensors = read_tensors(out, config["stage2"])
-    arguments = {"spatio_temporal_guidance_blocks": [1]} if stg else OFF
-    pipe = LTX2Pipeline.from_pretrained(folder, dtype=torch.float32)
+    arguments = {"spatio_temporal_guidance_blocks": [1]} if stg else dict(OFF)
+    if not stg:
+        frames = Image.open(keyframe).convert("RGB")
+        arguments["conditions"] = [LTX2VideoCondition(frames=frames, index=-1, strength=1.0, crf=0)]
+    cls = LTX2Pipeline if stg else LTX2ConditionPipeline
+    pipe = cls.from_pretrained(folder, dtype=torch.float32)
     IntervalReference(pipe.transformer, full_steps={0, 1, 4, 5}, calls_per_step=3 if stg else 2)
     video, audio = reference(pipe, config, "latent", **arguments)
     assert relative_error(tensors["latents"], video) <= TOLERANCE
     assert relative_error(tensors["audio_latents"], audio) <= TOLERANCE
-    uncached = reference(LTX2Pipeline.from_pretrained(folder, dtype=torch.float32), config, "latent", **arguments)
+    uncached = reference(cls.from_pretrained(folder, dtype=torch.float32), config, "latent", **arguments)
     assert relative_error(video, uncached[0]) > 10 * TOLERANCE  # the cached steps change both streams
     assert relative_error(audio, uncached[1]) > 10 * TOLERANCE
 

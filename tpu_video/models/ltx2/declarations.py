@@ -137,10 +137,8 @@ OPTIONS = (
     Option(
         "enhance_prompt",
         "bool",
-        "rewrite the prompt with the model's prompt enhancer before encoding it, as the pipelines' "
-        "enable_prompt_enhancement (LTX-2.5: its own Gemma 4 enhancer; earlier releases: the text encoder; both in "
-        "PyTorch on --device, the CPU with --backend torchax; seeded with --seed; the text written is logged and "
-        "recorded)",
+        "rewrite the prompt with the model's prompt enhancer before encoding it (the pipelines' "
+        "enable_prompt_enhancement, in PyTorch on --device, seeded with --seed; the text is logged and recorded)",
         later=False,
         splits_batch=False,
     ),

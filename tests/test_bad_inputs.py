@@ -335,7 +335,7 @@ CASES = [
     s3("s3-backend-choice", "argparse", ["--backend", "jax"], "argument --backend: invalid choice: 'jax'"),
     s2("s2-stage1-flag", "argparse", ["--condition_strength", "0.5"], "--condition_strength is stage 1's"),
     s2("s2-stage1-flag-prefix", "argparse", ["--mode", "replace"], "--mode is stage 1's"),  # begins --model
-    s3("s3-stage1-flag", "argparse", ["--image", "IMAGE"], "--image is stage 1's (it changes what stage 1 encodes)"),
+    s3("s3-stage1-flag", "argparse", ["--image", "IMAGE"], "rerun stage1_text_encoder.py with it (its --help lists"),
     s2("s2-threshold-minus-1", "nonsense", ["--cache", "magcache", "--cache_threshold=-1"], "must be greater than 0"),
     s2(
         "s2-max-skip-minus-1", "nonsense", ["--cache", "magcache", "--cache_max_skip_steps", "-1"], "must be at least 1"
@@ -467,8 +467,12 @@ def test_bad_input_is_one_error_line_and_changes_nothing(request, capsys, denois
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and case.message in errors[0], errors
     assert err.splitlines()[-1] == errors[0], f"the error is not one line: {err[err.index(errors[0]) :]}"
-    if case.cause == "argparse":
-        assert errors[0].endswith(f"(see {STAGES[case.stage].__name__}.py --help)")
+    if case.cause == "argparse":  # it points at the --help that lists the flag: this stage's, or stage 1's
+        help_pointers = (
+            f"(see {STAGES[case.stage].__name__}.py --help)",
+            "stage1_text_encoder.py with it (its --help lists it)",
+        )
+        assert errors[0].endswith(help_pointers), errors[0]
     assert snapshot(tmp_path) == before
 
 

@@ -62,7 +62,8 @@ class StageArgumentParser(argparse.ArgumentParser):
     """argparse with the stages' error convention: a bad flag is one `error:` line (pointing at --help) and
     exit status 2, not a usage block whose last line starts with the program's name."""
 
-    # Flags another stage takes (`--condition_strength` given to stage 2): flag -> the sentence that says so.
+    # Flags another stage takes (`--condition_strength` given to stage 2): flag -> the sentence that says so and
+    # where to look.
     elsewhere: dict[str, str] = {}
 
     def error(self, message: str):
@@ -70,7 +71,9 @@ class StageArgumentParser(argparse.ArgumentParser):
         if message.startswith("ambiguous option: "):  # another stage's flag that begins one of ours (--mode)
             unknown = message.split()[2:3]
         owned = [self.elsewhere[flag.split("=")[0]] for flag in unknown if flag.split("=")[0] in self.elsewhere]
-        print(f"error: {owned[0] if owned else message} (see {self.prog} --help)", file=sys.stderr, flush=True)
+        # Another stage's flag: its sentence names that stage (this one's --help does not list the flag).
+        said = owned[0] if owned else f"{message} (see {self.prog} --help)"
+        print(f"error: {said}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 

@@ -42,7 +42,8 @@ def note_stage1_flags(parser) -> None:
     for family in models.FAMILIES.values():
         names += [media.name for media in family.MEDIA_INPUTS] + [o.name for o in family.OPTIONS if not o.later]
     parser.elsewhere = {
-        f"--{name}": f"--{name} is stage 1's (it changes what stage 1 encodes): rerun stage1_text_encoder.py with it"
+        f"--{name}": f"--{name} is stage 1's (it changes what stage 1 encodes): rerun stage1_text_encoder.py with it "
+        "(its --help lists it)"
         for name in names
     }
 

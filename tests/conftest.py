@@ -85,3 +85,18 @@ def four_layer_cogvideox(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cogvideox-4-layers")
     cogvideox.presets.tiny_pipeline("1.5", num_layers=4).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def four_block_ltx2(tmp_path_factory):
+    """tiny-ltx2.3's folder with a 4-block transformer (the interval cache needs 3 or more blocks)."""
+    import shutil
+
+    from tpu_video import models
+    from tpu_video.models.ltx2.presets import tiny_transformer
+
+    folder = tmp_path_factory.mktemp("ltx2.3-4-blocks") / "model"
+    shutil.copytree(models.materialize_preset("tiny-ltx2.3"), folder)
+    shutil.rmtree(folder / "transformer")
+    tiny_transformer(5, "2.3", num_layers=4).save_pretrained(folder / "transformer")
+    return folder

@@ -100,10 +100,10 @@ def upsample_plan(args) -> None:
     if len(folders) > 1:
         raise UserError("--upsample: give one --input_dir (the pass whose latents it upsamples)")
     given = {name: value for name, value in request_flags(args).items() if value is not None}
-    if folders and given or set(given) - {"height", "width", "num_frames"}:
-        extra = sorted(given if folders else set(given) - {"height", "width", "num_frames"})[0]
+    extra = sorted(set(given) - (set() if folders else {"height", "width", "num_frames"}))
+    if extra:
         raise UserError(
-            f"--upsample --plan: --{extra} does not apply; the step takes the first pass's size from --input_dir, "
+            f"--upsample --plan: --{extra[0]} does not apply; the step takes the first pass's size from --input_dir, "
             "or from --model with --height, --width and --num_frames"
         )
     folder = folders[0] if folders else flags.plan_folder(None, args.model)

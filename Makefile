@@ -13,6 +13,9 @@ DRAW_IMAGE := import numpy as np; from PIL import Image; y, x = np.mgrid[0:240, 
 # The quantization tests' reference (tests/test_quantize.py), kept off the import path: diffusers imports
 # any installed torchao at start-up.
 TORCHAO_VERSION := 0.18.0
+UV_VERSION := 0.13.9
+# Where this kind of machine keeps its local torch wheel (pip's find-links).
+WHEELS ?= /opt/wheels
 
 .PHONY: install demo test test-fast lint clean
 
@@ -20,15 +23,19 @@ TORCHAO_VERSION := 0.18.0
 $(BIN)/python:
 	@$(PYTHON) -c "import sys; v = sys.version_info[:2]; sys.exit(0 if (3, 11) <= v <= (3, 12) else 'error: $(PYTHON) is Python %d.%d; this project runs on 3.11 or 3.12 (make PYTHON=python3.11 ...)' % v)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q uv==$(UV_VERSION)
 
-# torch first and pinned, so pip takes the local CPU build instead of a CUDA one from the index.
-# `plan` adds libtpu (~700 MB): the TPU compiler that --plan and its tests use on this CPU host; `crf`
-# adds PyAV for LTX-2 image-to-video (GPL x264 inside its wheels: an opt-in extra elsewhere).
+# uv installs into the venv what pip would, in about 40 s instead of 75 s from an empty cache (2026-11-28,
+# docs/performance.md); --compile-bytecode as pip does, since every test subprocess imports these packages.
+# torch first and pinned, from the local CPU wheel in $(WHEELS) (uv reads no pip.conf), so that nothing
+# takes a CUDA build from the index. `plan` adds libtpu (~700 MB): the TPU compiler that --plan and its
+# tests use on this CPU host; `crf` adds PyAV for LTX-2 image-to-video (GPL x264 inside its wheels: an
+# opt-in extra elsewhere).
+UV_INSTALL = $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[cpu,plan,crf,dev]"
-	$(BIN)/pip install -q --no-deps --target $(VENV)/torchao-reference torchao==$(TORCHAO_VERSION)
+	$(UV_INSTALL) $(if $(wildcard $(WHEELS)),--find-links $(WHEELS)) torch==2.13.0
+	$(UV_INSTALL) -e ".[cpu,plan,crf,dev]"
+	$(UV_INSTALL) --no-deps --target $(VENV)/torchao-reference torchao==$(TORCHAO_VERSION)
 	touch $@
 
 install: $(VENV)/.installed

@@ -42,11 +42,13 @@ def test_stage1_and_stage3_torch_backend_never_import_jax(jax_blocked, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "9 frames x 32 x 48" in result.stdout
 
-    # Asking for the JAX backend on such a host is one error line, not a traceback.
+    # Asking for the JAX backend on such a host is one error line, not a traceback, before any model or
+    # folder is read: the stage logged no line after its first ("loading torch and diffusers").
     for script, argv in (("stage1_text_encoder.py", stage1), ("stage3_vae_decoder.py", ["--input_dir", out])):
         result = run_script(script, [*argv, "--backend", "torchax"], extra_pythonpath=jax_blocked)
         assert result.returncode == 2, result.stderr[-3000:]
         assert result.stderr.strip().splitlines()[-1].startswith("error: --backend torchax needs JAX and torchax")
+        assert len(result.stdout.strip().splitlines()) == 1, result.stdout
 
 
 @pytest.mark.slow

@@ -17,9 +17,12 @@ STAGE3_BACKENDS = ("auto", *BACKENDS)
 
 
 def check_backend_flags(backend: str, device: str | None, executables: str = "auto") -> None:
-    """Refuse `--backend`/`--device`/`--executables` combinations up front, before any file is read."""
+    """Refuse `--backend`/`--device`/`--executables` combinations up front, before any file is read, and
+    `--backend torchax` on a host without JAX before the models' libraries load (seconds, not a traceback)."""
     if backend not in STAGE3_BACKENDS:
         raise UserError(f"--backend {backend!r} is not one of {', '.join(STAGE3_BACKENDS)}")
+    if backend == "torchax":
+        torchax_runtime_module()
     if backend == "torchax" and device is not None:  # it would be silently ignored: every JAX device is used
         raise UserError(f"--device applies to --backend torch; --backend {backend} uses every JAX device")
     if backend == "torch" and executables not in ("auto", "off"):  # a folder named for nothing to save or load
@@ -96,6 +99,13 @@ def open_runtime(
         from tpu_video.runtime.interface import TorchRuntime
 
         return TorchRuntime(device or "cpu")
+    runtime_module = torchax_runtime_module()
+    return runtime_module.TorchaxRuntime.on_all_devices(axis, compile_cache=compile_cache, executables=executables)
+
+
+def torchax_runtime_module():
+    """tpu_video.runtime.torchax_runtime (imports JAX and torchax); a host without them gets one error line
+    naming the install."""
     try:
         from tpu_video.runtime import torchax_runtime
     except ImportError as err:
@@ -103,4 +113,4 @@ def open_runtime(
             f"--backend torchax needs JAX and torchax ({err}); install them with "
             "pip install -e '.[tpu]' (or .[gpu], .[cpu]), or use --backend torch"
         ) from None
-    return torchax_runtime.TorchaxRuntime.on_all_devices(axis, compile_cache=compile_cache, executables=executables)
+    return torchax_runtime

@@ -1,6 +1,7 @@
 """Test setup: 8 virtual CPU devices and unoptimised CPU code generation (set before JAX is imported), one
-private cache per run shared by the xdist workers, library loggers bound before any test captures stderr,
-the slow tests scheduled first, and the fixtures several test modules share."""
+torch thread per process, one private cache per run shared by the xdist workers, library loggers bound
+before any test captures stderr, the slow tests scheduled first, and the fixtures several test modules
+share."""
 
 import os
 import sys
@@ -14,6 +15,11 @@ from pathlib import Path
 CPU_CODEGEN = " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + CPU_CODEGEN + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One OpenMP thread per process for torch: the xdist workers already keep every core busy, and OpenMP's
+# threads spin while they wait for a core another worker holds. tests/test_ltx2.py with
+# tests/test_wan_animate.py under `-n 2` took 115-124 s instead of 151-168 s (2026-11-28,
+# docs/performance.md). Set before torch is imported; subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

@@ -25,12 +25,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q uv==$(UV_VERSION)
 
-# uv installs into the venv what pip would, in about 40 s instead of 75 s from an empty cache (2026-11-28,
-# docs/performance.md); --compile-bytecode as pip does, since every test subprocess imports these packages.
-# torch first and pinned, from the local CPU wheel in $(WHEELS) (uv reads no pip.conf), so that nothing
-# takes a CUDA build from the index. `plan` adds libtpu (~700 MB): the TPU compiler that --plan and its
-# tests use on this CPU host; `crf` adds PyAV for LTX-2 image-to-video (GPL x264 inside its wheels: an
-# opt-in extra elsewhere).
+# uv installs into the venv what pip would: `make install` took 45 s instead of 87 s from an empty cache
+# (2026-11-28, docs/performance.md); --compile-bytecode as pip does, since every test subprocess imports
+# these packages. torch first and pinned, from the local CPU wheel in $(WHEELS) (uv reads no pip.conf),
+# so that nothing takes a CUDA build from the index. `plan` adds libtpu (~700 MB): the TPU compiler that
+# --plan and its tests use on this CPU host; `crf` adds PyAV for LTX-2 image-to-video (GPL x264 inside its
+# wheels: an opt-in extra elsewhere).
 UV_INSTALL = $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(UV_INSTALL) $(if $(wildcard $(WHEELS)),--find-links $(WHEELS)) torch==2.13.0

@@ -21,14 +21,14 @@ def check_backend_flags(backend: str, device: str | None, executables: str = "au
     `--backend torchax` on a host without JAX before the models' libraries load (seconds, not a traceback)."""
     if backend not in STAGE3_BACKENDS:
         raise UserError(f"--backend {backend!r} is not one of {', '.join(STAGE3_BACKENDS)}")
-    if backend == "torchax":
-        torchax_runtime_module()
     if backend == "torchax" and device is not None:  # it would be silently ignored: every JAX device is used
         raise UserError(f"--device applies to --backend torch; --backend {backend} uses every JAX device")
     if backend == "torch" and executables not in ("auto", "off"):  # a folder named for nothing to save or load
         raise UserError(f"--executables {executables} holds torchax programs; --backend torch compiles none")
     if device is not None:
         check_torch_device(device)
+    if backend == "torchax":
+        torchax_runtime_module()
 
 
 def check_torch_device(name: str) -> None:

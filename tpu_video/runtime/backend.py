@@ -99,8 +99,9 @@ def open_runtime(
         from tpu_video.runtime.interface import TorchRuntime
 
         return TorchRuntime(device or "cpu")
-    runtime_module = torchax_runtime_module()
-    return runtime_module.TorchaxRuntime.on_all_devices(axis, compile_cache=compile_cache, executables=executables)
+    from tpu_video.runtime import torchax_runtime  # importable: check_backend_flags asked torchax_runtime_module
+
+    return torchax_runtime.TorchaxRuntime.on_all_devices(axis, compile_cache=compile_cache, executables=executables)
 
 
 def torchax_runtime_module():
